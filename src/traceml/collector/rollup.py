@@ -1,0 +1,182 @@
+"""Rollup: each step across ranks (median and worst), and the statistics of a window of steps.
+
+Everything a view or a diagnosis rule needs about step time is computed here once: the rules
+and the summary read the same Window, so the card and the verdict can never disagree.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import msgspec
+
+from traceml.records import ALL_PHASES, STEP_PHASES, StepRecord
+
+MAX_WARMUP_STEPS = 5
+
+
+class RolledStep(msgspec.Struct):
+    """One step across all ranks that reported it: per-phase medians, and the slowest rank."""
+
+    step: int
+    ranks: int
+    start_unix_s: float
+    step_ms: float
+    worst_rank: int
+    worst_step_ms: float
+    input_wait_ms: float
+    outside_ms: float
+    h2d_ms: float
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    untraced_ms: float
+    gc_ms: float
+    samples: int  # summed over ranks: the global batch
+    device_timed: bool
+    gpu_idle_ms: Optional[float]
+    device_allocated_bytes: Optional[int]  # the largest rank's
+    device_peak_bytes: Optional[int]
+    device_reserved_bytes: Optional[int]
+    host_rss_bytes: Optional[int]
+
+
+class PhaseStats(msgspec.Struct):
+    median_ms: float
+    mean_ms: float
+    share: float  # of the window's total step time
+
+
+def roll_up(records: Iterable[StepRecord]) -> List[RolledStep]:
+    """Group records by step (any order) into RolledSteps, in step order."""
+    by_step: Dict[int, List[StepRecord]] = {}
+    for record in records:
+        by_step.setdefault(record.step, []).append(record)
+    return [_roll_step(step, by_step[step]) for step in sorted(by_step)]
+
+
+def _roll_step(step: int, ranks: List[StepRecord]) -> RolledStep:
+    if len(ranks) == 1:
+        only = ranks[0]
+        median = lambda name: getattr(only, name)  # noqa: E731 - one rank: its own figures
+    else:
+        median = lambda name: statistics.median(getattr(r, name) for r in ranks)  # noqa: E731
+    worst = max(ranks, key=lambda r: r.step_ms)
+    return RolledStep(
+        step=step,
+        ranks=len(ranks),
+        start_unix_s=min(r.start_unix_s for r in ranks),
+        step_ms=median("step_ms"),
+        worst_rank=worst.rank,
+        worst_step_ms=worst.step_ms,
+        input_wait_ms=median("input_wait_ms"),
+        outside_ms=median("outside_ms"),
+        h2d_ms=median("h2d_ms"),
+        forward_ms=median("forward_ms"),
+        backward_ms=median("backward_ms"),
+        optimizer_ms=median("optimizer_ms"),
+        untraced_ms=median("untraced_ms"),
+        gc_ms=median("gc_ms"),
+        samples=sum(r.samples for r in ranks),
+        device_timed=any(r.device_timed for r in ranks),
+        gpu_idle_ms=_median_present(r.gpu_idle_ms for r in ranks),
+        device_allocated_bytes=_max_present(r.device_allocated_bytes for r in ranks),
+        device_peak_bytes=_max_present(r.device_peak_bytes for r in ranks),
+        device_reserved_bytes=_max_present(r.device_reserved_bytes for r in ranks),
+        host_rss_bytes=_max_present(r.host_rss_bytes for r in ranks),
+    )
+
+
+def warmup_steps(step_count: int) -> int:
+    """Steps left out at the start: allocator, autotuning and worker start-up are not the run."""
+    return min(MAX_WARMUP_STEPS, step_count // 10)
+
+
+class Window:
+    """A run of rolled-up steps and their statistics, computed once for every reader."""
+
+    def __init__(self, steps: Sequence[RolledStep]):
+        self.steps = steps
+        self.step_times_ms = sorted(s.step_ms for s in steps)
+        self.total_ms = sum(self.step_times_ms)
+        self.phases: Dict[str, PhaseStats] = {name: self._phase(name) for name in ALL_PHASES}
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def _phase(self, name: str) -> PhaseStats:
+        values = [getattr(s, f"{name}_ms") for s in self.steps]
+        if not values:
+            return PhaseStats(0.0, 0.0, 0.0)
+        total = sum(values)
+        return PhaseStats(median_ms=statistics.median(values), mean_ms=total / len(values),
+                          share=total / self.total_ms if self.total_ms > 0 else 0.0)
+
+    @property
+    def step_median_ms(self) -> float:
+        return statistics.median(self.step_times_ms) if self.step_times_ms else 0.0
+
+    @property
+    def step_mean_ms(self) -> float:
+        return self.total_ms / len(self.step_times_ms) if self.step_times_ms else 0.0
+
+    @property
+    def step_p90_ms(self) -> float:
+        return percentile(self.step_times_ms, 0.90)
+
+    def share(self, *names: str) -> float:
+        return sum(self.phases[name].share for name in names)
+
+    def mean_ms(self, *names: str) -> float:
+        return sum(self.phases[name].mean_ms for name in names)
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile of already sorted values."""
+    if not sorted_values:
+        return 0.0
+    position = (len(sorted_values) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def rank_medians(records: Iterable[StepRecord], skip_steps: int) -> List[dict]:
+    """Each rank's own median step and phase times, warm-up left out."""
+    by_rank: Dict[int, List[StepRecord]] = {}
+    for record in records:
+        if record.step >= skip_steps:
+            by_rank.setdefault(record.rank, []).append(record)
+    rows = []
+    for rank in sorted(by_rank):
+        mine = by_rank[rank]
+        row = {"rank": rank, "steps": len(mine),
+               "step_median_ms": statistics.median(r.step_ms for r in mine)}
+        for name in STEP_PHASES + ("gc",):
+            row[f"{name}_median_ms"] = statistics.median(getattr(r, f"{name}_ms") for r in mine)
+        rows.append(row)
+    return rows
+
+
+def robust_slope(xs: Sequence[float], ys: Sequence[float], max_points: int = 200) -> float:
+    """Theil-Sen slope (median of pairwise slopes) on at most max_points evenly spaced points.
+
+    Robust to the one-off jumps of a caching allocator, unlike a least-squares fit.
+    """
+    if len(xs) < 2:
+        return 0.0
+    stride = max(1, len(xs) // max_points)
+    px, py = xs[::stride], ys[::stride]
+    slopes = [(py[j] - py[i]) / (px[j] - px[i])
+              for i in range(len(px)) for j in range(i + 1, len(px)) if px[j] != px[i]]
+    return statistics.median(slopes) if slopes else 0.0
+
+
+def _median_present(values: Iterable[Optional[float]]) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _max_present(values: Iterable[Optional[int]]) -> Optional[int]:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None

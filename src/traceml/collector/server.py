@@ -1,0 +1,148 @@
+"""The collector: accepts rank connections over TCP, ingests their frames into the store.
+
+One asyncio loop on a background thread owns the sockets and the store's writes. A bad frame
+(wrong magic or version, too large, undecodable) closes that connection only.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, Callable, List, Optional, Set
+
+from traceml.collector.store import Store
+from traceml.records import HEADER_BYTES, FrameError, RankHello, decode_payload, parse_header
+
+log = logging.getLogger("traceml")
+COMMIT_INTERVAL_S = 0.5
+
+
+class Collector:
+    """Receives every rank's records for one run and keeps them in the store."""
+
+    def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0):
+        self.store = store
+        self.host = host
+        self.port = port
+        self.training_pids: Set[int] = set()
+        self.connections_seen = 0
+        self.connections_open = 0
+        self.frames_rejected = 0
+        self._changed = threading.Condition()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._server: Optional[asyncio.base_events.Server] = None
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> str:
+        """Bind and serve on a background thread; raises OSError when the port cannot be bound."""
+        started = threading.Event()
+        failure: List[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                self._server = loop.run_until_complete(
+                    asyncio.start_server(self._serve, self.host, self.port))
+                self.port = self._server.sockets[0].getsockname()[1]
+                loop.create_task(self._commit_periodically())
+            except BaseException as exc:
+                failure.append(exc)
+                started.set()
+                loop.close()
+                return
+            started.set()
+            try:
+                loop.run_forever()
+            finally:
+                pending = asyncio.all_tasks(loop)
+                for task in pending:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name="traceml-collector", daemon=True)
+        self._thread.start()
+        started.wait()
+        if failure:
+            raise failure[0]
+        return self.address
+
+    def ingest(self, records: List[Any]) -> None:
+        """Add records produced outside the sockets (the system sampler); the store locks."""
+        self.store.write(records)
+
+    def wait_for_ranks(self, timeout_s: float, until: Optional[Callable[[], bool]] = None) -> bool:
+        """Block until every rank that connected has gone (or `until()` says stop); True if so."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                if self.connections_seen and not self.connections_open:
+                    return True
+                if until is not None and until():
+                    return False
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._changed.wait(min(remaining, 0.2))
+
+    def stop(self) -> None:
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            async def shutdown() -> None:
+                if self._server is not None:
+                    self._server.close()
+                loop.stop()
+
+            asyncio.run_coroutine_threadsafe(shutdown(), loop)
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+        self.store.commit()
+
+    # -- on the loop ------------------------------------------------------------------------
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._count_connection(+1)
+        peer = writer.get_extra_info("peername")
+        try:
+            while True:
+                try:
+                    header = await reader.readexactly(HEADER_BYTES)
+                except asyncio.IncompleteReadError:
+                    return  # a clean goodbye, or a rank that died: either way its data is kept
+                payload = await reader.readexactly(parse_header(header))
+                records = decode_payload(payload)
+                for record in records:
+                    if type(record) is RankHello:
+                        self.training_pids.add(record.pid)
+                try:
+                    self.store.write(records)
+                except Exception as exc:  # a full disk loses these records, not the run
+                    log.warning("traceml: could not store %d records: %s", len(records), exc)
+        except (FrameError, asyncio.IncompleteReadError) as exc:
+            self.frames_rejected += 1
+            log.warning("traceml: closed connection from %s: %s", peer, exc)
+        except (ConnectionError, OSError) as exc:
+            log.debug("traceml: connection from %s ended: %s", peer, exc)
+        finally:
+            writer.close()
+            self._count_connection(-1)
+
+    def _count_connection(self, delta: int) -> None:
+        with self._changed:
+            self.connections_open += delta
+            if delta > 0:
+                self.connections_seen += 1
+            self._changed.notify_all()
+
+    async def _commit_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(COMMIT_INTERVAL_S)
+            try:
+                self.store.commit()
+            except Exception:
+                log.warning("traceml: could not commit telemetry", exc_info=True)

@@ -1,0 +1,139 @@
+"""The run's store: every record in one SQLite file (WAL), the single source every view reads."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from typing import Any, Dict, Iterable, List
+
+import msgspec
+
+from traceml.records import Finding, GpuSample, RankEnd, RankHello, StepRecord, SystemSample
+
+STEP_COLUMNS = msgspec.structs.fields(StepRecord)
+_STEP_NAMES = [field.name for field in STEP_COLUMNS]
+_SYSTEM_NAMES = [field.name for field in msgspec.structs.fields(SystemSample) if field.name != "gpus"]
+
+
+def _sql_type(field: Any) -> str:
+    kind = field.type
+    text = str(kind)
+    if kind is float or "float" in text:
+        return "REAL"
+    if kind is bool or kind is int or "int" in text:
+        return "INTEGER"
+    return "TEXT"
+
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS steps ({", ".join(f"{f.name} {_sql_type(f)}" for f in STEP_COLUMNS)},
+                                  PRIMARY KEY (rank, step)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS system ({", ".join(_SYSTEM_NAMES)}, gpus TEXT);
+CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, hello TEXT, end_record TEXT);
+CREATE TABLE IF NOT EXISTS findings (kind TEXT, severity TEXT, rank INTEGER, finding TEXT);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+"""
+
+
+class Store:
+    """A thread-safe wrapper around one SQLite connection; ":memory:" when no file can be written."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        if path != ":memory:":
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self._db.execute("BEGIN")
+        self._step_insert = (f"INSERT OR REPLACE INTO steps ({', '.join(_STEP_NAMES)}) "
+                             f"VALUES ({', '.join('?' * len(_STEP_NAMES))})")
+        self._system_insert = (f"INSERT INTO system ({', '.join(_SYSTEM_NAMES)}, gpus) "
+                               f"VALUES ({', '.join('?' * (len(_SYSTEM_NAMES) + 1))})")
+
+    # -- writing ----------------------------------------------------------------------------
+    def write(self, records: Iterable[Any]) -> None:
+        steps, samples = [], []
+        with self._lock:
+            for record in records:
+                if type(record) is StepRecord:
+                    steps.append(msgspec.structs.astuple(record))
+                elif type(record) is SystemSample:
+                    values = [getattr(record, name) for name in _SYSTEM_NAMES]
+                    values.append(msgspec.json.encode(record.gpus).decode())
+                    samples.append(values)
+                elif type(record) is RankHello:
+                    self._db.execute(
+                        "INSERT INTO ranks (rank, hello) VALUES (?, ?) "
+                        "ON CONFLICT(rank) DO UPDATE SET hello = excluded.hello",
+                        (record.rank, msgspec.json.encode(record).decode()))
+                elif type(record) is RankEnd:
+                    self._db.execute(
+                        "INSERT INTO ranks (rank, end_record) VALUES (?, ?) "
+                        "ON CONFLICT(rank) DO UPDATE SET end_record = excluded.end_record",
+                        (record.rank, msgspec.json.encode(record).decode()))
+            if steps:
+                self._db.executemany(self._step_insert, steps)
+            if samples:
+                self._db.executemany(self._system_insert, samples)
+
+    def write_findings(self, findings: List[Finding]) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM findings")
+            self._db.executemany(
+                "INSERT INTO findings VALUES (?, ?, ?, ?)",
+                [(f.kind, f.severity, f.rank, msgspec.json.encode(f).decode()) for f in findings])
+
+    def set_meta(self, values: Dict[str, Any]) -> None:
+        with self._lock:
+            self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                                 [(key, json.dumps(value)) for key, value in values.items()])
+
+    def commit(self) -> None:
+        with self._lock:
+            self._db.execute("COMMIT")
+            self._db.execute("BEGIN")
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._db.execute("COMMIT")
+            finally:
+                self._db.close()
+
+    # -- reading ----------------------------------------------------------------------------
+    def steps(self) -> List[StepRecord]:
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {', '.join(_STEP_NAMES)} FROM steps ORDER BY step, rank").fetchall()
+        return [StepRecord(*row) for row in rows]
+
+    def hellos(self) -> List[RankHello]:
+        return [msgspec.json.decode(text, type=RankHello) for text in self._column("hello")]
+
+    def ends(self) -> List[RankEnd]:
+        return [msgspec.json.decode(text, type=RankEnd) for text in self._column("end_record")]
+
+    def _column(self, name: str) -> List[str]:
+        with self._lock:
+            rows = self._db.execute(f"SELECT {name} FROM ranks WHERE {name} IS NOT NULL ORDER BY rank")
+            return [row[0] for row in rows.fetchall()]
+
+    def system_samples(self) -> List[SystemSample]:
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {', '.join(_SYSTEM_NAMES)}, gpus FROM system ORDER BY unix_s").fetchall()
+        return [SystemSample(*row[:-1], gpus=msgspec.json.decode(row[-1], type=List[GpuSample]))
+                for row in rows]
+
+    def findings(self) -> List[Finding]:
+        with self._lock:
+            rows = self._db.execute("SELECT finding FROM findings ORDER BY rowid").fetchall()
+        return [msgspec.json.decode(row[0], type=Finding) for row in rows]
+
+    def meta(self) -> Dict[str, Any]:
+        with self._lock:
+            rows = self._db.execute("SELECT key, value FROM meta").fetchall()
+        return {key: json.loads(value) for key, value in rows}
+

@@ -1,0 +1,132 @@
+"""The node sampler: CPU, RAM and, through NVML when a GPU is present, GPU utilization and memory."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+from traceml.records import GpuSample, SystemSample
+
+log = logging.getLogger("traceml")
+
+
+class SystemSampler:
+    """Samples the node every interval_s on its own thread and hands each sample to `emit`.
+
+    The training processes are the pids given by `training_pids()` plus their children
+    (DataLoader workers), so their CPU and RSS are the training's own, not the whole machine's.
+    """
+
+    def __init__(self, emit: Callable[[List[Any]], None], training_pids: Callable[[], Iterable[int]],
+                 interval_s: float = 1.0):
+        import psutil
+
+        self._psutil = psutil
+        self._emit = emit
+        self._training_pids = training_pids
+        self.interval_s = interval_s
+        self._processes: Dict[int, Any] = {}
+        self._nvml_handles: Optional[List[Any]] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="traceml-system", daemon=True)
+
+    def start(self) -> None:
+        psutil = self._psutil
+        psutil.cpu_percent(None)  # the first reading only starts the interval
+        self._nvml_handles = _open_nvml()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop sampling, with one last sample so a run shorter than interval_s still has one."""
+        self._stop.set()
+        self._thread.join(timeout=2)
+        try:
+            self._emit([self.sample()])
+        except Exception:
+            log.debug("traceml: last system sample failed", exc_info=True)
+        if self._nvml_handles:
+            try:
+                import pynvml
+
+                pynvml.nvmlShutdown()
+            except Exception:
+                pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._emit([self.sample()])
+            except Exception:
+                log.debug("traceml: system sample failed", exc_info=True)
+
+    def sample(self) -> SystemSample:
+        psutil = self._psutil
+        memory = psutil.virtual_memory()
+        cpu, rss = self._training_usage()
+        return SystemSample(
+            unix_s=time.time(),
+            cpu_percent=float(psutil.cpu_percent(None)),
+            ram_used_bytes=int(memory.total - memory.available),
+            ram_total_bytes=int(memory.total),
+            training_cpu_percent=cpu,
+            training_rss_bytes=rss,
+            gpus=_read_gpus(self._nvml_handles or []),
+        )
+
+    def _training_usage(self) -> tuple:
+        psutil = self._psutil
+        alive: Dict[int, Any] = {}
+        for pid in list(self._training_pids()):
+            try:
+                root = self._processes.get(pid) or psutil.Process(pid)
+                alive[pid] = root
+                for child in root.children(recursive=True):
+                    alive[child.pid] = self._processes.get(child.pid) or child
+            except psutil.Error:
+                continue
+        self._processes = alive
+        cpu = 0.0
+        rss = 0
+        for process in alive.values():
+            try:
+                # The first call on a new Process returns 0.0 and starts its interval.
+                cpu += process.cpu_percent(None)
+                rss += process.memory_info().rss
+            except psutil.Error:
+                continue
+        return cpu, rss
+
+
+def _open_nvml() -> Optional[List[Any]]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    except Exception:  # no driver, no GPU, no library: the GPU fields stay absent
+        return None
+
+
+def _read_gpus(handles: List[Any]) -> List[GpuSample]:
+    if not handles:
+        return []
+    import pynvml
+
+    samples = []
+    for index, handle in enumerate(handles):
+        try:
+            utilization = pynvml.nvmlDeviceGetUtilizationRates(handle)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        except Exception:
+            continue
+        temperature = power = None
+        try:
+            temperature = float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
+            power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
+        except Exception:
+            pass
+        samples.append(GpuSample(index=index, utilization_percent=float(utilization.gpu),
+                                 memory_used_bytes=int(memory.used), memory_total_bytes=int(memory.total),
+                                 temperature_c=temperature, power_w=power))
+    return samples

@@ -1,0 +1,115 @@
+"""Rules on where step time goes: input, host-to-device copies, untraced work, compute."""
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+from traceml.collector.rollup import Window
+from traceml.records import COMPUTE_PHASES, Finding
+
+MIN_STEPS = 10
+WAIT_WARN_SHARE = 0.10  # input wait or H2D at this share of step time: warn
+WAIT_CRIT_SHARE = 0.20  # ... and at this share: crit
+UNTRACED_WARN_SHARE = 0.30
+UNTRACED_CRIT_SHARE = 0.50
+COMPUTE_SHARE = 0.50  # forward + backward + optimizer at or above this share: compute-bound
+
+
+def _severity(share: float, warn: float, crit: float) -> Optional[str]:
+    if share >= crit:
+        return "crit"
+    if share >= warn:
+        return "warn"
+    return None
+
+
+def _evidence(window: Window, share: float, phase_ms: float, **extra: object) -> dict:
+    evidence = {"share": round(share, 4), "phase_mean_ms": round(phase_ms, 3),
+                "step_mean_ms": round(window.step_mean_ms, 3), "steps": len(window)}
+    evidence.update(extra)
+    return evidence
+
+
+def _of_step(what: str, share: float, phase_ms: float, window: Window) -> str:
+    return f"{what} is {share:.0%} of the step: {phase_ms:.1f} ms of {window.step_mean_ms:.1f} ms"
+
+
+def insufficient_data(steps_seen: int) -> Finding:
+    return Finding(
+        kind="INSUFFICIENT_DATA", severity="info",
+        summary=f"only {steps_seen} steps recorded; at least {MIN_STEPS} are needed for a verdict",
+        action="Run longer (or trace more steps) before reading the breakdown as a diagnosis.",
+        evidence={"steps": steps_seen, "min_steps": MIN_STEPS})
+
+
+def input_bound(window: Window) -> Optional[Finding]:
+    share, wait_ms = window.share("input_wait"), window.mean_ms("input_wait")
+    severity = _severity(share, WAIT_WARN_SHARE, WAIT_CRIT_SHARE)
+    if severity is None:
+        return None
+    return Finding(
+        kind="INPUT_BOUND", severity=severity,
+        summary=_of_step("input wait", share, wait_ms, window),
+        action=("The model waits for the DataLoader. Raise num_workers, set pin_memory=True and "
+                "persistent_workers=True, and move heavy per-sample work (decoding, tokenizing, "
+                "augmenting) out of __getitem__ or cache its result."),
+        evidence=_evidence(window, share, wait_ms))
+
+
+def h2d_bound(window: Window) -> Optional[Finding]:
+    share, copy_ms = window.share("h2d"), window.mean_ms("h2d")
+    severity = _severity(share, WAIT_WARN_SHARE, WAIT_CRIT_SHARE)
+    if severity is None:
+        return None
+    return Finding(
+        kind="H2D_BOUND", severity=severity,
+        summary=_of_step("host-to-device copying", share, copy_ms, window),
+        action=("Pin host memory (DataLoader pin_memory=True) and copy with "
+                ".to(device, non_blocking=True); send compact dtypes (uint8, bf16) and convert "
+                "on the device; keep tensors that do not change on the device across steps."),
+        evidence=_evidence(window, share, copy_ms))
+
+
+def untraced_work(window: Window) -> Optional[Finding]:
+    outside_share, untraced_share = window.share("outside"), window.share("untraced")
+    share = outside_share + untraced_share
+    severity = _severity(share, UNTRACED_WARN_SHARE, UNTRACED_CRIT_SHARE)
+    if severity is None:
+        return None
+    work_ms = window.mean_ms("outside", "untraced")
+    if outside_share >= untraced_share:
+        where = (f"{outside_share:.0%} is between steps (outside the trace_step block)")
+        action = ("Look at the code between steps: log and compute metrics every N steps, not "
+                  "every step; avoid .item()/.cpu() syncs; run evaluation and checkpoints less "
+                  "often or asynchronously.")
+    else:
+        where = (f"{untraced_share:.0%} is inside the step but outside forward, backward and "
+                 "the optimizer")
+        action = ("Look at the code inside the step around the model call: a loss or metric "
+                  "computed outside the model, gradient clipping, manual all-reduces or .item() "
+                  "syncs. Pass the model to trace_step(model) so its forward is timed.")
+    return Finding(
+        kind="UNTRACED_WORK", severity=severity,
+        summary=(f"{_of_step('work outside forward, backward and optimizer', share, work_ms, window)}"
+                 f"; {where}"),
+        action=action,
+        evidence=_evidence(window, share, work_ms, outside_share=round(outside_share, 4),
+                           untraced_share=round(untraced_share, 4)))
+
+
+def compute_bound(window: Window) -> Optional[Finding]:
+    share, compute_ms = window.share(*COMPUTE_PHASES), window.mean_ms(*COMPUTE_PHASES)
+    if share < COMPUTE_SHARE:
+        return None
+    parts = ", ".join(f"{name} {window.phases[name].share:.0%}" for name in COMPUTE_PHASES)
+    return Finding(
+        kind="COMPUTE_BOUND", severity="info",
+        summary=f"{_of_step('model compute', share, compute_ms, window)} ({parts})",
+        action=("The model's own compute dominates, as it should. To go faster: mixed precision "
+                "(torch.autocast with bf16), torch.compile, a fused optimizer (fused=True), or a "
+                "larger batch while memory allows."),
+        evidence=_evidence(window, share, compute_ms, **{
+            f"{name}_share": round(window.phases[name].share, 4) for name in COMPUTE_PHASES}))
+
+
+RULES: List[Callable[[Window], Optional[Finding]]] = [input_bound, h2d_bound, untraced_work,
+                                                      compute_bound]

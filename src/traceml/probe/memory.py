@@ -1,0 +1,55 @@
+"""Memory readings for step records: device allocator figures per step, host RSS rate-limited."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional, Tuple
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class DeviceMemory:
+    """The CUDA caching allocator's counters for one device: host-side reads, never a sync."""
+
+    def __init__(self, torch: Any, device: Any):
+        self._cuda = torch.cuda
+        self._device = device
+        self.capacity_bytes: int = int(torch.cuda.get_device_properties(device).total_memory)
+
+    def reset_peak(self) -> None:
+        self._cuda.reset_peak_memory_stats(self._device)
+
+    def read(self) -> Tuple[int, int, int]:
+        """(allocated now, peak since the last reset, reserved) in bytes."""
+        cuda, device = self._cuda, self._device
+        return (int(cuda.memory_allocated(device)), int(cuda.max_memory_allocated(device)),
+                int(cuda.memory_reserved(device)))
+
+
+class HostRss:
+    """Resident set size of this process, refreshed off the hot path at most every interval_s."""
+
+    def __init__(self, interval_s: float = 0.5):
+        self.interval_s = interval_s
+        self.latest_bytes: Optional[int] = None
+        self._read_at = 0.0
+        self._statm = "/proc/self/statm" if os.path.exists("/proc/self/statm") else None
+
+    def refresh(self) -> None:
+        now = time.monotonic()
+        if now - self._read_at < self.interval_s:
+            return
+        self._read_at = now
+        self.latest_bytes = read_rss_bytes(self._statm)
+
+
+def read_rss_bytes(statm_path: Optional[str] = "/proc/self/statm") -> Optional[int]:
+    try:
+        if statm_path:
+            with open(statm_path, "rb") as statm:
+                return int(statm.read().split()[1]) * _PAGE_BYTES
+        import psutil  # other platforms: slower, still off the hot path
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:
+        return None

@@ -1,0 +1,162 @@
+"""The patches and hooks that report phases to the probe: DataLoader, H2D copies, model forward,
+backward, optimizer step, and the garbage collector. Each is installed once per process."""
+from __future__ import annotations
+
+import gc
+import sys
+from typing import Any
+
+from traceml.probe.step import BACKWARD, FORWARD, H2D, OPTIMIZER, StepProbe, _now_ns
+
+_installed = False
+
+
+def install_patches(probe: StepProbe) -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    _patch_dataloader(probe)
+    _patch_h2d(probe)
+    _patch_backward(probe)
+    _hook_optimizers(probe)
+    gc.callbacks.append(probe.gc_callback)
+    _watch_exit_code(probe)
+
+
+def _patch_dataloader(probe: StepProbe) -> None:
+    from torch.utils.data import dataloader
+
+    iterator_class = dataloader._BaseDataLoaderIter
+    original_next = iterator_class.__next__
+
+    def __next__(self: Any) -> Any:
+        start_ns = _now_ns()
+        try:
+            return original_next(self)
+        finally:
+            probe.add_input_wait(_now_ns() - start_ns)
+
+    __next__.__wrapped__ = original_next  # type: ignore[attr-defined]
+    iterator_class.__next__ = __next__
+
+
+def _patch_h2d(probe: StepProbe) -> None:
+    """Time copies of CPU tensors to another device made directly inside a step.
+
+    Only moves made outside the model's own phases count: a `.to()` inside forward is forward.
+    Whether a call moves anything is known only once it returns, so the clock starts on every
+    CPU tensor's `.to()` inside a step and is dropped when the result stayed on the CPU.
+    """
+    import torch
+
+    def wrap(original: Any) -> Any:
+        def moved(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not probe.in_step or probe.open_phase != -1 or not self.is_cpu:
+                return original(self, *args, **kwargs)
+            if not probe.phase_begin(H2D):
+                return original(self, *args, **kwargs)
+            try:
+                result = original(self, *args, **kwargs)
+            except BaseException:
+                probe.phase_end(H2D)
+                raise
+            if result is self or result.is_cpu:
+                probe.cancel_phase(H2D)
+            else:
+                probe.phase_end(H2D)
+            return result
+
+        moved.__wrapped__ = original  # type: ignore[attr-defined]
+        moved.__name__ = original.__name__
+        moved.__doc__ = original.__doc__
+        return moved
+
+    torch.Tensor.to = wrap(torch.Tensor.to)
+    torch.Tensor.cuda = wrap(torch.Tensor.cuda)
+
+
+def _patch_backward(probe: StepProbe) -> None:
+    """`loss.backward()` goes through torch.autograd.backward, looked up at call time."""
+    import torch.autograd
+
+    original_backward = torch.autograd.backward
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        probe.phase_begin(BACKWARD)
+        try:
+            return original_backward(*args, **kwargs)
+        finally:
+            probe.phase_end(BACKWARD)
+
+    backward.__wrapped__ = original_backward  # type: ignore[attr-defined]
+    backward.__doc__ = original_backward.__doc__
+    torch.autograd.backward = backward
+
+
+def _hook_optimizers(probe: StepProbe) -> None:
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+
+    def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        probe.phase_begin(OPTIMIZER)  # returns None: a pre-hook's result would replace the args
+
+    def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        probe.phase_end(OPTIMIZER)
+
+    register_optimizer_step_pre_hook(before_step)
+    register_optimizer_step_post_hook(after_step)
+
+
+def hook_model(probe: StepProbe, model: Any) -> Any:
+    """Time the outermost call of this model as forward and count the samples it is given."""
+    import torch
+
+    tensor_type = torch.Tensor
+
+    def before_forward(module: Any, args: tuple, kwargs: dict) -> None:
+        if probe.phase_begin(FORWARD):
+            probe.forward_calls += 1
+            probe.samples += _batch_size(args, kwargs, tensor_type)
+
+    def after_forward(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        probe.phase_end(FORWARD)
+
+    pre = model.register_forward_pre_hook(before_forward, with_kwargs=True)
+    try:
+        post = model.register_forward_hook(after_forward, with_kwargs=True, always_call=True)
+    except TypeError:  # torch < 2.1 has no always_call; a failed step resets the probe anyway
+        post = model.register_forward_hook(after_forward, with_kwargs=True)
+    return (pre, post)
+
+
+def _batch_size(args: tuple, kwargs: dict, tensor_type: type) -> int:
+    """The leading dimension of the first tensor the model is given, looking one level deep."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, dict):
+            candidates: Any = value.values()
+        elif isinstance(value, (list, tuple)):
+            candidates = value
+        else:
+            candidates = (value,)
+        for candidate in candidates:
+            if isinstance(candidate, tensor_type):
+                return int(candidate.shape[0]) if candidate.dim() > 0 else 1
+    return 0
+
+
+def _watch_exit_code(probe: StepProbe) -> None:
+    """Under plain `python train.py` nobody else knows the exit code: note it on the way out."""
+    original_excepthook = sys.excepthook
+    original_exit = sys.exit
+
+    def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
+        probe.exit_code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
+        original_excepthook(exc_type, exc, tb)
+
+    def exit(status: Any = None) -> None:
+        probe.exit_code = status if isinstance(status, int) else (0 if status is None else 1)
+        original_exit(status)
+
+    sys.excepthook = excepthook
+    sys.exit = exit

@@ -1,0 +1,188 @@
+"""The probe's bounded buffer and the one background thread that ships records to the collector.
+
+The training thread only appends to the buffer; when the buffer is full it drops the record and
+counts it, it never waits. The background thread resolves CUDA events, refreshes host RSS,
+batches records into frames and sends them over TCP. When no collector is reachable the records
+are dropped and counted: telemetry is lost, training is not slowed.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Deque, List, Optional
+
+from traceml.records import RankEnd, RankHello, Record, encode_frame
+
+log = logging.getLogger("traceml")
+
+BUFFER_CAPACITY = 65536
+FLUSH_INTERVAL_S = 0.1
+RECORDS_PER_FRAME = 4096
+CONNECT_TIMEOUT_S = 2.0
+SEND_TIMEOUT_S = 5.0
+RECONNECT_BACKOFF_S = 1.0
+COLLECTOR_ENV = "TRACEML_COLLECTOR"  # host:port of the run's collector, set by `traceml run`
+
+
+class Sender:
+    """Buffer plus background shipping for one training process."""
+
+    def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None,
+                 capacity: int = BUFFER_CAPACITY, address: Optional[str] = None):
+        self.hello = hello
+        self.timeline = timeline
+        self.host_rss = host_rss
+        self.capacity = capacity
+        self.records_sent = 0
+        self.records_dropped = 0
+        self._buffer: Deque[Record] = collections.deque()
+        self._address = address if address is not None else os.environ.get(COLLECTOR_ENV)
+        self._socket: Optional[socket.socket] = None
+        self._next_connect_at = 0.0
+        self._said_unreachable = False
+        self._collector_process: Optional[subprocess.Popen] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
+
+    # -- training thread ------------------------------------------------------------------
+    def push(self, record: Record) -> None:
+        if len(self._buffer) >= self.capacity:
+            self.records_dropped += 1
+            return
+        self._buffer.append(record)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, exit_code: Optional[int] = None, timeout_s: float = 5.0) -> None:
+        """Ship what is left and say goodbye; bounded in time whatever the collector does."""
+        deadline = time.monotonic() + timeout_s
+        self._stop.set()
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            log.warning("traceml: telemetry sender did not stop in time; the last records are lost")
+            return
+        if self.timeline is not None:  # let the device finish the last steps' events
+            while self.timeline.pending_count and time.monotonic() < deadline - 1.0:
+                self._collect_device_steps()
+                time.sleep(0.01)
+        self._collect_device_steps()
+        self.push(RankEnd(rank=self.hello.rank, exit_code=exit_code, records_sent=0, records_dropped=0))
+        self._flush()
+        if self._socket is not None:
+            try:
+                self._socket.close()
+            except OSError:
+                pass
+            self._socket = None
+        if self._collector_process is not None:
+            # Plain `python train.py`: the collector we started prints the card; wait for it.
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            try:
+                self._collector_process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                log.warning("traceml: the collector is still finishing the summary; not waiting for it")
+
+    # -- background thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(FLUSH_INTERVAL_S):
+            try:
+                if self.host_rss is not None:
+                    self.host_rss.refresh()
+                self._collect_device_steps()
+                self._flush()
+            except Exception:  # never let the thread die: the next round tries again
+                log.debug("traceml: sender round failed", exc_info=True)
+
+    def _collect_device_steps(self) -> None:
+        if self.timeline is None:
+            return
+        for record in self.timeline.resolve_ready():
+            self.push(record)
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        sock = self._connection()
+        if sock is None:
+            self.records_dropped += _drain_count(self._buffer)
+            return
+        while self._buffer:
+            batch: List[Record] = []
+            while self._buffer and len(batch) < RECORDS_PER_FRAME:
+                record = self._buffer.popleft()
+                if isinstance(record, RankEnd):  # the goodbye carries the final counts
+                    record.records_sent = self.records_sent + len(batch)
+                    record.records_dropped = self.records_dropped
+                batch.append(record)
+            try:
+                sock.sendall(encode_frame(batch))
+                self.records_sent += len(batch)
+            except OSError as exc:
+                self.records_dropped += len(batch) + _drain_count(self._buffer)
+                self._lost_connection(exc)
+                return
+
+    def _connection(self) -> Optional[socket.socket]:
+        if self._socket is not None:
+            return self._socket
+        now = time.monotonic()
+        if now < self._next_connect_at:
+            return None
+        self._next_connect_at = now + RECONNECT_BACKOFF_S
+        if self._address is None:
+            self._address = self._start_own_collector()
+            if self._address is None:
+                return None
+        host, _, port = self._address.rpartition(":")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
+            sock.settimeout(SEND_TIMEOUT_S)
+            sock.sendall(encode_frame([self.hello]))
+        except (OSError, ValueError) as exc:
+            if not self._said_unreachable:
+                log.warning("traceml: collector %s unreachable (%s); telemetry is dropped until it is",
+                            self._address, exc)
+                self._said_unreachable = True
+            return None
+        self._socket = sock
+        return sock
+
+    def _lost_connection(self, exc: Exception) -> None:
+        log.warning("traceml: lost the collector (%s); telemetry is dropped until it is back", exc)
+        try:
+            if self._socket is not None:
+                self._socket.close()
+        except OSError:
+            pass
+        self._socket = None
+
+    def _start_own_collector(self) -> Optional[str]:
+        """No `traceml run` around us: rank 0 starts the run's collector as a child process."""
+        if self.hello.rank != 0 or self._collector_process is not None:
+            return None
+        try:
+            from traceml.cli import spawn_collector_process
+
+            self._collector_process, address = spawn_collector_process(self.hello)
+            return address
+        except Exception as exc:
+            log.warning("traceml: could not start a collector (%s); running without telemetry", exc)
+            return None
+
+
+def _drain_count(buffer: Deque[Record]) -> int:
+    count = len(buffer)
+    buffer.clear()
+    return count

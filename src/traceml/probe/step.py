@@ -1,0 +1,374 @@
+"""The step probe: `trace_step` splits each optimizer step into its phases on the training thread.
+
+A step's window runs from its start to the start of the next step (DESIGN: the parts add up to
+that wall time). So step N is closed, and its record emitted, when step N+1 starts, or when the
+run ends, in which case its window closes at its own end. Inside the `with` block the probe
+sums the phases the patches report (h2d, forward, backward, optimizer, input wait); the rest
+of the block is `untraced`. Between blocks, DataLoader time is `input_wait`, the rest `outside`.
+
+Everything here runs on the training thread and stays small: read a clock, add to an int,
+record a pooled CUDA event. Encoding, event resolution and sending happen in the sender.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any, List, Optional, Tuple
+
+from traceml.records import RankHello, StepRecord
+
+log = logging.getLogger("traceml")
+_now_ns = time.perf_counter_ns
+
+# Phase slots in the probe's accumulators; the order matches the StepRecord fields.
+H2D, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
+PHASE_NAMES = ("h2d", "forward", "backward", "optimizer")
+NO_PHASE = -1
+
+
+class StepProbe:
+    """Per-process probe state: the step in flight, the one before it, and their clocks."""
+
+    def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
+                 host_rss: Any = None):
+        self.sender = sender
+        self.timeline = timeline  # DeviceTimeline on CUDA, None when the host clock is the device clock
+        self.device_memory = device_memory
+        self.host_rss = host_rss
+        self.rank = int(os.environ.get("RANK", "0") or 0)
+        self.exit_code: Optional[int] = None
+
+        self.in_step = False
+        self._step_depth = 0
+        self.step_index = 0
+        self._step_start_ns = 0
+        self._step_start_unix_s = 0.0
+        self._start_event: Any = None
+        # The open phase: only the outermost traced call of a phase is timed.
+        self.open_phase = NO_PHASE
+        self._open_depth = 0
+        self._open_start_ns = 0
+        self._open_event: Any = None
+        # Accumulators of the step in flight.
+        self.phase_ns = [0, 0, 0, 0]
+        self._phase_events: List[Tuple[str, Any, Any]] = []
+        self._input_wait_inside_ns = 0
+        self.forward_calls = 0
+        self.samples = 0
+        # Accumulators of the whole window (step plus the gap after it).
+        self._input_wait_gap_ns = 0
+        self._gc_ns = 0
+        self._gc_collections = 0
+        self._gc_start_ns = 0
+        # The closed step waiting for the next start to end its window.
+        self._closed: Optional[dict] = None
+
+    # -- step boundaries --------------------------------------------------------------------
+    def enter(self) -> None:
+        if self._step_depth:
+            self._step_depth += 1  # a nested trace_step (an integration inside a user's block)
+            return
+        self._step_depth = 1
+        now = _now_ns()
+        start_event = self.timeline.record() if self.timeline is not None else None
+        if self._closed is not None:
+            self._emit_closed(now, start_event)
+        self._gc_ns = 0
+        self._gc_collections = 0
+        self._input_wait_gap_ns = 0
+        self._input_wait_inside_ns = 0
+        self.phase_ns = [0, 0, 0, 0]
+        self._phase_events = []
+        self.forward_calls = 0
+        self.samples = 0
+        self.open_phase = NO_PHASE
+        self._open_depth = 0
+        if self.device_memory is not None:
+            self.device_memory.reset_peak()
+        self._start_event = start_event
+        self._step_start_unix_s = time.time()
+        self._step_start_ns = now
+        self.in_step = True
+
+    def exit(self, failed: bool) -> None:
+        if self._step_depth > 1:
+            self._step_depth -= 1
+            return
+        now = _now_ns()
+        self._step_depth = 0
+        self.in_step = False
+        self.open_phase = NO_PHASE
+        self._open_depth = 0
+        if failed:
+            # The step did not finish: it is not a step. Its window never closes, so the
+            # previous steps keep their figures and the next step starts afresh.
+            if self.timeline is not None:
+                for _, begin, end in self._phase_events:
+                    self.timeline.release(begin)
+                    self.timeline.release(end)
+                if self._start_event is not None:
+                    self.timeline.release(self._start_event)
+            return
+        end_event = self.timeline.record() if self.timeline is not None else None
+        memory = self.device_memory.read() if self.device_memory is not None else (None, None, None)
+        self._closed = {
+            "step": self.step_index,
+            "start_ns": self._step_start_ns,
+            "start_unix_s": self._step_start_unix_s,
+            "end_ns": now,
+            "phase_ns": self.phase_ns,
+            "input_wait_inside_ns": self._input_wait_inside_ns,
+            "forward_calls": self.forward_calls,
+            "samples": self.samples,
+            "memory": memory,
+            "start_event": self._start_event,
+            "end_event": end_event,
+            "phase_events": self._phase_events,
+        }
+        self.step_index += 1
+
+    def _emit_closed(self, window_end_ns: int, next_start_event: Any) -> None:
+        """Turn the closed step into a record whose window ends at window_end_ns."""
+        closed, self._closed = self._closed, None
+        gap_ns = window_end_ns - closed["end_ns"]
+        inside_ns = closed["end_ns"] - closed["start_ns"]
+        h2d_ns, forward_ns, backward_ns, optimizer_ns = closed["phase_ns"]
+        input_wait_inside_ns = closed["input_wait_inside_ns"]
+        untraced_ns = inside_ns - h2d_ns - forward_ns - backward_ns - optimizer_ns - input_wait_inside_ns
+        input_wait_gap_ns = min(self._input_wait_gap_ns, gap_ns)
+        allocated, peak, reserved = closed["memory"]
+        record = StepRecord(
+            rank=self.rank,
+            step=closed["step"],
+            start_unix_s=closed["start_unix_s"],
+            step_ms=(window_end_ns - closed["start_ns"]) / 1e6,
+            input_wait_ms=(input_wait_inside_ns + input_wait_gap_ns) / 1e6,
+            outside_ms=(gap_ns - input_wait_gap_ns) / 1e6,
+            h2d_ms=h2d_ns / 1e6,
+            forward_ms=forward_ns / 1e6,
+            backward_ms=backward_ns / 1e6,
+            optimizer_ms=optimizer_ns / 1e6,
+            untraced_ms=max(0, untraced_ns) / 1e6,
+            gc_ms=self._gc_ns / 1e6,
+            gc_collections=self._gc_collections,
+            forward_calls=closed["forward_calls"],
+            samples=closed["samples"],
+            device_allocated_bytes=allocated,
+            device_peak_bytes=peak,
+            device_reserved_bytes=reserved,
+            host_rss_bytes=self.host_rss.latest_bytes if self.host_rss is not None else None,
+        )
+        if self.timeline is None:
+            self.sender.push(record)
+            return
+        from traceml.probe.clock import PendingDeviceStep
+
+        self.timeline.submit(PendingDeviceStep(record, closed["start_event"], closed["end_event"],
+                                               next_start_event, closed["phase_events"]))
+
+    def finish(self) -> None:
+        """At the end of the run: the last closed step's window ends where the step ended."""
+        if self._closed is not None:
+            self._emit_closed(self._closed["end_ns"], None)
+
+    # -- phases, called by the patches in probe.phases ----------------------------------------
+    def phase_begin(self, phase: int) -> bool:
+        """Open a phase; True when this call is the outermost one and is being timed."""
+        if not self.in_step:
+            return False
+        if self.open_phase != NO_PHASE:
+            if self.open_phase == phase:
+                self._open_depth += 1
+            return False
+        self.open_phase = phase
+        self._open_depth = 1
+        if self.timeline is not None:
+            self._open_event = self.timeline.record()
+        self._open_start_ns = _now_ns()
+        return True
+
+    def phase_end(self, phase: int) -> None:
+        if self.open_phase != phase:
+            return
+        self._open_depth -= 1
+        if self._open_depth:
+            return
+        self.phase_ns[phase] += _now_ns() - self._open_start_ns
+        self.open_phase = NO_PHASE
+        if self.timeline is not None:
+            self._phase_events.append((PHASE_NAMES[phase], self._open_event, self.timeline.record()))
+
+    def cancel_phase(self, phase: int) -> None:
+        """Close a phase that turned out not to be one (a `.to()` that moved nothing)."""
+        if self.open_phase != phase:
+            return
+        self.open_phase = NO_PHASE
+        self._open_depth = 0
+        if self.timeline is not None:
+            self.timeline.release(self._open_event)
+
+    def add_input_wait(self, wait_ns: int) -> None:
+        if self.in_step:
+            self._input_wait_inside_ns += wait_ns
+        else:
+            self._input_wait_gap_ns += wait_ns
+
+    def gc_callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start_ns = _now_ns()
+        elif self._gc_start_ns:
+            self._gc_ns += _now_ns() - self._gc_start_ns
+            self._gc_collections += 1
+            self._gc_start_ns = 0
+
+
+class _TraceStep:
+    """The context manager `trace_step` returns; one per probe, reused every step."""
+
+    __slots__ = ("_probe",)
+
+    def __init__(self, probe: StepProbe):
+        self._probe = probe
+
+    def __enter__(self) -> "_TraceStep":
+        try:
+            self._probe.enter()
+        except Exception:  # the training comes first: a fault here costs telemetry only
+            _disable("trace_step enter")
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        try:
+            self._probe.exit(failed=exc_type is not None)
+        except Exception:
+            _disable("trace_step exit")
+        return False
+
+
+class _NoTrace:
+    """What trace_step returns once TraceML has disabled itself."""
+
+    def __enter__(self) -> "_NoTrace":
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
+
+
+_NO_TRACE = _NoTrace()
+_probe: Optional[StepProbe] = None
+_trace_step: Any = None
+_hooked_models: dict = {}
+_lock = threading.Lock()
+_disabled = False
+
+
+def _disable(where: str) -> None:
+    global _disabled
+    _disabled = True
+    log.warning("traceml: disabled after an internal error in %s; training continues untraced",
+                where, exc_info=True)
+
+
+def trace_step(model: Any = None) -> Any:
+    """Trace one optimizer step: `with traceml.trace_step(model): ...`."""
+    if _disabled:
+        return _NO_TRACE
+    if _trace_step is None or (model is not None and id(model) not in _hooked_models):
+        try:
+            _setup(model)
+        except Exception:
+            _disable("setup")
+            return _NO_TRACE
+    return _trace_step
+
+
+def _setup(model: Any) -> None:
+    global _probe, _trace_step
+    with _lock:
+        if _probe is None:
+            _probe = _create_probe(model)
+            _trace_step = _TraceStep(_probe)
+        if model is not None and id(model) not in _hooked_models:
+            from traceml.probe.phases import hook_model
+
+            _hooked_models[id(model)] = hook_model(_probe, model)
+
+
+def _create_probe(model: Any) -> StepProbe:
+    import torch
+
+    from traceml.probe.memory import DeviceMemory, HostRss
+    from traceml.probe.phases import install_patches
+    from traceml.probe.sender import Sender
+
+    device = _model_device(torch, model)
+    timeline = device_memory = None
+    if device.type == "cuda":
+        from traceml.probe.clock import DeviceTimeline
+
+        timeline = DeviceTimeline(lambda: torch.cuda.Event(enable_timing=True))
+        device_memory = DeviceMemory(torch, device)
+    host_rss = HostRss()
+    host_rss.refresh()
+    sender = Sender(_hello(torch, device, device_memory), timeline=timeline, host_rss=host_rss)
+    probe = StepProbe(sender, timeline=timeline, device_memory=device_memory, host_rss=host_rss)
+    install_patches(probe)
+    sender.start()
+    atexit.register(_at_exit)
+    return probe
+
+
+def _model_device(torch: Any, model: Any) -> Any:
+    if model is not None:
+        try:
+            return next(model.parameters()).device
+        except (StopIteration, AttributeError, TypeError):
+            pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _hello(torch: Any, device: Any, device_memory: Any) -> RankHello:
+    env = os.environ
+    return RankHello(
+        rank=int(env.get("RANK", "0") or 0),
+        local_rank=int(env.get("LOCAL_RANK", "0") or 0),
+        world_size=int(env.get("WORLD_SIZE", "1") or 1),
+        node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", "0")) or 0),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        device=str(device),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        device_capacity_bytes=device_memory.capacity_bytes if device_memory is not None else None,
+        torch_version=str(torch.__version__),
+        argv=[os.path.abspath(sys.argv[0])] + sys.argv[1:] if sys.argv and sys.argv[0] else list(sys.argv),
+        started_at_unix_s=_process_start_unix_s(),
+    )
+
+
+def _process_start_unix_s() -> float:
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:
+        return time.time()
+
+
+def _at_exit() -> None:
+    probe = _probe
+    if probe is None:
+        return
+    try:
+        probe.finish()
+        # Neither sys.exit nor an uncaught exception was seen: the interpreter ends normally.
+        probe.sender.close(exit_code=0 if probe.exit_code is None else probe.exit_code)
+    except Exception:
+        log.warning("traceml: could not flush telemetry at exit", exc_info=True)

@@ -1,0 +1,152 @@
+"""The one record schema shared by probe, collector, store and views, and its wire framing.
+
+A frame on the wire is a fixed header (magic, version, payload length) followed by a
+msgpack payload: a list of tagged records, each encoded as an array (field order is part of
+the wire version, so a field is only ever appended, with a default). The collector rejects a frame with the wrong
+magic or version, or one larger than MAX_FRAME_BYTES, by closing that connection only.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Dict, List, Optional, Union
+
+import msgspec
+
+WIRE_VERSION = 1
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+_HEADER = struct.Struct(">2sBxI")  # magic, version, pad, payload length
+HEADER_BYTES = _HEADER.size
+_MAGIC = b"TM"
+
+# The phases that add up to a step's wall time, in the order a step lives them.
+STEP_PHASES = ("input_wait", "outside", "h2d", "forward", "backward", "optimizer", "untraced")
+# The model's own work; its share decides COMPUTE_BOUND.
+COMPUTE_PHASES = ("forward", "backward", "optimizer")
+# Garbage-collector pauses overlap the phases above: reported beside them, never added.
+OVERLAPPING_PHASES = ("gc",)
+ALL_PHASES = STEP_PHASES + OVERLAPPING_PHASES
+
+
+class RankHello(msgspec.Struct, tag="hello", array_like=True):
+    """Sent once per training process when it first connects: who it is and what it runs on."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    node_rank: int
+    host: str
+    pid: int
+    device: str  # "cpu", "cuda:0", ...
+    device_name: str
+    device_capacity_bytes: Optional[int]
+    torch_version: str
+    argv: List[str]
+    started_at_unix_s: float
+
+
+class StepRecord(msgspec.Struct, tag="step", array_like=True):
+    """One optimizer step of one rank.
+
+    The window runs from the end of the previous step to the end of this one, so the seven
+    STEP_PHASES add up to step_ms and step_ms summed over steps is the training time.
+    Device-timed phases (CUDA events) are marked by device_timed; gc_ms overlaps the rest.
+    """
+
+    rank: int
+    step: int
+    start_unix_s: float
+    step_ms: float
+    input_wait_ms: float
+    outside_ms: float
+    h2d_ms: float
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    untraced_ms: float
+    gc_ms: float
+    gc_collections: int
+    forward_calls: int
+    samples: int  # batch dimension of the first tensor given to the model, summed over calls
+    device_timed: bool = False
+    gpu_idle_ms: Optional[float] = None  # device timeline gap before this step's first event
+    device_allocated_bytes: Optional[int] = None  # at step end
+    device_peak_bytes: Optional[int] = None  # peak during the step (stats reset at step start)
+    device_reserved_bytes: Optional[int] = None
+    host_rss_bytes: Optional[int] = None  # rate-limited: the latest reading at step end
+
+
+class GpuSample(msgspec.Struct):
+    index: int
+    utilization_percent: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+    temperature_c: Optional[float] = None
+    power_w: Optional[float] = None
+
+
+class SystemSample(msgspec.Struct, tag="system", array_like=True):
+    """One reading of the node by the collector's sampler."""
+
+    unix_s: float
+    cpu_percent: float  # whole machine
+    ram_used_bytes: int
+    ram_total_bytes: int
+    training_cpu_percent: float  # the training processes, 100 = one core
+    training_rss_bytes: int
+    gpus: List[GpuSample] = []
+
+
+class RankEnd(msgspec.Struct, tag="end", array_like=True):
+    """Sent by a training process as it exits: what it sent, what it had to drop, how it ended."""
+
+    rank: int
+    exit_code: Optional[int]
+    records_sent: int
+    records_dropped: int
+
+
+class Finding(msgspec.Struct, omit_defaults=False):
+    """One diagnosis: what is wrong, by how much, and the next thing to try."""
+
+    kind: str
+    severity: str  # info | warn | crit
+    summary: str
+    action: str
+    rank: Optional[int] = None
+    evidence: Dict[str, Union[float, int, str, None]] = {}
+
+
+Record = Union[RankHello, StepRecord, RankEnd, SystemSample]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(List[Record])
+
+
+class FrameError(ValueError):
+    """A frame that cannot be trusted: the connection that sent it is closed."""
+
+
+def encode_frame(records: List[Record]) -> bytes:
+    payload = _encoder.encode(records)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
+    return _HEADER.pack(_MAGIC, WIRE_VERSION, len(payload)) + payload
+
+
+def parse_header(header: bytes) -> int:
+    """Validate a frame header and return the payload length that follows it."""
+    magic, version, length = _HEADER.unpack(header)
+    if magic != _MAGIC:
+        raise FrameError("bad magic: not a TraceML frame")
+    if version != WIRE_VERSION:
+        raise FrameError(f"wire version {version}, expected {WIRE_VERSION}")
+    if length > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+    return length
+
+
+def decode_payload(payload: bytes) -> List[Record]:
+    try:
+        return _decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError(f"malformed payload: {exc}") from None

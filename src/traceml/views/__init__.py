@@ -1,0 +1,1 @@
+"""What users see: the summary card and final_summary.json, the HTML report."""

@@ -1,0 +1,259 @@
+"""The end-of-run summary: final_summary.json (DESIGN's contract) and the card printed from it."""
+from __future__ import annotations
+
+import datetime
+import io
+import statistics
+from typing import Any, Dict, List, Optional
+
+import msgspec
+
+from traceml.collector.rollup import (RolledStep, Window, rank_medians, robust_slope, roll_up,
+                                      warmup_steps)
+from traceml.collector.store import Store
+from traceml.diagnose import diagnose
+from traceml.records import ALL_PHASES, STEP_PHASES, Finding, RankEnd, RankHello, SystemSample
+
+SCHEMA_VERSION = 1
+CARD_WIDTH = 100
+
+
+class RunFacts(msgspec.Struct):
+    """What the launcher (or, without one, rank 0's hello and goodbye) knows about the run."""
+
+    script: str
+    argv: List[str]
+    exit_code: Optional[int]
+    started_at_unix_s: float
+    ended_at_unix_s: float
+
+
+class RunData:
+    """Everything the summary and the report read, taken from the store and rolled up once."""
+
+    def __init__(self, store: Store):
+        self.records = store.steps()
+        self.rolled: List[RolledStep] = roll_up(self.records)
+        self.warmup = warmup_steps(len(self.rolled))
+        self.window = Window(self.rolled[self.warmup:])
+        self.hellos: List[RankHello] = store.hellos()
+        self.ends: List[RankEnd] = store.ends()
+        self.samples: List[SystemSample] = store.system_samples()
+        self.findings: List[Finding] = diagnose(self.window, steps_seen=len(self.rolled))
+        store.write_findings(self.findings)
+
+
+def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
+    window = data.window
+    phases: Dict[str, Any] = {name: msgspec.to_builtins(stats) for name, stats in window.phases.items()}
+    phases["step"] = {"median_ms": window.step_median_ms, "mean_ms": window.step_mean_ms,
+                      "p90_ms": window.step_p90_ms, "share": 1.0 if len(window) else 0.0}
+    world_size = max([h.world_size for h in data.hellos] + [len({r.rank for r in data.records}), 1])
+    train_s = window.total_ms / 1000.0
+    samples = sum(s.samples for s in window.steps)
+    findings = [msgspec.to_builtins(f) for f in data.findings]
+    return _rounded({
+        "schema_version": SCHEMA_VERSION,
+        "run": {
+            "script": facts.script,
+            "argv": facts.argv,
+            "exit_code": facts.exit_code,
+            "started_at": _iso(facts.started_at_unix_s),
+            "duration_s": round(facts.ended_at_unix_s - facts.started_at_unix_s, 3),
+            "world_size": world_size,
+            "devices": sorted({h.device_name if h.device == "cpu" else f"{h.device} ({h.device_name})"
+                               for h in data.hellos}),
+            "torch_version": data.hellos[0].torch_version if data.hellos else None,
+        },
+        "steps": {
+            "count": len(data.rolled),
+            "warmup_excluded": data.warmup,
+            "measured": len(window),
+            "records_dropped": sum(end.records_dropped for end in data.ends),
+            "device_timed": any(s.device_timed for s in window.steps),
+        },
+        "phases": phases,
+        "throughput": {
+            "steps_per_s": len(window) / train_s if train_s > 0 else 0.0,
+            "samples_per_s": samples / train_s if train_s > 0 and samples else None,
+        },
+        "memory": _memory(data),
+        "system": _system(data.samples),
+        "ranks": rank_medians(data.records, skip_steps=data.warmup),
+        "layers": [],
+        "primary_diagnosis": findings[0] if findings else None,
+        "findings": findings,
+    })
+
+
+def _rounded(value: Any) -> Any:
+    """Floats to 4 decimals (0.1 µs in ms), so the JSON reads as figures, not noise."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {key: _rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_rounded(item) for item in value]
+    return value
+
+
+def _memory(data: RunData) -> Dict[str, Any]:
+    steps = data.rolled
+    capacities = [h.device_capacity_bytes for h in data.hellos if h.device_capacity_bytes]
+    device_peaks = [s.device_peak_bytes for s in steps if s.device_peak_bytes is not None]
+    rss = [s.host_rss_bytes for s in steps if s.host_rss_bytes is not None]
+    # Creep: the robust slope of what stays allocated at step end (host RSS without a device).
+    window = data.window.steps
+    on_device = [s for s in window if s.device_allocated_bytes is not None]
+    tracked = [(s.step, s.device_allocated_bytes) for s in on_device] or \
+              [(s.step, s.host_rss_bytes) for s in window if s.host_rss_bytes is not None]
+    creep = robust_slope([x for x, _ in tracked], [y for _, y in tracked]) if len(tracked) > 1 else 0.0
+    return {
+        "device_peak_bytes": max(device_peaks) if device_peaks else None,
+        "device_capacity_bytes": max(capacities) if capacities else None,
+        "host_rss_peak_bytes": max(rss) if rss else None,
+        "creep_bytes_per_step": round(creep, 1),
+        "creep_measured_on": "device_allocated" if on_device else "host_rss",
+    }
+
+
+def _system(samples: List[SystemSample]) -> Dict[str, Any]:
+    if not samples:
+        return {"samples": 0}
+
+    def avg_peak(values: List[float]) -> Dict[str, float]:
+        return {"avg": round(statistics.fmean(values), 2), "peak": round(max(values), 2)}
+
+    system: Dict[str, Any] = {
+        "samples": len(samples),
+        "cpu_percent": avg_peak([s.cpu_percent for s in samples]),
+        "training_cpu_percent": avg_peak([s.training_cpu_percent for s in samples]),
+        "ram_used_bytes": avg_peak([float(s.ram_used_bytes) for s in samples]),
+        "ram_total_bytes": samples[-1].ram_total_bytes,
+        "training_rss_bytes": avg_peak([float(s.training_rss_bytes) for s in samples]),
+        "gpus": [],
+    }
+    by_gpu: Dict[int, list] = {}
+    for sample in samples:
+        for gpu in sample.gpus:
+            by_gpu.setdefault(gpu.index, []).append(gpu)
+    for index, readings in sorted(by_gpu.items()):
+        system["gpus"].append({
+            "index": index,
+            "utilization_percent": avg_peak([g.utilization_percent for g in readings]),
+            "memory_used_bytes": avg_peak([float(g.memory_used_bytes) for g in readings]),
+            "memory_total_bytes": readings[-1].memory_total_bytes,
+        })
+    return system
+
+
+def _iso(unix_s: float) -> str:
+    return datetime.datetime.fromtimestamp(unix_s, tz=datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# -- the card ---------------------------------------------------------------------------------
+PHASE_LABELS = {"input_wait": "input wait", "outside": "outside step", "h2d": "host→device",
+                "forward": "forward", "backward": "backward", "optimizer": "optimizer",
+                "untraced": "untraced (in step)", "gc": "gc (overlaps)"}
+SEVERITY_STYLE = {"crit": "bold white on red", "warn": "bold black on yellow", "info": "bold white on blue"}
+
+
+def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
+    """The card as a rich renderable, `width` columns wide (CARD_WIDTH at most)."""
+    from rich import box
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    run, steps, phases = summary["run"], summary["steps"], summary["phases"]
+    throughput, system, memory = summary["throughput"], summary["system"], summary["memory"]
+
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold", no_wrap=True)
+    facts.add_column()
+    exit_note = "" if run["exit_code"] in (0, None) else f"  [bold red]exit code {run['exit_code']}[/]"
+    facts.add_row("Run", f"{run['script']}  ·  {run['duration_s']:.1f} s  ·  world size "
+                         f"{run['world_size']}  ·  {', '.join(run['devices']) or 'cpu'}{exit_note}")
+    samples_per_s = throughput["samples_per_s"]
+    facts.add_row("Steps", f"{steps['count']} ({steps['warmup_excluded']} warm-up excluded)  ·  "
+                           f"{throughput['steps_per_s']:.2f} steps/s  ·  "
+                           + (f"{samples_per_s:,.1f} samples/s" if samples_per_s else "samples/s n/a"))
+    step = phases["step"]
+    facts.add_row("Step time", f"median {step['median_ms']:.1f} ms  ·  p90 {step['p90_ms']:.1f} ms")
+    facts.add_row("System", _system_line(system))
+    facts.add_row("Memory", _memory_line(memory))
+    if steps["records_dropped"]:
+        facts.add_row("Dropped", f"[yellow]{steps['records_dropped']} records dropped (buffer full "
+                                 f"or collector unreachable)[/]")
+
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), expand=False)
+    table.add_column("phase", no_wrap=True)
+    table.add_column("median ms", justify="right", no_wrap=True)
+    table.add_column("mean ms", justify="right", no_wrap=True)
+    table.add_column("% of step", justify="right", no_wrap=True)
+    table.add_column("", no_wrap=True, overflow="crop")
+    for name in ALL_PHASES:
+        stats = phases[name]
+        bar = "█" * int(round(stats["share"] * 40)) if name in STEP_PHASES else ""
+        table.add_row(PHASE_LABELS[name], f"{stats['median_ms']:.2f}", f"{stats['mean_ms']:.2f}",
+                      f"{stats['share']:.1%}", Text(bar, style="cyan"))
+
+    verdict = Table.grid(padding=(0, 2))
+    verdict.add_column(style="bold", no_wrap=True)
+    verdict.add_column()
+    primary = summary["primary_diagnosis"]
+    if primary:
+        badge = Text(f" {primary['kind'].replace('_', ' ')} ", style=SEVERITY_STYLE[primary["severity"]])
+        verdict.add_row("Verdict", badge)
+        verdict.add_row("Why", primary["summary"])
+        verdict.add_row("Next", primary["action"])
+        for other in summary["findings"][1:]:
+            verdict.add_row("Also", f"[{other['severity']}] {other['kind']}: {other['summary']}")
+
+    return Panel(Group(facts, table, verdict), title=f"[bold]TraceML[/] · {run['script']}",
+                 title_align="left", width=min(width, CARD_WIDTH), box=box.ROUNDED)
+
+
+def _system_line(system: Dict[str, Any]) -> str:
+    if not system.get("samples"):
+        return "no samples (run shorter than the sampling interval)"
+    gib = 1024 ** 3
+    line = (f"CPU avg {system['cpu_percent']['avg']:.0f}% peak {system['cpu_percent']['peak']:.0f}%  ·  "
+            f"RAM avg {system['ram_used_bytes']['avg'] / gib:.1f} peak "
+            f"{system['ram_used_bytes']['peak'] / gib:.1f} of {system['ram_total_bytes'] / gib:.1f} GiB")
+    for gpu in system["gpus"]:
+        line += (f"  ·  GPU{gpu['index']} util avg {gpu['utilization_percent']['avg']:.0f}% "
+                 f"mem peak {gpu['memory_used_bytes']['peak'] / gib:.1f} GiB")
+    return line
+
+
+def _memory_line(memory: Dict[str, Any]) -> str:
+    gib, mib = 1024 ** 3, 1024 ** 2
+    parts = []
+    if memory["device_peak_bytes"] is not None:
+        capacity = memory["device_capacity_bytes"]
+        parts.append(f"device peak {memory['device_peak_bytes'] / gib:.2f} GiB"
+                     + (f" of {capacity / gib:.1f} GiB" if capacity else ""))
+    if memory["host_rss_peak_bytes"] is not None:
+        parts.append(f"host RSS peak {memory['host_rss_peak_bytes'] / mib:,.0f} MiB")
+    parts.append(f"trend {memory['creep_bytes_per_step'] / 1024:+,.1f} KiB/step")
+    return "  ·  ".join(parts)
+
+
+def card_text(summary: Dict[str, Any]) -> str:
+    """The card as plain text, as saved in final_summary.txt."""
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=CARD_WIDTH, color_system=None, record=True)
+    console.print(render_card(summary))
+    return console.export_text()
+
+
+def print_card(summary: Dict[str, Any], file: Any = None) -> None:
+    from rich.console import Console
+
+    console = Console(file=file, highlight=False)
+    if not console.is_terminal:  # a pipe or a log file has no width: use the card's own
+        console = Console(file=file, highlight=False, width=CARD_WIDTH)
+    console.print(render_card(summary, width=console.width))
