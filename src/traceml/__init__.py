@@ -4,10 +4,13 @@
 """
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable, Optional
 
 __version__ = "0.1.0"
 __all__ = ["trace_step", "__version__"]
+
+_trace_step: Optional[Callable[[Any], Any]] = None
 
 
 def trace_step(model: Any = None) -> Any:
@@ -16,6 +19,14 @@ def trace_step(model: Any = None) -> Any:
     Splits the step into input wait, host-to-device copies, forward (the outermost call of
     `model`), backward, optimizer and the rest, with memory; see DESIGN for the definitions.
     """
-    from traceml.probe.step import trace_step as _trace_step
+    global _trace_step
+    if _trace_step is None:
+        first_call_ns = time.perf_counter_ns()
+        from traceml.probe import step
 
+        # TraceML's own start-up belongs to the first step, so step 0 matches the loop's clock.
+        step.first_call_ns = first_call_ns
+        _trace_step = step.trace_step
+        # Later `traceml.trace_step(...)` calls go straight to the probe's: one frame less a step.
+        globals()["trace_step"] = _trace_step
     return _trace_step(model)

@@ -44,12 +44,14 @@ class RankHello(msgspec.Struct, tag="hello", array_like=True):
     started_at_unix_s: float
 
 
-class StepRecord(msgspec.Struct, tag="step", array_like=True):
+class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     """One optimizer step of one rank.
 
     The window runs from the end of the previous step to the end of this one, so the seven
     STEP_PHASES add up to step_ms and step_ms summed over steps is the training time.
     Device-timed phases (CUDA events) are marked by device_timed; gc_ms overlaps the rest.
+    Scalars only, so not tracked by the garbage collector (gc=False): thousands of these
+    pass through the probe's buffer and must not make the user's collections slower.
     """
 
     rank: int

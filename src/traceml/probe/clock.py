@@ -23,9 +23,9 @@ class PendingDeviceStep:
 
     __slots__ = ("host", "start_event", "end_event", "next_start_event", "phase_events")
 
-    def __init__(self, host: StepRecord, start_event: Any, end_event: Any,
+    def __init__(self, host: Any, start_event: Any, end_event: Any,
                  next_start_event: Optional[Any], phase_events: List[Tuple[str, Any, Any]]):
-        self.host = host
+        self.host = host  # the host-timed step: a StepRecord, or the probe's raw tuple for one
         self.start_event = start_event
         self.end_event = end_event
         # The first event of the next step; None when the run ended after this step.
@@ -47,6 +47,8 @@ class DeviceTimeline:
 
     def __init__(self, make_event: Callable[[], Any]):
         self._make_event = make_event
+        # Turns PendingDeviceStep.host into a StepRecord (the probe sets it to its record_from).
+        self.record_from: Callable[[Any], StepRecord] = lambda host: host
         self._pool: List[Any] = []
         self._pending: Deque[PendingDeviceStep] = collections.deque()
         self.dropped_steps = 0
@@ -80,7 +82,7 @@ class DeviceTimeline:
             if not all(event.query() for event in events):
                 break  # steps complete in stream order: later ones are not ready either
             self._pending.popleft()
-            done.append(_resolve(step))
+            done.append(_resolve(step, self.record_from(step.host)))
             # The next step's start event belongs to that step and is released with it.
             for event in events:
                 if event is not step.next_start_event:
@@ -92,14 +94,14 @@ class DeviceTimeline:
         return len(self._pending)
 
 
-def _resolve(step: PendingDeviceStep) -> StepRecord:
+def _resolve(step: PendingDeviceStep, host: StepRecord) -> StepRecord:
     device_ms: Dict[str, float] = {phase: 0.0 for phase in DEVICE_PHASES}
     for phase, begin, end in step.phase_events:
         device_ms[phase] += max(0.0, float(begin.elapsed_time(end)))
     gpu_idle_ms = None
     if step.next_start_event is not None:
         gpu_idle_ms = max(0.0, float(step.end_event.elapsed_time(step.next_start_event)))
-    return fit_device_phases(step.host, device_ms, gpu_idle_ms)
+    return fit_device_phases(host, device_ms, gpu_idle_ms)
 
 
 def fit_device_phases(host: StepRecord, device_ms: Dict[str, float],

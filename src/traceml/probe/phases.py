@@ -4,24 +4,35 @@ from __future__ import annotations
 
 import gc
 import sys
-from typing import Any
+from typing import Any, Callable, List
 
 from traceml.probe.step import BACKWARD, FORWARD, H2D, OPTIMIZER, StepProbe, _now_ns
 
-_installed = False
+_undo: List[Callable[[], None]] = []  # how to take back each installed patch, newest last
 
 
 def install_patches(probe: StepProbe) -> None:
-    global _installed
-    if _installed:
+    if _undo:
         return
-    _installed = True
     _patch_dataloader(probe)
     _patch_h2d(probe)
     _patch_backward(probe)
     _hook_optimizers(probe)
     gc.callbacks.append(probe.gc_callback)
+    _undo.append(lambda: gc.callbacks.remove(probe.gc_callback))
     _watch_exit_code(probe)
+
+
+def remove_patches() -> None:
+    """Restore everything install_patches changed, leaving torch as it was."""
+    while _undo:
+        _undo.pop()()
+
+
+def _replace(owner: Any, name: str, replacement: Any) -> None:
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
+    _undo.append(lambda: setattr(owner, name, original))
 
 
 def _patch_dataloader(probe: StepProbe) -> None:
@@ -34,11 +45,14 @@ def _patch_dataloader(probe: StepProbe) -> None:
         start_ns = _now_ns()
         try:
             return original_next(self)
-        finally:
-            probe.add_input_wait(_now_ns() - start_ns)
+        finally:  # inline, not a probe method: this runs once per batch
+            if probe.in_step:
+                probe.input_wait_inside_ns += _now_ns() - start_ns
+            else:
+                probe.input_wait_gap_ns += _now_ns() - start_ns
 
     __next__.__wrapped__ = original_next  # type: ignore[attr-defined]
-    iterator_class.__next__ = __next__
+    _replace(iterator_class, "__next__", __next__)
 
 
 def _patch_h2d(probe: StepProbe) -> None:
@@ -72,8 +86,8 @@ def _patch_h2d(probe: StepProbe) -> None:
         moved.__doc__ = original.__doc__
         return moved
 
-    torch.Tensor.to = wrap(torch.Tensor.to)
-    torch.Tensor.cuda = wrap(torch.Tensor.cuda)
+    _replace(torch.Tensor, "to", wrap(torch.Tensor.to))
+    _replace(torch.Tensor, "cuda", wrap(torch.Tensor.cuda))
 
 
 def _patch_backward(probe: StepProbe) -> None:
@@ -91,7 +105,7 @@ def _patch_backward(probe: StepProbe) -> None:
 
     backward.__wrapped__ = original_backward  # type: ignore[attr-defined]
     backward.__doc__ = original_backward.__doc__
-    torch.autograd.backward = backward
+    _replace(torch.autograd, "backward", backward)
 
 
 def _hook_optimizers(probe: StepProbe) -> None:
@@ -104,8 +118,8 @@ def _hook_optimizers(probe: StepProbe) -> None:
     def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         probe.phase_end(OPTIMIZER)
 
-    register_optimizer_step_pre_hook(before_step)
-    register_optimizer_step_post_hook(after_step)
+    _undo.append(register_optimizer_step_pre_hook(before_step).remove)
+    _undo.append(register_optimizer_step_post_hook(after_step).remove)
 
 
 def hook_model(probe: StepProbe, model: Any) -> Any:
@@ -119,14 +133,15 @@ def hook_model(probe: StepProbe, model: Any) -> Any:
             probe.forward_calls += 1
             probe.samples += _batch_size(args, kwargs, tensor_type)
 
-    def after_forward(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+    def after_forward(module: Any, args: tuple, output: Any) -> None:
         probe.phase_end(FORWARD)
 
+    # kwargs for the pre-hook only: models called as model(**batch) show their batch there.
     pre = model.register_forward_pre_hook(before_forward, with_kwargs=True)
     try:
-        post = model.register_forward_hook(after_forward, with_kwargs=True, always_call=True)
+        post = model.register_forward_hook(after_forward, always_call=True)
     except TypeError:  # torch < 2.1 has no always_call; a failed step resets the probe anyway
-        post = model.register_forward_hook(after_forward, with_kwargs=True)
+        post = model.register_forward_hook(after_forward)
     return (pre, post)
 
 
@@ -158,5 +173,5 @@ def _watch_exit_code(probe: StepProbe) -> None:
         probe.exit_code = status if isinstance(status, int) else (0 if status is None else 1)
         original_exit(status)
 
-    sys.excepthook = excepthook
-    sys.exit = exit
+    _replace(sys, "excepthook", excepthook)
+    _replace(sys, "exit", exit)

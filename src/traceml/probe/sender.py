@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Deque, List, Optional
+from typing import Any, Callable, Deque, List, Optional
 
 from traceml.records import RankEnd, RankHello, Record, encode_frame
 
@@ -36,12 +36,14 @@ class Sender:
     def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None,
                  capacity: int = BUFFER_CAPACITY, address: Optional[str] = None):
         self.hello = hello
+        # Turns the probe's raw step tuples into StepRecords, here, off the training thread.
+        self.record_from: Callable[[tuple], Record] = lambda raw: raw  # type: ignore[assignment,return-value]
         self.timeline = timeline
         self.host_rss = host_rss
         self.capacity = capacity
         self.records_sent = 0
         self.records_dropped = 0
-        self._buffer: Deque[Record] = collections.deque()
+        self._buffer: Deque[Any] = collections.deque()  # Records, and raw step tuples
         self._address = address if address is not None else os.environ.get(COLLECTOR_ENV)
         self._socket: Optional[socket.socket] = None
         self._next_connect_at = 0.0
@@ -51,7 +53,7 @@ class Sender:
         self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
 
     # -- training thread ------------------------------------------------------------------
-    def push(self, record: Record) -> None:
+    def push(self, record: Any) -> None:
         if len(self._buffer) >= self.capacity:
             self.records_dropped += 1
             return
@@ -122,7 +124,9 @@ class Sender:
             batch: List[Record] = []
             while self._buffer and len(batch) < RECORDS_PER_FRAME:
                 record = self._buffer.popleft()
-                if isinstance(record, RankEnd):  # the goodbye carries the final counts
+                if type(record) is tuple:
+                    record = self.record_from(record)
+                elif isinstance(record, RankEnd):  # the goodbye carries the final counts
                     record.records_sent = self.records_sent + len(batch)
                     record.records_dropped = self.records_dropped
                 batch.append(record)

@@ -34,6 +34,14 @@ NO_PHASE = -1
 class StepProbe:
     """Per-process probe state: the step in flight, the one before it, and their clocks."""
 
+    # Slots, not a __dict__: every attribute here is touched on every step.
+    __slots__ = ("sender", "timeline", "device_memory", "host_rss", "rank", "exit_code",
+                 "setup_started_ns", "in_step", "_step_depth", "step_index", "_step_start_ns",
+                 "_unix_at_zero_s", "_start_event", "open_phase", "_open_depth",
+                 "_open_start_ns", "_open_event", "phase_ns", "_phase_events",
+                 "input_wait_inside_ns", "forward_calls", "samples", "input_wait_gap_ns", "_gc_ns",
+                 "_gc_collections", "_gc_start_ns", "_closed")
+
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
                  host_rss: Any = None):
         self.sender = sender
@@ -42,12 +50,14 @@ class StepProbe:
         self.host_rss = host_rss
         self.rank = int(os.environ.get("RANK", "0") or 0)
         self.exit_code: Optional[int] = None
+        self.setup_started_ns = 0
 
         self.in_step = False
         self._step_depth = 0
         self.step_index = 0
         self._step_start_ns = 0
-        self._step_start_unix_s = 0.0
+        # Wall clock = this offset + perf_counter: one reading, not a time.time() per step.
+        self._unix_at_zero_s = time.time() - _now_ns() / 1e9
         self._start_event: Any = None
         # The open phase: only the outermost traced call of a phase is timed.
         self.open_phase = NO_PHASE
@@ -57,41 +67,60 @@ class StepProbe:
         # Accumulators of the step in flight.
         self.phase_ns = [0, 0, 0, 0]
         self._phase_events: List[Tuple[str, Any, Any]] = []
-        self._input_wait_inside_ns = 0
+        self.input_wait_inside_ns = 0
         self.forward_calls = 0
         self.samples = 0
         # Accumulators of the whole window (step plus the gap after it).
-        self._input_wait_gap_ns = 0
+        self.input_wait_gap_ns = 0
         self._gc_ns = 0
         self._gc_collections = 0
         self._gc_start_ns = 0
         # The closed step waiting for the next start to end its window.
         self._closed: Optional[dict] = None
 
-    # -- step boundaries --------------------------------------------------------------------
+    # -- step boundaries: `with trace_step(model):` enters and exits the probe itself ---------
+    def __enter__(self) -> "StepProbe":
+        try:
+            self.enter()
+        except Exception:  # the training comes first: a fault here costs telemetry only
+            _disable("trace_step enter")
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        try:
+            self.exit(failed=exc_type is not None)
+        except Exception:
+            _disable("trace_step exit")
+        return False
+
     def enter(self) -> None:
         if self._step_depth:
             self._step_depth += 1  # a nested trace_step (an integration inside a user's block)
             return
         self._step_depth = 1
         now = _now_ns()
-        start_event = self.timeline.record() if self.timeline is not None else None
-        if self._closed is not None:
-            self._emit_closed(now, start_event)
-        self._gc_ns = 0
-        self._gc_collections = 0
-        self._input_wait_gap_ns = 0
-        self._input_wait_inside_ns = 0
-        self.phase_ns = [0, 0, 0, 0]
-        self._phase_events = []
-        self.forward_calls = 0
-        self.samples = 0
-        self.open_phase = NO_PHASE
-        self._open_depth = 0
-        if self.device_memory is not None:
+        if self.setup_started_ns:
+            # The first step began when trace_step was first called; the probe's own set-up
+            # (imports, patches) is part of it, so even step 0 adds up to the loop's clock.
+            now, self.setup_started_ns = self.setup_started_ns, 0
+        closed = self._closed
+        if self.timeline is None:
+            if closed is not None:
+                # The arithmetic happens on the sender's thread (record_from): here, one tuple.
+                self.sender.push((closed, now, self.input_wait_gap_ns, self._gc_ns,
+                                  self._gc_collections))
+        else:
+            self._start_event = self.timeline.record()
+            if closed is not None:
+                self._submit_device_step(closed, now, self._start_event)
+            self._phase_events = []
             self.device_memory.reset_peak()
-        self._start_event = start_event
-        self._step_start_unix_s = time.time()
+        self._closed = None
+        self._gc_ns = self._gc_collections = 0
+        self.input_wait_gap_ns = self.input_wait_inside_ns = 0
+        phase_ns = self.phase_ns
+        phase_ns[0] = phase_ns[1] = phase_ns[2] = phase_ns[3] = 0
+        self.forward_calls = self.samples = 0
         self._step_start_ns = now
         self.in_step = True
 
@@ -111,70 +140,61 @@ class StepProbe:
                 for _, begin, end in self._phase_events:
                     self.timeline.release(begin)
                     self.timeline.release(end)
-                if self._start_event is not None:
-                    self.timeline.release(self._start_event)
+                self.timeline.release(self._start_event)
             return
-        end_event = self.timeline.record() if self.timeline is not None else None
-        memory = self.device_memory.read() if self.device_memory is not None else (None, None, None)
-        self._closed = {
-            "step": self.step_index,
-            "start_ns": self._step_start_ns,
-            "start_unix_s": self._step_start_unix_s,
-            "end_ns": now,
-            "phase_ns": self.phase_ns,
-            "input_wait_inside_ns": self._input_wait_inside_ns,
-            "forward_calls": self.forward_calls,
-            "samples": self.samples,
-            "memory": memory,
-            "start_event": self._start_event,
-            "end_event": end_event,
-            "phase_events": self._phase_events,
-        }
+        h2d_ns, forward_ns, backward_ns, optimizer_ns = self.phase_ns
+        if self.timeline is None:
+            end_event = allocated = peak = reserved = None
+        else:
+            end_event = self.timeline.record()
+            allocated, peak, reserved = self.device_memory.read()
+        # One flat tuple of scalars (and, on CUDA, events): cheap to build, nothing for gc to track.
+        self._closed = (self.step_index, self._step_start_ns, now, h2d_ns, forward_ns, backward_ns,
+                        optimizer_ns, self.input_wait_inside_ns, self.forward_calls, self.samples,
+                        allocated, peak, reserved, self._start_event, end_event, self._phase_events)
         self.step_index += 1
 
-    def _emit_closed(self, window_end_ns: int, next_start_event: Any) -> None:
-        """Turn the closed step into a record whose window ends at window_end_ns."""
-        closed, self._closed = self._closed, None
-        gap_ns = window_end_ns - closed["end_ns"]
-        inside_ns = closed["end_ns"] - closed["start_ns"]
-        h2d_ns, forward_ns, backward_ns, optimizer_ns = closed["phase_ns"]
-        input_wait_inside_ns = closed["input_wait_inside_ns"]
-        untraced_ns = inside_ns - h2d_ns - forward_ns - backward_ns - optimizer_ns - input_wait_inside_ns
-        input_wait_gap_ns = min(self._input_wait_gap_ns, gap_ns)
-        allocated, peak, reserved = closed["memory"]
-        record = StepRecord(
-            rank=self.rank,
-            step=closed["step"],
-            start_unix_s=closed["start_unix_s"],
-            step_ms=(window_end_ns - closed["start_ns"]) / 1e6,
-            input_wait_ms=(input_wait_inside_ns + input_wait_gap_ns) / 1e6,
-            outside_ms=(gap_ns - input_wait_gap_ns) / 1e6,
-            h2d_ms=h2d_ns / 1e6,
-            forward_ms=forward_ns / 1e6,
-            backward_ms=backward_ns / 1e6,
-            optimizer_ms=optimizer_ns / 1e6,
-            untraced_ms=max(0, untraced_ns) / 1e6,
-            gc_ms=self._gc_ns / 1e6,
-            gc_collections=self._gc_collections,
-            forward_calls=closed["forward_calls"],
-            samples=closed["samples"],
-            device_allocated_bytes=allocated,
-            device_peak_bytes=peak,
-            device_reserved_bytes=reserved,
-            host_rss_bytes=self.host_rss.latest_bytes if self.host_rss is not None else None,
-        )
-        if self.timeline is None:
-            self.sender.push(record)
-            return
+    def _submit_device_step(self, closed: tuple, window_end_ns: int, next_start_event: Any) -> None:
         from traceml.probe.clock import PendingDeviceStep
 
-        self.timeline.submit(PendingDeviceStep(record, closed["start_event"], closed["end_event"],
-                                               next_start_event, closed["phase_events"]))
+        raw = (closed, window_end_ns, self.input_wait_gap_ns, self._gc_ns, self._gc_collections)
+        self.timeline.submit(PendingDeviceStep(raw, closed[13], closed[14], next_start_event,
+                                               closed[15]))
+
+    def record_from(self, raw: tuple) -> StepRecord:
+        """The StepRecord of a closed step whose window ends at window_end_ns (sender's thread)."""
+        closed, window_end_ns, input_wait_gap_ns, gc_ns, gc_collections = raw
+        (step, start_ns, end_ns, h2d_ns, forward_ns, backward_ns, optimizer_ns, input_wait_inside_ns,
+         forward_calls, samples, allocated, peak, reserved) = closed[:13]
+        gap_ns = window_end_ns - end_ns
+        untraced_ns = (end_ns - start_ns - h2d_ns - forward_ns - backward_ns - optimizer_ns
+                       - input_wait_inside_ns)
+        input_wait_gap_ns = min(input_wait_gap_ns, gap_ns)
+        return StepRecord(
+            rank=self.rank, step=step, start_unix_s=self.unix_s(start_ns),
+            step_ms=(window_end_ns - start_ns) / 1e6,
+            input_wait_ms=(input_wait_inside_ns + input_wait_gap_ns) / 1e6,
+            outside_ms=(gap_ns - input_wait_gap_ns) / 1e6,
+            h2d_ms=h2d_ns / 1e6, forward_ms=forward_ns / 1e6, backward_ms=backward_ns / 1e6,
+            optimizer_ms=optimizer_ns / 1e6, untraced_ms=max(0, untraced_ns) / 1e6,
+            gc_ms=gc_ns / 1e6, gc_collections=gc_collections, forward_calls=forward_calls,
+            samples=samples, device_allocated_bytes=allocated, device_peak_bytes=peak,
+            device_reserved_bytes=reserved,
+            host_rss_bytes=self.host_rss.latest_bytes if self.host_rss is not None else None)
+
+    def unix_s(self, perf_ns: int) -> float:
+        """A perf_counter_ns reading as wall-clock seconds since the epoch."""
+        return self._unix_at_zero_s + perf_ns / 1e9
 
     def finish(self) -> None:
         """At the end of the run: the last closed step's window ends where the step ended."""
-        if self._closed is not None:
-            self._emit_closed(self._closed["end_ns"], None)
+        closed, self._closed = self._closed, None
+        if closed is None:
+            return
+        if self.timeline is None:
+            self.sender.push((closed, closed[2], 0, self._gc_ns, self._gc_collections))
+        else:
+            self._submit_device_step(closed, closed[2], None)
 
     # -- phases, called by the patches in probe.phases ----------------------------------------
     def phase_begin(self, phase: int) -> bool:
@@ -212,12 +232,6 @@ class StepProbe:
         if self.timeline is not None:
             self.timeline.release(self._open_event)
 
-    def add_input_wait(self, wait_ns: int) -> None:
-        if self.in_step:
-            self._input_wait_inside_ns += wait_ns
-        else:
-            self._input_wait_gap_ns += wait_ns
-
     def gc_callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._gc_start_ns = _now_ns()
@@ -225,29 +239,6 @@ class StepProbe:
             self._gc_ns += _now_ns() - self._gc_start_ns
             self._gc_collections += 1
             self._gc_start_ns = 0
-
-
-class _TraceStep:
-    """The context manager `trace_step` returns; one per probe, reused every step."""
-
-    __slots__ = ("_probe",)
-
-    def __init__(self, probe: StepProbe):
-        self._probe = probe
-
-    def __enter__(self) -> "_TraceStep":
-        try:
-            self._probe.enter()
-        except Exception:  # the training comes first: a fault here costs telemetry only
-            _disable("trace_step enter")
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        try:
-            self._probe.exit(failed=exc_type is not None)
-        except Exception:
-            _disable("trace_step exit")
-        return False
 
 
 class _NoTrace:
@@ -266,6 +257,7 @@ _trace_step: Any = None
 _hooked_models: dict = {}
 _lock = threading.Lock()
 _disabled = False
+first_call_ns = 0  # set by traceml.trace_step before it imports this module
 
 
 def _disable(where: str) -> None:
@@ -290,21 +282,46 @@ def trace_step(model: Any = None) -> Any:
 
 def _setup(model: Any) -> None:
     global _probe, _trace_step
+    setup_started_ns = first_call_ns or _now_ns()
     with _lock:
         if _probe is None:
             _probe = _create_probe(model)
-            _trace_step = _TraceStep(_probe)
+            _probe.setup_started_ns = setup_started_ns
+        if _trace_step is None:  # first use, or after detach()
+            from traceml.probe.phases import install_patches
+
+            install_patches(_probe)
+            _trace_step = _probe
         if model is not None and id(model) not in _hooked_models:
             from traceml.probe.phases import hook_model
 
             _hooked_models[id(model)] = hook_model(_probe, model)
 
 
+def detach() -> None:
+    """Take every patch and model hook back out, leaving torch as it was; the probe stays.
+
+    The last step's window closes at its end. The next trace_step attaches everything again.
+    """
+    global _trace_step
+    from traceml.probe.phases import remove_patches
+
+    with _lock:
+        if _probe is None:
+            return
+        _probe.finish()
+        remove_patches()
+        for handles in _hooked_models.values():
+            for handle in handles:
+                handle.remove()
+        _hooked_models.clear()
+        _trace_step = None
+
+
 def _create_probe(model: Any) -> StepProbe:
     import torch
 
     from traceml.probe.memory import DeviceMemory, HostRss
-    from traceml.probe.phases import install_patches
     from traceml.probe.sender import Sender
 
     device = _model_device(torch, model)
@@ -318,7 +335,9 @@ def _create_probe(model: Any) -> StepProbe:
     host_rss.refresh()
     sender = Sender(_hello(torch, device, device_memory), timeline=timeline, host_rss=host_rss)
     probe = StepProbe(sender, timeline=timeline, device_memory=device_memory, host_rss=host_rss)
-    install_patches(probe)
+    sender.record_from = probe.record_from
+    if timeline is not None:
+        timeline.record_from = probe.record_from
     sender.start()
     atexit.register(_at_exit)
     return probe

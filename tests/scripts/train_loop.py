@@ -1,0 +1,75 @@
+"""A real, tiny CPU training loop the tests run under TraceML, shaped by its flags."""
+import argparse
+import json
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import traceml
+
+
+class SyntheticDataset(Dataset):
+    def __init__(self, size, features, load_ms):
+        generator = torch.Generator().manual_seed(0)
+        self.inputs = torch.randn(size, features, generator=generator)
+        self.targets = torch.randint(0, 10, (size,), generator=generator)
+        self.load_s = load_ms / 1000.0
+
+    def __len__(self):
+        return len(self.inputs)
+
+    def __getitem__(self, index):
+        if self.load_s:
+            time.sleep(self.load_s)
+        return self.inputs[index], self.targets[index]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--features", type=int, default=32)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--load-ms", type=float, default=0.0, help="per-sample sleep in the Dataset")
+    parser.add_argument("--no-loader", action="store_true", help="batches built by hand, no DataLoader")
+    parser.add_argument("--outside-ms", type=float, default=0.0, help="sleep between steps")
+    parser.add_argument("--crash-at", type=int, default=-1, help="raise inside this step")
+    parser.add_argument("--exit-code", type=int, default=0)
+    parser.add_argument("--timestamps", help="write the loop's own step start times here")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(args.features, args.width), nn.ReLU(),
+                          nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    dataset = SyntheticDataset(args.steps * args.batch_size, args.features, args.load_ms)
+    if args.no_loader:
+        batches = ((dataset.inputs[i:i + args.batch_size], dataset.targets[i:i + args.batch_size])
+                   for i in range(0, len(dataset), args.batch_size))
+    else:
+        batches = DataLoader(dataset, batch_size=args.batch_size)
+
+    starts = []
+    for step, (inputs, targets) in enumerate(batches):
+        starts.append(time.perf_counter())
+        with traceml.trace_step(model):
+            if step == args.crash_at:
+                raise RuntimeError(f"boom at step {step}")
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        if args.outside_ms:
+            time.sleep(args.outside_ms / 1000.0)
+    print(f"trained {len(starts)} steps", flush=True)
+    if args.timestamps:
+        with open(args.timestamps, "w") as out:
+            json.dump(starts, out)
+    sys.exit(args.exit_code)
+
+
+if __name__ == "__main__":
+    main()

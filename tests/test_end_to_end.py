@@ -1,0 +1,200 @@
+"""Real training loops under real `traceml run` subprocesses (and plain python), end to end."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import TRAIN_LOOP, _env
+
+PARTS = ("input_wait_ms", "outside_ms", "h2d_ms", "forward_ms", "backward_ms", "optimizer_ms",
+         "untraced_ms")
+
+
+def test_slow_dataset_is_input_bound(traceml_run):
+    run = traceml_run("--steps", 30, "--load-ms", 2, "--batch-size", 8)
+    assert run.returncode == 0, run.stderr
+    summary = run.summary()
+    primary = summary["primary_diagnosis"]
+    assert primary["kind"] == "INPUT_BOUND"
+    assert primary["severity"] == "crit"
+    # 8 samples x 2 ms of sleep per step: the input wait share is the bulk of the step.
+    assert summary["phases"]["input_wait"]["median_ms"] >= 16.0
+    assert summary["phases"]["input_wait"]["share"] > 0.5
+    assert f"{primary['evidence']['share']:.0%}" in primary["summary"]
+    assert "num_workers" in primary["action"]
+    # The card went to stdout, between the script's own output and the end.
+    assert "trained 30 steps" in run.stdout
+    assert "INPUT BOUND" in run.stdout
+
+
+def test_wide_mlp_in_memory_is_compute_bound(traceml_run):
+    run = traceml_run("--steps", 30, "--no-loader", "--batch-size", 64, "--features", 512,
+                      "--width", 2048)
+    assert run.returncode == 0, run.stderr
+    summary = run.summary()
+    assert summary["primary_diagnosis"]["kind"] == "COMPUTE_BOUND"
+    compute = sum(summary["phases"][p]["share"] for p in ("forward", "backward", "optimizer"))
+    assert compute > 0.7
+    assert summary["phases"]["input_wait"]["median_ms"] == 0.0  # no DataLoader at all
+    assert summary["throughput"]["samples_per_s"] > 0
+    rows = run.step_rows()
+    assert len(rows) == 30
+    assert all(row["samples"] == 64 and row["forward_calls"] == 1 for row in rows)
+
+
+def test_parts_add_up_to_the_loops_own_step_times(traceml_run, tmp_path):
+    stamps = tmp_path / "starts.json"
+    run = traceml_run("--steps", 40, "--load-ms", 0.5, "--outside-ms", 3, "--timestamps", stamps)
+    assert run.returncode == 0, run.stderr
+    starts = json.loads(stamps.read_text())
+    rows = run.step_rows()
+    assert [row["step"] for row in rows] == list(range(40))
+    for row, start, next_start in zip(rows, starts, starts[1:]):
+        loop_ms = (next_start - start) * 1000.0  # measured by the training loop itself
+        parts_ms = sum(row[p] for p in PARTS)
+        assert parts_ms == pytest.approx(row["step_ms"], rel=1e-6)
+        assert parts_ms == pytest.approx(loop_ms, rel=0.05), row
+        assert row["outside_ms"] >= 3.0  # the sleep between steps
+        assert row["input_wait_ms"] >= 4 * 0.5  # 8 samples of 0.5 ms, most of it
+    summary = run.summary()
+    shares = sum(summary["phases"][p[:-3]]["share"] for p in PARTS)
+    assert shares == pytest.approx(1.0, abs=1e-3)
+
+
+def test_loop_without_dataloader_counts_the_gap_as_outside(traceml_run):
+    run = traceml_run("--steps", 20, "--no-loader", "--outside-ms", 5)
+    assert run.returncode == 0, run.stderr
+    rows = run.step_rows()
+    assert len(rows) == 20
+    for row in rows[:-1]:  # the last step's window ends with the step itself
+        assert row["input_wait_ms"] == 0.0
+        assert 5.0 <= row["outside_ms"] < 5.0 + 0.5 * row["step_ms"]
+
+
+def test_crash_keeps_exit_code_and_the_steps_before_it(traceml_run):
+    run = traceml_run("--steps", 30, "--crash-at", 12)
+    assert run.returncode == 1
+    assert "RuntimeError: boom at step 12" in run.stderr  # the script's traceback, untouched
+    summary = run.summary()
+    assert summary["run"]["exit_code"] == 1
+    assert summary["steps"]["count"] == 12
+    assert [row["step"] for row in run.step_rows()] == list(range(12))
+
+
+def test_exit_code_is_the_scripts(traceml_run):
+    run = traceml_run("--steps", 12, "--exit-code", 3)
+    assert run.returncode == 3
+    assert run.summary()["run"]["exit_code"] == 3
+
+
+def test_plain_python_prints_the_card_and_writes_a_run_dir(plain_run):
+    run = plain_run("--steps", 25, "--load-ms", 2)
+    assert run.returncode == 0, run.stderr
+    assert run.run_dir.parent.name == "traceml_runs"
+    assert run.run_dir.name.endswith("-train_loop")
+    for name in ("final_summary.json", "final_summary.txt", "telemetry.sqlite", "report.html"):
+        assert (run.run_dir / name).is_file(), name
+    summary = run.summary()
+    assert summary["steps"]["count"] == 25
+    assert summary["run"]["exit_code"] == 0
+    assert summary["run"]["script"] == "train_loop.py"
+    assert summary["primary_diagnosis"]["kind"] == "INPUT_BOUND"
+    # Printed once, after the script's output.
+    assert run.stdout.count("TraceML") == 1
+    assert run.stdout.index("trained 25 steps") < run.stdout.index("TraceML")
+
+
+def test_plain_python_crash_keeps_its_steps_and_exit_code(plain_run):
+    run = plain_run("--steps", 30, "--crash-at", 15)
+    assert run.returncode == 1
+    summary = run.summary()
+    assert summary["steps"]["count"] == 15
+    assert summary["run"]["exit_code"] == 1
+
+
+def test_run_directory_matches_the_contract(traceml_run):
+    run = traceml_run("--steps", 15)
+    assert run.returncode == 0, run.stderr
+    summary = run.summary()
+    assert summary["schema_version"] == 1
+    assert set(summary["run"]) >= {"script", "argv", "exit_code", "started_at", "duration_s",
+                                   "world_size", "devices", "torch_version"}
+    assert summary["run"]["argv"][1:] == ["--steps", "15"]
+    assert summary["run"]["world_size"] == 1
+    for phase in ("input_wait", "outside", "h2d", "forward", "backward", "optimizer", "untraced",
+                  "gc", "step"):
+        assert set(summary["phases"][phase]) >= {"median_ms", "mean_ms", "share"}
+    assert set(summary["memory"]) >= {"device_peak_bytes", "device_capacity_bytes",
+                                      "host_rss_peak_bytes", "creep_bytes_per_step"}
+    assert summary["memory"]["host_rss_peak_bytes"] > 10 * 2 ** 20
+    assert summary["ranks"][0]["rank"] == 0 and summary["ranks"][0]["step_median_ms"] > 0
+    assert summary["steps"]["warmup_excluded"] == 1
+    finding_keys = {"kind", "severity", "summary", "action", "rank", "evidence"}
+    assert set(summary["primary_diagnosis"]) == finding_keys
+    assert all(set(f) == finding_keys for f in summary["findings"])
+    card = (run.run_dir / "final_summary.txt").read_text()
+    assert max(len(line) for line in card.splitlines()) <= 100
+    html = (run.run_dir / "report.html").read_text()
+    assert "<svg id='step-chart'" in html and "http" not in html
+
+
+def test_missing_script_is_a_one_line_error(traceml_run, tmp_path):
+    run = traceml_run(script=tmp_path / "nope.py")
+    assert run.returncode == 2
+    assert run.stderr.strip().count("\n") == 0
+    assert "no such script" in run.stderr
+    assert not run.run_dir.exists()
+
+
+def test_existing_run_dir_is_never_overwritten(traceml_run, tmp_path):
+    run_dir = tmp_path / "taken"
+    run_dir.mkdir()
+    (run_dir / "final_summary.json").write_text("{\"earlier\": true}")
+    run = traceml_run("--steps", 12, run_dir=run_dir)
+    assert run.returncode == 2
+    assert "already exists" in run.stderr and run.stderr.strip().count("\n") == 0
+    assert json.loads((run_dir / "final_summary.json").read_text()) == {"earlier": True}
+
+
+def test_unwritable_run_dir_warns_and_training_runs_untouched(traceml_run, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    run = traceml_run("--steps", 12, "--exit-code", 4, run_dir=blocker / "run")
+    assert run.returncode == 4
+    assert "trained 12 steps" in run.stdout
+    assert "cannot write run dir" in run.stderr
+    assert "TraceML" in run.stdout  # the card is still printed
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_reaches_the_script_and_the_summary_is_written(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "traceml", "run", "--run-dir", str(run_dir), str(TRAIN_LOOP),
+               "--steps", "100000", "--no-loader", "--outside-ms", "2"]
+    # A terminal's Ctrl-C goes to the whole foreground process group: do the same.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=tmp_path, env=_env(), start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        db = run_dir / "telemetry.sqlite"
+        if db.exists() and db.stat().st_size > 0:
+            import sqlite3
+
+            try:
+                with sqlite3.connect(db) as conn:
+                    if conn.execute("SELECT count(*) FROM steps").fetchone()[0] >= 20:
+                        break
+            except sqlite3.OperationalError:
+                pass
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr  # the script died of KeyboardInterrupt
+    assert "KeyboardInterrupt" in stderr
+    summary = json.loads((run_dir / "final_summary.json").read_text())
+    assert summary["run"]["exit_code"] == 130
+    assert summary["steps"]["count"] >= 20
