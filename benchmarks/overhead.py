@@ -3,14 +3,14 @@
 Per step: one process runs ~3000 traced and ~3000 untraced sub-millisecond steps (a tiny MLP
 fed by a DataLoader), interleaved in a shuffled order so this machine's drifting noise hits both
 sides alike; the untraced steps use an identical model that was never hooked. The patches TraceML
-installs also cost a little on untraced steps: that part is measured with blocks of steps
-where TraceML is attached (idle) and detached (torch as it was), alternating. The sum is what
+installs also cost a little on untraced steps: that part is measured on untraced steps with
+TraceML attached (idle) or detached (torch as it was), also shuffled. The sum is what
 tracing adds to a step. The collector TraceML starts stays up throughout, as in a real run.
 
 Fixed cost: `traceml run short.py` (traced, card and run directory included) against
 `python short.py` (untraced), alternating, wall-clock from outside.
 
-    python benchmarks/overhead.py [--steps 3000] [--block 100] [--rounds 5]
+    python benchmarks/overhead.py [--steps 3000] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -29,13 +29,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-mode, steps, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+mode, steps = sys.argv[1], int(sys.argv[2])
+warmup = 200
 torch.manual_seed(0)
 torch.set_num_threads(1)
 traced_model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
 plain_model = copy.deepcopy(traced_model)  # never given to trace_step: no hooks on it
 optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.01) for m in (traced_model, plain_model)}
-total = 4 * steps + 4 * block
+total = 4 * steps + warmup
 data = TensorDataset(torch.randn(total * 8, 32), torch.randint(0, 10, (total * 8,)))
 batches = iter(DataLoader(data, batch_size=8))
 untraced = lambda model: contextlib.nullcontext()
@@ -67,7 +68,7 @@ from traceml.probe import step as probe_step
 if mode == "traced":
     run_block(traceml.trace_step, traced_model, steps)
     sys.exit(0)
-run_block(traceml.trace_step, traced_model, block)  # warm-up: start-up and the collector
+run_block(traceml.trace_step, traced_model, warmup)  # start-up and the collector
 
 # 1. Traced and untraced steps interleaved in a shuffled order, patches installed: what tracing
 #    a step costs beyond the patches' idle cost. Shuffled, not strictly alternating, so that
@@ -84,40 +85,43 @@ for traced in order:
 traced_us = statistics.median(times_ns[True]) / 1e3
 untraced_us = statistics.median(times_ns[False]) / 1e3
 
-# 2. Blocks with TraceML attached (idle: untraced model) and detached, alternating: what the
-#    installed patches cost a step that is not traced.
-block_pairs = []
-for index in range(steps // block):
-    medians = {}
-    for side in (("detached", "attached") if index % 2 else ("attached", "detached")):
-        if side == "detached":
-            probe_step.detach()
-        else:
-            with traceml.trace_step(None):  # attach again, with no model hooked
-                pass
-        medians[side] = run_block(untraced, plain_model, block)
-    block_pairs.append(medians["attached"] - medians["detached"])
-print(json.dumps({"traced_us": traced_us, "untraced_us": untraced_us, "block_pairs": block_pairs}))
+# 2. The same for the patches' idle cost: untraced steps with TraceML attached (patches in,
+#    no model hooked) or detached (torch as it was), in a shuffled order; attaching and
+#    detaching happen outside the timed step.
+order = [True] * steps + [False] * steps
+random.Random(1).shuffle(order)
+idle_ns = {True: [], False: []}
+for attached in order:
+    if attached:
+        with traceml.trace_step(None):  # attaches again when detached
+            pass
+    else:
+        probe_step.detach()
+    start = time.perf_counter_ns()
+    one_step(untraced, plain_model)
+    idle_ns[attached].append(time.perf_counter_ns() - start)
+idle_us = (statistics.median(idle_ns[True]) - statistics.median(idle_ns[False])) / 1e3
+print(json.dumps({"traced_us": traced_us, "untraced_us": untraced_us, "idle_us": idle_us}))
 """
 
 
-def per_step(steps: int, block: int, workdir: str) -> None:
+def per_step(steps: int, workdir: str) -> None:
     script = os.path.join(workdir, "bench_child.py")
     with open(script, "w") as out:
         out.write(CHILD)
     env = dict(os.environ, TRACEML_RUN_DIR=os.path.join(workdir, "per-step-run"))
     env.pop("TRACEML_COLLECTOR", None)
-    out = subprocess.run([sys.executable, script, "alternate", str(steps), str(block)],
+    out = subprocess.run([sys.executable, script, "alternate", str(steps)],
                          capture_output=True, text=True, env=env, cwd=workdir, check=True).stdout
     result = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
     traced_us, untraced_us = result["traced_us"], result["untraced_us"]
-    idle_us = statistics.median(result["block_pairs"])
+    idle_us = result["idle_us"]
     added_us = traced_us - untraced_us + idle_us
     print(f"per step: {steps} traced and {steps} untraced steps, interleaved in a shuffled order")
     print(f"  untraced step median:              {untraced_us:8.1f} µs")
     print(f"  traced step median:                {traced_us:8.1f} µs")
     print(f"  installed patches, on any step:    {idle_us:+8.1f} µs "
-          f"(blocks of {block} attached vs detached, alternating)")
+          "(attached vs detached, shuffled)")
     print(f"  added per step:                    {added_us:+8.1f} µs   target: <= 20 µs")
     print(f"  ratio traced/untraced:             {(untraced_us + added_us) / untraced_us:8.3f}")
 
@@ -129,9 +133,9 @@ def fixed_cost(rounds: int, workdir: str) -> None:
     walls = {"python": [], "traceml run": []}
     for round_index in range(rounds):
         commands = {
-            "python": [sys.executable, script, "untraced", "20", "20"],
+            "python": [sys.executable, script, "untraced", "20"],
             "traceml run": [sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir",
-                            os.path.join(workdir, f"fixed-{round_index}"), script, "traced", "20", "20"],  # noqa: E501
+                            os.path.join(workdir, f"fixed-{round_index}"), script, "traced", "20"],
         }
         order = list(commands) if round_index % 2 == 0 else list(reversed(commands))
         for name in order:
@@ -147,11 +151,10 @@ def fixed_cost(rounds: int, workdir: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000, help="steps on each side")
-    parser.add_argument("--block", type=int, default=100, help="steps per alternating block")
     parser.add_argument("--rounds", type=int, default=5, help="launches on each side, fixed cost")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
-        per_step(args.steps, args.block, workdir)
+        per_step(args.steps, workdir)
         fixed_cost(args.rounds, workdir)
 
 

@@ -122,31 +122,72 @@ def _hook_optimizers(probe: StepProbe) -> None:
     _undo.append(register_optimizer_step_post_hook(after_step).remove)
 
 
-def hook_model(probe: StepProbe, model: Any) -> Any:
+class TimedForward:
+    """Stands in for `model.forward` (as an instance attribute) to time the outermost call.
+
+    Not a forward hook: any hook sends every call of the module through torch's slow path,
+    which costs more than all the rest of the probe. Pickling or deep-copying the model
+    yields its own forward back, never this wrapper; `inspect.signature` sees the original.
+    """
+
+    __slots__ = ("probe", "__wrapped__", "tensor_type")
+
+    def __init__(self, probe: StepProbe, forward: Any, tensor_type: type):
+        self.probe = probe
+        self.__wrapped__ = forward
+        self.tensor_type = tensor_type
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        probe = self.probe
+        if probe.phase_begin(FORWARD):
+            probe.forward_calls += 1
+            probe.samples += _batch_size(args, kwargs, self.tensor_type)
+        try:
+            return self.__wrapped__(*args, **kwargs)
+        finally:
+            probe.phase_end(FORWARD)
+
+    def __getattr__(self, name: str) -> Any:  # __name__, __doc__, __func__, ... of the original
+        return getattr(self.__wrapped__, name)
+
+    def __reduce__(self) -> Any:
+        return (_same, (self.__wrapped__,))
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+class _ForwardHandle:
+    """Takes a model's TimedForward back out, restoring what forward was before."""
+
+    def __init__(self, model: Any, timed: TimedForward, had_own_forward: bool):
+        self._model, self._timed, self._had_own_forward = model, timed, had_own_forward
+
+    def remove(self) -> None:
+        if self._model.__dict__.get("forward") is not self._timed:
+            return  # someone wrapped it again since: leave their wrapper alone
+        if self._had_own_forward:
+            self._model.forward = self._timed.__wrapped__
+        else:
+            del self._model.forward
+
+
+def hook_model(probe: StepProbe, model: Any) -> List[Any]:
     """Time the outermost call of this model as forward and count the samples it is given."""
     import torch
 
-    tensor_type = torch.Tensor
-
-    def before_forward(module: Any, args: tuple, kwargs: dict) -> None:
-        if probe.phase_begin(FORWARD):
-            probe.forward_calls += 1
-            probe.samples += _batch_size(args, kwargs, tensor_type)
-
-    def after_forward(module: Any, args: tuple, output: Any) -> None:
-        probe.phase_end(FORWARD)
-
-    # kwargs for the pre-hook only: models called as model(**batch) show their batch there.
-    pre = model.register_forward_pre_hook(before_forward, with_kwargs=True)
-    try:
-        post = model.register_forward_hook(after_forward, always_call=True)
-    except TypeError:  # torch < 2.1 has no always_call; a failed step resets the probe anyway
-        post = model.register_forward_hook(after_forward)
-    return (pre, post)
+    had_own_forward = "forward" in model.__dict__  # e.g. Accelerate's autocast wrapper
+    timed = TimedForward(probe, model.forward, torch.Tensor)
+    model.forward = timed
+    return [_ForwardHandle(model, timed, had_own_forward)]
 
 
 def _batch_size(args: tuple, kwargs: dict, tensor_type: type) -> int:
     """The leading dimension of the first tensor the model is given, looking one level deep."""
+    if args and isinstance(args[0], tensor_type):  # model(inputs): the common case, first
+        shape = args[0].shape
+        return shape[0] if shape else 1
     for value in (*args, *kwargs.values()):
         if isinstance(value, dict):
             candidates: Any = value.values()
