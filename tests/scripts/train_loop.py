@@ -39,11 +39,13 @@ def main():
     parser.add_argument("--crash-at", type=int, default=-1, help="raise inside this step")
     parser.add_argument("--exit-code", type=int, default=0)
     parser.add_argument("--timestamps", help="write the loop's own step start times here")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU checks")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(args.features, args.width), nn.ReLU(),
-                          nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, 10))
+                          nn.Linear(args.width, args.width), nn.ReLU(),
+                          nn.Linear(args.width, 10)).to(args.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     dataset = SyntheticDataset(args.steps * args.batch_size, args.features, args.load_ms)
     if args.no_loader:
@@ -56,6 +58,9 @@ def main():
     for step, (inputs, targets) in enumerate(batches):
         starts.append(time.perf_counter())
         with traceml.trace_step(model):
+            if args.device != "cpu":
+                inputs = inputs.to(args.device, non_blocking=True)
+                targets = targets.to(args.device, non_blocking=True)
             if step == args.crash_at:
                 raise RuntimeError(f"boom at step {step}")
             loss = nn.functional.cross_entropy(model(inputs), targets)

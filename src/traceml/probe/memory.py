@@ -14,13 +14,22 @@ class DeviceMemory:
     def __init__(self, torch: Any, device: Any):
         self._cuda = torch.cuda
         self._device = device
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
         self.capacity_bytes: int = int(torch.cuda.get_device_properties(device).total_memory)
+        # torch.cuda.memory_allocated() and friends each flatten the allocator's whole stats
+        # dict; one read of the nested dict gives all three figures for a fraction of that.
+        self._nested_stats = getattr(torch._C, "_cuda_memoryStats", None)
 
     def reset_peak(self) -> None:
         self._cuda.reset_peak_memory_stats(self._device)
 
     def read(self) -> Tuple[int, int, int]:
         """(allocated now, peak since the last reset, reserved) in bytes."""
+        if self._nested_stats is not None:
+            stats = self._nested_stats(self._index)
+            allocated = stats["allocated_bytes"]["all"]
+            return (int(allocated["current"]), int(allocated["peak"]),
+                    int(stats["reserved_bytes"]["all"]["current"]))
         cuda, device = self._cuda, self._device
         return (int(cuda.memory_allocated(device)), int(cuda.max_memory_allocated(device)),
                 int(cuda.memory_reserved(device)))

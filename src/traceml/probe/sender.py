@@ -76,7 +76,9 @@ class Sender:
                 self._collect_device_steps()
                 time.sleep(0.01)
         self._collect_device_steps()
-        self.push(RankEnd(rank=self.hello.rank, exit_code=exit_code, records_sent=0, records_dropped=0))
+        # The goodbye bypasses the capacity check: it is what tells the collector the rank is done.
+        self._buffer.append(RankEnd(rank=self.hello.rank, exit_code=exit_code, records_sent=0,
+                                    records_dropped=0))
         self._flush()
         if self._socket is not None:
             try:

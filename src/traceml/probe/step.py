@@ -136,11 +136,12 @@ class StepProbe:
         if failed:
             # The step did not finish: it is not a step. Its window never closes, so the
             # previous steps keep their figures and the next step starts afresh.
+            # Its phase events go back to the pool; its start event stays out, since the step
+            # before it may still be waiting on that event as the end of its window.
             if self.timeline is not None:
                 for _, begin, end in self._phase_events:
                     self.timeline.release(begin)
                     self.timeline.release(end)
-                self.timeline.release(self._start_event)
             return
         h2d_ns, forward_ns, backward_ns, optimizer_ns = self.phase_ns
         if self.timeline is None:

@@ -1,0 +1,117 @@
+"""Sender → real TCP socket → collector → real SQLite file, and the faults on that path."""
+import socket
+import sqlite3
+import threading
+import time
+
+import pytest
+
+from traceml.collector.server import Collector
+from traceml.collector.store import Store
+from traceml.probe.sender import Sender
+from traceml.records import HEADER_BYTES, RankEnd, encode_frame
+from test_records import hello, step
+
+
+@pytest.fixture
+def collector(tmp_path):
+    store = Store(str(tmp_path / "telemetry.sqlite"))
+    collector = Collector(store)
+    collector.start()
+    yield collector
+    collector.stop()
+
+
+def wait_for(condition, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_records_travel_from_sender_to_the_sqlite_file(collector, tmp_path):
+    sender = Sender(hello(), address=collector.address)
+    sender.start()
+    for index in range(500):
+        sender.push(step(index))
+    sender.close(exit_code=0)
+    assert collector.wait_for_ranks(timeout_s=5)
+    collector.stop()
+    # A separate connection to the file: WAL mode, committed, every step there.
+    with sqlite3.connect(tmp_path / "telemetry.sqlite") as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert db.execute("SELECT count(*), min(step), max(step) FROM steps").fetchone() == (500, 0, 499)
+        assert db.execute("SELECT forward_ms FROM steps WHERE step = 42").fetchone()[0] == 3.0
+    (end,) = collector.store.ends()
+    assert (end.exit_code, end.records_sent, end.records_dropped) == (0, 500, 0)
+    assert collector.store.hellos()[0].pid == 1
+
+
+def test_a_bad_frame_closes_only_its_own_connection(collector):
+    good = socket.create_connection(("127.0.0.1", collector.port))
+    good.sendall(encode_frame([hello(), step(0)]))
+    bad = socket.create_connection(("127.0.0.1", collector.port))
+    bad.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    bad.settimeout(5)
+    assert bad.recv(1) == b""  # closed by the collector
+    good.sendall(encode_frame([step(1), step(2)]))
+    good.close()
+    assert collector.wait_for_ranks(timeout_s=5)
+    assert [s.step for s in collector.store.steps()] == [0, 1, 2]
+    assert collector.frames_rejected == 1
+
+
+def test_a_truncated_frame_keeps_what_came_before_it(collector):
+    conn = socket.create_connection(("127.0.0.1", collector.port))
+    conn.sendall(encode_frame([hello(), step(0)]))
+    conn.sendall(encode_frame([step(1)])[: HEADER_BYTES + 3])  # the rank dies mid-frame
+    conn.close()
+    assert collector.wait_for_ranks(timeout_s=5)
+    assert [s.step for s in collector.store.steps()] == [0]
+
+
+def test_a_full_buffer_drops_and_counts_and_never_blocks():
+    sender = Sender(hello(), capacity=100, address="127.0.0.1:1")  # never started: nothing drains
+    started = time.perf_counter()
+    for index in range(10_000):
+        sender.push(step(index))
+    elapsed = time.perf_counter() - started
+    assert sender.records_dropped == 9_900
+    assert elapsed < 1.0  # 10k pushes; a blocking push would wait forever here
+
+
+def test_an_unreachable_collector_costs_telemetry_not_time():
+    sender = Sender(hello(), address="127.0.0.1:1")
+    sender.start()
+    for index in range(50):
+        sender.push(step(index))
+    started = time.perf_counter()
+    sender.close(exit_code=0, timeout_s=3.0)
+    assert time.perf_counter() - started < 3.5
+    assert sender.records_dropped >= 50
+
+
+def test_the_port_is_the_one_the_os_gave(collector):
+    assert collector.port > 0
+    with socket.create_connection(("127.0.0.1", collector.port)):
+        pass
+    assert collector.address == f"127.0.0.1:{collector.port}"
+
+
+def test_collector_binds_loopback_by_default(collector):
+    bound = [sock.getsockname()[0] for sock in collector._server.sockets]
+    assert bound == ["127.0.0.1"]
+
+
+def test_end_record_counts_drops_reported_by_the_rank(collector):
+    sender = Sender(hello(), capacity=10, address=collector.address)
+    for index in range(25):  # before start: 15 of these cannot fit
+        sender.push(step(index))
+    sender.start()
+    sender.close(exit_code=3)
+    assert collector.wait_for_ranks(timeout_s=5)
+    (end,) = collector.store.ends()
+    assert end.exit_code == 3 and end.records_dropped == 15
+    assert len(collector.store.steps()) == 10

@@ -1,0 +1,92 @@
+"""Summary and card from a store filled with synthetic records: figures, contract, width."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from traceml.collector.store import Store
+from traceml.records import GpuSample, RankEnd, SystemSample
+from traceml.views.report import render_report
+from traceml.views.summary import CARD_WIDTH, RunData, RunFacts, build_summary, card_text
+from test_records import hello, step
+
+GIB = 1024 ** 3
+
+
+def filled_store(tmp_path, steps=40, with_gpu=False):
+    store = Store(str(tmp_path / "telemetry.sqlite"))
+    first = hello()
+    records = [first]
+    for index in range(steps):
+        record = step(index)
+        record.input_wait_ms, record.forward_ms, record.outside_ms = 6.0, 1.0, 0.5  # step is 10 ms
+        record.host_rss_bytes = 500 * 2 ** 20 + index * 4096  # grows a page a step
+        records.append(record)
+    gpus = [GpuSample(index=0, utilization_percent=37.0, memory_used_bytes=3 * GIB,
+                      memory_total_bytes=80 * GIB, temperature_c=50.0, power_w=200.0)] if with_gpu else []
+    records += [SystemSample(unix_s=1.0 + i, cpu_percent=40.0 + 20 * i, ram_used_bytes=(4 + i) * GIB,
+                             ram_total_bytes=16 * GIB, training_cpu_percent=90.0,
+                             training_rss_bytes=GIB, gpus=gpus) for i in range(2)]
+    records.append(RankEnd(rank=0, exit_code=0, records_sent=steps, records_dropped=7))
+    store.write(records)
+    store.commit()
+    return store
+
+
+FACTS = RunFacts(script="train.py", argv=["train.py", "--lr", "1e-3"], exit_code=0,
+                 started_at_unix_s=1_800_000_000.0, ended_at_unix_s=1_800_000_012.5)
+
+
+def test_summary_figures_come_from_the_records(tmp_path):
+    summary = build_summary(RunData(filled_store(tmp_path)), FACTS)
+    assert summary["steps"] == {"count": 40, "warmup_excluded": 4, "measured": 36,
+                                "records_dropped": 7, "device_timed": False}
+    assert summary["phases"]["input_wait"] == {"median_ms": 6.0, "mean_ms": 6.0, "share": 0.6}
+    assert summary["phases"]["step"]["median_ms"] == 10.0
+    assert summary["throughput"]["steps_per_s"] == pytest.approx(100.0)
+    assert summary["throughput"]["samples_per_s"] == pytest.approx(800.0)
+    assert summary["memory"]["creep_bytes_per_step"] == pytest.approx(4096.0)
+    assert summary["memory"]["host_rss_peak_bytes"] == 500 * 2 ** 20 + 39 * 4096
+    assert summary["system"]["cpu_percent"] == {"avg": 50.0, "peak": 60.0}
+    assert summary["run"]["duration_s"] == 12.5
+    assert summary["run"]["started_at"] == "2027-01-15T08:00:00+00:00"
+    assert summary["primary_diagnosis"]["kind"] == "INPUT_BOUND"
+    json.dumps(summary)  # plain JSON all the way down
+
+
+def test_findings_are_stored_with_the_run(tmp_path):
+    store = filled_store(tmp_path)
+    data = RunData(store)
+    assert [f.kind for f in store.findings()] == [f.kind for f in data.findings]
+
+
+def test_card_fits_100_columns_and_shows_the_figures(tmp_path):
+    summary = build_summary(RunData(filled_store(tmp_path, with_gpu=True)), FACTS)
+    card = card_text(summary)
+    lines = card.splitlines()
+    assert max(len(line) for line in lines) <= CARD_WIDTH
+    assert "INPUT BOUND" in card
+    assert "input wait is 60% of the step: 6.0 ms of 10.0 ms" in card
+    assert "median 10.0 ms" in card and "p90 10.0 ms" in card
+    assert "100.00 steps/s" in card and "800.0 samples/s" in card
+    assert "CPU avg 50% peak 60%" in card
+    assert "GPU0 util avg 37%" in card
+    assert "7 records dropped" in card
+    phase_line = next(line for line in lines if "input wait" in line and "%" in line)
+    assert "6.00" in phase_line and "60.0%" in phase_line
+
+
+def test_report_is_self_contained_with_its_charts(tmp_path):
+    data = RunData(filled_store(tmp_path))
+    html = render_report(build_summary(data, FACTS), data.rolled)
+    assert "<svg id='phase-bar'" in html and "<svg id='step-chart'" in html
+    assert "INPUT_BOUND" in html
+    assert "src=" not in html and "http" not in html  # nothing fetched from anywhere
+
+
+def test_import_traceml_is_light():
+    code = ("import sys, traceml; heavy = [m for m in ('torch', 'msgspec', 'rich', 'psutil', "
+            "'sqlite3', 'asyncio') if m in sys.modules]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
