@@ -41,32 +41,30 @@ def insufficient_data(steps_seen: int) -> Finding:
         evidence={"steps": steps_seen, "min_steps": MIN_STEPS})
 
 
-def input_bound(window: Window) -> Optional[Finding]:
-    share, wait_ms = window.share("input_wait"), window.mean_ms("input_wait")
+def _waiting(window: Window, phase: str, kind: str, what: str, action: str) -> Optional[Finding]:
+    """A phase in which the model waits (for data, for copies): warn at 10%, crit at 20%."""
+    share, wait_ms = window.share(phase), window.mean_ms(phase)
     severity = _severity(share, WAIT_WARN_SHARE, WAIT_CRIT_SHARE)
     if severity is None:
         return None
-    return Finding(
-        kind="INPUT_BOUND", severity=severity,
-        summary=_of_step("input wait", share, wait_ms, window),
-        action=("The model waits for the DataLoader. Raise num_workers, set pin_memory=True and "
-                "persistent_workers=True, and move heavy per-sample work (decoding, tokenizing, "
-                "augmenting) out of __getitem__ or cache its result."),
-        evidence=_evidence(window, share, wait_ms))
+    return Finding(kind=kind, severity=severity, summary=_of_step(what, share, wait_ms, window),
+                   action=action, evidence=_evidence(window, share, wait_ms))
+
+
+def input_bound(window: Window) -> Optional[Finding]:
+    return _waiting(
+        window, "input_wait", "INPUT_BOUND", "input wait",
+        "The model waits for the DataLoader. Raise num_workers, set pin_memory=True and "
+        "persistent_workers=True, and move heavy per-sample work (decoding, tokenizing, "
+        "augmenting) out of __getitem__ or cache its result.")
 
 
 def h2d_bound(window: Window) -> Optional[Finding]:
-    share, copy_ms = window.share("h2d"), window.mean_ms("h2d")
-    severity = _severity(share, WAIT_WARN_SHARE, WAIT_CRIT_SHARE)
-    if severity is None:
-        return None
-    return Finding(
-        kind="H2D_BOUND", severity=severity,
-        summary=_of_step("host-to-device copying", share, copy_ms, window),
-        action=("Pin host memory (DataLoader pin_memory=True) and copy with "
-                ".to(device, non_blocking=True); send compact dtypes (uint8, bf16) and convert "
-                "on the device; keep tensors that do not change on the device across steps."),
-        evidence=_evidence(window, share, copy_ms))
+    return _waiting(
+        window, "h2d", "H2D_BOUND", "host-to-device copying",
+        "Pin host memory (DataLoader pin_memory=True) and copy with "
+        ".to(device, non_blocking=True); send compact dtypes (uint8, bf16) and convert on the "
+        "device; keep tensors that do not change on the device across steps.")
 
 
 def untraced_work(window: Window) -> Optional[Finding]:
