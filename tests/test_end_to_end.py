@@ -198,3 +198,32 @@ def test_ctrl_c_reaches_the_script_and_the_summary_is_written(tmp_path):
     summary = json.loads((run_dir / "final_summary.json").read_text())
     assert summary["run"]["exit_code"] == 130
     assert summary["steps"]["count"] >= 20
+
+
+FAULTY_PROBE = """
+import runpy, sys
+from traceml.probe import sender
+
+original_push = sender.Sender.push
+pushes = []
+
+def push(self, record):
+    pushes.append(record)
+    if len(pushes) > 5:
+        raise RuntimeError("a bug inside TraceML")
+    original_push(self, record)
+
+sender.Sender.push = push
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_fault_inside_traceml_costs_telemetry_not_the_training(traceml_run, tmp_path):
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY_PROBE)
+    run = traceml_run(TRAIN_LOOP, "--steps", 20, "--exit-code", 0, script=script)
+    assert run.returncode == 0, run.stderr
+    assert "trained 20 steps" in run.stdout  # every step ran
+    assert "traceml: disabled after an internal error" in run.stderr
+    assert run.summary()["steps"]["count"] == 5  # what was recorded before the fault is kept

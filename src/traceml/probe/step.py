@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from typing import Any, List, Optional, Tuple
 
 from traceml.records import RankHello, StepRecord
@@ -75,8 +76,8 @@ class StepProbe:
         self._gc_ns = 0
         self._gc_collections = 0
         self._gc_start_ns = 0
-        # The closed step waiting for the next start to end its window.
-        self._closed: Optional[dict] = None
+        # The closed step waiting for the next start to end its window (see exit for its layout).
+        self._closed: Optional[tuple] = None
 
     # -- step boundaries: `with trace_step(model):` enters and exits the probe itself ---------
     def __enter__(self) -> "StepProbe":
@@ -255,24 +256,29 @@ class _NoTrace:
 _NO_TRACE = _NoTrace()
 _probe: Optional[StepProbe] = None
 _trace_step: Any = None
-_hooked_models: dict = {}
+_hooked_models: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _disabled = False
 first_call_ns = 0  # set by traceml.trace_step before it imports this module
 
 
 def _disable(where: str) -> None:
+    """After an internal fault: take the patches out and stay out of the training's way."""
     global _disabled
     _disabled = True
     log.warning("traceml: disabled after an internal error in %s; training continues untraced",
                 where, exc_info=True)
+    try:
+        detach()
+    except Exception:
+        log.debug("traceml: could not take the patches out", exc_info=True)
 
 
 def trace_step(model: Any = None) -> Any:
     """Trace one optimizer step: `with traceml.trace_step(model): ...`."""
     if _disabled:
         return _NO_TRACE
-    if _trace_step is None or (model is not None and id(model) not in _hooked_models):
+    if _trace_step is None or (model is not None and model not in _hooked_models):
         try:
             _setup(model)
         except Exception:
@@ -293,10 +299,10 @@ def _setup(model: Any) -> None:
 
             install_patches(_probe)
             _trace_step = _probe
-        if model is not None and id(model) not in _hooked_models:
+        if model is not None and model not in _hooked_models:
             from traceml.probe.phases import hook_model
 
-            _hooked_models[id(model)] = hook_model(_probe, model)
+            _hooked_models[model] = hook_model(_probe, model)
 
 
 def detach() -> None:
@@ -310,8 +316,10 @@ def detach() -> None:
     with _lock:
         if _probe is None:
             return
-        _probe.finish()
-        remove_patches()
+        try:
+            _probe.finish()
+        finally:
+            remove_patches()
         for handles in _hooked_models.values():
             for handle in handles:
                 handle.remove()
@@ -388,6 +396,9 @@ def _at_exit() -> None:
         return
     try:
         probe.finish()
+    except Exception:  # the last step is lost; what came before it still goes out below
+        log.debug("traceml: could not close the last step", exc_info=True)
+    try:
         # Neither sys.exit nor an uncaught exception was seen: the interpreter ends normally.
         probe.sender.close(exit_code=0 if probe.exit_code is None else probe.exit_code)
     except Exception:
