@@ -76,6 +76,7 @@ class Sender:
                 self._collect_device_steps()
                 time.sleep(0.01)
         self._collect_device_steps()
+        self._next_connect_at = 0.0  # one last try at connecting, whatever the back-off said
         # The goodbye bypasses the capacity check: it is what tells the collector the rank is done.
         self._buffer.append(RankEnd(rank=self.hello.rank, exit_code=exit_code, records_sent=0,
                                     records_dropped=0))
