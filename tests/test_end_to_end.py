@@ -227,3 +227,12 @@ def test_a_fault_inside_traceml_costs_telemetry_not_the_training(traceml_run, tm
     assert "trained 20 steps" in run.stdout  # every step ran
     assert "traceml: disabled after an internal error" in run.stderr
     assert run.summary()["steps"]["count"] == 5  # what was recorded before the fault is kept
+
+
+def test_a_run_too_short_for_a_verdict_says_so(plain_run):
+    run = plain_run("--steps", 3)
+    assert run.returncode == 0, run.stderr
+    summary = run.summary()
+    assert summary["steps"]["count"] == 3
+    assert summary["primary_diagnosis"]["kind"] == "INSUFFICIENT_DATA"
+    assert "only 3 steps recorded" in run.stdout
