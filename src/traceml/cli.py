@@ -20,7 +20,6 @@ from typing import Any, Callable, List, Optional, Set, Tuple
 
 log = logging.getLogger("traceml")
 
-ENV_COLLECTOR = "TRACEML_COLLECTOR"
 ENV_RUN_DIR = "TRACEML_RUN_DIR"
 RANK_GOODBYE_TIMEOUT_S = 5.0
 
@@ -48,6 +47,15 @@ def _parser() -> argparse.ArgumentParser:
                      help="cli on a terminal, summary otherwise (default: chosen from stdout)")
     run.add_argument("--run-dir", type=Path, default=None,
                      help="where the run's files go (default ./traceml_runs/<time>-<script>)")
+    distributed = run.add_argument_group("distributed (launched through torch.distributed.run)")
+    distributed.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                             help="ranks on this node")
+    distributed.add_argument("--nnodes", type=int, default=1, metavar="M")
+    distributed.add_argument("--node-rank", type=int, default=0, metavar="R")
+    distributed.add_argument("--master-addr", default=None, metavar="A",
+                             help="node 0's address (default 127.0.0.1)")
+    distributed.add_argument("--master-port", type=int, default=None, metavar="P",
+                             help="the rendezvous port; the collector takes P+1 across nodes")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -55,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     collect.add_argument("--ready-fd", type=int, required=True)
     collect.add_argument("--parent-pid", type=int, required=True)
     collect.add_argument("--script", required=True)
+    collect.add_argument("--host", default="127.0.0.1")
+    collect.add_argument("--port", type=int, default=0)
     return parser
 
 
@@ -64,12 +74,62 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 # -- traceml run --------------------------------------------------------------------------------
-def run_command(args: argparse.Namespace) -> int:
-    from traceml import rundir
+class Launch:
+    """What `traceml run` starts: the script itself, or its ranks through torch.distributed.run,
+    and where this node's ranks find the run's collector."""
 
-    script = Path(args.script)
-    if not script.is_file():
+    def __init__(self, args: argparse.Namespace):
+        from traceml import rendezvous
+
+        self.script = Path(args.script)
+        self.script_args = list(args.script_args)
+        self.nnodes, self.node_rank = args.nnodes, args.node_rank
+        self.distributed = args.nproc_per_node is not None or args.nnodes > 1
+        self.nproc_per_node = args.nproc_per_node or 1
+        self.master_addr = args.master_addr or rendezvous.LOOPBACK
+        # One node picks a free rendezvous port; several must agree on one, as with torchrun.
+        self.master_port = args.master_port or (
+            29500 if args.nnodes > 1 else _free_port() if self.distributed else 0)
+        self.hosts_collector = self.node_rank == 0
+        if self.nnodes > 1:  # other nodes must know where to send: master address, port P+1
+            self.collector_host = rendezvous.bind_host(self.master_addr)
+            self.collector_port = rendezvous.collector_port(self.master_port)
+        else:
+            self.collector_host, self.collector_port = rendezvous.LOOPBACK, 0
+
+    def command(self) -> List[str]:
+        if not self.distributed:
+            return [sys.executable, os.fspath(self.script), *self.script_args]
+        return [sys.executable, "-m", "torch.distributed.run",
+                "--nproc-per-node", str(self.nproc_per_node), "--nnodes", str(self.nnodes),
+                "--node-rank", str(self.node_rank), "--master-addr", self.master_addr,
+                "--master-port", str(self.master_port),
+                os.fspath(self.script), *self.script_args]
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from traceml import rendezvous, rundir
+
+    if not Path(args.script).is_file():
         return _fail(f"no such script: {args.script}")
+    try:
+        launch = Launch(args)
+    except rendezvous.RendezvousError as exc:
+        return _fail(str(exc))
+    if not launch.hosts_collector:
+        return _run_without_collector(launch)
     if args.run_dir is not None:
         try:
             rundir.check_not_taken(args.run_dir)
@@ -77,7 +137,7 @@ def run_command(args: argparse.Namespace) -> int:
             return _fail(str(exc))
         run_dir = args.run_dir
     else:
-        run_dir = rundir.default_run_dir(script.name)
+        run_dir = rundir.default_run_dir(launch.script.name)
 
     from traceml.collector.server import Collector
     from traceml.collector.store import Store
@@ -87,39 +147,66 @@ def run_command(args: argparse.Namespace) -> int:
     if warning:
         print(warning, file=sys.stderr)
     store = Store(rundir.store_path(writable_dir))
-    collector = Collector(store)
-    address = collector.start()
+    collector = Collector(store, launch.collector_host, launch.collector_port,
+                          token=os.environ.get(rendezvous.ENV_TOKEN, ""))
+    try:
+        address = collector.start()
+    except OSError as exc:
+        return _fail(f"cannot listen on {launch.collector_host}:{launch.collector_port} "
+                     f"for the collector: {exc.strerror or exc}")
     child_pids: Set[int] = set()
     sampler = SystemSampler(collector.ingest, lambda: child_pids | collector.training_pids)
 
     env = dict(os.environ)
-    env[ENV_COLLECTOR] = address
+    env[rendezvous.ENV_COLLECTOR] = address
     env[ENV_RUN_DIR] = os.fspath(run_dir)
     started = time.time()
     try:
-        child = subprocess.Popen([sys.executable, os.fspath(script), *args.script_args], env=env)
+        child = subprocess.Popen(launch.command(), env=env)
     except OSError as exc:
         collector.stop()
-        return _fail(f"cannot start {script}: {exc}")
+        return _fail(f"cannot start {launch.script}: {exc}")
     child_pids.add(child.pid)
     sampler.start()
+    exit_code = _wait(child)
+    ended = time.time()
+
+    # Ranks on other nodes may still be saying goodbye; a dead rank simply never does.
+    collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S * (6 if launch.nnodes > 1 else 1))
+    sampler.stop()
+    collector.stop()
+    from traceml.views.summary import RunFacts
+
+    facts = RunFacts(script=launch.script.name, argv=[os.fspath(launch.script), *launch.script_args],
+                     exit_code=exit_code, started_at_unix_s=started, ended_at_unix_s=ended)
+    finish_run(store, writable_dir, facts)
+    return exit_code
+
+
+def _run_without_collector(launch: Launch) -> int:
+    """A node other than 0: its ranks send to node 0's collector, which prints the card."""
+    from traceml import rendezvous
+
+    env = dict(os.environ)
+    env[rendezvous.ENV_COLLECTOR] = f"{launch.master_addr}:{launch.collector_port}"
+    try:
+        child = subprocess.Popen(launch.command(), env=env)
+    except OSError as exc:
+        return _fail(f"cannot start {launch.script}: {exc}")
+    exit_code = _wait(child)
+    print(f"traceml: node {launch.node_rank} done (exit code {exit_code}); node 0 prints the "
+          "card and keeps the run", file=sys.stderr)
+    return exit_code
+
+
+def _wait(child: subprocess.Popen) -> int:
+    """Wait for the script, forwarding signals; its exit code, 128+N if signal N killed it."""
     restore = _forward_signals(child)
     try:
         returncode = child.wait()
     finally:
         restore()
-    ended = time.time()
-    exit_code = 128 - returncode if returncode < 0 else returncode  # killed by signal N: 128+N
-
-    collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S)
-    sampler.stop()
-    collector.stop()
-    from traceml.views.summary import RunFacts
-
-    facts = RunFacts(script=script.name, argv=[os.fspath(script), *args.script_args],
-                     exit_code=exit_code, started_at_unix_s=started, ended_at_unix_s=ended)
-    finish_run(store, writable_dir, facts)
-    return exit_code
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def _forward_signals(child: subprocess.Popen) -> Callable[[], None]:
@@ -156,43 +243,52 @@ def _forward_signals(child: subprocess.Popen) -> Callable[[], None]:
 
 
 # -- python train.py: the collector process rank 0 starts -------------------------------------
-def spawn_collector_process(hello: Any) -> Tuple[subprocess.Popen, str]:
+def spawn_collector_process(hello: Any, host: str, port: int) -> Tuple[subprocess.Popen, str]:
     """Start `python -m traceml _collect` for this run and return it with its address."""
     read_fd, write_fd = os.pipe()
     script = hello.argv[0] if hello.argv else "python"
     try:
         process = subprocess.Popen(
             [sys.executable, "-m", "traceml", "_collect", "--ready-fd", str(write_fd),
-             "--parent-pid", str(os.getpid()), "--script", script],
+             "--parent-pid", str(os.getpid()), "--script", script, "--host", host,
+             "--port", str(port)],
             pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
     finally:
         os.close(write_fd)
     with os.fdopen(read_fd, "rb") as ready:
         readable, _, _ = select.select([ready], [], [], 20.0)
         line = ready.readline().decode().strip() if readable else ""
-    if not line:
+    if not line or line.startswith("error:"):
         process.kill()
-        raise RuntimeError("the collector did not start")
+        raise RuntimeError(line[len("error:"):].strip() or "the collector did not start")
     return process, line
 
 
 def collect_command(args: argparse.Namespace) -> int:
     # Ctrl-C reaches the whole process group: the collector must outlive it to write the summary.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from traceml import rundir
+    from traceml import rendezvous, rundir
     from traceml.collector.server import Collector
     from traceml.collector.store import Store
     from traceml.collector.system import SystemSampler
 
+    try:
+        host = rendezvous.bind_host(args.host)
+    except rendezvous.RendezvousError as exc:
+        os.write(args.ready_fd, f"error: {exc}\n".encode())
+        return 2
     run_dir = Path(os.environ.get(ENV_RUN_DIR) or rundir.default_run_dir(args.script))
     writable_dir, warning = rundir.prepare(run_dir)
     if warning:
         print(warning, file=sys.stderr)
     store = Store(rundir.store_path(writable_dir))
-    collector = Collector(store)
+    collector = Collector(store, host, args.port, token=os.environ.get(rendezvous.ENV_TOKEN, ""))
     try:
         address = collector.start()
         os.write(args.ready_fd, f"{address}\n".encode())
+    except OSError as exc:
+        os.write(args.ready_fd, f"error: cannot listen on {host}:{args.port}: {exc}\n".encode())
+        return 2
     finally:
         os.close(args.ready_fd)
     sampler = SystemSampler(collector.ingest, lambda: collector.training_pids)
@@ -200,6 +296,8 @@ def collect_command(args: argparse.Namespace) -> int:
     parent_gone = lambda: not _alive(args.parent_pid)  # noqa: E731
     while not collector.wait_for_ranks(timeout_s=3600.0, until=parent_gone):
         if parent_gone():
+            # Rank 0 is gone without waiting for us: give the other ranks a moment to finish.
+            collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S)
             break
     sampler.stop()
     collector.stop()

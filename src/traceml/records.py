@@ -42,6 +42,9 @@ class RankHello(msgspec.Struct, tag="hello", array_like=True):
     torch_version: str
     argv: List[str]
     started_at_unix_s: float
+    # The run's shared secret when the collector listens beyond loopback; the collector drops
+    # a connection whose hello lacks it, and never stores it.
+    token: str = ""
 
 
 class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
@@ -75,6 +78,9 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     device_peak_bytes: Optional[int] = None  # peak during the step (stats reset at step start)
     device_reserved_bytes: Optional[int] = None
     host_rss_bytes: Optional[int] = None  # rate-limited: the latest reading at step end
+    # Under DDP: the part of backward spent waiting for the other ranks' gradients, from this
+    # rank's last gradient bucket being ready to backward's end. Part of backward_ms, not added.
+    comm_wait_ms: Optional[float] = None
 
 
 class GpuSample(msgspec.Struct):

@@ -6,10 +6,13 @@ One asyncio loop on a background thread owns the sockets and the store's writes.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import threading
 import time
 from typing import Any, Callable, List, Optional, Set
+
+import msgspec
 
 from traceml.collector.store import Store
 from traceml.records import HEADER_BYTES, FrameError, RankHello, decode_payload, parse_header
@@ -21,11 +24,14 @@ COMMIT_INTERVAL_S = 0.5
 class Collector:
     """Receives every rank's records for one run and keeps them in the store."""
 
-    def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, token: str = ""):
         self.store = store
         self.host = host
         self.port = port
+        self._token = token  # when set, a connection's hello must carry it
         self.training_pids: Set[int] = set()
+        self.ranks_seen: Set[int] = set()
+        self.world_size = 1  # the largest a rank's hello announced
         self.connections_seen = 0
         self.connections_open = 0
         self.frames_rejected = 0
@@ -78,11 +84,13 @@ class Collector:
         self.store.write(records)
 
     def wait_for_ranks(self, timeout_s: float, until: Optional[Callable[[], bool]] = None) -> bool:
-        """Block until every rank that connected has gone (or `until()` says stop); True if so."""
+        """Block until every rank of the run has come and gone (or `until()` says stop, or the
+        time is up: a rank that died before connecting never comes); True if all did."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
-                if self.connections_seen and not self.connections_open:
+                if (self.connections_seen and not self.connections_open
+                        and len(self.ranks_seen) >= self.world_size):
                     return True
                 if until is not None and until():
                     return False
@@ -108,6 +116,7 @@ class Collector:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._count_connection(+1)
         peer = writer.get_extra_info("peername")
+        greeted = False
         try:
             while True:
                 try:
@@ -116,9 +125,19 @@ class Collector:
                     return  # a clean goodbye, or a rank that died: either way its data is kept
                 payload = await reader.readexactly(parse_header(header))
                 records = decode_payload(payload)
-                for record in records:
+                if not greeted:
+                    if not records or type(records[0]) is not RankHello:
+                        raise FrameError("the first frame must start with the rank's hello")
+                    if not hmac.compare_digest(records[0].token, self._token):
+                        self.frames_rejected += 1
+                        log.warning("traceml: refused a connection from %s: wrong or missing "
+                                    "token", peer)
+                        return
+                    greeted = True
+                for index, record in enumerate(records):
                     if type(record) is RankHello:
-                        self.training_pids.add(record.pid)
+                        records[index] = msgspec.structs.replace(record, token="")  # never stored
+                        self._greet(record)
                 try:
                     self.store.write(records)
                 except Exception as exc:  # a full disk loses these records, not the run
@@ -131,6 +150,13 @@ class Collector:
         finally:
             writer.close()
             self._count_connection(-1)
+
+    def _greet(self, hello: RankHello) -> None:
+        with self._changed:
+            self.training_pids.add(hello.pid)
+            self.ranks_seen.add(hello.rank)
+            self.world_size = max(self.world_size, hello.world_size)
+            self._changed.notify_all()
 
     def _count_connection(self, delta: int) -> None:
         with self._changed:

@@ -33,13 +33,14 @@ class PendingDeviceStep:
         self.phase_events = phase_events
 
     def events(self) -> List[Any]:
-        evs = [self.start_event, self.end_event]
+        """Each event once (the comm-wait pair shares backward's end event)."""
+        evs = {id(self.start_event): self.start_event, id(self.end_event): self.end_event}
         if self.next_start_event is not None:
-            evs.append(self.next_start_event)
+            evs[id(self.next_start_event)] = self.next_start_event
         for _, begin, end in self.phase_events:
-            evs.append(begin)
-            evs.append(end)
-        return evs
+            evs[id(begin)] = begin
+            evs[id(end)] = end
+        return list(evs.values())
 
 
 class DeviceTimeline:
@@ -95,13 +96,17 @@ class DeviceTimeline:
 
 
 def _resolve(step: PendingDeviceStep, host: StepRecord) -> StepRecord:
-    device_ms: Dict[str, float] = {phase: 0.0 for phase in DEVICE_PHASES}
+    device_ms: Dict[str, float] = {phase: 0.0 for phase in DEVICE_PHASES + ("comm_wait",)}
     for phase, begin, end in step.phase_events:
         device_ms[phase] += max(0.0, float(begin.elapsed_time(end)))
     gpu_idle_ms = None
     if step.next_start_event is not None:
         gpu_idle_ms = max(0.0, float(step.end_event.elapsed_time(step.next_start_event)))
-    return fit_device_phases(host, device_ms, gpu_idle_ms)
+    comm_wait_ms = device_ms.pop("comm_wait")  # inside backward: not a phase of its own
+    record = fit_device_phases(host, device_ms, gpu_idle_ms)
+    if host.comm_wait_ms is not None:
+        record = msgspec.structs.replace(record, comm_wait_ms=min(comm_wait_ms, record.backward_ms))
+    return record
 
 
 def fit_device_phases(host: StepRecord, device_ms: Dict[str, float],

@@ -3,11 +3,13 @@ backward, optimizer step, and the garbage collector. Each is installed once per 
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 from typing import Any, Callable, List
 
 from traceml.probe.step import BACKWARD, FORWARD, H2D, OPTIMIZER, StepProbe, _now_ns
 
+log = logging.getLogger("traceml")
 _undo: List[Callable[[], None]] = []  # how to take back each installed patch, newest last
 
 
@@ -180,7 +182,37 @@ def hook_model(probe: StepProbe, model: Any) -> List[Any]:
     had_own_forward = "forward" in model.__dict__  # e.g. Accelerate's autocast wrapper
     timed = TimedForward(probe, model.forward, torch.Tensor)
     model.forward = timed
+    _time_ddp_collectives(probe, model)
     return [_ForwardHandle(model, timed, had_own_forward)]
+
+
+def _time_ddp_collectives(probe: StepProbe, model: Any) -> None:
+    """Under DDP, note when each gradient bucket is ready, so backward splits into this rank's
+    own compute and its wait for the others (the straggler is the rank that waits least).
+
+    DDP's default all-reduce, run through a comm hook that first notes the time. DDP accepts
+    one comm hook per model and only before its first backward: if the user registered one,
+    or it is too late, collective wait is simply not measured.
+    """
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # a torch built without distributed support
+        return
+    if not isinstance(model, DistributedDataParallel):
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    # No annotations: DDP checks the names `state` and `bucket`, and any annotation's type.
+    def timed_allreduce(state, bucket):  # type: ignore[no-untyped-def]
+        probe.note_bucket_ready()
+        return allreduce_hook(state, bucket)
+
+    try:
+        model.register_comm_hook(model.process_group, timed_allreduce)
+    except Exception as exc:
+        log.info("traceml: DDP collective wait not measured (%s)", exc)
+        return
+    probe.comm_timed = True
 
 
 def _batch_size(args: tuple, kwargs: dict, tensor_type: type) -> int:

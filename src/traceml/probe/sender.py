@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Deque, List, Optional
 
+from traceml import rendezvous
 from traceml.records import RankEnd, RankHello, Record, encode_frame
 
 log = logging.getLogger("traceml")
@@ -27,7 +28,7 @@ RECORDS_PER_FRAME = 4096
 CONNECT_TIMEOUT_S = 2.0
 SEND_TIMEOUT_S = 5.0
 RECONNECT_BACKOFF_S = 1.0
-COLLECTOR_ENV = "TRACEML_COLLECTOR"  # host:port of the run's collector, set by `traceml run`
+QUIET_CONNECT_S = 15.0  # other ranks may start before rank 0's collector: no warning before this
 
 
 class Sender:
@@ -44,7 +45,8 @@ class Sender:
         self.records_sent = 0
         self.records_dropped = 0
         self._buffer: Deque[Any] = collections.deque()  # Records, and raw step tuples
-        self._address = address if address is not None else os.environ.get(COLLECTOR_ENV)
+        self._address = address if address is not None else os.environ.get(rendezvous.ENV_COLLECTOR)
+        self._first_connect_at: Optional[float] = None
         self._socket: Optional[socket.socket] = None
         self._next_connect_at = 0.0
         self._said_unreachable = False
@@ -148,8 +150,10 @@ class Sender:
         if now < self._next_connect_at:
             return None
         self._next_connect_at = now + RECONNECT_BACKOFF_S
+        if self._first_connect_at is None:
+            self._first_connect_at = now
         if self._address is None:
-            self._address = self._start_own_collector()
+            self._address = self._find_collector()
             if self._address is None:
                 return None
         host, _, port = self._address.rpartition(":")
@@ -158,7 +162,7 @@ class Sender:
             sock.settimeout(SEND_TIMEOUT_S)
             sock.sendall(encode_frame([self.hello]))
         except (OSError, ValueError) as exc:
-            if not self._said_unreachable:
+            if not self._said_unreachable and now - self._first_connect_at >= QUIET_CONNECT_S:
                 log.warning("traceml: collector %s unreachable (%s); telemetry is dropped until it is",
                             self._address, exc)
                 self._said_unreachable = True
@@ -175,14 +179,19 @@ class Sender:
             pass
         self._socket = None
 
-    def _start_own_collector(self) -> Optional[str]:
-        """No `traceml run` around us: rank 0 starts the run's collector as a child process."""
-        if self.hello.rank != 0 or self._collector_process is not None:
+    def _find_collector(self) -> Optional[str]:
+        """No `traceml run` around us: rank 0 starts the run's collector as a child process,
+        the other ranks connect to where the launch's rendezvous variables say it is."""
+        endpoint = rendezvous.from_launch_env()
+        if self.hello.rank != 0:
+            return f"{endpoint[0]}:{endpoint[1]}" if endpoint is not None else None
+        if self._collector_process is not None:
             return None
+        host, port = endpoint if endpoint is not None else (rendezvous.LOOPBACK, 0)
         try:
             from traceml.cli import spawn_collector_process
 
-            self._collector_process, address = spawn_collector_process(self.hello)
+            self._collector_process, address = spawn_collector_process(self.hello, host, port)
             return address
         except Exception as exc:
             log.warning("traceml: could not start a collector (%s); running without telemetry", exc)

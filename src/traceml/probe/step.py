@@ -41,7 +41,8 @@ class StepProbe:
                  "_unix_at_zero_s", "_start_event", "open_phase", "_open_depth",
                  "_open_start_ns", "_open_event", "phase_ns", "_phase_events",
                  "input_wait_inside_ns", "forward_calls", "samples", "input_wait_gap_ns", "_gc_ns",
-                 "_gc_collections", "_gc_start_ns", "_closed")
+                 "_gc_collections", "_gc_start_ns", "_closed", "comm_timed", "_comm_wait_ns",
+                 "_bucket_ready_ns", "_bucket_event")
 
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
                  host_rss: Any = None):
@@ -49,7 +50,7 @@ class StepProbe:
         self.timeline = timeline  # DeviceTimeline on CUDA, None when the host clock is the device clock
         self.device_memory = device_memory
         self.host_rss = host_rss
-        self.rank = int(os.environ.get("RANK", "0") or 0)
+        self.rank = rank_env()[0]
         self.exit_code: Optional[int] = None
         self.setup_started_ns = 0
 
@@ -76,6 +77,11 @@ class StepProbe:
         self._gc_ns = 0
         self._gc_collections = 0
         self._gc_start_ns = 0
+        # Under DDP (a timed comm hook): collective wait inside backward, see note_bucket_ready.
+        self.comm_timed = False
+        self._comm_wait_ns = 0
+        self._bucket_ready_ns = 0
+        self._bucket_event: Any = None
         # The closed step waiting for the next start to end its window (see exit for its layout).
         self._closed: Optional[tuple] = None
 
@@ -121,7 +127,7 @@ class StepProbe:
         self.input_wait_gap_ns = self.input_wait_inside_ns = 0
         phase_ns = self.phase_ns
         phase_ns[0] = phase_ns[1] = phase_ns[2] = phase_ns[3] = 0
-        self.forward_calls = self.samples = 0
+        self.forward_calls = self.samples = self._comm_wait_ns = 0
         self._step_start_ns = now
         self.in_step = True
 
@@ -153,6 +159,7 @@ class StepProbe:
         # One flat tuple of scalars (and, on CUDA, events): cheap to build, nothing for gc to track.
         self._closed = (self.step_index, self._step_start_ns, now, h2d_ns, forward_ns, backward_ns,
                         optimizer_ns, self.input_wait_inside_ns, self.forward_calls, self.samples,
+                        self._comm_wait_ns if self.comm_timed else None,
                         allocated, peak, reserved, self._start_event, end_event, self._phase_events)
         self.step_index += 1
 
@@ -160,14 +167,14 @@ class StepProbe:
         from traceml.probe.clock import PendingDeviceStep
 
         raw = (closed, window_end_ns, self.input_wait_gap_ns, self._gc_ns, self._gc_collections)
-        self.timeline.submit(PendingDeviceStep(raw, closed[13], closed[14], next_start_event,
-                                               closed[15]))
+        self.timeline.submit(PendingDeviceStep(raw, closed[14], closed[15], next_start_event,
+                                               closed[16]))
 
     def record_from(self, raw: tuple) -> StepRecord:
         """The StepRecord of a closed step whose window ends at window_end_ns (sender's thread)."""
         closed, window_end_ns, input_wait_gap_ns, gc_ns, gc_collections = raw
         (step, start_ns, end_ns, h2d_ns, forward_ns, backward_ns, optimizer_ns, input_wait_inside_ns,
-         forward_calls, samples, allocated, peak, reserved) = closed[:13]
+         forward_calls, samples, comm_wait_ns, allocated, peak, reserved) = closed[:14]
         gap_ns = window_end_ns - end_ns
         untraced_ns = (end_ns - start_ns - h2d_ns - forward_ns - backward_ns - optimizer_ns
                        - input_wait_inside_ns)
@@ -182,7 +189,8 @@ class StepProbe:
             gc_ms=gc_ns / 1e6, gc_collections=gc_collections, forward_calls=forward_calls,
             samples=samples, device_allocated_bytes=allocated, device_peak_bytes=peak,
             device_reserved_bytes=reserved,
-            host_rss_bytes=self.host_rss.latest_bytes if self.host_rss is not None else None)
+            host_rss_bytes=self.host_rss.latest_bytes if self.host_rss is not None else None,
+            comm_wait_ms=comm_wait_ns / 1e6 if comm_wait_ns is not None else None)
 
     def unix_s(self, perf_ns: int) -> float:
         """A perf_counter_ns reading as wall-clock seconds since the epoch."""
@@ -220,10 +228,29 @@ class StepProbe:
         self._open_depth -= 1
         if self._open_depth:
             return
-        self.phase_ns[phase] += _now_ns() - self._open_start_ns
+        now = _now_ns()
+        self.phase_ns[phase] += now - self._open_start_ns
         self.open_phase = NO_PHASE
+        end_event = self.timeline.record() if self.timeline is not None else None
+        if end_event is not None:
+            self._phase_events.append((PHASE_NAMES[phase], self._open_event, end_event))
+        if self._bucket_ready_ns and phase == BACKWARD:
+            # From this rank's last gradient bucket to backward's end: waiting for the others.
+            self._comm_wait_ns += now - self._bucket_ready_ns
+            self._bucket_ready_ns = 0
+            if end_event is not None:
+                self._phase_events.append(("comm_wait", self._bucket_event, end_event))
+                self._bucket_event = None
+
+    def note_bucket_ready(self) -> None:
+        """Called by the DDP comm hook as each gradient bucket is ready; the last one counts."""
+        if self.open_phase != BACKWARD:
+            return
+        self._bucket_ready_ns = _now_ns()
         if self.timeline is not None:
-            self._phase_events.append((PHASE_NAMES[phase], self._open_event, self.timeline.record()))
+            if self._bucket_event is not None:  # an earlier bucket of this backward: not the last
+                self.timeline.release(self._bucket_event)
+            self._bucket_event = self.timeline.record()
 
     def cancel_phase(self, phase: int) -> None:
         """Close a phase that turned out not to be one (a `.to()` that moved nothing)."""
@@ -363,13 +390,33 @@ def _model_device(torch: Any, model: Any) -> Any:
     return torch.device("cpu")
 
 
-def _hello(torch: Any, device: Any, device_memory: Any) -> RankHello:
+def rank_env() -> Tuple[int, int, int, int]:
+    """(rank, local rank, world size, node rank) as torchrun or SLURM's srun set them."""
     env = os.environ
+
+    def first(*names: str, default: int) -> int:
+        for name in names:
+            value = env.get(name)
+            if value not in (None, ""):
+                try:
+                    return int(value)
+                except ValueError:
+                    continue
+        return default
+
+    return (first("RANK", "SLURM_PROCID", default=0),
+            first("LOCAL_RANK", "SLURM_LOCALID", default=0),
+            first("WORLD_SIZE", "SLURM_NTASKS", default=1),
+            first("GROUP_RANK", "NODE_RANK", "SLURM_NODEID", default=0))
+
+
+def _hello(torch: Any, device: Any, device_memory: Any) -> RankHello:
+    rank, local_rank, world_size, node_rank = rank_env()
     return RankHello(
-        rank=int(env.get("RANK", "0") or 0),
-        local_rank=int(env.get("LOCAL_RANK", "0") or 0),
-        world_size=int(env.get("WORLD_SIZE", "1") or 1),
-        node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", "0")) or 0),
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        node_rank=node_rank,
         host=socket.gethostname(),
         pid=os.getpid(),
         device=str(device),
@@ -378,6 +425,7 @@ def _hello(torch: Any, device: Any, device_memory: Any) -> RankHello:
         torch_version=str(torch.__version__),
         argv=[os.path.abspath(sys.argv[0])] + sys.argv[1:] if sys.argv and sys.argv[0] else list(sys.argv),
         started_at_unix_s=_process_start_unix_s(),
+        token=os.environ.get("TRACEML_TOKEN", ""),
     )
 
 

@@ -1,0 +1,58 @@
+"""How the ranks of a run find its one collector, and who may talk to it.
+
+One collector per run, on node 0. Under `traceml run` its address reaches the ranks in
+TRACEML_COLLECTOR. Under a launch of the user's own (torchrun, srun) every rank derives the
+same address from the rendezvous variables it already has: MASTER_ADDR, port MASTER_PORT + 1
+(or TRACEML_COLLECTOR_PORT). A collector listens on loopback unless the run spans nodes; then
+it listens on the master address and only talks to ranks presenting TRACEML_TOKEN.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from typing import Mapping, Optional, Tuple
+
+ENV_COLLECTOR = "TRACEML_COLLECTOR"  # host:port, set by `traceml run` for its ranks
+ENV_COLLECTOR_PORT = "TRACEML_COLLECTOR_PORT"
+ENV_TOKEN = "TRACEML_TOKEN"
+LOOPBACK = "127.0.0.1"
+
+
+class RendezvousError(Exception):
+    """A collector that must not start as asked (a routable bind without a token)."""
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except (OSError, ValueError):
+            return False
+
+
+def collector_port(master_port: int, env: Mapping[str, str] = os.environ) -> int:
+    return int(env.get(ENV_COLLECTOR_PORT) or master_port + 1)
+
+
+def bind_host(master_addr: str, env: Mapping[str, str] = os.environ) -> str:
+    """Where the collector listens: loopback, or the master address with a token required."""
+    if is_loopback(master_addr):
+        return LOOPBACK
+    if not env.get(ENV_TOKEN):
+        raise RendezvousError(
+            f"a collector reachable from other nodes ({master_addr}) needs a shared secret: "
+            f"set {ENV_TOKEN} to the same value on every node")
+    return master_addr
+
+
+def from_launch_env(env: Mapping[str, str] = os.environ) -> Optional[Tuple[str, int]]:
+    """The run's collector address under torchrun or srun, or None for a single process."""
+    if int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1) <= 1 or not env.get("MASTER_PORT"):
+        return None
+    master_addr = env.get("MASTER_ADDR") or LOOPBACK
+    return master_addr, collector_port(int(env["MASTER_PORT"]), env)

@@ -1,0 +1,78 @@
+"""A real DDP training loop (gloo, CPU) the distributed tests run, one rank slowed on request."""
+import argparse
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+import traceml
+
+
+class SlowDataset(Dataset):
+    def __init__(self, size, load_ms):
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        self.inputs = torch.randn(size, 32, generator=generator)
+        self.targets = torch.randint(0, 10, (size,), generator=generator)
+        self.load_s = load_ms / 1000.0
+
+    def __len__(self):
+        return len(self.inputs)
+
+    def __getitem__(self, index):
+        if self.load_s:
+            time.sleep(self.load_s)
+        return self.inputs[index], self.targets[index]
+
+
+class Net(nn.Module):
+    def __init__(self, busy_ms):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                                  nn.Linear(256, 10))
+        self.busy_s = busy_ms / 1000.0
+        self.spin = torch.randn(128, 128)
+
+    def forward(self, inputs):
+        if self.busy_s:  # real extra compute on this rank, not a sleep
+            deadline = time.perf_counter() + self.busy_s
+            while time.perf_counter() < deadline:
+                self.spin = torch.tanh(self.spin @ self.spin)
+        return self.body(inputs)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--load-ms", type=float, default=0.0, help="per sample, on the slow rank")
+    parser.add_argument("--busy-ms", type=float, default=0.0, help="extra forward, on the slow rank")
+    parser.add_argument("--die-at", type=int, default=-1, help="the slow rank is killed at this step")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    slow = rank == args.slow_rank
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Net(args.busy_ms if slow else 0.0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(SlowDataset(args.steps * 8, args.load_ms if slow else 0.0), batch_size=8)
+    for step, (inputs, targets) in enumerate(loader):
+        if slow and step == args.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        with traceml.trace_step(model):
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    print(f"rank {rank} trained {step + 1} steps", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
