@@ -142,20 +142,78 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def rank_medians(records: Iterable[StepRecord], skip_steps: int) -> List[dict]:
-    """Each rank's own median step and phase times, warm-up left out."""
+    """Each rank's own median step and phase times, warm-up left out, and its last step."""
     by_rank: Dict[int, List[StepRecord]] = {}
+    last_step: Dict[int, int] = {}
     for record in records:
+        last_step[record.rank] = max(last_step.get(record.rank, -1), record.step)
         if record.step >= skip_steps:
             by_rank.setdefault(record.rank, []).append(record)
+    behind = _times_behind(by_rank)
     rows = []
-    for rank in sorted(by_rank):
-        mine = by_rank[rank]
-        row = {"rank": rank, "steps": len(mine),
-               "step_median_ms": statistics.median(r.step_ms for r in mine)}
-        for name in STEP_PHASES + ("gc",):
-            row[f"{name}_median_ms"] = statistics.median(getattr(r, f"{name}_ms") for r in mine)
+    for rank in sorted(last_step):
+        mine = by_rank.get(rank, [])
+        row: dict = {"rank": rank, "steps": len(mine), "last_step": last_step[rank],
+                     "step_median_ms": _median_of(mine, "step_ms"),
+                     "behind_share": behind.get(rank, 0.0)}
+        for name in STEP_PHASES + ("gc", "comm_wait"):
+            row[f"{name}_median_ms"] = _median_of(mine, f"{name}_ms")
         rows.append(row)
     return rows
+
+
+def _times_behind(by_rank: Dict[int, List[StepRecord]]) -> Dict[int, float]:
+    """For each rank, the share of steps in which the others waited for it: it had the least
+    collective wait (or, untimed, the most own work outside backward). By chance 1/ranks;
+    a real straggler is behind in most steps."""
+    by_step: Dict[int, List[StepRecord]] = {}
+    for records in by_rank.values():
+        for record in records:
+            by_step.setdefault(record.step, []).append(record)
+    full = [ranks for ranks in by_step.values() if len(ranks) == len(by_rank) > 1]
+    if not full:
+        return {}
+    counts: Dict[int, int] = {}
+    for ranks in full:
+        if all(r.comm_wait_ms is not None for r in ranks):
+            last = min(ranks, key=lambda r: r.comm_wait_ms)
+        else:
+            last = max(ranks, key=lambda r: r.step_ms - r.backward_ms)
+        counts[last.rank] = counts.get(last.rank, 0) + 1
+    return {rank: count / len(full) for rank, count in counts.items()}
+
+
+def rank_spread(records: Iterable[StepRecord], skip_steps: int) -> Dict[str, dict]:
+    """Per phase (and memory): across ranks, the typical median, the typical worst, the rank
+    that is most often the worst, and the skew (worst minus median), over the steps."""
+    by_step: Dict[int, List[StepRecord]] = {}
+    for record in records:
+        if record.step >= skip_steps:
+            by_step.setdefault(record.step, []).append(record)
+    steps = [ranks for ranks in by_step.values() if len(ranks) > 1]
+    spread: Dict[str, dict] = {}
+    fields = [f"{name}_ms" for name in ("step",) + STEP_PHASES + ("gc", "comm_wait")]
+    for name in fields + ["device_peak_bytes", "host_rss_bytes"]:
+        medians, worsts, worst_ranks = [], [], []
+        for ranks in steps:
+            present = [r for r in ranks if getattr(r, name) is not None]
+            if len(present) < 2:
+                continue
+            worst = max(present, key=lambda r: getattr(r, name))
+            medians.append(statistics.median(getattr(r, name) for r in present))
+            worsts.append(getattr(worst, name))
+            worst_ranks.append(worst.rank)
+        if not medians:
+            continue
+        key = name[:-3] if name.endswith("_ms") else name
+        spread[key] = {"median": statistics.median(medians), "worst": statistics.median(worsts),
+                       "worst_rank": statistics.mode(worst_ranks),
+                       "skew": statistics.median(w - m for w, m in zip(worsts, medians))}
+    return spread
+
+
+def _median_of(records: Sequence[StepRecord], name: str) -> Optional[float]:
+    return _median_present(getattr(r, name) for r in records)
 
 
 def robust_slope(xs: Sequence[float], ys: Sequence[float], max_points: int = 200) -> float:

@@ -35,6 +35,7 @@ class Collector:
         self.connections_seen = 0
         self.connections_open = 0
         self.frames_rejected = 0
+        self._last_change = time.monotonic()  # of connections opening or closing
         self._changed = threading.Condition()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._server: Optional[asyncio.base_events.Server] = None
@@ -83,15 +84,19 @@ class Collector:
         """Add records produced outside the sockets (the system sampler); the store locks."""
         self.store.write(records)
 
-    def wait_for_ranks(self, timeout_s: float, until: Optional[Callable[[], bool]] = None) -> bool:
-        """Block until every rank of the run has come and gone (or `until()` says stop, or the
-        time is up: a rank that died before connecting never comes); True if all did."""
+    def wait_for_ranks(self, timeout_s: float, until: Optional[Callable[[], bool]] = None,
+                       absent_grace_s: float = 5.0) -> bool:
+        """Block until every rank of the run has come and gone; True if all did. Gives up when
+        `until()` says so, when the time is up, or when every rank that came has gone and none
+        has come for absent_grace_s: a rank that died before connecting never comes."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
-                if (self.connections_seen and not self.connections_open
-                        and len(self.ranks_seen) >= self.world_size):
-                    return True
+                if self.connections_seen and not self.connections_open:
+                    if len(self.ranks_seen) >= self.world_size:
+                        return True
+                    if time.monotonic() - self._last_change >= absent_grace_s:
+                        return False
                 if until is not None and until():
                     return False
                 remaining = deadline - time.monotonic()
@@ -160,6 +165,7 @@ class Collector:
 
     def _count_connection(self, delta: int) -> None:
         with self._changed:
+            self._last_change = time.monotonic()
             self.connections_open += delta
             if delta > 0:
                 self.connections_seen += 1

@@ -2,8 +2,8 @@
 
 The training thread only appends to the buffer; when the buffer is full it drops the record and
 counts it, it never waits. The background thread resolves CUDA events, refreshes host RSS,
-batches records into frames and sends them over TCP. When no collector is reachable the records
-are dropped and counted: telemetry is lost, training is not slowed.
+batches records into frames and sends them over TCP. While no collector is reachable the records
+wait in the buffer (which drops when full); at exit what could not be sent is counted as dropped.
 """
 from __future__ import annotations
 
@@ -78,11 +78,20 @@ class Sender:
                 self._collect_device_steps()
                 time.sleep(0.01)
         self._collect_device_steps()
-        self._next_connect_at = 0.0  # one last try at connecting, whatever the back-off said
         # The goodbye bypasses the capacity check: it is what tells the collector the rank is done.
         self._buffer.append(RankEnd(rank=self.hello.rank, exit_code=exit_code, records_sent=0,
                                     records_dropped=0))
-        self._flush()
+        # Rank 0's collector may still be starting when a short run's other ranks end: keep
+        # trying to reach it, whatever the back-off said, until the deadline.
+        while True:
+            self._next_connect_at = 0.0
+            self._flush()
+            if (not self._buffer or self._socket is not None or self._address is None
+                    or time.monotonic() >= deadline):
+                break
+            time.sleep(0.1)
+        if self._buffer:
+            self.records_dropped += _drain_count(self._buffer)
         if self._socket is not None:
             try:
                 self._socket.close()
@@ -103,7 +112,9 @@ class Sender:
 
     # -- background thread ------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.wait(FLUSH_INTERVAL_S):
+        # The first round runs at once: the rank says hello (and rank 0 starts the collector)
+        # before its first steps are done, so even a rank that dies early is known to the run.
+        while True:
             try:
                 if self.host_rss is not None:
                     self.host_rss.refresh()
@@ -111,6 +122,8 @@ class Sender:
                 self._flush()
             except Exception:  # never let the thread die: the next round tries again
                 log.debug("traceml: sender round failed", exc_info=True)
+            if self._stop.wait(FLUSH_INTERVAL_S):
+                return
 
     def _collect_device_steps(self) -> None:
         if self.timeline is None:
@@ -119,12 +132,9 @@ class Sender:
             self.push(record)
 
     def _flush(self) -> None:
-        if not self._buffer:
-            return
-        sock = self._connection()
-        if sock is None:
-            self.records_dropped += _drain_count(self._buffer)
-            return
+        sock = self._connection()  # connecting sends the hello, even with nothing buffered yet
+        if not self._buffer or sock is None:
+            return  # unreachable: records wait in the bounded buffer, which drops when full
         while self._buffer:
             batch: List[Record] = []
             while self._buffer and len(batch) < RECORDS_PER_FRAME:

@@ -8,8 +8,8 @@ from typing import Any, Dict, List, Optional
 
 import msgspec
 
-from traceml.collector.rollup import (RolledStep, Window, rank_medians, robust_slope, roll_up,
-                                      warmup_steps)
+from traceml.collector.rollup import (RolledStep, Window, rank_medians, rank_spread, robust_slope,
+                                      roll_up, warmup_steps)
 from traceml.collector.store import Store
 from traceml.diagnose import diagnose
 from traceml.records import ALL_PHASES, STEP_PHASES, Finding, RankEnd, RankHello, SystemSample
@@ -39,7 +39,9 @@ class RunData:
         self.hellos: List[RankHello] = store.hellos()
         self.ends: List[RankEnd] = store.ends()
         self.samples: List[SystemSample] = store.system_samples()
-        self.findings: List[Finding] = diagnose(self.window, steps_seen=len(self.rolled))
+        self.ranks = rank_medians(self.records, skip_steps=self.warmup)
+        self.findings: List[Finding] = diagnose(self.window, steps_seen=len(self.rolled),
+                                                ranks=self.ranks if len(self.ranks) > 1 else None)
         store.write_findings(self.findings)
 
 
@@ -79,7 +81,9 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         },
         "memory": _memory(data),
         "system": _system(data.samples),
-        "ranks": rank_medians(data.records, skip_steps=data.warmup),
+        "ranks": data.ranks,
+        "rank_spread": rank_spread(data.records, skip_steps=data.warmup),
+        "missing_ranks": _missing_ranks(data),
         "layers": [],
         "primary_diagnosis": findings[0] if findings else None,
         "findings": findings,
@@ -95,6 +99,20 @@ def _rounded(value: Any) -> Any:
     if isinstance(value, list):
         return [_rounded(item) for item in value]
     return value
+
+
+def _missing_ranks(data: RunData) -> List[Dict[str, int]]:
+    """Ranks that stopped reporting before the others and never said goodbye (died, killed),
+    or that the run's world size promised and never reported at all."""
+    world_size = max([h.world_size for h in data.hellos] + [1])
+    if world_size < 2 or not data.ranks:
+        return []
+    said_goodbye = {end.rank for end in data.ends}
+    last_step = {rank: -1 for rank in range(world_size)}  # -1: no step from that rank
+    last_step.update({row["rank"]: row["last_step"] for row in data.ranks})
+    last = max(last_step.values())
+    return [{"rank": rank, "from_step": step + 1} for rank, step in sorted(last_step.items())
+            if step < last and rank not in said_goodbye]
 
 
 def _memory(data: RunData) -> Dict[str, Any]:
@@ -164,6 +182,7 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     from rich.console import Group
     from rich.panel import Panel
     from rich.table import Table
+    from rich.markup import escape
     from rich.text import Text
 
     run, steps, phases = summary["run"], summary["steps"], summary["phases"]
@@ -173,7 +192,7 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     facts.add_column(style="bold", no_wrap=True)
     facts.add_column()
     exit_note = "" if run["exit_code"] in (0, None) else f"  [bold red]exit code {run['exit_code']}[/]"
-    facts.add_row("Run", f"{run['script']}  ·  {run['duration_s']:.1f} s  ·  world size "
+    facts.add_row("Run", f"{escape(run['script'])}  ·  {run['duration_s']:.1f} s  ·  world size "
                          f"{run['world_size']}  ·  {', '.join(run['devices']) or 'cpu'}{exit_note}")
     samples_per_s = throughput["samples_per_s"]
     facts.add_row("Steps", f"{steps['count']} ({steps['warmup_excluded']} warm-up excluded)  ·  "
@@ -183,6 +202,9 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     facts.add_row("Step time", f"median {step['median_ms']:.1f} ms  ·  p90 {step['p90_ms']:.1f} ms")
     facts.add_row("System", _system_line(system))
     facts.add_row("Memory", _memory_line(memory))
+    for missing in summary["missing_ranks"]:
+        facts.add_row("Missing", f"[bold red]rank {missing['rank']} from step {missing['from_step']}[/]"
+                                 " (stopped reporting without a goodbye: died or killed)")
     if steps["records_dropped"]:
         facts.add_row("Dropped", f"[yellow]{steps['records_dropped']} records dropped (buffer full "
                                  f"or collector unreachable)[/]")
@@ -199,6 +221,10 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
         table.add_row(PHASE_LABELS[name], f"{stats['median_ms']:.2f}", f"{stats['mean_ms']:.2f}",
                       f"{stats['share']:.1%}", Text(bar, style="cyan"))
 
+    parts = [facts, table]
+    if run["world_size"] > 1 and summary["rank_spread"]:
+        parts.append(_rank_table(summary))
+
     verdict = Table.grid(padding=(0, 2))
     verdict.add_column(style="bold", no_wrap=True)
     verdict.add_column()
@@ -206,13 +232,35 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     if primary:
         badge = Text(f" {primary['kind'].replace('_', ' ')} ", style=SEVERITY_STYLE[primary["severity"]])
         verdict.add_row("Verdict", badge)
-        verdict.add_row("Why", primary["summary"])
-        verdict.add_row("Next", primary["action"])
+        # Text, not markup: findings carry brackets and paths that rich must not interpret.
+        verdict.add_row("Why", Text(primary["summary"]))
+        verdict.add_row("Next", Text(primary["action"]))
         for other in summary["findings"][1:]:
-            verdict.add_row("Also", f"[{other['severity']}] {other['kind']}: {other['summary']}")
+            verdict.add_row("Also", Text.assemble((f"{other['kind']} ({other['severity']})",
+                                                   "bold"), f": {other['summary']}"))
 
-    return Panel(Group(facts, table, verdict), title=f"[bold]TraceML[/] · {run['script']}",
+    parts.append(verdict)
+    return Panel(Group(*parts), title=f"[bold]TraceML[/] · {escape(run['script'])}",
                  title_align="left", width=min(width, CARD_WIDTH), box=box.ROUNDED)
+
+
+def _rank_table(summary: Dict[str, Any]) -> Any:
+    """Across ranks, per phase: the typical median, the typical worst, which rank, the skew."""
+    from rich import box
+    from rich.table import Table
+
+    straggler = next((f["rank"] for f in summary["findings"] if f["kind"].endswith("STRAGGLER")), None)
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), title="across ranks", title_justify="left")
+    for header in ("phase", "median ms", "worst ms", "worst rank", "skew ms"):
+        table.add_column(header, justify="left" if header == "phase" else "right", no_wrap=True)
+    labels = {"step": "step", "comm_wait": "comm wait (in backward)", **PHASE_LABELS}
+    for name, spread in summary["rank_spread"].items():
+        if name not in labels or (name != "step" and spread["worst"] <= 0.0):
+            continue
+        rank = spread["worst_rank"]
+        table.add_row(labels[name], f"{spread['median']:.2f}", f"{spread['worst']:.2f}",
+                      f"[bold red]{rank}[/]" if rank == straggler else str(rank), f"{spread['skew']:.2f}")
+    return table
 
 
 def _system_line(system: Dict[str, Any]) -> str:
