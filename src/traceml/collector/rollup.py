@@ -5,7 +5,9 @@ and the summary read the same Window, so the card and the verdict can never disa
 """
 from __future__ import annotations
 
+import collections
 import statistics
+import time
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import msgspec
@@ -238,3 +240,45 @@ def _median_present(values: Iterable[Optional[float]]) -> Optional[float]:
 def _max_present(values: Iterable[Optional[int]]) -> Optional[int]:
     present = [v for v in values if v is not None]
     return max(present) if present else None
+
+
+class LiveRollup:
+    """Steps rolled up across ranks as their records arrive, for the live views.
+
+    A step is rolled once every rank of the run has reported it, or once it is stale_after
+    steps behind the newest step seen (a rank that died or fell far behind). Only the last
+    keep_steps rolled steps are kept, so memory stays bounded however long the run.
+    """
+
+    def __init__(self, keep_steps: int = 4096, stale_after: int = 64):
+        self.world_size = 1
+        self.recent: "collections.deque[RolledStep]" = collections.deque(maxlen=keep_steps)
+        self.rolled_at: "collections.deque[float]" = collections.deque(maxlen=keep_steps)
+        self.stale_after = stale_after
+        self.newest_step = -1
+        self._pending: Dict[int, Dict[int, StepRecord]] = {}
+
+    def add(self, records: Iterable[StepRecord]) -> None:
+        for record in records:
+            ranks = self._pending.get(record.step)
+            if ranks is None:
+                if self.recent and record.step <= self.recent[-1].step - self.stale_after:
+                    continue  # a step already rolled long ago: too late to matter live
+                ranks = self._pending[record.step] = {}
+            ranks[record.rank] = record
+            if record.step > self.newest_step:
+                self.newest_step = record.step
+            if len(ranks) >= self.world_size:
+                self._roll(record.step)
+        stale = [step for step in self._pending if step <= self.newest_step - self.stale_after]
+        for step in sorted(stale):
+            self._roll(step)
+
+    def _roll(self, step: int) -> None:
+        ranks = self._pending.pop(step)
+        self.recent.append(_roll_step(step, list(ranks.values())))
+        self.rolled_at.append(time.monotonic())
+
+    @property
+    def pending_steps(self) -> int:
+        return len(self._pending)

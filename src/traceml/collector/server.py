@@ -14,8 +14,10 @@ from typing import Any, Callable, List, Optional, Set
 
 import msgspec
 
+from traceml.collector.rollup import LiveRollup
 from traceml.collector.store import Store
-from traceml.records import HEADER_BYTES, FrameError, RankHello, decode_payload, parse_header
+from traceml.records import (HEADER_BYTES, FrameError, RankHello, StepRecord, decode_payload,
+                             parse_header)
 
 log = logging.getLogger("traceml")
 COMMIT_INTERVAL_S = 0.5
@@ -32,6 +34,8 @@ class Collector:
         self.training_pids: Set[int] = set()
         self.ranks_seen: Set[int] = set()
         self.world_size = 1  # the largest a rank's hello announced
+        self.live = LiveRollup()  # recent steps across ranks, for live views
+        self.records_ingested = 0
         self.connections_seen = 0
         self.connections_open = 0
         self.frames_rejected = 0
@@ -147,6 +151,8 @@ class Collector:
                     self.store.write(records)
                 except Exception as exc:  # a full disk loses these records, not the run
                     log.warning("traceml: could not store %d records: %s", len(records), exc)
+                self.live.add([r for r in records if type(r) is StepRecord])
+                self.records_ingested += len(records)
         except (FrameError, asyncio.IncompleteReadError) as exc:
             self.frames_rejected += 1
             log.warning("traceml: closed connection from %s: %s", peer, exc)
@@ -161,6 +167,7 @@ class Collector:
             self.training_pids.add(hello.pid)
             self.ranks_seen.add(hello.rank)
             self.world_size = max(self.world_size, hello.world_size)
+            self.live.world_size = self.world_size
             self._changed.notify_all()
 
     def _count_connection(self, delta: int) -> None:

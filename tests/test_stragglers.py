@@ -1,0 +1,94 @@
+"""The straggler rule on synthetic per-rank medians, and the live rollup across ranks."""
+import pytest
+
+from traceml.collector.rollup import LiveRollup, rank_medians
+from traceml.diagnose.stragglers import BEHIND_SHARE, LOSS_CRIT_SHARE, LOSS_WARN_SHARE, straggler
+from test_records import step
+
+
+def rank_row(rank, comm_wait=2.0, input_wait=0.5, forward=3.0, backward=8.0, behind=0.5, step_ms=20.0):
+    return {"rank": rank, "steps": 50, "last_step": 59, "step_median_ms": step_ms, "behind_share": behind,
+            "input_wait_median_ms": input_wait, "forward_median_ms": forward,
+            "backward_median_ms": backward, "comm_wait_median_ms": comm_wait}
+
+
+def test_balanced_ranks_give_no_finding():
+    assert straggler([rank_row(0), rank_row(1), rank_row(2)], step_ms=20.0) is None
+
+
+def test_input_straggler_is_the_rank_that_waits_least():
+    ranks = [rank_row(0, comm_wait=10.0), rank_row(1, comm_wait=1.0, input_wait=9.5, behind=0.9),
+             rank_row(2, comm_wait=10.2)]
+    found = straggler(ranks, step_ms=20.0)
+    assert (found.kind, found.rank, found.severity) == ("INPUT_STRAGGLER", 1, "crit")
+    assert found.evidence["loss_ms"] == pytest.approx(9.1)  # the others' median wait, 10.1, less 1.0
+    assert found.evidence["share"] == pytest.approx(0.455)
+    assert found.evidence["rank_value_ms"] == 9.5 and found.evidence["others_median_ms"] == 0.5
+    assert "rank 1" in found.summary and "9.1 ms a step" in found.summary
+
+
+def test_compute_straggler_from_own_forward_and_backward_compute():
+    ranks = [rank_row(0, comm_wait=6.0), rank_row(1, comm_wait=1.0, forward=8.0, behind=1.0)]
+    found = straggler(ranks, step_ms=20.0)
+    assert (found.kind, found.rank) == ("COMPUTE_STRAGGLER", 1)
+
+
+def test_unexplained_straggler():
+    # Same input wait, same own compute (backward less its wait: 2 ms on both), yet behind.
+    ranks = [rank_row(0, comm_wait=6.0), rank_row(1, comm_wait=1.0, backward=3.0, behind=1.0)]
+    found = straggler(ranks, step_ms=20.0)
+    assert (found.kind, found.rank) == ("STRAGGLER", 1)
+
+
+@pytest.mark.parametrize("loss_ms,severity", [
+    (LOSS_WARN_SHARE * 20.0 - 0.01, None), (LOSS_WARN_SHARE * 20.0, "warn"),
+    (LOSS_CRIT_SHARE * 20.0 - 0.01, "warn"), (LOSS_CRIT_SHARE * 20.0, "crit")])
+def test_severity_scales_with_what_the_others_lose(loss_ms, severity):
+    ranks = [rank_row(0, comm_wait=1.0 + loss_ms), rank_row(1, comm_wait=1.0, input_wait=0.5 + loss_ms, behind=1.0)]
+    found = straggler(ranks, step_ms=20.0)
+    assert (found.severity if found else None) == severity
+
+
+def test_a_rank_behind_only_by_chance_is_not_a_straggler():
+    ranks = [rank_row(0, comm_wait=6.0), rank_row(1, comm_wait=1.0, input_wait=5.5, behind=BEHIND_SHARE - 0.01)]
+    assert straggler(ranks, step_ms=20.0) is None
+
+
+def test_without_collective_timing_own_work_outside_backward_decides():
+    ranks = [rank_row(0, comm_wait=None, input_wait=0.5), rank_row(1, comm_wait=None, input_wait=6.5, step_ms=26.0, behind=1.0)]
+    found = straggler(ranks, step_ms=26.0)
+    assert (found.kind, found.rank) == ("INPUT_STRAGGLER", 1)
+    assert found.evidence["measured_by"] == "own work outside backward"
+
+
+def records_for(rank, steps, comm_wait):
+    out = []
+    for index in range(steps):
+        record = step(index)
+        record.rank, record.comm_wait_ms = rank, comm_wait
+        out.append(record)
+    return out
+
+
+def test_rank_medians_count_how_often_each_rank_was_waited_for():
+    records = records_for(0, 20, comm_wait=5.0) + records_for(1, 20, comm_wait=1.0)
+    rows = rank_medians(records, skip_steps=2)
+    assert [(r["rank"], r["steps"], r["behind_share"]) for r in rows] == [(0, 18, 0.0), (1, 18, 1.0)]
+    assert rows[1]["comm_wait_median_ms"] == 1.0 and rows[1]["last_step"] == 19
+
+
+def test_live_rollup_rolls_a_step_once_every_rank_reported_it():
+    live = LiveRollup(keep_steps=10, stale_after=5)
+    live.world_size = 2
+    live.add(records_for(0, 3, comm_wait=1.0))
+    assert len(live.recent) == 0 and live.pending_steps == 3
+    live.add(records_for(1, 3, comm_wait=1.0))
+    assert [s.step for s in live.recent] == [0, 1, 2] and all(s.ranks == 2 for s in live.recent)
+
+
+def test_live_rollup_does_not_wait_forever_for_a_dead_rank_and_stays_bounded():
+    live = LiveRollup(keep_steps=10, stale_after=5)
+    live.world_size = 2
+    live.add(records_for(0, 40, comm_wait=1.0))  # rank 1 never reports
+    assert live.pending_steps == 5  # only the last few wait for it
+    assert len(live.recent) == 10 and live.recent[-1].step == 34 and live.recent[-1].ranks == 1
