@@ -14,7 +14,7 @@ PARTS = ("input_wait_ms", "outside_ms", "h2d_ms", "forward_ms", "backward_ms", "
          "untraced_ms")
 
 NO_SYNC_SCRIPT = r"""
-import runpy, sys, torch
+import os, runpy, sys, torch
 calls = []
 def forbid(name):
     def wrapper(*args, **kwargs):
@@ -27,6 +27,7 @@ torch.cuda.synchronize = forbid("torch.cuda.synchronize")
 torch.cuda.Event.synchronize = forbid("Event.synchronize")
 torch.cuda.Stream.synchronize = forbid("Stream.synchronize")
 sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python script.py` would
 try:
     runpy.run_path(sys.argv[0], run_name="__main__")
 finally:

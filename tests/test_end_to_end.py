@@ -201,7 +201,7 @@ def test_ctrl_c_reaches_the_script_and_the_summary_is_written(tmp_path):
 
 
 FAULTY_PROBE = """
-import runpy, sys
+import os, runpy, sys
 from traceml.probe import sender
 
 original_push = sender.Sender.push
@@ -215,6 +215,7 @@ def push(self, record):
 
 sender.Sender.push = push
 sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python script.py` would
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 

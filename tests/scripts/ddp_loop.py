@@ -8,25 +8,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import traceml
-
-
-class SlowDataset(Dataset):
-    def __init__(self, size, load_ms):
-        generator = torch.Generator().manual_seed(dist.get_rank())
-        self.inputs = torch.randn(size, 32, generator=generator)
-        self.targets = torch.randint(0, 10, (size,), generator=generator)
-        self.load_s = load_ms / 1000.0
-
-    def __len__(self):
-        return len(self.inputs)
-
-    def __getitem__(self, index):
-        if self.load_s:
-            time.sleep(self.load_s)
-        return self.inputs[index], self.targets[index]
+from synthetic_data import SyntheticDataset
 
 
 class Net(nn.Module):
@@ -61,7 +46,8 @@ def main():
     torch.manual_seed(0)
     model = DistributedDataParallel(Net(args.busy_ms if slow else 0.0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(SlowDataset(args.steps * 8, args.load_ms if slow else 0.0), batch_size=8)
+    loader = DataLoader(SyntheticDataset(args.steps * 8, 32, args.load_ms if slow else 0.0, seed=rank),
+                        batch_size=8)
     for step, (inputs, targets) in enumerate(loader):
         if slow and step == args.die_at:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -6,25 +6,10 @@ import time
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import traceml
-
-
-class SyntheticDataset(Dataset):
-    def __init__(self, size, features, load_ms):
-        generator = torch.Generator().manual_seed(0)
-        self.inputs = torch.randn(size, features, generator=generator)
-        self.targets = torch.randint(0, 10, (size,), generator=generator)
-        self.load_s = load_ms / 1000.0
-
-    def __len__(self):
-        return len(self.inputs)
-
-    def __getitem__(self, index):
-        if self.load_s:
-            time.sleep(self.load_s)
-        return self.inputs[index], self.targets[index]
+from synthetic_data import SyntheticDataset
 
 
 def main():
