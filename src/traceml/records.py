@@ -81,6 +81,8 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     # Under DDP: the part of backward spent waiting for the other ranks' gradients, from this
     # rank's last gradient bucket being ready to backward's end. Part of backward_ms, not added.
     comm_wait_ms: Optional[float] = None
+    gc_max_pause_ms: float = 0.0  # the longest single collection in the window
+    gc_full_collections: int = 0  # generation-2 collections: the ones that walk every object
 
 
 class GpuSample(msgspec.Struct):

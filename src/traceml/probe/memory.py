@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Optional, Tuple
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -36,20 +35,23 @@ class DeviceMemory:
 
 
 class HostRss:
-    """Resident set size of this process, refreshed off the hot path at most every interval_s."""
+    """Resident set size of this process, read at a step's end at most every interval_ns.
 
-    def __init__(self, interval_s: float = 0.5):
-        self.interval_s = interval_s
+    Creep detection wants a reading per step; /proc costs a few µs, so steps shorter than the
+    interval share the latest reading.
+    """
+
+    def __init__(self, interval_ns: int = 20_000_000):
+        self.interval_ns = interval_ns
         self.latest_bytes: Optional[int] = None
-        self._read_at = 0.0
+        self._due_ns = 0
         self._statm = "/proc/self/statm" if os.path.exists("/proc/self/statm") else None
 
-    def refresh(self) -> None:
-        now = time.monotonic()
-        if now - self._read_at < self.interval_s:
-            return
-        self._read_at = now
-        self.latest_bytes = read_rss_bytes(self._statm)
+    def refresh(self, now_ns: int) -> Optional[int]:
+        if now_ns >= self._due_ns:
+            self._due_ns = now_ns + self.interval_ns
+            self.latest_bytes = read_rss_bytes(self._statm)
+        return self.latest_bytes
 
 
 def read_rss_bytes(statm_path: Optional[str] = "/proc/self/statm") -> Optional[int]:

@@ -40,8 +40,8 @@ class StepProbe:
                  "setup_started_ns", "in_step", "_step_depth", "step_index", "_step_start_ns",
                  "_unix_at_zero_s", "_start_event", "open_phase", "_open_depth",
                  "_open_start_ns", "_open_event", "phase_ns", "_phase_events",
-                 "input_wait_inside_ns", "forward_calls", "samples", "input_wait_gap_ns", "_gc_ns",
-                 "_gc_collections", "_gc_start_ns", "_closed", "comm_timed", "_comm_wait_ns",
+                 "input_wait_inside_ns", "forward_calls", "samples", "input_wait_gap_ns", "_gc",
+                 "_gc_start_ns", "_closed", "comm_timed", "_comm_wait_ns",
                  "_bucket_ready_ns", "_bucket_event")
 
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
@@ -74,8 +74,9 @@ class StepProbe:
         self.samples = 0
         # Accumulators of the whole window (step plus the gap after it).
         self.input_wait_gap_ns = 0
-        self._gc_ns = 0
-        self._gc_collections = 0
+        # Garbage collection in this window: [pause ns, collections, longest pause ns,
+        # full (generation 2) collections]; a list updated in place by gc_callback.
+        self._gc = [0, 0, 0, 0]
         self._gc_start_ns = 0
         # Under DDP (a timed comm hook): collective wait inside backward, see note_bucket_ready.
         self.comm_timed = False
@@ -114,8 +115,7 @@ class StepProbe:
         if self.timeline is None:
             if closed is not None:
                 # The arithmetic happens on the sender's thread (record_from): here, one tuple.
-                self.sender.push((closed, now, self.input_wait_gap_ns, self._gc_ns,
-                                  self._gc_collections))
+                self.sender.push((closed, now, self.input_wait_gap_ns, tuple(self._gc)))
         else:
             self._start_event = self.timeline.record()
             if closed is not None:
@@ -123,7 +123,8 @@ class StepProbe:
             self._phase_events = []
             self.device_memory.reset_peak()
         self._closed = None
-        self._gc_ns = self._gc_collections = 0
+        gc_stats = self._gc
+        gc_stats[0] = gc_stats[1] = gc_stats[2] = gc_stats[3] = 0
         self.input_wait_gap_ns = self.input_wait_inside_ns = 0
         phase_ns = self.phase_ns
         phase_ns[0] = phase_ns[1] = phase_ns[2] = phase_ns[3] = 0
@@ -156,23 +157,25 @@ class StepProbe:
         else:
             end_event = self.timeline.record()
             allocated, peak, reserved = self.device_memory.read()
+        rss = self.host_rss.refresh(now) if self.host_rss is not None else None
         # One flat tuple of scalars (and, on CUDA, events): cheap to build, nothing for gc to track.
         self._closed = (self.step_index, self._step_start_ns, now, h2d_ns, forward_ns, backward_ns,
                         optimizer_ns, self.input_wait_inside_ns, self.forward_calls, self.samples,
                         self._comm_wait_ns if self.comm_timed else None,
-                        allocated, peak, reserved, self._start_event, end_event, self._phase_events)
+                        allocated, peak, reserved, self._start_event, end_event, self._phase_events,
+                        rss)
         self.step_index += 1
 
     def _submit_device_step(self, closed: tuple, window_end_ns: int, next_start_event: Any) -> None:
         from traceml.probe.clock import PendingDeviceStep
 
-        raw = (closed, window_end_ns, self.input_wait_gap_ns, self._gc_ns, self._gc_collections)
+        raw = (closed, window_end_ns, self.input_wait_gap_ns, tuple(self._gc))
         self.timeline.submit(PendingDeviceStep(raw, closed[14], closed[15], next_start_event,
                                                closed[16]))
 
     def record_from(self, raw: tuple) -> StepRecord:
         """The StepRecord of a closed step whose window ends at window_end_ns (sender's thread)."""
-        closed, window_end_ns, input_wait_gap_ns, gc_ns, gc_collections = raw
+        closed, window_end_ns, input_wait_gap_ns, (gc_ns, gc_collections, gc_max_ns, gc_full) = raw
         (step, start_ns, end_ns, h2d_ns, forward_ns, backward_ns, optimizer_ns, input_wait_inside_ns,
          forward_calls, samples, comm_wait_ns, allocated, peak, reserved) = closed[:14]
         gap_ns = window_end_ns - end_ns
@@ -188,9 +191,9 @@ class StepProbe:
             optimizer_ms=optimizer_ns / 1e6, untraced_ms=max(0, untraced_ns) / 1e6,
             gc_ms=gc_ns / 1e6, gc_collections=gc_collections, forward_calls=forward_calls,
             samples=samples, device_allocated_bytes=allocated, device_peak_bytes=peak,
-            device_reserved_bytes=reserved,
-            host_rss_bytes=self.host_rss.latest_bytes if self.host_rss is not None else None,
-            comm_wait_ms=comm_wait_ns / 1e6 if comm_wait_ns is not None else None)
+            device_reserved_bytes=reserved, host_rss_bytes=closed[17],
+            comm_wait_ms=comm_wait_ns / 1e6 if comm_wait_ns is not None else None,
+            gc_max_pause_ms=gc_max_ns / 1e6, gc_full_collections=gc_full)
 
     def unix_s(self, perf_ns: int) -> float:
         """A perf_counter_ns reading as wall-clock seconds since the epoch."""
@@ -202,7 +205,7 @@ class StepProbe:
         if closed is None:
             return
         if self.timeline is None:
-            self.sender.push((closed, closed[2], 0, self._gc_ns, self._gc_collections))
+            self.sender.push((closed, closed[2], 0, tuple(self._gc)))
         else:
             self._submit_device_step(closed, closed[2], None)
 
@@ -265,9 +268,15 @@ class StepProbe:
         if phase == "start":
             self._gc_start_ns = _now_ns()
         elif self._gc_start_ns:
-            self._gc_ns += _now_ns() - self._gc_start_ns
-            self._gc_collections += 1
+            pause_ns = _now_ns() - self._gc_start_ns
             self._gc_start_ns = 0
+            stats = self._gc
+            stats[0] += pause_ns
+            stats[1] += 1
+            if pause_ns > stats[2]:
+                stats[2] = pause_ns
+            if info.get("generation") == 2:
+                stats[3] += 1
 
 
 class _NoTrace:
@@ -368,8 +377,7 @@ def _create_probe(model: Any) -> StepProbe:
         timeline = DeviceTimeline(lambda: torch.cuda.Event(enable_timing=True))
         device_memory = DeviceMemory(torch, device)
     host_rss = HostRss()
-    host_rss.refresh()
-    sender = Sender(_hello(torch, device, device_memory), timeline=timeline, host_rss=host_rss)
+    sender = Sender(_hello(torch, device, device_memory), timeline=timeline)
     probe = StepProbe(sender, timeline=timeline, device_memory=device_memory, host_rss=host_rss)
     sender.record_from = probe.record_from
     if timeline is not None:
