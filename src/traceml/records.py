@@ -8,7 +8,7 @@ magic or version, or one larger than MAX_FRAME_BYTES, by closing that connection
 from __future__ import annotations
 
 import struct
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import msgspec
 
@@ -85,6 +85,21 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     gc_full_collections: int = 0  # generation-2 collections: the ones that walk every object
 
 
+class OomRecord(msgspec.Struct, tag="oom", array_like=True):
+    """A step that raised an out-of-memory error: where it was and how full memory was."""
+
+    rank: int
+    step: int
+    phase: str  # the phase in flight: forward, backward, optimizer, h2d, untraced
+    layer: Optional[str]  # the module in flight, under deep-dive
+    message: str
+    allocated_bytes: Optional[int] = None
+    reserved_bytes: Optional[int] = None
+    peak_bytes: Optional[int] = None
+    host_rss_bytes: Optional[int] = None
+    largest_layers: List[Tuple[str, int]] = []  # (module, saved bytes), under deep-dive
+
+
 class GpuSample(msgspec.Struct):
     index: int
     utilization_percent: float
@@ -126,7 +141,7 @@ class Finding(msgspec.Struct, omit_defaults=False):
     evidence: Dict[str, Union[float, int, str, None]] = {}
 
 
-Record = Union[RankHello, StepRecord, RankEnd, SystemSample]
+Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(List[Record])

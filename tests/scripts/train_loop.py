@@ -1,5 +1,6 @@
 """A real, tiny CPU training loop the tests run under TraceML, shaped by its flags."""
 import argparse
+import gc
 import json
 import sys
 import time
@@ -25,6 +26,13 @@ def main():
     parser.add_argument("--exit-code", type=int, default=0)
     parser.add_argument("--timestamps", help="write the loop's own step start times here")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU checks")
+    parser.add_argument("--keep-graph", action="store_true",
+                        help="the classic leak: keep each step's loss tensor and outputs in a list")
+    parser.add_argument("--gc-heap", type=int, default=0,
+                        help="build this many Python objects, then gc.collect() in every step")
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="a synchronous checkpoint save inside every Nth step")
+    parser.add_argument("--save-mb", type=float, default=32.0)
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -39,6 +47,8 @@ def main():
     else:
         batches = DataLoader(dataset, batch_size=args.batch_size)
 
+    kept, heap = [], [[index] for index in range(args.gc_heap)]
+    checkpoint = torch.zeros(int(args.save_mb * 2 ** 20 / 4))
     starts = []
     for step, (inputs, targets) in enumerate(batches):
         starts.append(time.perf_counter())
@@ -48,10 +58,18 @@ def main():
                 targets = targets.to(args.device, non_blocking=True)
             if step == args.crash_at:
                 raise RuntimeError(f"boom at step {step}")
-            loss = nn.functional.cross_entropy(model(inputs), targets)
+            outputs = model(inputs)
+            loss = nn.functional.cross_entropy(outputs, targets)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if args.keep_graph:
+                kept.append((loss, outputs))  # keeps each step's graph and activations alive
+            if args.gc_heap:
+                gc.collect()
+            if args.save_every and step % args.save_every == args.save_every - 1:
+                torch.save({"model": model.state_dict(), "extra": checkpoint},
+                           f"checkpoint-{step % 2}.pt")
         if args.outside_ms:
             time.sleep(args.outside_ms / 1000.0)
     print(f"trained {len(starts)} steps", flush=True)

@@ -6,6 +6,7 @@ and the summary read the same Window, so the card and the verdict can never disa
 from __future__ import annotations
 
 import collections
+import functools
 import statistics
 import time
 from typing import Dict, Iterable, List, Optional, Sequence
@@ -34,6 +35,8 @@ class RolledStep(msgspec.Struct):
     optimizer_ms: float
     untraced_ms: float
     gc_ms: float
+    gc_collections: float
+    gc_max_pause_ms: float  # the longest pause on any rank
     samples: int  # summed over ranks: the global batch
     device_timed: bool
     gpu_idle_ms: Optional[float]
@@ -79,6 +82,8 @@ def _roll_step(step: int, ranks: List[StepRecord]) -> RolledStep:
         optimizer_ms=median("optimizer_ms"),
         untraced_ms=median("untraced_ms"),
         gc_ms=median("gc_ms"),
+        gc_collections=median("gc_collections"),
+        gc_max_pause_ms=max(r.gc_max_pause_ms for r in ranks),
         samples=sum(r.samples for r in ranks),
         device_timed=any(r.device_timed for r in ranks),
         gpu_idle_ms=_median_present(r.gpu_idle_ms for r in ranks),
@@ -126,11 +131,29 @@ class Window:
     def step_p90_ms(self) -> float:
         return percentile(self.step_times_ms, 0.90)
 
+    @functools.cached_property
+    def memory_trend(self) -> "MemoryTrend":
+        """What each step leaves behind: device memory allocated at step end, or without a
+        device, host RSS; and its robust slope in bytes per step."""
+        device = [(s.step, s.device_allocated_bytes) for s in self.steps
+                  if s.device_allocated_bytes is not None]
+        series = device or [(s.step, s.host_rss_bytes) for s in self.steps if s.host_rss_bytes]
+        steps, held = [x for x, _ in series], [y for _, y in series]
+        return MemoryTrend(measured_on="device_allocated" if device else "host_rss", steps=steps,
+                           held_bytes=held, bytes_per_step=robust_slope(steps, held))
+
     def share(self, *names: str) -> float:
         return sum(self.phases[name].share for name in names)
 
     def mean_ms(self, *names: str) -> float:
         return sum(self.phases[name].mean_ms for name in names)
+
+
+class MemoryTrend(msgspec.Struct):
+    measured_on: str  # device_allocated | host_rss
+    steps: List[int]
+    held_bytes: List[int]
+    bytes_per_step: float
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

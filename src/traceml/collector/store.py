@@ -8,7 +8,8 @@ from typing import Any, Dict, Iterable, List
 
 import msgspec
 
-from traceml.records import Finding, GpuSample, RankEnd, RankHello, StepRecord, SystemSample
+from traceml.records import (Finding, GpuSample, OomRecord, RankEnd, RankHello, StepRecord,
+                             SystemSample)
 
 STEP_COLUMNS = msgspec.structs.fields(StepRecord)
 _STEP_NAMES = [field.name for field in STEP_COLUMNS]
@@ -32,6 +33,7 @@ CREATE TABLE IF NOT EXISTS system ({", ".join(_SYSTEM_NAMES)}, gpus TEXT);
 CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, hello TEXT, end_record TEXT);
 CREATE TABLE IF NOT EXISTS findings (kind TEXT, severity TEXT, rank INTEGER, finding TEXT);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS ooms (rank INTEGER, step INTEGER, oom TEXT);
 """
 
 
@@ -68,6 +70,9 @@ class Store:
                         "INSERT INTO ranks (rank, hello) VALUES (?, ?) "
                         "ON CONFLICT(rank) DO UPDATE SET hello = excluded.hello",
                         (record.rank, msgspec.json.encode(record).decode()))
+                elif type(record) is OomRecord:
+                    self._db.execute("INSERT INTO ooms VALUES (?, ?, ?)", (
+                        record.rank, record.step, msgspec.json.encode(record).decode()))
                 elif type(record) is RankEnd:
                     self._db.execute(
                         "INSERT INTO ranks (rank, end_record) VALUES (?, ?) "
@@ -126,6 +131,11 @@ class Store:
                 f"SELECT {', '.join(_SYSTEM_NAMES)}, gpus FROM system ORDER BY unix_s").fetchall()
         return [SystemSample(*row[:-1], gpus=msgspec.json.decode(row[-1], type=List[GpuSample]))
                 for row in rows]
+
+    def ooms(self) -> List[OomRecord]:
+        with self._lock:
+            rows = self._db.execute("SELECT oom FROM ooms ORDER BY step, rank").fetchall()
+        return [msgspec.json.decode(row[0], type=OomRecord) for row in rows]
 
     def findings(self) -> List[Finding]:
         with self._lock:

@@ -1,6 +1,7 @@
-"""Rules on where step time goes: input, host-to-device copies, untraced work, compute."""
+"""Rules on where step time goes: input, host-to-device copies, untraced work, compute, GC."""
 from __future__ import annotations
 
+import statistics
 from typing import Callable, List, Optional
 
 from traceml.collector.rollup import Window
@@ -12,6 +13,8 @@ WAIT_CRIT_SHARE = 0.20  # ... and at this share: crit
 UNTRACED_WARN_SHARE = 0.30
 UNTRACED_CRIT_SHARE = 0.50
 COMPUTE_SHARE = 0.50  # forward + backward + optimizer at or above this share: compute-bound
+GC_WARN_SHARE = 0.10  # garbage-collector pauses at this share of wall time: warn
+GC_CRIT_SHARE = 0.20
 
 
 def _severity(share: float, warn: float, crit: float) -> Optional[str]:
@@ -69,11 +72,13 @@ def h2d_bound(window: Window) -> Optional[Finding]:
 
 def untraced_work(window: Window) -> Optional[Finding]:
     outside_share, untraced_share = window.share("outside"), window.share("untraced")
-    share = outside_share + untraced_share
+    # GC pauses land in whatever phase they interrupt, most often the unexplained time; they
+    # have a rule of their own, so they are not counted here twice.
+    share = max(0.0, outside_share + untraced_share - window.share("gc"))
     severity = _severity(share, UNTRACED_WARN_SHARE, UNTRACED_CRIT_SHARE)
     if severity is None:
         return None
-    work_ms = window.mean_ms("outside", "untraced")
+    work_ms = max(0.0, window.mean_ms("outside", "untraced") - window.mean_ms("gc"))
     if outside_share >= untraced_share:
         where = (f"{outside_share:.0%} is between steps (outside the trace_step block)")
         action = ("Look at the code between steps: log and compute metrics every N steps, not "
@@ -109,5 +114,29 @@ def compute_bound(window: Window) -> Optional[Finding]:
             f"{name}_share": round(window.phases[name].share, 4) for name in COMPUTE_PHASES}))
 
 
+def gc_pressure(window: Window) -> Optional[Finding]:
+    share, gc_ms = window.share("gc"), window.mean_ms("gc")
+    severity = _severity(share, GC_WARN_SHARE, GC_CRIT_SHARE)
+    if severity is None:
+        return None
+    steps = window.steps
+    collections = sum(s.gc_collections for s in steps) / len(steps)
+    mean_pauses = [s.gc_ms / s.gc_collections for s in steps if s.gc_collections]
+    median_pause = statistics.median(mean_pauses) if mean_pauses else 0.0
+    worst_pause = max(s.gc_max_pause_ms for s in steps)
+    return Finding(
+        kind="GC_PRESSURE", severity=severity,
+        summary=(f"{_of_step('garbage collection', share, gc_ms, window)}; "
+                 f"{collections:.1f} collections a step, median pause {median_pause:.1f} ms, "
+                 f"worst {worst_pause:.1f} ms"),
+        action=("Call gc.freeze() once the model and data are built, so the collector stops "
+                "walking them; remove gc.collect() from the loop, or run it every N steps; "
+                "allocate fewer short-lived Python objects per step (or raise "
+                "gc.set_threshold)."),
+        evidence=_evidence(window, share, gc_ms, collections_per_step=round(collections, 2),
+                           median_pause_ms=round(median_pause, 3),
+                           worst_pause_ms=round(worst_pause, 3)))
+
+
 RULES: List[Callable[[Window], Optional[Finding]]] = [input_bound, h2d_bound, untraced_work,
-                                                      compute_bound]
+                                                      compute_bound, gc_pressure]

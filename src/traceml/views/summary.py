@@ -8,10 +8,10 @@ from typing import Any, Dict, List, Optional
 
 import msgspec
 
-from traceml.collector.rollup import (RolledStep, Window, rank_medians, rank_spread, robust_slope,
-                                      roll_up, warmup_steps)
+from traceml.collector.rollup import (RolledStep, Window, rank_medians, rank_spread, roll_up,
+                                      warmup_steps)
 from traceml.collector.store import Store
-from traceml.diagnose import diagnose
+from traceml.diagnose import MemoryLimits, diagnose
 from traceml.records import ALL_PHASES, STEP_PHASES, Finding, RankEnd, RankHello, SystemSample
 
 SCHEMA_VERSION = 1
@@ -40,9 +40,25 @@ class RunData:
         self.ends: List[RankEnd] = store.ends()
         self.samples: List[SystemSample] = store.system_samples()
         self.ranks = rank_medians(self.records, skip_steps=self.warmup)
-        self.findings: List[Finding] = diagnose(self.window, steps_seen=len(self.rolled),
-                                                ranks=self.ranks if len(self.ranks) > 1 else None)
+        self.ooms = store.ooms()
+        last_sample = self.samples[-1] if self.samples else None
+        capacities = [h.device_capacity_bytes for h in self.hellos if h.device_capacity_bytes]
+        self.limits = MemoryLimits(
+            device_capacity_bytes=max(capacities) if capacities else None,
+            host_total_bytes=last_sample.ram_total_bytes if last_sample else None,
+            host_available_bytes=(last_sample.ram_total_bytes - last_sample.ram_used_bytes
+                                  if last_sample else None))
+        self.findings: List[Finding] = diagnose(
+            self.window, steps_seen=len(self.rolled), ranks=self.ranks if len(self.ranks) > 1 else None,
+            limits=self.limits, peak_device_bytes=_max_of(s.device_peak_bytes for s in self.rolled),
+            peak_rss_bytes=_max_of(s.host_rss_bytes for s in self.rolled),
+            oom=self.ooms[0] if self.ooms else None)
         store.write_findings(self.findings)
+
+
+def _max_of(values: Any) -> Optional[int]:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
 
 
 def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
@@ -116,22 +132,13 @@ def _missing_ranks(data: RunData) -> List[Dict[str, int]]:
 
 
 def _memory(data: RunData) -> Dict[str, Any]:
-    steps = data.rolled
-    capacities = [h.device_capacity_bytes for h in data.hellos if h.device_capacity_bytes]
-    device_peaks = [s.device_peak_bytes for s in steps if s.device_peak_bytes is not None]
-    rss = [s.host_rss_bytes for s in steps if s.host_rss_bytes is not None]
-    # Creep: the robust slope of what stays allocated at step end (host RSS without a device).
-    window = data.window.steps
-    on_device = [s for s in window if s.device_allocated_bytes is not None]
-    tracked = [(s.step, s.device_allocated_bytes) for s in on_device] or \
-              [(s.step, s.host_rss_bytes) for s in window if s.host_rss_bytes is not None]
-    creep = robust_slope([x for x, _ in tracked], [y for _, y in tracked]) if len(tracked) > 1 else 0.0
+    trend = data.window.memory_trend
     return {
-        "device_peak_bytes": max(device_peaks) if device_peaks else None,
-        "device_capacity_bytes": max(capacities) if capacities else None,
-        "host_rss_peak_bytes": max(rss) if rss else None,
-        "creep_bytes_per_step": round(creep, 1),
-        "creep_measured_on": "device_allocated" if on_device else "host_rss",
+        "device_peak_bytes": _max_of(s.device_peak_bytes for s in data.rolled),
+        "device_capacity_bytes": data.limits.device_capacity_bytes,
+        "host_rss_peak_bytes": _max_of(s.host_rss_bytes for s in data.rolled),
+        "creep_bytes_per_step": round(trend.bytes_per_step, 1),
+        "creep_measured_on": trend.measured_on,
     }
 
 

@@ -1,0 +1,145 @@
+"""Memory rules: MEMORY_CREEP (a trend that ends in OOM), MEMORY_PRESSURE (near capacity), and
+the post-mortem of an out-of-memory error."""
+from __future__ import annotations
+
+import random
+import statistics
+from typing import List, Optional
+
+import msgspec
+
+from traceml.collector.rollup import Window
+from traceml.records import Finding, OomRecord
+
+MIN_POINTS = 20  # steps of memory readings before a trend can be called
+MIN_GROWTH_BYTES = 4 * 2 ** 20  # what the trend must add over the window, at least...
+MIN_GROWTH_SHARE = 0.02  # ... and as a share of the memory held
+MIN_CONCORDANCE = 0.75  # share of (earlier, later) pairs where the later holds more
+PERSIST_SHARE = 0.3  # each third of the window must grow by this share of the trend
+PRESSURE_WARN = 0.90  # peak at this share of capacity: warn
+PRESSURE_CRIT = 0.97
+
+LEAK_CAUSES = ("Something keeps every step's tensors alive. The usual causes: accumulating the "
+               "loss tensor (`total += loss`; use `loss.item()` or `loss.detach()`), keeping "
+               "outputs or activations in a list, `backward(retain_graph=True)`, or a cache "
+               "that grows with every batch.")
+
+
+class MemoryLimits(msgspec.Struct):
+    """What memory there is: the device's capacity, the host's RAM."""
+
+    device_capacity_bytes: Optional[int] = None
+    host_total_bytes: Optional[int] = None
+    host_available_bytes: Optional[int] = None  # free RAM at the last system sample
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2 ** 30:.2f} GiB" if abs(value) >= 2 ** 30 else f"{value / 2 ** 20:.1f} MiB"
+
+
+def memory_creep(window: Window, limits: MemoryLimits,
+                 layers_alive: Optional[List[dict]] = None) -> Optional[Finding]:
+    trend = window.memory_trend
+    if len(trend.steps) < MIN_POINTS:
+        return None
+    steps, held, slope = trend.steps, trend.held_bytes, trend.bytes_per_step
+    device = trend.measured_on == "device_allocated"
+    growth = slope * (steps[-1] - steps[0])
+    if slope <= 0 or growth < max(MIN_GROWTH_BYTES, MIN_GROWTH_SHARE * held[-1]):
+        return None
+    if _concordance(held) < MIN_CONCORDANCE or not _persists(steps, held, slope):
+        return None
+    where = "device memory allocated" if device else "host RSS"
+    if device:
+        headroom = (limits.device_capacity_bytes or 0) - held[-1]
+    else:
+        headroom = limits.host_available_bytes or 0
+    oom_step = steps[-1] + int(headroom / slope) if headroom > 0 else None
+    forecast = (f"at this rate it runs out near step {oom_step:,} ({_gib(headroom)} left)"
+                if oom_step is not None else "the memory limit is not known")
+    evidence = {"bytes_per_step": round(slope, 1), "held_bytes": held[-1], "growth_bytes": round(growth),
+                "measured_on": trend.measured_on, "steps": len(steps),
+                "projected_oom_step": oom_step, "headroom_bytes": headroom if headroom > 0 else None,
+                "share": round(min(1.0, growth / held[-1]), 4) if held[-1] else None}
+    summary = (f"{where} at step end grows {_gib(slope)} a step ({_gib(growth)} over "
+               f"{steps[-1] - steps[0]} steps): what each step leaves behind is never freed; "
+               f"{forecast}")
+    if layers_alive:
+        top = ", ".join(f"{layer['name']} ({_gib(layer['alive_saved_bytes'])})" for layer in layers_alive[:3])
+        summary += f"; saved tensors still alive after the step: {top}"
+        evidence["layers_alive"] = top
+    return Finding(kind="MEMORY_CREEP", severity="crit" if oom_step is not None else "warn",
+                   summary=summary, action=LEAK_CAUSES, evidence=evidence)
+
+
+def _persists(steps: List[int], held: List[int], slope: float) -> bool:
+    """A leak grows all along; an allocator warming up steps up once and stays flat. Each
+    third of the window must add at least a third of what the slope says it should."""
+    third = len(held) // 3
+    for part in range(3):
+        lo, hi = part * third, (part + 1) * third if part < 2 else len(held)
+        head, tail = held[lo:lo + 3], held[hi - 3:hi]
+        added = statistics.median(tail) - statistics.median(head)
+        if added < PERSIST_SHARE * slope * (steps[hi - 1] - steps[lo]):
+            return False
+    return True
+
+
+def _concordance(values: List[int], pairs: int = 2000) -> float:
+    """Share of (earlier, later) pairs where the later value is larger; ties count half."""
+    rng = random.Random(0)
+    n = len(values)
+    above = 0.0
+    for _ in range(pairs):
+        i, j = sorted(rng.sample(range(n), 2))
+        above += 1.0 if values[j] > values[i] else 0.5 if values[j] == values[i] else 0.0
+    return above / pairs
+
+
+def memory_pressure(window: Window, limits: MemoryLimits, peak_device_bytes: Optional[int],
+                    peak_rss_bytes: Optional[int]) -> Optional[Finding]:
+    if peak_device_bytes is not None and limits.device_capacity_bytes:
+        peak, capacity, what = peak_device_bytes, limits.device_capacity_bytes, "device memory"
+    elif peak_rss_bytes is not None and limits.host_total_bytes:
+        peak, capacity, what = peak_rss_bytes, limits.host_total_bytes, "host RAM"
+    else:
+        return None
+    ratio = peak / capacity
+    if ratio < PRESSURE_WARN:
+        return None
+    return Finding(
+        kind="MEMORY_PRESSURE", severity="crit" if ratio >= PRESSURE_CRIT else "warn",
+        summary=(f"{what} peaks at {ratio:.0%} of capacity: {_gib(peak)} of {_gib(capacity)}, "
+                 f"{_gib(capacity - peak)} of headroom"),
+        action=("One larger batch or sequence will not fit. Cut activation memory: activation "
+                "checkpointing, mixed precision (bf16), a smaller micro-batch with gradient "
+                "accumulation, or an optimizer that keeps less state."),
+        evidence={"peak_bytes": peak, "capacity_bytes": capacity, "share": round(ratio, 4),
+                  "headroom_bytes": capacity - peak})
+
+
+def out_of_memory(oom: OomRecord, limits: MemoryLimits) -> Finding:
+    """The post-mortem of a step that ran out of memory: where, how full, which layers."""
+    where = f"in {oom.phase}" + (f", inside layer {oom.layer}" if oom.layer else "")
+    held = oom.allocated_bytes if oom.allocated_bytes is not None else oom.host_rss_bytes
+    capacity = limits.device_capacity_bytes if oom.allocated_bytes is not None else limits.host_total_bytes
+    fill = f"; {_gib(held)} allocated" if held is not None else ""
+    if held is not None and capacity:
+        fill += f" of {_gib(capacity)}"
+    if oom.peak_bytes is not None:
+        fill += f", peak {_gib(oom.peak_bytes)}"
+    if oom.reserved_bytes is not None:
+        fill += f", reserved {_gib(oom.reserved_bytes)}"
+    largest = ", ".join(f"{name} ({_gib(size)})" for name, size in oom.largest_layers[:3])
+    summary = f"out of memory at step {oom.step} on rank {oom.rank} {where}{fill}"
+    if largest:
+        summary += f"; largest layers by saved activations: {largest}"
+    return Finding(
+        kind="MEMORY_PRESSURE", severity="crit", summary=summary, rank=oom.rank,
+        action=("Lower the memory of that phase: a smaller micro-batch with gradient "
+                "accumulation, activation checkpointing on the largest layers, mixed precision; "
+                "if reserved is far above allocated, fragmentation: set "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."),
+        evidence={"oom": True, "step": oom.step, "phase": oom.phase, "layer": oom.layer,
+                  "allocated_bytes": oom.allocated_bytes, "reserved_bytes": oom.reserved_bytes,
+                  "peak_bytes": oom.peak_bytes, "message": oom.message[:200], "share": 1.0})

@@ -1,0 +1,62 @@
+"""Memory creep, GC pressure and step spikes on real CPU loops, and a healthy run free of them."""
+import pytest
+
+from traceml.collector.rollup import Window, roll_up, warmup_steps
+from traceml.collector.store import Store
+from traceml.diagnose.memory import MemoryLimits, memory_creep
+
+LONG_RUN_FINDINGS = {"MEMORY_CREEP", "GC_PRESSURE", "STEP_SPIKES", "MEMORY_PRESSURE"}
+
+
+def kinds(summary):
+    return {f["kind"]: f for f in summary["findings"]}
+
+
+def test_keeping_loss_and_activations_is_memory_creep_with_a_forecast(traceml_run):
+    run = traceml_run("--steps", 60, "--no-loader", "--keep-graph", "--batch-size", 256,
+                      "--features", 256, "--width", 1024)
+    assert run.returncode == 0, run.stderr
+    summary = run.summary()
+    creep = kinds(summary)["MEMORY_CREEP"]
+    assert creep["evidence"]["bytes_per_step"] > 1 * 2 ** 20  # at least 1 MiB left behind a step
+    assert creep["evidence"]["measured_on"] == "host_rss"
+    assert creep["evidence"]["projected_oom_step"] > 60
+    assert "loss.item()" in creep["action"] and "retain_graph=True" in creep["action"]
+    assert summary["memory"]["creep_bytes_per_step"] == creep["evidence"]["bytes_per_step"]
+
+    # Detected early: the first 50 steps are enough.
+    store = Store(str(run.run_dir / "telemetry.sqlite"))
+    rolled = roll_up(store.steps())[:50]
+    early = memory_creep(Window(rolled[warmup_steps(50):]), MemoryLimits(host_available_bytes=2 ** 34))
+    assert early is not None and early.evidence["bytes_per_step"] > 2 ** 20
+
+
+def test_collecting_a_large_heap_every_step_is_gc_pressure(traceml_run):
+    run = traceml_run("--steps", 14, "--no-loader", "--gc-heap", 1_500_000)
+    assert run.returncode == 0, run.stderr
+    summary = run.summary()
+    primary = summary["primary_diagnosis"]
+    assert primary["kind"] == "GC_PRESSURE" and primary["severity"] == "crit"
+    assert primary["evidence"]["collections_per_step"] >= 1.0
+    assert primary["evidence"]["worst_pause_ms"] >= primary["evidence"]["median_pause_ms"] > 5.0
+    assert "gc.freeze()" in primary["action"]
+    assert summary["phases"]["gc"]["share"] > 0.5
+
+
+def test_a_save_every_20th_step_is_a_periodic_spike(traceml_run):
+    run = traceml_run("--steps", 120, "--no-loader", "--save-every", 20, "--save-mb", 48)
+    assert run.returncode == 0, run.stderr
+    spikes = kinds(run.summary())["STEP_SPIKES"]
+    assert spikes["evidence"]["period_steps"] == 20
+    assert spikes["evidence"]["phase"] == "untraced"
+    assert spikes["evidence"]["spikes"] >= 5
+    assert "every 20 steps" in spikes["summary"]
+
+
+def test_a_flat_healthy_run_has_none_of_these(traceml_run):
+    run = traceml_run("--steps", 80, "--no-loader", "--batch-size", 64, "--features", 512,
+                      "--width", 1024)
+    assert run.returncode == 0, run.stderr
+    summary = run.summary()
+    assert not LONG_RUN_FINDINGS & set(kinds(summary)), summary["findings"]
+    assert summary["primary_diagnosis"]["kind"] == "COMPUTE_BOUND"
