@@ -18,7 +18,7 @@ def test_keeping_loss_and_activations_is_memory_creep_with_a_forecast(traceml_ru
     assert run.returncode == 0, run.stderr
     summary = run.summary()
     creep = kinds(summary)["MEMORY_CREEP"]
-    assert creep["evidence"]["bytes_per_step"] > 1 * 2 ** 20  # at least 1 MiB left behind a step
+    assert creep["evidence"]["bytes_per_step"] >= 2 ** 19  # each step leaves its graph behind
     assert creep["evidence"]["measured_on"] == "host_rss"
     assert creep["evidence"]["projected_oom_step"] > 60
     assert "loss.item()" in creep["action"] and "retain_graph=True" in creep["action"]
@@ -28,7 +28,7 @@ def test_keeping_loss_and_activations_is_memory_creep_with_a_forecast(traceml_ru
     store = Store(str(run.run_dir / "telemetry.sqlite"))
     rolled = roll_up(store.steps())[:50]
     early = memory_creep(Window(rolled[warmup_steps(50):]), MemoryLimits(host_available_bytes=2 ** 34))
-    assert early is not None and early.evidence["bytes_per_step"] > 2 ** 20
+    assert early is not None and early.evidence["bytes_per_step"] >= 2 ** 19
 
 
 def test_collecting_a_large_heap_every_step_is_gc_pressure(traceml_run):
