@@ -8,7 +8,7 @@ import time
 from typing import Any, Callable, Optional
 
 __version__ = "0.1.0"
-__all__ = ["trace_step", "__version__"]
+__all__ = ["trace_step", "trace_model_instance", "__version__"]
 
 _trace_step: Optional[Callable[[Any], Any]] = None
 
@@ -30,3 +30,11 @@ def trace_step(model: Any = None) -> Any:
         # Later `traceml.trace_step(...)` calls go straight to the probe's: one frame less a step.
         globals()["trace_step"] = _trace_step
     return _trace_step(model)
+
+
+def trace_model_instance(model: Any, every_n_steps: Optional[int] = None) -> Any:
+    """Deep-dive on `model`: per-module forward and backward time, saved-activation and output
+    memory, measured on every Nth step that trace_step traces (default 10). Returns the model."""
+    from traceml.probe.step import trace_model_instance as _trace_model_instance
+
+    return _trace_model_instance(model, every_n_steps)

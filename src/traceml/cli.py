@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="cli on a terminal, summary otherwise (default: chosen from stdout)")
     run.add_argument("--run-dir", type=Path, default=None,
                      help="where the run's files go (default ./traceml_runs/<time>-<script>)")
+    run.add_argument("--deep", action="store_true",
+                     help="deep-dive: per-layer time and memory of the model given to trace_step, "
+                          "measured every 10th step")
     distributed = run.add_argument_group("distributed (launched through torch.distributed.run)")
     distributed.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                              help="ranks on this node")
@@ -129,7 +132,7 @@ def run_command(args: argparse.Namespace) -> int:
     except rendezvous.RendezvousError as exc:
         return _fail(str(exc))
     if not launch.hosts_collector:
-        return _run_without_collector(launch)
+        return _run_without_collector(launch, args.deep)
     if args.run_dir is not None:
         try:
             rundir.check_not_taken(args.run_dir)
@@ -160,6 +163,8 @@ def run_command(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env[rendezvous.ENV_COLLECTOR] = address
     env[ENV_RUN_DIR] = os.fspath(run_dir)
+    if args.deep:
+        env["TRACEML_DEEP"] = "1"
     started = time.time()
     try:
         child = subprocess.Popen(launch.command(), env=env)
@@ -183,12 +188,14 @@ def run_command(args: argparse.Namespace) -> int:
     return exit_code
 
 
-def _run_without_collector(launch: Launch) -> int:
+def _run_without_collector(launch: Launch, deep: bool) -> int:
     """A node other than 0: its ranks send to node 0's collector, which prints the card."""
     from traceml import rendezvous
 
     env = dict(os.environ)
     env[rendezvous.ENV_COLLECTOR] = f"{launch.master_addr}:{launch.collector_port}"
+    if deep:
+        env["TRACEML_DEEP"] = "1"
     try:
         child = subprocess.Popen(launch.command(), env=env)
     except OSError as exc:

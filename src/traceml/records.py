@@ -100,6 +100,32 @@ class OomRecord(msgspec.Struct, tag="oom", array_like=True):
     largest_layers: List[Tuple[str, int]] = []  # (module, saved bytes), under deep-dive
 
 
+class LayerStat(msgspec.Struct, array_like=True, gc=False):
+    """One module's deep-dive figures, summed over the sampled steps (inclusive of children)."""
+
+    name: str
+    kind: str  # the module's class
+    leaf: bool  # no child modules: its time and memory are its own
+    calls: int
+    forward_ms: float
+    backward_ms: float
+    saved_bytes: int  # tensors saved for backward (parameters excluded)
+    output_bytes: int
+    allocated_delta_bytes: Optional[int] = None  # on CUDA: allocated after minus before
+    alive_bytes: int = 0  # its saved tensors and outputs of the last sampled step still alive after it
+
+
+class LayerReport(msgspec.Struct, tag="layers", array_like=True):
+    """A rank's deep-dive so far: cumulative per-module figures over sampled_steps steps."""
+
+    rank: int
+    sampled_steps: int
+    every_n_steps: int
+    forward_coverage: float  # leaf modules' share of the model's forward time
+    backward_coverage: float
+    layers: List[LayerStat]
+
+
 class GpuSample(msgspec.Struct):
     index: int
     utilization_percent: float
@@ -141,7 +167,7 @@ class Finding(msgspec.Struct, omit_defaults=False):
     evidence: Dict[str, Union[float, int, str, None]] = {}
 
 
-Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord]
+Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord, LayerReport]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(List[Record])

@@ -8,8 +8,8 @@ from typing import Any, Dict, Iterable, List
 
 import msgspec
 
-from traceml.records import (Finding, GpuSample, OomRecord, RankEnd, RankHello, StepRecord,
-                             SystemSample)
+from traceml.records import (Finding, GpuSample, LayerReport, OomRecord, RankEnd, RankHello,
+                             StepRecord, SystemSample)
 
 STEP_COLUMNS = msgspec.structs.fields(StepRecord)
 _STEP_NAMES = [field.name for field in STEP_COLUMNS]
@@ -34,6 +34,7 @@ CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, hello TEXT, end_reco
 CREATE TABLE IF NOT EXISTS findings (kind TEXT, severity TEXT, rank INTEGER, finding TEXT);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS ooms (rank INTEGER, step INTEGER, oom TEXT);
+CREATE TABLE IF NOT EXISTS layer_reports (rank INTEGER PRIMARY KEY, report TEXT);
 """
 
 
@@ -70,6 +71,9 @@ class Store:
                         "INSERT INTO ranks (rank, hello) VALUES (?, ?) "
                         "ON CONFLICT(rank) DO UPDATE SET hello = excluded.hello",
                         (record.rank, msgspec.json.encode(record).decode()))
+                elif type(record) is LayerReport:  # cumulative: the latest replaces the rest
+                    self._db.execute("INSERT OR REPLACE INTO layer_reports VALUES (?, ?)", (
+                        record.rank, msgspec.json.encode(record).decode()))
                 elif type(record) is OomRecord:
                     self._db.execute("INSERT INTO ooms VALUES (?, ?, ?)", (
                         record.rank, record.step, msgspec.json.encode(record).decode()))
@@ -131,6 +135,11 @@ class Store:
                 f"SELECT {', '.join(_SYSTEM_NAMES)}, gpus FROM system ORDER BY unix_s").fetchall()
         return [SystemSample(*row[:-1], gpus=msgspec.json.decode(row[-1], type=List[GpuSample]))
                 for row in rows]
+
+    def layer_reports(self) -> List[LayerReport]:
+        with self._lock:
+            rows = self._db.execute("SELECT report FROM layer_reports ORDER BY rank").fetchall()
+        return [msgspec.json.decode(row[0], type=LayerReport) for row in rows]
 
     def ooms(self) -> List[OomRecord]:
         with self._lock:

@@ -65,8 +65,8 @@ def memory_creep(window: Window, limits: MemoryLimits,
                f"{steps[-1] - steps[0]} steps): what each step leaves behind is never freed; "
                f"{forecast}")
     if layers_alive:
-        top = ", ".join(f"{layer['name']} ({_gib(layer['alive_saved_bytes'])})" for layer in layers_alive[:3])
-        summary += f"; saved tensors still alive after the step: {top}"
+        top = ", ".join(f"{layer['name']} ({_gib(layer['alive_bytes'])})" for layer in layers_alive[:3])
+        summary += f"; layers whose outputs or saved tensors outlive the step: {top}"
         evidence["layers_alive"] = top
     return Finding(kind="MEMORY_CREEP", severity="crit" if oom_step is not None else "warn",
                    summary=summary, action=LEAK_CAUSES, evidence=evidence)

@@ -75,6 +75,7 @@ def _patch_h2d(probe: StepProbe) -> None:
             try:
                 result = original(self, *args, **kwargs)
             except BaseException:
+                probe.note_failure(H2D)
                 probe.phase_end(H2D)
                 raise
             if result is self or result.is_cpu:
@@ -102,6 +103,9 @@ def _patch_backward(probe: StepProbe) -> None:
         probe.phase_begin(BACKWARD)
         try:
             return original_backward(*args, **kwargs)
+        except BaseException:
+            probe.note_failure(BACKWARD)
+            raise
         finally:
             probe.phase_end(BACKWARD)
 
@@ -145,7 +149,14 @@ class TimedForward:
             probe.forward_calls += 1
             probe.samples += _batch_size(args, kwargs, self.tensor_type)
         try:
+            layers = probe.layers
+            if layers is not None and layers.active:  # a deep-dive step: count saved tensors
+                with layers.saved_tensors_context():
+                    return self.__wrapped__(*args, **kwargs)
             return self.__wrapped__(*args, **kwargs)
+        except BaseException:
+            probe.note_failure(FORWARD)
+            raise
         finally:
             probe.phase_end(FORWARD)
 

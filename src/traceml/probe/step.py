@@ -42,7 +42,7 @@ class StepProbe:
                  "_open_start_ns", "_open_event", "phase_ns", "_phase_events",
                  "input_wait_inside_ns", "forward_calls", "samples", "input_wait_gap_ns", "_gc",
                  "_gc_start_ns", "_closed", "comm_timed", "_comm_wait_ns",
-                 "_bucket_ready_ns", "_bucket_event")
+                 "_bucket_ready_ns", "_bucket_event", "layers", "failed_phase")
 
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
                  host_rss: Any = None):
@@ -83,6 +83,8 @@ class StepProbe:
         self._comm_wait_ns = 0
         self._bucket_ready_ns = 0
         self._bucket_event: Any = None
+        self.layers: Any = None  # a LayerProbe under deep-dive (trace_model_instance)
+        self.failed_phase = NO_PHASE  # the phase an exception left through, for an OOM report
         # The closed step waiting for the next start to end its window (see exit for its layout).
         self._closed: Optional[tuple] = None
 
@@ -96,7 +98,7 @@ class StepProbe:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         try:
-            self.exit(failed=exc_type is not None)
+            self.exit(failed=exc if exc_type is not None else None)
         except Exception:
             _disable("trace_step exit")
         return False
@@ -129,19 +131,26 @@ class StepProbe:
         phase_ns = self.phase_ns
         phase_ns[0] = phase_ns[1] = phase_ns[2] = phase_ns[3] = 0
         self.forward_calls = self.samples = self._comm_wait_ns = 0
+        self.failed_phase = NO_PHASE
+        if self.layers is not None:
+            self.layers.begin_step(self.step_index)
         self._step_start_ns = now
         self.in_step = True
 
-    def exit(self, failed: bool) -> None:
+    def exit(self, failed: Optional[BaseException]) -> None:
         if self._step_depth > 1:
             self._step_depth -= 1
             return
         now = _now_ns()
         self._step_depth = 0
         self.in_step = False
+        if failed is not None and _is_out_of_memory(failed):
+            self._report_oom(failed)
         self.open_phase = NO_PHASE
         self._open_depth = 0
-        if failed:
+        if self.layers is not None:
+            self.layers.end_step()
+        if failed is not None:
             # The step did not finish: it is not a step. Its window never closes, so the
             # previous steps keep their figures and the next step starts afresh.
             # Its phase events go back to the pool; its start event stays out, since the step
@@ -201,6 +210,8 @@ class StepProbe:
 
     def finish(self) -> None:
         """At the end of the run: the last closed step's window ends where the step ended."""
+        if self.layers is not None:
+            self.layers.report()
         closed, self._closed = self._closed, None
         if closed is None:
             return
@@ -237,6 +248,8 @@ class StepProbe:
         end_event = self.timeline.record() if self.timeline is not None else None
         if end_event is not None:
             self._phase_events.append((PHASE_NAMES[phase], self._open_event, end_event))
+        if phase == BACKWARD and self.layers is not None and self.layers.active:
+            self.layers.backward_done()
         if self._bucket_ready_ns and phase == BACKWARD:
             # From this rank's last gradient bucket to backward's end: waiting for the others.
             self._comm_wait_ns += now - self._bucket_ready_ns
@@ -244,6 +257,33 @@ class StepProbe:
             if end_event is not None:
                 self._phase_events.append(("comm_wait", self._bucket_event, end_event))
                 self._bucket_event = None
+
+    def note_failure(self, phase: int) -> None:
+        """An exception is leaving this phase: remember where, in case it ends the step."""
+        if self.failed_phase == NO_PHASE:
+            self.failed_phase = phase
+
+    def _report_oom(self, error: BaseException) -> None:
+        """Out of memory: where the step was, how full memory was, then let the error go on."""
+        from traceml.records import OomRecord
+
+        phase = self.failed_phase if self.failed_phase != NO_PHASE else self.open_phase
+        layer = _layer_in_flight(error, self.layers)
+        largest: List[Tuple[str, int]] = []
+        if self.layers is not None:
+            sizes = [(name, int(stats[3])) for name, stats in self.layers.stats.items()
+                     if name in self.layers.leaves and stats[3]]
+            largest = sorted(sizes, key=lambda item: -item[1])[:5]
+        allocated = peak = reserved = None
+        if self.device_memory is not None:
+            allocated, peak, reserved = self.device_memory.read()
+        self.sender.push(OomRecord(
+            rank=self.rank, step=self.step_index,
+            phase=PHASE_NAMES[phase] if phase != NO_PHASE else "untraced", layer=layer,
+            message=str(error).strip().splitlines()[0][:500] if str(error).strip() else type(error).__name__,
+            allocated_bytes=allocated, reserved_bytes=reserved, peak_bytes=peak,
+            host_rss_bytes=self.host_rss.latest_bytes if self.host_rss is not None else None,
+            largest_layers=largest))
 
     def note_bucket_ready(self) -> None:
         """Called by the DDP comm hook as each gradient bucket is ready; the last one counts."""
@@ -279,6 +319,30 @@ class StepProbe:
                 stats[3] += 1
 
 
+def _is_out_of_memory(error: BaseException) -> bool:
+    if isinstance(error, MemoryError):
+        return True
+    name = type(error).__name__
+    return name == "OutOfMemoryError" or (isinstance(error, RuntimeError)
+                                         and "out of memory" in str(error).lower())
+
+
+def _layer_in_flight(error: BaseException, layers: Any) -> Optional[str]:
+    """The innermost traced module whose forward the error passed through, from its traceback
+    (free: no hook is needed on the steps that are not sampled)."""
+    if layers is None:
+        return None
+    found = layers.current_layer()
+    tb = error.__traceback__
+    while tb is not None:
+        module = tb.tb_frame.f_locals.get("self")
+        name = layers.names.get(id(module)) if module is not None else None
+        if name is not None:
+            found = name
+        tb = tb.tb_next
+    return found
+
+
 class _NoTrace:
     """What trace_step returns once TraceML has disabled itself."""
 
@@ -296,6 +360,8 @@ _hooked_models: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDic
 _lock = threading.Lock()
 _disabled = False
 first_call_ns = 0  # set by traceml.trace_step before it imports this module
+ENV_DEEP = "TRACEML_DEEP"  # set by `traceml run --deep`: deep-dive on the model trace_step sees
+ENV_DEEP_EVERY = "TRACEML_DEEP_EVERY"
 
 
 def _disable(where: str) -> None:
@@ -339,6 +405,28 @@ def _setup(model: Any) -> None:
             from traceml.probe.phases import hook_model
 
             _hooked_models[model] = hook_model(_probe, model)
+            if os.environ.get(ENV_DEEP) and _probe.layers is None:  # traceml run --deep
+                from traceml.probe.layers import DEFAULT_EVERY_N_STEPS, LayerProbe
+
+                every = int(os.environ.get(ENV_DEEP_EVERY) or DEFAULT_EVERY_N_STEPS)
+                _probe.layers = LayerProbe(_probe, model, every_n_steps=every)
+
+
+def trace_model_instance(model: Any, every_n_steps: Optional[int] = None) -> Any:
+    """Deep-dive on this model: per-module forward and backward time and memory, measured on
+    every Nth step traced by trace_step (every_n_steps, default 10). Returns the model."""
+    if _disabled:
+        return model
+    try:
+        _setup(model)
+        from traceml.probe.layers import DEFAULT_EVERY_N_STEPS, LayerProbe
+
+        every = every_n_steps or int(os.environ.get(ENV_DEEP_EVERY) or DEFAULT_EVERY_N_STEPS)
+        if _probe is not None and (_probe.layers is None or _probe.layers.names.get(id(model)) is None):
+            _probe.layers = LayerProbe(_probe, model, every_n_steps=every)
+    except Exception:
+        _disable("deep-dive setup")
+    return model
 
 
 def detach() -> None:

@@ -41,6 +41,8 @@ class RunData:
         self.samples: List[SystemSample] = store.system_samples()
         self.ranks = rank_medians(self.records, skip_steps=self.warmup)
         self.ooms = store.ooms()
+        reports = store.layer_reports()
+        self.layer_report = reports[0] if reports else None  # rank 0's, or the first rank's
         last_sample = self.samples[-1] if self.samples else None
         capacities = [h.device_capacity_bytes for h in self.hellos if h.device_capacity_bytes]
         self.limits = MemoryLimits(
@@ -52,8 +54,29 @@ class RunData:
             self.window, steps_seen=len(self.rolled), ranks=self.ranks if len(self.ranks) > 1 else None,
             limits=self.limits, peak_device_bytes=_max_of(s.device_peak_bytes for s in self.rolled),
             peak_rss_bytes=_max_of(s.host_rss_bytes for s in self.rolled),
-            oom=self.ooms[0] if self.ooms else None)
+            oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive())
         store.write_findings(self.findings)
+
+    def layer_rows(self) -> List[Dict[str, Any]]:
+        """Deep-dive figures per step (the sums over sampled steps, divided by their count)."""
+        report = self.layer_report
+        if report is None:
+            return []
+        per_step = 1.0 / report.sampled_steps
+        rows = [{"name": layer.name, "type": layer.kind, "leaf": layer.leaf,
+                 "calls_per_step": layer.calls * per_step, "forward_ms": layer.forward_ms * per_step,
+                 "backward_ms": layer.backward_ms * per_step,
+                 "memory_bytes": round(layer.saved_bytes * per_step),
+                 "output_bytes": round(layer.output_bytes * per_step),
+                 "allocated_delta_bytes": (round(layer.allocated_delta_bytes * per_step)
+                                           if layer.allocated_delta_bytes is not None else None),
+                 "alive_bytes": layer.alive_bytes} for layer in report.layers]
+        return sorted(rows, key=lambda row: -(row["forward_ms"] + row["backward_ms"]))
+
+    def _layers_alive(self) -> List[Dict[str, Any]]:
+        rows = [row for row in self.layer_rows() if row["leaf"] and row["alive_bytes"]]
+        return [{"name": row["name"], "alive_bytes": row["alive_bytes"]}
+                for row in sorted(rows, key=lambda row: -row["alive_bytes"])]
 
 
 def _max_of(values: Any) -> Optional[int]:
@@ -100,7 +123,12 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "ranks": data.ranks,
         "rank_spread": rank_spread(data.records, skip_steps=data.warmup),
         "missing_ranks": _missing_ranks(data),
-        "layers": [],
+        "layers": data.layer_rows(),
+        "deep_dive": ({"sampled_steps": data.layer_report.sampled_steps,
+                       "every_n_steps": data.layer_report.every_n_steps,
+                       "forward_coverage": data.layer_report.forward_coverage,
+                       "backward_coverage": data.layer_report.backward_coverage}
+                      if data.layer_report is not None else None),
         "primary_diagnosis": findings[0] if findings else None,
         "findings": findings,
     })
@@ -231,6 +259,8 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     parts = [facts, table]
     if run["world_size"] > 1 and summary["rank_spread"]:
         parts.append(_rank_table(summary))
+    if summary["layers"]:
+        parts.extend(_layer_tables(summary))
 
     verdict = Table.grid(padding=(0, 2))
     verdict.add_column(style="bold", no_wrap=True)
@@ -268,6 +298,32 @@ def _rank_table(summary: Dict[str, Any]) -> Any:
         table.add_row(labels[name], f"{spread['median']:.2f}", f"{spread['worst']:.2f}",
                       f"[bold red]{rank}[/]" if rank == straggler else str(rank), f"{spread['skew']:.2f}")
     return table
+
+
+def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
+    """Deep-dive: the top 5 leaf modules by time, and by memory saved for backward."""
+    from rich import box
+    from rich.table import Table
+
+    deep = summary["deep_dive"]
+    leaves = [row for row in summary["layers"] if row["leaf"]]
+    title = (f"layers (deep-dive every {deep['every_n_steps']} steps, {deep['sampled_steps']} sampled;"
+             f" leaves cover {deep['forward_coverage']:.0%} of forward, "
+             f"{deep['backward_coverage']:.0%} of backward)")
+    tables = []
+    for heading, key in (("top by time", lambda r: -(r["forward_ms"] + r["backward_ms"])),
+                         ("top by memory", lambda r: -r["memory_bytes"])):
+        table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), title=title if not tables else None,
+                      title_justify="left")
+        table.add_column(heading, no_wrap=True, max_width=40, overflow="ellipsis")
+        for header in ("calls", "fwd ms", "bwd ms", "saved MiB", "output MiB"):
+            table.add_column(header, justify="right", no_wrap=True)
+        for row in sorted(leaves, key=key)[:5]:
+            table.add_row(f"{row['name']} ({row['type']})", f"{row['calls_per_step']:.0f}",
+                          f"{row['forward_ms']:.2f}", f"{row['backward_ms']:.2f}",
+                          f"{row['memory_bytes'] / 2 ** 20:.2f}", f"{row['output_bytes'] / 2 ** 20:.2f}")
+        tables.append(table)
+    return tables
 
 
 def _system_line(system: Dict[str, Any]) -> str:

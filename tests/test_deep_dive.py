@@ -1,0 +1,83 @@
+"""Deep-dive on a small transformer: per-layer time and exact saved memory; OOM post-mortem."""
+import pytest
+
+from conftest import SCRIPTS
+
+TRANSFORMER = SCRIPTS / "tiny_transformer.py"
+BATCH, SEQ, WIDTH = 4, 16, 64
+
+
+def test_every_linear_has_time_and_its_exact_saved_input(traceml_run):
+    run = traceml_run("--steps", 40, "--blocks", 2, script=TRANSFORMER, traceml_args=("--deep",))
+    assert run.returncode == 0, run.stderr
+    summary = run.summary()
+    layers = {row["name"]: row for row in summary["layers"]}
+    linears = [row for row in summary["layers"] if row["type"] == "Linear"]
+    assert {row["name"] for row in linears} == {"blocks.0.up", "blocks.0.down", "blocks.1.up",
+                                                "blocks.1.down", "head"}
+    for row in linears:
+        assert row["forward_ms"] > 0 and row["backward_ms"] > 0, row
+        assert row["calls_per_step"] == 1
+    # nn.Linear saves its input for the weight's gradient: tokens x in_features x 4 bytes.
+    tokens = BATCH * SEQ
+    assert layers["blocks.0.up"]["memory_bytes"] == tokens * WIDTH * 4
+    assert layers["blocks.0.down"]["memory_bytes"] == tokens * 4 * WIDTH * 4
+    assert layers["head"]["memory_bytes"] == tokens * WIDTH * 4
+    assert layers["blocks.0.up"]["output_bytes"] == tokens * 4 * WIDTH * 4
+    # Parents include their children; the model's root covers the whole forward.
+    assert layers["TinyTransformer"]["forward_ms"] >= layers["blocks.0"]["forward_ms"] >= layers["blocks.0.up"]["forward_ms"]
+    deep = summary["deep_dive"]
+    assert deep["every_n_steps"] == 10 and deep["sampled_steps"] == 3  # steps 10, 20, 30
+    assert 0.0 < deep["forward_coverage"] < 1.0  # attention runs as functional code in its parent
+    card = (run.run_dir / "final_summary.txt").read_text()
+    assert "top by time" in card and "top by memory" in card and "deep-dive every 10 steps" in card
+
+
+def test_a_module_called_twice_a_step_is_summed_with_its_count(traceml_run, tmp_path):
+    script = tmp_path / "shared_layer.py"
+    script.write_text(
+        "import torch, traceml\n"
+        "from torch import nn\n"
+        "shared = nn.Linear(8, 8)\n"
+        "model = nn.ModuleDict({'shared': shared})\n"
+        "class Twice(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.shared = shared\n"
+        "    def forward(self, x):\n"
+        "        return self.shared(torch.relu(self.shared(x)))\n"
+        "net = Twice()\n"
+        "traceml.trace_model_instance(net, every_n_steps=2)\n"
+        "opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+        "for _ in range(12):\n"
+        "    with traceml.trace_step(net):\n"
+        "        loss = net(torch.randn(5, 8)).sum(); opt.zero_grad(); loss.backward(); opt.step()\n")
+    run = traceml_run(script=script)
+    assert run.returncode == 0, run.stderr
+    layers = {row["name"]: row for row in run.summary()["layers"]}
+    assert layers["shared"]["calls_per_step"] == 2
+    assert layers["shared"]["memory_bytes"] == 2 * 5 * 8 * 4  # each call saves its own input
+
+
+def test_out_of_memory_inside_a_layer_is_explained_and_reraised(traceml_run):
+    run = traceml_run("--steps", 40, "--deep-every", 5, "--oom-at", 12, script=TRANSFORMER)
+    assert run.returncode == 1
+    assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB" in run.stderr
+    summary = run.summary()
+    primary = summary["primary_diagnosis"]
+    assert primary["kind"] == "MEMORY_PRESSURE" and primary["severity"] == "crit"
+    evidence = primary["evidence"]
+    assert evidence["oom"] is True and evidence["step"] == 12
+    assert evidence["phase"] == "forward" and evidence["layer"] == "guard"
+    assert "out of memory at step 12" in primary["summary"] and "inside layer guard" in primary["summary"]
+    assert "largest layers by saved activations: blocks." in primary["summary"]
+    assert summary["steps"]["count"] == 12
+
+
+def test_deep_dive_names_the_layers_a_leak_keeps_alive(traceml_run):
+    run = traceml_run("--steps", 60, "--no-loader", "--keep-graph", "--batch-size", 256,
+                      "--features", 256, "--width", 1024, traceml_args=("--deep",))
+    assert run.returncode == 0, run.stderr
+    creep = next(f for f in run.summary()["findings"] if f["kind"] == "MEMORY_CREEP")
+    # The loop keeps each step's outputs: the last layer's output outlives its step.
+    assert "layers whose outputs or saved tensors outlive the step: 4 (" in creep["summary"]
+    assert any(row["alive_bytes"] > 0 for row in run.summary()["layers"])
