@@ -49,7 +49,8 @@ class LayerProbe:
             if next(module.children(), None) is None:
                 self.leaves.add(name)
         self.root = self.names[id(model)]
-        self._param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        # A saved weight is the parameter or a view of it (weight.t()) starting where it does.
+        self._param_pointers = {p.data_ptr() for p in model.parameters()}
         self.stats: Dict[str, List[float]] = {name: [0, 0, 0, 0, 0, 0] for name in self.kinds}
         self.sampled_steps = 0
         self.active = False
@@ -139,10 +140,10 @@ class LayerProbe:
     def _pack(self, tensor: Any) -> Any:
         """Every tensor saved for backward counts for each module in flight, once per call."""
         try:
-            storage = tensor.untyped_storage().data_ptr()
+            storage = tensor.data_ptr()
         except Exception:  # a tensor without storage (sparse, nested): not counted
             return tensor
-        if storage in self._param_storages or not self._stack:
+        if storage in self._param_pointers or not self._stack:
             return tensor
         size = tensor.numel() * tensor.element_size()
         for name, _, _, seen, _ in self._stack:
