@@ -126,3 +126,97 @@ def test_rollup_takes_medians_across_ranks_and_names_the_worst():
     assert rolled_step.step_ms == 110.0 and rolled_step.input_wait_ms == 20.0
     assert (rolled_step.worst_rank, rolled_step.worst_step_ms) == (1, 140.0)
     assert rolled_step.samples == 24
+
+
+# -- GC, spikes, memory: the rules of the long runs ------------------------------------------
+from traceml.diagnose.memory import (PRESSURE_CRIT, PRESSURE_WARN, MemoryLimits, memory_creep,
+                                     memory_pressure, out_of_memory)
+from traceml.diagnose.spikes import step_spikes
+from traceml.diagnose.step_time import GC_CRIT_SHARE, GC_WARN_SHARE
+from traceml.records import OomRecord
+
+
+@pytest.mark.parametrize("share,severity", [(GC_WARN_SHARE - 0.001, None), (GC_WARN_SHARE, "warn"),
+                                            (GC_CRIT_SHARE - 0.001, "warn"), (GC_CRIT_SHARE, "crit")])
+def test_gc_pressure_at_its_thresholds(share, severity):
+    findings = diagnose(window(gc=share * 100.0), steps_seen=20)
+    assert kinds(findings).get("GC_PRESSURE") == severity
+
+
+def spiky_window(period=None, at=(), count=100, spike_ms=60.0, phase="untraced"):
+    steps = []
+    for index in range(count):
+        spike = (period and index % period == period - 1) or index in at
+        step = rolled(index)
+        if spike:
+            step.step_ms += spike_ms
+            setattr(step, f"{phase}_ms", getattr(step, f"{phase}_ms") + spike_ms)
+        steps.append(step)
+    return Window(steps)
+
+
+def test_periodic_spikes_name_their_period_and_phase():
+    found = step_spikes(spiky_window(period=20, phase="outside"))
+    assert found.evidence["period_steps"] == 20 and found.evidence["phase"] == "outside"
+    assert found.evidence["spikes"] == 5 and "every 20 steps" in found.summary
+    assert found.evidence["share"] == pytest.approx(300.0 / 10300.0, rel=1e-3)
+
+
+def test_rare_irregular_hiccups_are_not_a_finding():
+    assert step_spikes(spiky_window(at=(13, 58, 91))) is None  # 3 irregular, 2% of the time
+    assert step_spikes(Window([rolled(i) for i in range(100)])) is None
+
+
+def memory_window(held, device=True):
+    steps = []
+    for index, value in enumerate(held):
+        step = rolled(index)
+        if device:
+            step.device_allocated_bytes = int(value)
+        else:
+            step.host_rss_bytes = int(value)
+        steps.append(step)
+    return Window(steps)
+
+
+MIB = 2 ** 20
+
+
+def test_creep_gives_bytes_per_step_and_the_step_memory_runs_out():
+    found = memory_creep(memory_window([1024 * MIB + i * 2 * MIB for i in range(50)]),
+                         MemoryLimits(device_capacity_bytes=2048 * MIB))
+    assert found.evidence["bytes_per_step"] == pytest.approx(2 * MIB)
+    # 1024 + 98 MiB held at step 49; (2048 - 1122) / 2 = 463 steps more.
+    assert found.evidence["projected_oom_step"] == 49 + 463
+    assert "runs out near step 512" in found.summary
+
+
+@pytest.mark.parametrize("held", [
+    [1024 * MIB] * 50,  # flat
+    [1024 * MIB + (i % 2) * 64 * MIB for i in range(50)],  # noisy, no trend
+    [1024 * MIB + (64 * MIB if i > 20 else 0) for i in range(50)],  # one step up: warm-up
+])
+def test_no_creep_without_a_lasting_trend(held):
+    assert memory_creep(memory_window(held), MemoryLimits(device_capacity_bytes=4096 * MIB)) is None
+
+
+@pytest.mark.parametrize("ratio,severity", [(PRESSURE_WARN - 0.001, None), (PRESSURE_WARN, "warn"),
+                                            (PRESSURE_CRIT, "crit")])
+def test_memory_pressure_at_its_thresholds(ratio, severity):
+    found = memory_pressure(window(), MemoryLimits(device_capacity_bytes=1000 * MIB),
+                            peak_device_bytes=int(ratio * 1000 * MIB), peak_rss_bytes=None)
+    assert (found.severity if found else None) == severity
+    if found:
+        assert found.evidence["headroom_bytes"] == 1000 * MIB - int(ratio * 1000 * MIB)
+
+
+def test_out_of_memory_is_the_primary_finding_even_in_a_short_run():
+    oom = OomRecord(rank=0, step=3, phase="backward", layer="blocks.2.mlp", message="CUDA out of memory",
+                    allocated_bytes=79 * 2 ** 30, reserved_bytes=80 * 2 ** 30, peak_bytes=79 * 2 ** 30,
+                    largest_layers=[("blocks.2.mlp", 3 * 2 ** 30)])
+    findings = diagnose(window(count=3), steps_seen=3, oom=oom,
+                        limits=MemoryLimits(device_capacity_bytes=80 * 2 ** 30))
+    assert [f.kind for f in findings] == ["MEMORY_PRESSURE", "INSUFFICIENT_DATA"]
+    assert "in backward, inside layer blocks.2.mlp" in findings[0].summary
+    assert "79.00 GiB allocated of 80.00 GiB" in findings[0].summary
+    assert out_of_memory(oom, MemoryLimits()).evidence["oom"] is True
