@@ -57,6 +57,9 @@ def main():
             loss.backward()
             optimizer.step()
     print(f"rank {rank} trained {step + 1} steps", flush=True)
+    # Both ranks done before either tears down gloo: a rank that leaves while the other is
+    # still in its last all-reduce can abort it ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -16,8 +16,8 @@ import msgspec
 
 from traceml.collector.rollup import LiveRollup
 from traceml.collector.store import Store
-from traceml.records import (HEADER_BYTES, FrameError, RankHello, StepRecord, decode_payload,
-                             parse_header)
+from traceml.records import (HEADER_BYTES, FrameError, RankEnd, RankHello, StepRecord,
+                             decode_payload, parse_header)
 
 log = logging.getLogger("traceml")
 COMMIT_INTERVAL_S = 0.5
@@ -35,6 +35,9 @@ class Collector:
         self.ranks_seen: Set[int] = set()
         self.world_size = 1  # the largest a rank's hello announced
         self.live = LiveRollup()  # recent steps across ranks, for live views
+        # Ranks whose connection dropped with no goodbye while other ranks were still there:
+        # they died or were killed, and the summary reports them missing.
+        self.lost_ranks: Set[int] = set()
         self.records_ingested = 0
         self.connections_seen = 0
         self.connections_open = 0
@@ -109,6 +112,7 @@ class Collector:
                 self._changed.wait(min(remaining, 0.2))
 
     def stop(self) -> None:
+        self.store.set_meta({"lost_ranks": sorted(self.lost_ranks)})
         loop = self._loop
         if loop is not None and loop.is_running():
             async def shutdown() -> None:
@@ -126,6 +130,8 @@ class Collector:
         self._count_connection(+1)
         peer = writer.get_extra_info("peername")
         greeted = False
+        rank: Optional[int] = None
+        said_goodbye = False
         try:
             while True:
                 try:
@@ -147,6 +153,9 @@ class Collector:
                     if type(record) is RankHello:
                         records[index] = msgspec.structs.replace(record, token="")  # never stored
                         self._greet(record)
+                        rank = record.rank
+                    elif type(record) is RankEnd:
+                        said_goodbye = True
                 try:
                     self.store.write(records)
                 except Exception as exc:  # a full disk loses these records, not the run
@@ -160,6 +169,9 @@ class Collector:
             log.debug("traceml: connection from %s ended: %s", peer, exc)
         finally:
             writer.close()
+            with self._changed:
+                if rank is not None and not said_goodbye and self.connections_open > 1:
+                    self.lost_ranks.add(rank)
             self._count_connection(-1)
 
     def _greet(self, hello: RankHello) -> None:

@@ -41,6 +41,7 @@ class RunData:
         self.samples: List[SystemSample] = store.system_samples()
         self.ranks = rank_medians(self.records, skip_steps=self.warmup)
         self.ooms = store.ooms()
+        self.lost_ranks: List[int] = store.meta().get("lost_ranks", [])
         reports = store.layer_reports()
         self.layer_report = reports[0] if reports else None  # rank 0's, or the first rank's
         last_sample = self.samples[-1] if self.samples else None
@@ -155,8 +156,11 @@ def _missing_ranks(data: RunData) -> List[Dict[str, int]]:
     last_step = {rank: -1 for rank in range(world_size)}  # -1: no step from that rank
     last_step.update({row["rank"]: row["last_step"] for row in data.ranks})
     last = max(last_step.values())
+    # Lost: its connection dropped without a goodbye while others were still connected (the
+    # collector saw it). Otherwise: no goodbye and fewer steps than the others sent.
+    lost = set(data.lost_ranks)
     return [{"rank": rank, "from_step": step + 1} for rank, step in sorted(last_step.items())
-            if step < last and rank not in said_goodbye]
+            if rank not in said_goodbye and (rank in lost or step < last)]
 
 
 def _memory(data: RunData) -> Dict[str, Any]:
