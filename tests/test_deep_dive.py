@@ -31,6 +31,7 @@ def test_every_linear_has_time_and_its_exact_saved_input(traceml_run):
     assert 0.0 < deep["forward_coverage"] < 1.0  # attention runs as functional code in its parent
     card = (run.run_dir / "final_summary.txt").read_text()
     assert "top by time" in card and "top by memory" in card and "deep-dive every 10 steps" in card
+    assert max(len(line) for line in card.splitlines()) <= 100
 
 
 def test_a_module_called_twice_a_step_is_summed_with_its_count(traceml_run, tmp_path):

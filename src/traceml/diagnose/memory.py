@@ -59,11 +59,11 @@ def memory_creep(window: Window, limits: MemoryLimits,
                 if oom_step is not None else "the memory limit is not known")
     evidence = {"bytes_per_step": round(slope, 1), "held_bytes": held[-1], "growth_bytes": round(growth),
                 "measured_on": trend.measured_on, "steps": len(steps),
-                "projected_oom_step": oom_step, "headroom_bytes": headroom if headroom > 0 else None,
+                "projected_oom_step": oom_step, "phase": "held across steps", "headroom_bytes": headroom if headroom > 0 else None,
                 "share": round(min(1.0, growth / held[-1]), 4) if held[-1] else None}
     summary = (f"{where} at step end grows {_gib(slope)} a step ({_gib(growth)} over "
-               f"{steps[-1] - steps[0]} steps): what each step leaves behind is never freed; "
-               f"{forecast}")
+               f"{steps[-1] - steps[0]} steps): it outlives backward and the optimizer step, "
+               f"held from one step to the next; {forecast}")
     if layers_alive:
         top = ", ".join(f"{layer['name']} ({_gib(layer['alive_bytes'])})" for layer in layers_alive[:3])
         summary += f"; layers whose outputs or saved tensors outlive the step: {top}"
