@@ -72,3 +72,16 @@ def test_traceml_never_synchronizes(traceml_run, tmp_path):
     assert run.returncode == 0, run.stderr
     assert "TRACEML_SYNC_CALLS 0 []" in run.stdout
     assert run.summary()["steps"]["count"] == 30
+
+
+def test_deep_dive_on_cuda_is_device_timed(traceml_run):
+    run = traceml_run("--device", "cuda", "--steps", 40, "--no-loader", "--batch-size", 256,
+                      "--features", 1024, "--width", 4096, traceml_args=("--deep",))
+    assert run.returncode == 0, run.stderr
+    summary = run.summary()
+    linears = [row for row in summary["layers"] if row["type"] == "Linear"]
+    assert len(linears) == 3
+    for row in linears:
+        assert row["forward_ms"] > 0 and row["backward_ms"] > 0
+        assert row["allocated_delta_bytes"] is not None
+    assert summary["deep_dive"]["sampled_steps"] == 3
