@@ -166,14 +166,24 @@ def run_command(args: argparse.Namespace) -> int:
     if args.deep:
         env["TRACEML_DEEP"] = "1"
     started = time.time()
+    live = (args.mode or ("cli" if sys.stdout.isatty() else "summary")) == "cli"
+    output_fd = None
     try:
-        child = subprocess.Popen(launch.command(), env=env)
+        if live:  # the script writes to a terminal of its own; the dashboard shows it above itself
+            output_fd, terminal_fd = _open_terminal()
+            child = subprocess.Popen(launch.command(), env=env, stdout=terminal_fd, stderr=terminal_fd)
+            os.close(terminal_fd)
+        else:
+            child = subprocess.Popen(launch.command(), env=env)
     except OSError as exc:
         collector.stop()
         return _fail(f"cannot start {launch.script}: {exc}")
     child_pids.add(child.pid)
     sampler.start()
-    exit_code = _wait(child)
+    if output_fd is not None:
+        exit_code = _wait_with_dashboard(child, output_fd, collector, launch.script.name)
+    else:
+        exit_code = _wait(child)
     ended = time.time()
 
     # Ranks on other nodes may still be saying goodbye; a dead rank simply never does.
@@ -204,6 +214,55 @@ def _run_without_collector(launch: Launch, deep: bool) -> int:
     print(f"traceml: node {launch.node_rank} done (exit code {exit_code}); node 0 prints the "
           "card and keeps the run", file=sys.stderr)
     return exit_code
+
+
+def _open_terminal() -> Tuple[int, int]:
+    """A pseudo-terminal the size of ours: the script still sees a terminal (line-buffered
+    output, progress bars) while its output reaches us to print above the dashboard."""
+    import fcntl
+    import pty
+    import termios
+
+    main_fd, terminal_fd = pty.openpty()
+    try:
+        size = fcntl.ioctl(sys.stdout.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
+        fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, size)
+    except OSError:
+        pass
+    return main_fd, terminal_fd
+
+
+def _wait_with_dashboard(child: subprocess.Popen, output_fd: int, collector: Any, script: str) -> int:
+    from traceml.views.terminal import Dashboard
+
+    restore = _forward_signals(child)
+    try:
+        try:
+            Dashboard(collector, script).run(child, output_fd)
+        except Exception as exc:  # the dashboard is a view: if it fails, the run goes on
+            log.warning("traceml: live dashboard stopped (%s); the card comes at the end", exc)
+            _drain(output_fd, child)
+        returncode = child.wait()
+    finally:
+        restore()
+        os.close(output_fd)
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _drain(output_fd: int, child: subprocess.Popen) -> None:
+    """Copy the script's output to ours until it ends, as if no dashboard were there."""
+    while True:
+        readable, _, _ = select.select([output_fd], [], [], 0.5)
+        if readable:
+            try:
+                chunk = os.read(output_fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                return
+            os.write(sys.stdout.fileno(), chunk)
+        elif child.poll() is not None:
+            return
 
 
 def _wait(child: subprocess.Popen) -> int:

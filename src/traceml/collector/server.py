@@ -6,21 +6,23 @@ One asyncio loop on a background thread owns the sockets and the store's writes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import logging
 import threading
 import time
-from typing import Any, Callable, List, Optional, Set
+from typing import Any, Callable, Deque, Dict, List, Optional, Set
 
 import msgspec
 
 from traceml.collector.rollup import LiveRollup
 from traceml.collector.store import Store
-from traceml.records import (HEADER_BYTES, FrameError, RankEnd, RankHello, StepRecord,
-                             decode_payload, parse_header)
+from traceml.records import (HEADER_BYTES, FrameError, LayerReport, RankEnd, RankHello,
+                             StepRecord, SystemSample, decode_payload, parse_header)
 
 log = logging.getLogger("traceml")
 COMMIT_INTERVAL_S = 0.5
+RECENT_STEPS = 512  # per rank, for the live views
 
 
 class Collector:
@@ -34,7 +36,12 @@ class Collector:
         self.training_pids: Set[int] = set()
         self.ranks_seen: Set[int] = set()
         self.world_size = 1  # the largest a rank's hello announced
-        self.live = LiveRollup()  # recent steps across ranks, for live views
+        # What the live views read (they never touch the sockets or the store's writer):
+        self.live = LiveRollup()  # recent steps across ranks
+        self.recent_by_rank: Dict[int, Deque[StepRecord]] = {}  # each rank's recent steps
+        self.hellos: Dict[int, RankHello] = {}
+        self.latest_system: Optional[SystemSample] = None
+        self.latest_layers: Optional[LayerReport] = None
         # Ranks whose connection dropped with no goodbye while other ranks were still there:
         # they died or were killed, and the summary reports them missing.
         self.lost_ranks: Set[int] = set()
@@ -90,6 +97,25 @@ class Collector:
     def ingest(self, records: List[Any]) -> None:
         """Add records produced outside the sockets (the system sampler); the store locks."""
         self.store.write(records)
+        self._observe(records)
+
+    def _observe(self, records: List[Any]) -> None:
+        """Keep the recent state the live views show."""
+        steps = []
+        for record in records:
+            kind = type(record)
+            if kind is StepRecord:
+                steps.append(record)
+                recent = self.recent_by_rank.get(record.rank)
+                if recent is None:
+                    recent = self.recent_by_rank[record.rank] = collections.deque(maxlen=RECENT_STEPS)
+                recent.append(record)
+            elif kind is SystemSample:
+                self.latest_system = record
+            elif kind is LayerReport:
+                self.latest_layers = record
+        if steps:
+            self.live.add(steps)
 
     def wait_for_ranks(self, timeout_s: float, until: Optional[Callable[[], bool]] = None,
                        absent_grace_s: float = 5.0) -> bool:
@@ -160,7 +186,7 @@ class Collector:
                     self.store.write(records)
                 except Exception as exc:  # a full disk loses these records, not the run
                     log.warning("traceml: could not store %d records: %s", len(records), exc)
-                self.live.add([r for r in records if type(r) is StepRecord])
+                self._observe(records)
                 self.records_ingested += len(records)
         except (FrameError, asyncio.IncompleteReadError) as exc:
             self.frames_rejected += 1
@@ -178,6 +204,7 @@ class Collector:
         with self._changed:
             self.training_pids.add(hello.pid)
             self.ranks_seen.add(hello.rank)
+            self.hellos[hello.rank] = hello
             self.world_size = max(self.world_size, hello.world_size)
             self.live.world_size = self.world_size
             self._changed.notify_all()

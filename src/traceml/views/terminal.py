@@ -1,0 +1,340 @@
+"""The live terminal dashboard: a rich Live view of the collector's recent state, redrawn every
+half second below the script's own output, which passes through a pseudo-terminal.
+
+`snapshot` reads the collector (never the training process); `render` is a pure function of
+that snapshot and the terminal's size, so it is tested on synthetic state; `Dashboard` runs
+the two, and forwards the script's output above the live panel so the redraw never garbles it.
+"""
+from __future__ import annotations
+
+import codecs
+import os
+import select
+import statistics
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from traceml.collector.rollup import Window, rank_medians, warmup_steps
+from traceml.diagnose import MemoryLimits, diagnose
+from traceml.records import STEP_PHASES, Finding, LayerReport, SystemSample
+from traceml.views.summary import PHASE_LABELS, SEVERITY_STYLE
+
+REFRESH_S = 0.5
+RECENT_WINDOW = 200  # steps the live figures are computed over
+WIDE_COLUMNS = 100  # at this width and above, panels sit two by two
+SPARK = "▁▂▃▄▅▆▇█"
+GIB = 2 ** 30
+
+
+class LiveState:
+    """What the dashboard shows, read from the collector at one moment."""
+
+    def __init__(self, script: str, elapsed_s: float, window: Window, steps_seen: int,
+                 ranks: List[dict], world_size: int, system: Optional[SystemSample],
+                 limits: MemoryLimits, layers: Optional[LayerReport], findings: List[Finding],
+                 alerts: List[Tuple[float, Finding]]):
+        self.script, self.elapsed_s, self.window, self.steps_seen = script, elapsed_s, window, steps_seen
+        self.ranks, self.world_size, self.system, self.limits = ranks, world_size, system, limits
+        self.layers, self.findings, self.alerts = layers, findings, alerts
+
+
+def snapshot(collector: Any, script: str, elapsed_s: float,
+             alerts: List[Tuple[float, Finding]]) -> LiveState:
+    """Read the collector's live state and diagnose it with the rules the summary uses.
+
+    `alerts` collects each finding kind the first time it appears (it is updated in place).
+    """
+    rolled = list(collector.live.recent)
+    steps_seen = collector.live.newest_step + 1
+    warmup = warmup_steps(steps_seen)
+    window = Window([s for s in rolled[-RECENT_WINDOW:] if s.step >= warmup])
+    records = [record for recent in list(collector.recent_by_rank.values()) for record in list(recent)]
+    ranks = rank_medians(records, skip_steps=0) if len(collector.recent_by_rank) > 1 else []
+    system = collector.latest_system
+    capacities = [h.device_capacity_bytes for h in list(collector.hellos.values()) if h.device_capacity_bytes]
+    limits = MemoryLimits(
+        device_capacity_bytes=max(capacities) if capacities else None,
+        host_total_bytes=system.ram_total_bytes if system else None,
+        host_available_bytes=system.ram_total_bytes - system.ram_used_bytes if system else None)
+    findings: List[Finding] = []
+    if rolled:
+        findings = diagnose(window, steps_seen=steps_seen, ranks=ranks or None, limits=limits,
+                            peak_device_bytes=_max_of(s.device_peak_bytes for s in rolled),
+                            peak_rss_bytes=_max_of(s.host_rss_bytes for s in rolled))
+    seen = {finding.kind for _, finding in alerts}
+    for finding in findings:
+        if finding.kind not in seen and finding.kind != "INSUFFICIENT_DATA" and finding.severity != "info":
+            alerts.append((elapsed_s, finding))
+    return LiveState(script, elapsed_s, window, steps_seen, ranks, collector.world_size, system,
+                     limits, collector.latest_layers, findings, alerts)
+
+
+def _max_of(values: Any) -> Optional[int]:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+# -- rendering ----------------------------------------------------------------------------------
+def sparkline(values: List[float], width: int) -> str:
+    values = values[-width:]
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - low) / span * (len(SPARK) - 1)))] for v in values)
+
+
+def render(state: LiveState, width: int, height: int) -> Any:
+    """The dashboard for a terminal of this size: panels that do not fit are dropped, not
+    wrapped, in the order least needed first."""
+    from rich.console import Group
+    from rich.table import Table
+
+    header = _header(state)
+    panels = [("steps", _step_panel(state, width)), ("phases", _phase_panel(state)),
+              ("memory", _memory_panel(state, width)), ("system", _system_panel(state))]
+    if state.world_size > 1 and state.ranks:
+        panels.append(("ranks", _rank_panel(state)))
+    if state.layers is not None and state.layers.layers:
+        panels.append(("layers", _layer_panel(state)))
+    panels.append(("alerts", _alert_panel(state)))
+
+    wide = width >= WIDE_COLUMNS
+    drop_order = ["layers", "system", "ranks", "memory", "alerts", "steps"]
+    while True:
+        rows = _arrange(panels, wide)
+        needed = 1 + sum(_height(row) for row in rows)
+        if needed <= height or len(panels) <= 1:
+            break
+        name = next((n for n in drop_order if any(p[0] == n for p in panels)), None)
+        if name is None:
+            break
+        panels = [p for p in panels if p[0] != name]
+    body = []
+    for row in rows:
+        if len(row) == 1:
+            body.append(row[0])
+        else:
+            grid = Table.grid(expand=True, padding=(0, 1))
+            grid.add_column(ratio=1)
+            grid.add_column(ratio=1)
+            grid.add_row(*row)
+            body.append(grid)
+    return Group(header, *body)
+
+
+def _arrange(panels: List[Tuple[str, Any]], wide: bool) -> List[List[Any]]:
+    renderables = [p[1] for p in panels]
+    if not wide:
+        return [[r] for r in renderables]
+    return [renderables[i:i + 2] for i in range(0, len(renderables), 2)]
+
+
+def _height(row: List[Any]) -> int:
+    return max(getattr(panel, "traceml_lines", 4) for panel in row)
+
+
+def _panel(title: str, body: Any, lines: int) -> Any:
+    from rich.panel import Panel
+
+    panel = Panel(body, title=title, title_align="left", padding=(0, 1))
+    panel.traceml_lines = lines + 2  # type: ignore[attr-defined]  # for the fit-to-height check
+    return panel
+
+
+def _header(state: LiveState) -> Any:
+    from rich.text import Text
+
+    window = state.window
+    total_s = window.total_ms / 1000.0
+    steps_per_s = len(window) / total_s if total_s > 0 else 0.0
+    samples = sum(s.samples for s in window.steps)
+    elapsed = time.strftime("%H:%M:%S", time.gmtime(state.elapsed_s))
+    text = Text.assemble(("TraceML", "bold"), f" · {state.script} · {elapsed} · step {state.steps_seen:,}"
+                         f" · {steps_per_s:,.1f} steps/s")
+    if samples and total_s > 0:
+        text.append(f" · {samples / total_s:,.0f} samples/s")
+    primary = next((f for f in state.findings), None)
+    if primary is not None:
+        text.append("  ")
+        text.append(f" {primary.kind.replace('_', ' ')} ", style=SEVERITY_STYLE[primary.severity])
+    return text
+
+
+def _step_panel(state: LiveState, width: int) -> Any:
+    from rich.text import Text
+
+    window = state.window
+    times = [s.step_ms for s in window.steps]
+    spark_width = max(10, (width // 2 if width >= WIDE_COLUMNS else width) - 8)
+    body = Text(f"median {window.step_median_ms:.1f} ms   p90 {window.step_p90_ms:.1f} ms\n")
+    body.append(sparkline(times, spark_width), style="cyan")
+    return _panel(f"step time (last {len(window)} steps)", body, 2)
+
+
+def _phase_panel(state: LiveState) -> Any:
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table.grid(padding=(0, 1))
+    for _ in range(4):
+        table.add_column()
+    for name in STEP_PHASES + ("gc",):
+        stats = state.window.phases[name]
+        bar = "█" * int(round(stats.share * 20)) if name in STEP_PHASES else ""
+        table.add_row(PHASE_LABELS[name], Text(f"{stats.median_ms:8.2f} ms", justify="right"),
+                      Text(f"{stats.share:6.1%}", justify="right"), Text(bar, style="cyan"))
+    return _panel("phases (median, % of step)", table, len(STEP_PHASES) + 1)
+
+
+def _memory_panel(state: LiveState, width: int) -> Any:
+    from rich.text import Text
+
+    steps = state.window.steps
+    last = steps[-1] if steps else None
+    lines = Text()
+    if last is not None and last.device_allocated_bytes is not None:
+        capacity = state.limits.device_capacity_bytes
+        lines.append(f"device allocated {last.device_allocated_bytes / GIB:.2f} GiB  peak "
+                     f"{(last.device_peak_bytes or 0) / GIB:.2f}  reserved "
+                     f"{(last.device_reserved_bytes or 0) / GIB:.2f}"
+                     + (f"  of {capacity / GIB:.1f} GiB" if capacity else "") + "\n")
+    if last is not None and last.host_rss_bytes:
+        lines.append(f"host RSS {last.host_rss_bytes / 2 ** 20:,.0f} MiB\n")
+    trend = state.window.memory_trend
+    spark_width = max(10, (width // 2 if width >= WIDE_COLUMNS else width) - 8)
+    lines.append(f"trend {trend.bytes_per_step / 1024:+,.1f} KiB/step  ")
+    lines.append(sparkline([float(v) for v in trend.held_bytes], spark_width - 28), style="magenta")
+    return _panel("memory", lines, 3)
+
+
+def _system_panel(state: LiveState) -> Any:
+    from rich.text import Text
+
+    system = state.system
+    if system is None:
+        return _panel("system", Text("waiting for the first sample"), 1)
+    lines = Text(f"CPU {system.cpu_percent:.0f}%  training {system.training_cpu_percent:.0f}%  RAM "
+                 f"{system.ram_used_bytes / GIB:.1f} of {system.ram_total_bytes / GIB:.1f} GiB")
+    for gpu in system.gpus:
+        lines.append(f"\nGPU{gpu.index} {gpu.utilization_percent:.0f}%  "
+                     f"{gpu.memory_used_bytes / GIB:.1f}/{gpu.memory_total_bytes / GIB:.0f} GiB")
+        if gpu.temperature_c is not None:
+            lines.append(f"  {gpu.temperature_c:.0f}°C")
+        if gpu.power_w is not None:
+            lines.append(f"  {gpu.power_w:.0f} W")
+    return _panel("system", lines, 1 + len(system.gpus))
+
+
+def _rank_panel(state: LiveState) -> Any:
+    from rich.table import Table
+
+    straggler = next((f.rank for f in state.findings if f.kind.endswith("STRAGGLER")), None)
+    ranks = state.ranks
+    table = Table.grid(padding=(0, 1))
+    for _ in range(4):
+        table.add_column()
+    for label, key in (("step", "step_median_ms"), ("input wait", "input_wait_median_ms"),
+                       ("forward", "forward_median_ms"), ("comm wait", "comm_wait_median_ms")):
+        values = [(r[key], r["rank"]) for r in ranks if r[key] is not None]
+        if not values:
+            continue
+        worst, worst_rank = max(values)
+        median = statistics.median(v for v, _ in values)
+        who = f"[bold red]rank {worst_rank}[/]" if worst_rank == straggler else f"rank {worst_rank}"
+        table.add_row(label, f"median {median:.2f} ms", f"worst {worst:.2f} ms", who)
+    return _panel(f"ranks ({len(ranks)})", table, 4)
+
+
+def _layer_panel(state: LiveState) -> Any:
+    from rich.table import Table
+
+    report = state.layers
+    per_step = 1.0 / max(1, report.sampled_steps)
+    leaves = sorted((layer for layer in report.layers if layer.leaf),
+                    key=lambda layer: -(layer.forward_ms + layer.backward_ms))[:5]
+    table = Table.grid(padding=(0, 1))
+    for _ in range(4):
+        table.add_column()
+    for layer in leaves:
+        table.add_row(layer.name[:30], f"fwd {layer.forward_ms * per_step:.2f} ms",
+                      f"bwd {layer.backward_ms * per_step:.2f} ms",
+                      f"saved {layer.saved_bytes * per_step / 2 ** 20:.1f} MiB")
+    return _panel("top layers (deep-dive)", table, max(1, len(leaves)))
+
+
+def _alert_panel(state: LiveState) -> Any:
+    from rich.text import Text
+
+    if not state.alerts:
+        return _panel("alerts", Text("none so far"), 1)
+    lines = Text()
+    for index, (at_s, finding) in enumerate(state.alerts[-4:]):
+        if index:
+            lines.append("\n")
+        lines.append(f"{time.strftime('%H:%M:%S', time.gmtime(at_s))} ")
+        lines.append(finding.kind, style=SEVERITY_STYLE[finding.severity])
+        lines.append(f" {finding.summary}")
+    return _panel("alerts", lines, min(4, len(state.alerts)) * 2)
+
+
+# -- running it ---------------------------------------------------------------------------------
+class Dashboard:
+    """Runs the live view while the script runs, its output passing above the panel."""
+
+    def __init__(self, collector: Any, script: str, console: Any = None):
+        from rich.console import Console
+
+        self.collector = collector
+        self.script = script
+        self.console = console or Console(highlight=False)
+        self.alerts: List[Tuple[float, Finding]] = []
+        self._started = time.monotonic()
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._partial = ""
+
+    def run(self, child: Any, output_fd: int) -> None:
+        """Until the script exits and its output is drained."""
+        from rich.live import Live
+
+        with Live(self._render(), console=self.console, auto_refresh=False, transient=True,
+                  redirect_stdout=False, redirect_stderr=False) as live:
+            next_draw = 0.0
+            open_fd: Optional[int] = output_fd
+            while open_fd is not None or child.poll() is None:
+                if open_fd is not None:
+                    readable, _, _ = select.select([open_fd], [], [], REFRESH_S / 2)
+                    if readable:
+                        try:
+                            chunk = os.read(open_fd, 65536)
+                        except OSError:  # EIO: the script and its children closed the terminal
+                            chunk = b""
+                        if not chunk:
+                            open_fd = None
+                        else:
+                            self._forward(live, chunk)
+                else:
+                    time.sleep(REFRESH_S / 2)
+                if time.monotonic() >= next_draw:
+                    live.update(self._render(), refresh=True)
+                    next_draw = time.monotonic() + REFRESH_S
+            if self._partial:
+                live.console.print(_from_ansi(self._partial))
+
+    def _forward(self, live: Any, chunk: bytes) -> None:
+        text = self._partial + self._decoder.decode(chunk)
+        *lines, self._partial = text.split("\n")
+        for line in lines:
+            # A progress bar redraws its line with \r: show what it says last.
+            live.console.print(_from_ansi(line.rstrip("\r").rsplit("\r", 1)[-1]))
+
+    def _render(self) -> Any:
+        state = snapshot(self.collector, self.script, time.monotonic() - self._started, self.alerts)
+        size = self.console.size
+        return render(state, size.width, max(8, size.height - 2))
+
+
+def _from_ansi(line: str) -> Any:
+    from rich.text import Text
+
+    return Text.from_ansi(line, end="")
