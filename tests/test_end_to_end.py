@@ -29,6 +29,7 @@ def test_slow_dataset_is_input_bound(traceml_run):
     # The card went to stdout, between the script's own output and the end.
     assert "trained 30 steps" in run.stdout
     assert "INPUT BOUND" in run.stdout
+    assert "step time (last" not in run.stdout  # not a terminal: no live dashboard, on its own
 
 
 def test_wide_mlp_in_memory_is_compute_bound(traceml_run):

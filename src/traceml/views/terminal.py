@@ -87,8 +87,10 @@ def sparkline(values: List[float], width: int) -> str:
 def render(state: LiveState, width: int, height: int) -> Any:
     """The dashboard for a terminal of this size: panels that do not fit are dropped, not
     wrapped, in the order least needed first."""
-    from rich.console import Group
+    from rich.console import Console, Group
     from rich.table import Table
+
+    measure = Console(width=width, height=height, file=_NullFile(), color_system=None)
 
     header = _header(state)
     panels = [("steps", _step_panel(state, width)), ("phases", _phase_panel(state)),
@@ -102,44 +104,40 @@ def render(state: LiveState, width: int, height: int) -> Any:
     wide = width >= WIDE_COLUMNS
     drop_order = ["layers", "system", "ranks", "memory", "alerts", "steps"]
     while True:
-        rows = _arrange(panels, wide)
-        needed = 1 + sum(_height(row) for row in rows)
-        if needed <= height or len(panels) <= 1:
-            break
+        body = []
+        renderables = [p[1] for p in panels]
+        for row in ([[r] for r in renderables] if not wide else
+                    [renderables[i:i + 2] for i in range(0, len(renderables), 2)]):
+            if len(row) == 1:
+                body.append(row[0])
+            else:
+                grid = Table.grid(expand=True, padding=(0, 1))
+                grid.add_column(ratio=1)
+                grid.add_column(ratio=1)
+                grid.add_row(*row)
+                body.append(grid)
+        dashboard = Group(header, *body)
+        # Measured, not estimated: a panel taller than the terminal would scroll the redraw.
+        if len(measure.render_lines(dashboard, pad=False)) <= height or len(panels) <= 1:
+            return dashboard
         name = next((n for n in drop_order if any(p[0] == n for p in panels)), None)
         if name is None:
-            break
+            return dashboard
         panels = [p for p in panels if p[0] != name]
-    body = []
-    for row in rows:
-        if len(row) == 1:
-            body.append(row[0])
-        else:
-            grid = Table.grid(expand=True, padding=(0, 1))
-            grid.add_column(ratio=1)
-            grid.add_column(ratio=1)
-            grid.add_row(*row)
-            body.append(grid)
-    return Group(header, *body)
 
 
-def _arrange(panels: List[Tuple[str, Any]], wide: bool) -> List[List[Any]]:
-    renderables = [p[1] for p in panels]
-    if not wide:
-        return [[r] for r in renderables]
-    return [renderables[i:i + 2] for i in range(0, len(renderables), 2)]
+class _NullFile:
+    def write(self, text: str) -> int:
+        return len(text)
 
-
-def _height(row: List[Any]) -> int:
-    return max(getattr(panel, "traceml_lines", 4) for panel in row)
+    def flush(self) -> None:
+        pass
 
 
 def _panel(title: str, body: Any, lines: int) -> Any:
     from rich.panel import Panel
 
-    panel = Panel(body, title=title, title_align="left", padding=(0, 1))
-    panel.traceml_lines = lines + 2  # type: ignore[attr-defined]  # for the fit-to-height check
-    return panel
+    return Panel(body, title=title, title_align="left", padding=(0, 1))
 
 
 def _header(state: LiveState) -> Any:
@@ -330,8 +328,14 @@ class Dashboard:
 
     def _render(self) -> Any:
         state = snapshot(self.collector, self.script, time.monotonic() - self._started, self.alerts)
-        size = self.console.size
-        return render(state, size.width, max(8, size.height - 2))
+        try:  # the terminal's size now: a resize takes effect at the next redraw
+            columns, lines = os.get_terminal_size(self.console.file.fileno())
+        except (OSError, ValueError, AttributeError):
+            columns, lines = self.console.size
+        # One column short of the edge: a line that fills it leaves some terminals waiting to
+        # wrap, and the next redraw lands a line lower.
+        self.console.width = max(20, columns - 1)
+        return render(state, self.console.width, max(8, lines - 2))
 
 
 def _from_ansi(line: str) -> Any:
