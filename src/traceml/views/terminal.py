@@ -290,6 +290,7 @@ class Dashboard:
         self._started = time.monotonic()
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._partial = ""
+        self._terminal_size = b""
 
     def run(self, child: Any, output_fd: int) -> None:
         """Until the script exits and its output is drained."""
@@ -316,8 +317,23 @@ class Dashboard:
                 if time.monotonic() >= next_draw:
                     live.update(self._render(), refresh=True)
                     next_draw = time.monotonic() + REFRESH_S
+                    if open_fd is not None:
+                        self._pass_on_resize(open_fd)
             if self._partial:
                 live.console.print(_from_ansi(self._partial))
+
+    def _pass_on_resize(self, terminal_fd: int) -> None:
+        """Give the script's terminal our terminal's size when it changes (it gets SIGWINCH)."""
+        try:
+            import fcntl
+            import termios
+
+            size = fcntl.ioctl(self.console.file.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
+            if size != self._terminal_size:
+                self._terminal_size = size
+                fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, size)
+        except (OSError, ValueError, AttributeError, ImportError):
+            pass
 
     def _forward(self, live: Any, chunk: bytes) -> None:
         text = self._partial + self._decoder.decode(chunk)
