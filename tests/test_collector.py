@@ -1,7 +1,6 @@
 """Sender → real TCP socket → collector → real SQLite file, and the faults on that path."""
 import socket
 import sqlite3
-import threading
 import time
 
 import pytest
@@ -9,7 +8,7 @@ import pytest
 from traceml.collector.server import Collector
 from traceml.collector.store import Store
 from traceml.probe.sender import Sender
-from traceml.records import HEADER_BYTES, RankEnd, encode_frame
+from traceml.records import HEADER_BYTES, encode_frame
 from test_records import hello, step
 
 

@@ -2,7 +2,6 @@
 
 Marked `cuda` and skipped without a GPU; scripts/gpu_check.sh runs them on a GPU machine.
 """
-import sys
 
 import pytest
 

@@ -1,6 +1,4 @@
 """Deep-dive on a small transformer: per-layer time and exact saved memory; OOM post-mortem."""
-import pytest
-
 from conftest import SCRIPTS
 
 TRANSFORMER = SCRIPTS / "tiny_transformer.py"

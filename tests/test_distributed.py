@@ -1,11 +1,9 @@
 """DDP with gloo on the CPU, 2 ranks: every rank traced, stragglers named with their cause,
 two nodes on one machine, a rank killed mid-run, and a user's own torchrun launch."""
 import json
-import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

@@ -1,6 +1,4 @@
 """Memory creep, GC pressure and step spikes on real CPU loops, and a healthy run free of them."""
-import pytest
-
 from traceml.collector.rollup import Window, roll_up, warmup_steps
 from traceml.collector.store import Store
 from traceml.diagnose.memory import MemoryLimits, memory_creep

@@ -15,7 +15,7 @@ from rich.console import Console
 from conftest import TRAIN_LOOP, _env
 from traceml.collector.server import Collector
 from traceml.collector.store import Store
-from traceml.records import GpuSample, RankHello, SystemSample
+from traceml.records import GpuSample, SystemSample
 from traceml.views.terminal import render, snapshot, sparkline
 from test_records import hello, step
 

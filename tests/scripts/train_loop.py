@@ -73,6 +73,7 @@ def main():
         if args.outside_ms:
             time.sleep(args.outside_ms / 1000.0)
     print(f"trained {len(starts)} steps", flush=True)
+    del kept, heap  # alive until here on purpose: the leak, and the objects gc walks
     if args.timestamps:
         with open(args.timestamps, "w") as out:
             json.dump(starts, out)

@@ -87,10 +87,10 @@ def _roll_step(step: int, ranks: List[StepRecord]) -> RolledStep:
         samples=sum(r.samples for r in ranks),
         device_timed=any(r.device_timed for r in ranks),
         gpu_idle_ms=_median_present(r.gpu_idle_ms for r in ranks),
-        device_allocated_bytes=_max_present(r.device_allocated_bytes for r in ranks),
-        device_peak_bytes=_max_present(r.device_peak_bytes for r in ranks),
-        device_reserved_bytes=_max_present(r.device_reserved_bytes for r in ranks),
-        host_rss_bytes=_max_present(r.host_rss_bytes for r in ranks),
+        device_allocated_bytes=max_present(r.device_allocated_bytes for r in ranks),
+        device_peak_bytes=max_present(r.device_peak_bytes for r in ranks),
+        device_reserved_bytes=max_present(r.device_reserved_bytes for r in ranks),
+        host_rss_bytes=max_present(r.host_rss_bytes for r in ranks),
     )
 
 
@@ -260,7 +260,8 @@ def _median_present(values: Iterable[Optional[float]]) -> Optional[float]:
     return statistics.median(present) if present else None
 
 
-def _max_present(values: Iterable[Optional[int]]) -> Optional[int]:
+def max_present(values: Iterable[Optional[int]]) -> Optional[int]:
+    """The largest of the values that are there (memory readings may be missing), or None."""
     present = [v for v in values if v is not None]
     return max(present) if present else None
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import random
 import statistics
-from typing import List, Optional
+from typing import Iterable, List, Optional
 
 import msgspec
 
 from traceml.collector.rollup import Window
-from traceml.records import Finding, OomRecord
+from traceml.records import Finding, OomRecord, RankHello, SystemSample
 
 MIN_POINTS = 20  # steps of memory readings before a trend can be called
 MIN_GROWTH_BYTES = 4 * 2 ** 20  # what the trend must add over the window, at least...
@@ -31,6 +31,15 @@ class MemoryLimits(msgspec.Struct):
     device_capacity_bytes: Optional[int] = None
     host_total_bytes: Optional[int] = None
     host_available_bytes: Optional[int] = None  # free RAM at the last system sample
+
+    @classmethod
+    def of_run(cls, hellos: Iterable[RankHello], last_sample: Optional[SystemSample]) -> "MemoryLimits":
+        """The largest device a rank announced; the host's RAM as last sampled."""
+        capacities = [h.device_capacity_bytes for h in hellos if h.device_capacity_bytes]
+        return cls(device_capacity_bytes=max(capacities) if capacities else None,
+                   host_total_bytes=last_sample.ram_total_bytes if last_sample else None,
+                   host_available_bytes=(last_sample.ram_total_bytes - last_sample.ram_used_bytes
+                                         if last_sample else None))
 
 
 def _gib(value: float) -> str:

@@ -8,8 +8,8 @@ from typing import Any, Dict, List, Optional
 
 import msgspec
 
-from traceml.collector.rollup import (RolledStep, Window, rank_medians, rank_spread, roll_up,
-                                      warmup_steps)
+from traceml.collector.rollup import (RolledStep, Window, max_present, rank_medians, rank_spread,
+                                      roll_up, warmup_steps)
 from traceml.collector.store import Store
 from traceml.diagnose import MemoryLimits, diagnose
 from traceml.records import ALL_PHASES, STEP_PHASES, Finding, RankEnd, RankHello, SystemSample
@@ -44,17 +44,11 @@ class RunData:
         self.lost_ranks: List[int] = store.meta().get("lost_ranks", [])
         reports = store.layer_reports()
         self.layer_report = reports[0] if reports else None  # rank 0's, or the first rank's
-        last_sample = self.samples[-1] if self.samples else None
-        capacities = [h.device_capacity_bytes for h in self.hellos if h.device_capacity_bytes]
-        self.limits = MemoryLimits(
-            device_capacity_bytes=max(capacities) if capacities else None,
-            host_total_bytes=last_sample.ram_total_bytes if last_sample else None,
-            host_available_bytes=(last_sample.ram_total_bytes - last_sample.ram_used_bytes
-                                  if last_sample else None))
+        self.limits = MemoryLimits.of_run(self.hellos, self.samples[-1] if self.samples else None)
         self.findings: List[Finding] = diagnose(
             self.window, steps_seen=len(self.rolled), ranks=self.ranks if len(self.ranks) > 1 else None,
-            limits=self.limits, peak_device_bytes=_max_of(s.device_peak_bytes for s in self.rolled),
-            peak_rss_bytes=_max_of(s.host_rss_bytes for s in self.rolled),
+            limits=self.limits, peak_device_bytes=max_present(s.device_peak_bytes for s in self.rolled),
+            peak_rss_bytes=max_present(s.host_rss_bytes for s in self.rolled),
             oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive())
         store.write_findings(self.findings)
 
@@ -78,11 +72,6 @@ class RunData:
         rows = [row for row in self.layer_rows() if row["leaf"] and row["alive_bytes"]]
         return [{"name": row["name"], "alive_bytes": row["alive_bytes"]}
                 for row in sorted(rows, key=lambda row: -row["alive_bytes"])]
-
-
-def _max_of(values: Any) -> Optional[int]:
-    present = [v for v in values if v is not None]
-    return max(present) if present else None
 
 
 def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
@@ -166,9 +155,9 @@ def _missing_ranks(data: RunData) -> List[Dict[str, int]]:
 def _memory(data: RunData) -> Dict[str, Any]:
     trend = data.window.memory_trend
     return {
-        "device_peak_bytes": _max_of(s.device_peak_bytes for s in data.rolled),
+        "device_peak_bytes": max_present(s.device_peak_bytes for s in data.rolled),
         "device_capacity_bytes": data.limits.device_capacity_bytes,
-        "host_rss_peak_bytes": _max_of(s.host_rss_bytes for s in data.rolled),
+        "host_rss_peak_bytes": max_present(s.host_rss_bytes for s in data.rolled),
         "creep_bytes_per_step": round(trend.bytes_per_step, 1),
         "creep_measured_on": trend.measured_on,
     }

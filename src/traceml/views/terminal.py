@@ -12,9 +12,9 @@ import os
 import select
 import statistics
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
-from traceml.collector.rollup import Window, rank_medians, warmup_steps
+from traceml.collector.rollup import Window, max_present, rank_medians, warmup_steps
 from traceml.diagnose import MemoryLimits, diagnose
 from traceml.records import STEP_PHASES, Finding, LayerReport, SystemSample
 from traceml.views.summary import PHASE_LABELS, SEVERITY_STYLE
@@ -51,27 +51,18 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
     records = [record for recent in list(collector.recent_by_rank.values()) for record in list(recent)]
     ranks = rank_medians(records, skip_steps=0) if len(collector.recent_by_rank) > 1 else []
     system = collector.latest_system
-    capacities = [h.device_capacity_bytes for h in list(collector.hellos.values()) if h.device_capacity_bytes]
-    limits = MemoryLimits(
-        device_capacity_bytes=max(capacities) if capacities else None,
-        host_total_bytes=system.ram_total_bytes if system else None,
-        host_available_bytes=system.ram_total_bytes - system.ram_used_bytes if system else None)
+    limits = MemoryLimits.of_run(list(collector.hellos.values()), system)
     findings: List[Finding] = []
     if rolled:
         findings = diagnose(window, steps_seen=steps_seen, ranks=ranks or None, limits=limits,
-                            peak_device_bytes=_max_of(s.device_peak_bytes for s in rolled),
-                            peak_rss_bytes=_max_of(s.host_rss_bytes for s in rolled))
+                            peak_device_bytes=max_present(s.device_peak_bytes for s in rolled),
+                            peak_rss_bytes=max_present(s.host_rss_bytes for s in rolled))
     seen = {finding.kind for _, finding in alerts}
     for finding in findings:
         if finding.kind not in seen and finding.kind != "INSUFFICIENT_DATA" and finding.severity != "info":
             alerts.append((elapsed_s, finding))
     return LiveState(script, elapsed_s, window, steps_seen, ranks, collector.world_size, system,
                      limits, collector.latest_layers, findings, alerts)
-
-
-def _max_of(values: Any) -> Optional[int]:
-    present = [v for v in values if v is not None]
-    return max(present) if present else None
 
 
 # -- rendering ----------------------------------------------------------------------------------
