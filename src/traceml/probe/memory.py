@@ -44,12 +44,12 @@ class HostRss:
     def __init__(self, interval_ns: int = 20_000_000):
         self.interval_ns = interval_ns
         self.latest_bytes: Optional[int] = None
-        self._due_ns = 0
+        self.due_ns = 0
         self._statm = "/proc/self/statm" if os.path.exists("/proc/self/statm") else None
 
     def refresh(self, now_ns: int) -> Optional[int]:
-        if now_ns >= self._due_ns:
-            self._due_ns = now_ns + self.interval_ns
+        if now_ns >= self.due_ns:
+            self.due_ns = now_ns + self.interval_ns
             self.latest_bytes = read_rss_bytes(self._statm)
         return self.latest_bytes
 

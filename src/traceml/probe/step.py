@@ -166,7 +166,10 @@ class StepProbe:
         else:
             end_event = self.timeline.record()
             allocated, peak, reserved = self.device_memory.read()
-        rss = self.host_rss.refresh(now) if self.host_rss is not None else None
+        host_rss = self.host_rss
+        if host_rss is not None and now >= host_rss.due_ns:  # inline check: most steps skip the call
+            host_rss.refresh(now)
+        rss = host_rss.latest_bytes if host_rss is not None else None
         # One flat tuple of scalars (and, on CUDA, events): cheap to build, nothing for gc to track.
         self._closed = (self.step_index, self._step_start_ns, now, h2d_ns, forward_ns, backward_ns,
                         optimizer_ns, self.input_wait_inside_ns, self.forward_calls, self.samples,
@@ -245,6 +248,11 @@ class StepProbe:
         now = _now_ns()
         self.phase_ns[phase] += now - self._open_start_ns
         self.open_phase = NO_PHASE
+        if self.timeline is not None or self._bucket_ready_ns or self.layers is not None:
+            self._phase_end_extras(phase, now)  # off the plain CPU path, which ends here
+
+    def _phase_end_extras(self, phase: int, now: int) -> None:
+        """Device events, deep-dive and DDP collective wait, for the phase that just ended."""
         end_event = self.timeline.record() if self.timeline is not None else None
         if end_event is not None:
             self._phase_events.append((PHASE_NAMES[phase], self._open_event, end_event))
