@@ -45,12 +45,22 @@ class HostRss:
         self.interval_ns = interval_ns
         self.latest_bytes: Optional[int] = None
         self.due_ns = 0
-        self._statm = "/proc/self/statm" if os.path.exists("/proc/self/statm") else None
+        # Opened once: each reading is then a single pread, not open, read and close.
+        try:
+            self._statm_fd: Optional[int] = os.open(f"/proc/{os.getpid()}/statm", os.O_RDONLY)
+        except OSError:
+            self._statm_fd = None
 
     def refresh(self, now_ns: int) -> Optional[int]:
         if now_ns >= self.due_ns:
             self.due_ns = now_ns + self.interval_ns
-            self.latest_bytes = read_rss_bytes(self._statm)
+            if self._statm_fd is not None:
+                try:
+                    self.latest_bytes = int(os.pread(self._statm_fd, 128, 0).split()[1]) * _PAGE_BYTES
+                    return self.latest_bytes
+                except (OSError, ValueError, IndexError):
+                    self._statm_fd = None
+            self.latest_bytes = read_rss_bytes(None)
         return self.latest_bytes
 
 
