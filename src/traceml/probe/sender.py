@@ -23,7 +23,7 @@ from traceml.records import RankEnd, RankHello, Record, encode_frame
 log = logging.getLogger("traceml")
 
 BUFFER_CAPACITY = 65536
-FLUSH_INTERVAL_S = 0.1
+FLUSH_INTERVAL_S = 0.1  # also how often host RSS is read
 RECORDS_PER_FRAME = 4096
 CONNECT_TIMEOUT_S = 2.0
 SEND_TIMEOUT_S = 5.0
@@ -34,12 +34,13 @@ QUIET_CONNECT_S = 15.0  # other ranks may start before rank 0's collector: no wa
 class Sender:
     """Buffer plus background shipping for one training process."""
 
-    def __init__(self, hello: RankHello, timeline: Any = None,
+    def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None,
                  capacity: int = BUFFER_CAPACITY, address: Optional[str] = None):
         self.hello = hello
         # Turns the probe's raw step tuples into StepRecords, here, off the training thread.
         self.record_from: Callable[[tuple], Record] = lambda raw: raw  # type: ignore[assignment,return-value]
         self.timeline = timeline
+        self.host_rss = host_rss  # refreshed here, each round, off the training thread
         self.capacity = capacity
         self.records_sent = 0
         self.records_dropped = 0
@@ -115,6 +116,8 @@ class Sender:
         # before its first steps are done, so even a rank that dies early is known to the run.
         while True:
             try:
+                if self.host_rss is not None:
+                    self.host_rss.refresh(time.perf_counter_ns())
                 self._collect_device_steps()
                 self._flush()
             except Exception:  # never let the thread die: the next round tries again

@@ -166,10 +166,9 @@ class StepProbe:
         else:
             end_event = self.timeline.record()
             allocated, peak, reserved = self.device_memory.read()
-        host_rss = self.host_rss
-        if host_rss is not None and now >= host_rss.due_ns:  # inline check: most steps skip the call
-            host_rss.refresh(now)
-        rss = host_rss.latest_bytes if host_rss is not None else None
+        # The sender thread reads RSS (a /proc read costs the thread that makes it far more
+        # than its few µs on a VM); a step takes the latest reading.
+        rss = self.host_rss.latest_bytes if self.host_rss is not None else None
         # One flat tuple of scalars (and, on CUDA, events): cheap to build, nothing for gc to track.
         self._closed = (self.step_index, self._step_start_ns, now, h2d_ns, forward_ns, backward_ns,
                         optimizer_ns, self.input_wait_inside_ns, self.forward_calls, self.samples,
@@ -473,7 +472,7 @@ def _create_probe(model: Any) -> StepProbe:
         timeline = DeviceTimeline(lambda: torch.cuda.Event(enable_timing=True))
         device_memory = DeviceMemory(torch, device)
     host_rss = HostRss()
-    sender = Sender(_hello(torch, device, device_memory), timeline=timeline)
+    sender = Sender(_hello(torch, device, device_memory), timeline=timeline, host_rss=host_rss)
     probe = StepProbe(sender, timeline=timeline, device_memory=device_memory, host_rss=host_rss)
     sender.record_from = probe.record_from
     if timeline is not None:
