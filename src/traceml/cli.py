@@ -164,7 +164,9 @@ def run_command(args: argparse.Namespace) -> int:
     env[rendezvous.ENV_COLLECTOR] = address
     env[ENV_RUN_DIR] = os.fspath(run_dir)
     if args.deep:
-        env["TRACEML_DEEP"] = "1"
+        from traceml.probe.step import ENV_DEEP
+
+        env[ENV_DEEP] = "1"
     started = time.time()
     live = (args.mode or ("cli" if sys.stdout.isatty() else "summary")) == "cli"
     output_fd = None
@@ -205,7 +207,9 @@ def _run_without_collector(launch: Launch, deep: bool) -> int:
     env = dict(os.environ)
     env[rendezvous.ENV_COLLECTOR] = f"{launch.master_addr}:{launch.collector_port}"
     if deep:
-        env["TRACEML_DEEP"] = "1"
+        from traceml.probe.step import ENV_DEEP
+
+        env[ENV_DEEP] = "1"
     try:
         child = subprocess.Popen(launch.command(), env=env)
     except OSError as exc:
