@@ -169,10 +169,14 @@ def run_command(args: argparse.Namespace) -> int:
         env[ENV_DEEP] = "1"
     started = time.time()
     live = (args.mode or ("cli" if sys.stdout.isatty() else "summary")) == "cli"
-    output_fd = None
-    try:
-        if live:  # the script writes to a terminal of its own; the dashboard shows it above itself
+    output_fd = terminal_fd = None
+    if live:  # the script writes to a terminal of its own; the dashboard shows it above itself
+        try:
             output_fd, terminal_fd = _open_terminal()
+        except OSError as exc:
+            print(f"traceml: no live dashboard ({exc}); the card comes at the end", file=sys.stderr)
+    try:
+        if terminal_fd is not None:
             child = subprocess.Popen(launch.command(), env=env, stdout=terminal_fd, stderr=terminal_fd)
             os.close(terminal_fd)
         else:
