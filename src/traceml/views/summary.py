@@ -146,10 +146,11 @@ def _missing_ranks(data: RunData) -> List[Dict[str, int]]:
     last_step.update({row["rank"]: row["last_step"] for row in data.ranks})
     last = max(last_step.values())
     # Lost: its connection dropped without a goodbye while others were still connected (the
-    # collector saw it). Otherwise: no goodbye and fewer steps than the others sent.
+    # collector saw it go first; the survivors a launcher then stops are not the cause).
+    # Without that record: no goodbye and fewer steps than the others sent.
     lost = set(data.lost_ranks)
     return [{"rank": rank, "from_step": step + 1} for rank, step in sorted(last_step.items())
-            if rank not in said_goodbye and (rank in lost or step < last)]
+            if rank not in said_goodbye and (rank in lost if lost else step < last)]
 
 
 def _memory(data: RunData) -> Dict[str, Any]:
