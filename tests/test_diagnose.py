@@ -17,6 +17,7 @@ def rolled(index: int, **phases_ms: float) -> RolledStep:
     return RolledStep(step=index, ranks=1, start_unix_s=float(index), step_ms=100.0, worst_rank=0,
                       worst_step_ms=100.0, forward_ms=forward, samples=8, device_timed=False,
                       gc_collections=1.0 if values["gc"] else 0.0, gc_max_pause_ms=values["gc"],
+                      gc_gen2_ms=values["gc"],
                       gpu_idle_ms=None, device_allocated_bytes=None, device_peak_bytes=None,
                       device_reserved_bytes=None, host_rss_bytes=None,
                       **{f"{name}_ms": value for name, value in values.items()})

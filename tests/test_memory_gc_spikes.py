@@ -38,6 +38,7 @@ def test_collecting_a_large_heap_every_step_is_gc_pressure(traceml_run):
     assert primary["evidence"]["collections_per_step"] >= 1.0
     assert primary["evidence"]["worst_pause_ms"] >= primary["evidence"]["median_pause_ms"] > 5.0
     assert "gc.freeze()" in primary["action"]
+    assert primary["evidence"]["full_collection_share"] > 0.9  # gc.collect() is a full collection
     assert summary["phases"]["gc"]["share"] > 0.5
 
 

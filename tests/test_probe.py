@@ -155,6 +155,8 @@ def test_garbage_collector_pauses_are_counted(probe):
         gc.collect()
     (record,) = records(probe)
     assert record.gc_collections >= 1 and record.gc_ms > 0.0
+    assert record.gc_full_collections >= 1 and record.gc_gen2_ms > 0.0  # gc.collect() is full
+    assert record.gc_gen0_ms + record.gc_gen1_ms + record.gc_gen2_ms == pytest.approx(record.gc_ms)
     del junk
 
 

@@ -83,6 +83,9 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     comm_wait_ms: Optional[float] = None
     gc_max_pause_ms: float = 0.0  # the longest single collection in the window
     gc_full_collections: int = 0  # generation-2 collections: the ones that walk every object
+    gc_gen0_ms: float = 0.0  # gc_ms, by the generation collected
+    gc_gen1_ms: float = 0.0
+    gc_gen2_ms: float = 0.0
 
 
 class OomRecord(msgspec.Struct, tag="oom", array_like=True):

@@ -37,6 +37,7 @@ class RolledStep(msgspec.Struct):
     gc_ms: float
     gc_collections: float
     gc_max_pause_ms: float  # the longest pause on any rank
+    gc_gen2_ms: float  # of gc_ms, full collections
     samples: int  # summed over ranks: the global batch
     device_timed: bool
     gpu_idle_ms: Optional[float]
@@ -84,6 +85,7 @@ def _roll_step(step: int, ranks: List[StepRecord]) -> RolledStep:
         gc_ms=median("gc_ms"),
         gc_collections=median("gc_collections"),
         gc_max_pause_ms=max(r.gc_max_pause_ms for r in ranks),
+        gc_gen2_ms=median("gc_gen2_ms"),
         samples=sum(r.samples for r in ranks),
         device_timed=any(r.device_timed for r in ranks),
         gpu_idle_ms=_median_present(r.gpu_idle_ms for r in ranks),

@@ -124,18 +124,22 @@ def gc_pressure(window: Window) -> Optional[Finding]:
     mean_pauses = [s.gc_ms / s.gc_collections for s in steps if s.gc_collections]
     median_pause = statistics.median(mean_pauses) if mean_pauses else 0.0
     worst_pause = max(s.gc_max_pause_ms for s in steps)
+    total_gc_ms = sum(s.gc_ms for s in steps)
+    full_share = sum(s.gc_gen2_ms for s in steps) / total_gc_ms if total_gc_ms else 0.0
     return Finding(
         kind="GC_PRESSURE", severity=severity,
         summary=(f"{_of_step('garbage collection', share, gc_ms, window)}; "
                  f"{collections:.1f} collections a step, median pause {median_pause:.1f} ms, "
-                 f"worst {worst_pause:.1f} ms"),
+                 f"worst {worst_pause:.1f} ms; full (generation 2) collections take "
+                 f"{full_share:.0%} of it"),
         action=("Call gc.freeze() once the model and data are built, so the collector stops "
                 "walking them; remove gc.collect() from the loop, or run it every N steps; "
                 "allocate fewer short-lived Python objects per step (or raise "
                 "gc.set_threshold)."),
         evidence=_evidence(window, share, gc_ms, collections_per_step=round(collections, 2),
                            median_pause_ms=round(median_pause, 3),
-                           worst_pause_ms=round(worst_pause, 3)))
+                           worst_pause_ms=round(worst_pause, 3),
+                           full_collection_share=round(full_share, 4)))
 
 
 RULES: List[Callable[[Window], Optional[Finding]]] = [input_bound, h2d_bound, untraced_work,

@@ -26,6 +26,7 @@ from traceml.records import RankHello, StepRecord
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
 
+_GC_ZEROS = (0, 0, 0, 0, 0, 0, 0)
 # Phase slots in the probe's accumulators; the order matches the StepRecord fields.
 H2D, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
 PHASE_NAMES = ("h2d", "forward", "backward", "optimizer")
@@ -75,8 +76,9 @@ class StepProbe:
         # Accumulators of the whole window (step plus the gap after it).
         self.input_wait_gap_ns = 0
         # Garbage collection in this window: [pause ns, collections, longest pause ns,
-        # full (generation 2) collections]; a list updated in place by gc_callback.
-        self._gc = [0, 0, 0, 0]
+        # full (generation 2) collections, then pause ns of generations 0, 1 and 2]; a list
+        # updated in place by gc_callback.
+        self._gc = list(_GC_ZEROS)
         self._gc_start_ns = 0
         # Under DDP (a timed comm hook): collective wait inside backward, see note_bucket_ready.
         self.comm_timed = False
@@ -125,8 +127,7 @@ class StepProbe:
             self._phase_events = []
             self.device_memory.reset_peak()
         self._closed = None
-        gc_stats = self._gc
-        gc_stats[0] = gc_stats[1] = gc_stats[2] = gc_stats[3] = 0
+        self._gc[:] = _GC_ZEROS
         self.input_wait_gap_ns = self.input_wait_inside_ns = 0
         phase_ns = self.phase_ns
         phase_ns[0] = phase_ns[1] = phase_ns[2] = phase_ns[3] = 0
@@ -186,7 +187,8 @@ class StepProbe:
 
     def record_from(self, raw: tuple) -> StepRecord:
         """The StepRecord of a closed step whose window ends at window_end_ns (sender's thread)."""
-        closed, window_end_ns, input_wait_gap_ns, (gc_ns, gc_collections, gc_max_ns, gc_full) = raw
+        closed, window_end_ns, input_wait_gap_ns, gc_stats = raw
+        gc_ns, gc_collections, gc_max_ns, gc_full, gen0_ns, gen1_ns, gen2_ns = gc_stats
         (step, start_ns, end_ns, h2d_ns, forward_ns, backward_ns, optimizer_ns, input_wait_inside_ns,
          forward_calls, samples, comm_wait_ns, allocated, peak, reserved) = closed[:14]
         gap_ns = window_end_ns - end_ns
@@ -204,7 +206,8 @@ class StepProbe:
             samples=samples, device_allocated_bytes=allocated, device_peak_bytes=peak,
             device_reserved_bytes=reserved, host_rss_bytes=closed[17],
             comm_wait_ms=comm_wait_ns / 1e6 if comm_wait_ns is not None else None,
-            gc_max_pause_ms=gc_max_ns / 1e6, gc_full_collections=gc_full)
+            gc_max_pause_ms=gc_max_ns / 1e6, gc_full_collections=gc_full,
+            gc_gen0_ms=gen0_ns / 1e6, gc_gen1_ms=gen1_ns / 1e6, gc_gen2_ms=gen2_ns / 1e6)
 
     def unix_s(self, perf_ns: int) -> float:
         """A perf_counter_ns reading as wall-clock seconds since the epoch."""
@@ -322,7 +325,9 @@ class StepProbe:
             stats[1] += 1
             if pause_ns > stats[2]:
                 stats[2] = pause_ns
-            if info.get("generation") == 2:
+            generation = info.get("generation", 0)
+            stats[4 + min(generation, 2)] += pause_ns
+            if generation == 2:
                 stats[3] += 1
 
 
