@@ -326,7 +326,7 @@ class StepProbe:
             if pause_ns > stats[2]:
                 stats[2] = pause_ns
             generation = info.get("generation", 0)
-            stats[4 + min(generation, 2)] += pause_ns
+            stats[4 + generation] += pause_ns  # generations are 0, 1 and 2
             if generation == 2:
                 stats[3] += 1
 
