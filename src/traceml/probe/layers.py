@@ -62,7 +62,6 @@ class LayerProbe:
         self._watched_step = 0  # the sampled step they come from
         self.alive: Dict[str, int] = {}
         self._device_spans: List[Tuple[str, int, Any, Any]] = []  # CUDA: (name, slot, begin, end)
-        self.reports_sent = 0
 
     # -- the step, called by the probe ------------------------------------------------------
     def begin_step(self, step_index: int) -> None:
@@ -228,7 +227,6 @@ class LayerProbe:
             forward_coverage=min(1.0, leaf_forward / root[FORWARD_NS]) if root[FORWARD_NS] else 0.0,
             backward_coverage=min(1.0, leaf_backward / root[BACKWARD_NS]) if root[BACKWARD_NS] else 0.0,
             layers=layers))
-        self.reports_sent += 1
 
 
 def _unpack(tensor: Any) -> Any:

@@ -44,6 +44,7 @@ class RunData:
         self.lost_ranks: List[int] = store.meta().get("lost_ranks", [])
         reports = store.layer_reports()
         self.layer_report = reports[0] if reports else None  # rank 0's, or the first rank's
+        self.layers = self._layer_rows()
         self.limits = MemoryLimits.of_run(self.hellos, self.samples[-1] if self.samples else None)
         self.findings: List[Finding] = diagnose(
             self.window, steps_seen=len(self.rolled), ranks=self.ranks if len(self.ranks) > 1 else None,
@@ -52,7 +53,7 @@ class RunData:
             oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive())
         store.write_findings(self.findings)
 
-    def layer_rows(self) -> List[Dict[str, Any]]:
+    def _layer_rows(self) -> List[Dict[str, Any]]:
         """Deep-dive figures per step (the sums over sampled steps, divided by their count)."""
         report = self.layer_report
         if report is None:
@@ -69,7 +70,7 @@ class RunData:
         return sorted(rows, key=lambda row: -(row["forward_ms"] + row["backward_ms"]))
 
     def _layers_alive(self) -> List[Dict[str, Any]]:
-        rows = [row for row in self.layer_rows() if row["leaf"] and row["alive_bytes"]]
+        rows = [row for row in self.layers if row["leaf"] and row["alive_bytes"]]
         return [{"name": row["name"], "alive_bytes": row["alive_bytes"]}
                 for row in sorted(rows, key=lambda row: -row["alive_bytes"])]
 
@@ -113,7 +114,7 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "ranks": data.ranks,
         "rank_spread": rank_spread(data.records, skip_steps=data.warmup),
         "missing_ranks": _missing_ranks(data),
-        "layers": data.layer_rows(),
+        "layers": data.layers,
         "deep_dive": ({"sampled_steps": data.layer_report.sampled_steps,
                        "every_n_steps": data.layer_report.every_n_steps,
                        "forward_coverage": data.layer_report.forward_coverage,
