@@ -143,7 +143,8 @@ class Sender:
                     record = self.record_from(record)
                 elif isinstance(record, RankEnd):  # the goodbye carries the final counts
                     record.records_sent = self.records_sent + len(batch)
-                    record.records_dropped = self.records_dropped
+                    record.records_dropped = self.records_dropped + (
+                        self.timeline.dropped_steps if self.timeline is not None else 0)
                 batch.append(record)
             try:
                 sock.sendall(encode_frame(batch))
