@@ -12,6 +12,7 @@ from traceml.collector.rollup import Window
 from traceml.records import Finding, OomRecord, RankHello, SystemSample
 
 MIN_POINTS = 20  # steps of memory readings before a trend can be called
+MIN_READINGS = 6  # distinct readings among them
 MIN_GROWTH_BYTES = 4 * 2 ** 20  # what the trend must add over the window, at least...
 MIN_GROWTH_SHARE = 0.02  # ... and as a share of the memory held
 MIN_CONCORDANCE = 0.75  # share of (earlier, later) pairs where the later holds more
@@ -50,6 +51,11 @@ def memory_creep(window: Window, limits: MemoryLimits,
                  layers_alive: Optional[List[dict]] = None) -> Optional[Finding]:
     trend = window.memory_trend
     if len(trend.steps) < MIN_POINTS:
+        return None
+    # Host RSS is sampled every 100 ms, so steps repeat a reading: a trend needs enough
+    # distinct readings, or an allocator's few warm-up step-ups look like one.
+    readings = sum(1 for before, after in zip(trend.held_bytes, trend.held_bytes[1:]) if after != before) + 1
+    if readings < MIN_READINGS:
         return None
     steps, held, slope = trend.steps, trend.held_bytes, trend.bytes_per_step
     device = trend.measured_on == "device_allocated"
