@@ -144,7 +144,7 @@ def test_gc_pressure_at_its_thresholds(share, severity):
     assert kinds(findings).get("GC_PRESSURE") == severity
 
 
-def spiky_window(period=None, at=(), count=100, spike_ms=60.0, phase="untraced"):
+def spiky_window(period=None, at=(), count=100, spike_ms=120.0, phase="untraced"):
     steps = []
     for index in range(count):
         spike = (period and index % period == period - 1) or index in at
@@ -160,11 +160,11 @@ def test_periodic_spikes_name_their_period_and_phase():
     found = step_spikes(spiky_window(period=20, phase="outside"))
     assert found.evidence["period_steps"] == 20 and found.evidence["phase"] == "outside"
     assert found.evidence["spikes"] == 5 and "every 20 steps" in found.summary
-    assert found.evidence["share"] == pytest.approx(300.0 / 10300.0, rel=1e-3)
+    assert found.evidence["share"] == pytest.approx(600.0 / 10600.0, rel=1e-3)
 
 
 def test_rare_irregular_hiccups_are_not_a_finding():
-    assert step_spikes(spiky_window(at=(13, 58, 91))) is None  # 3 irregular, 2% of the time
+    assert step_spikes(spiky_window(at=(13, 58, 91))) is None  # 3 irregular, 3.5% of the time
     assert step_spikes(Window([rolled(i) for i in range(100)])) is None
 
 

@@ -9,7 +9,8 @@ from traceml.collector.rollup import Window
 from traceml.records import ALL_PHASES, Finding
 
 MIN_Z = 6.0  # robust z-score (median and MAD) a step must pass to be a spike
-MIN_RATIO = 1.5  # ... and it must take this many times the median step
+MIN_RATIO = 2.0  # ... and it must take this many times the median step (a busy machine's
+                 # jitter reaches 1.5x; the stalls worth naming are longer)
 MIN_SPIKES = 3
 MAJOR_SHARE = 0.25  # a spike counts when its excess is at least this share of the largest's
 WARN_COST_SHARE = 0.05  # spikes costing this share of the run's time: warn (below: info)

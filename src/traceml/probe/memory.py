@@ -38,7 +38,7 @@ class HostRss:
     """Resident set size of this process, read by the sender thread at most every interval_ns;
     each step records the latest reading (steps shorter than the interval share one)."""
 
-    def __init__(self, interval_ns: int = 50_000_000):
+    def __init__(self, interval_ns: int = 20_000_000):
         self.interval_ns = interval_ns
         self.latest_bytes: Optional[int] = None
         self.due_ns = 0

@@ -23,7 +23,8 @@ from traceml.records import RankEnd, RankHello, Record, encode_frame
 log = logging.getLogger("traceml")
 
 BUFFER_CAPACITY = 65536
-FLUSH_INTERVAL_S = 0.1  # also how often host RSS is read
+FLUSH_INTERVAL_S = 0.1
+ROUNDS_PER_FLUSH = 5  # host RSS is read every round (20 ms), records sent every 5th
 RECORDS_PER_FRAME = 4096
 CONNECT_TIMEOUT_S = 2.0
 SEND_TIMEOUT_S = 5.0
@@ -114,15 +115,18 @@ class Sender:
     def _run(self) -> None:
         # The first round runs at once: the rank says hello (and rank 0 starts the collector)
         # before its first steps are done, so even a rank that dies early is known to the run.
+        rounds = 0
         while True:
             try:
                 if self.host_rss is not None:
                     self.host_rss.refresh(time.perf_counter_ns())
-                self._collect_device_steps()
-                self._flush()
+                if rounds % ROUNDS_PER_FLUSH == 0:
+                    self._collect_device_steps()
+                    self._flush()
             except Exception:  # never let the thread die: the next round tries again
                 log.debug("traceml: sender round failed", exc_info=True)
-            if self._stop.wait(FLUSH_INTERVAL_S):
+            rounds += 1
+            if self._stop.wait(FLUSH_INTERVAL_S / ROUNDS_PER_FLUSH):
                 return
 
     def _collect_device_steps(self) -> None:
