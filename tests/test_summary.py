@@ -55,10 +55,14 @@ def test_summary_figures_come_from_the_records(tmp_path):
     json.dumps(summary)  # plain JSON all the way down
 
 
-def test_findings_are_stored_with_the_run(tmp_path):
+def test_findings_are_stored_with_the_run(tmp_path, capsys):
+    from traceml.cli import finish_run
+
     store = filled_store(tmp_path)
-    data = RunData(store)
-    assert [f.kind for f in store.findings()] == [f.kind for f in data.findings]
+    summary = finish_run(store, tmp_path, FACTS)
+    stored = Store(str(tmp_path / "telemetry.sqlite"), readonly=True).findings()
+    assert [f.kind for f in stored] == [f["kind"] for f in summary["findings"]]
+    assert stored[0].kind == "INPUT_BOUND"
 
 
 def test_card_fits_100_columns_and_shows_the_figures(tmp_path):

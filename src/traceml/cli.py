@@ -377,14 +377,7 @@ def collect_command(args: argparse.Namespace) -> int:
     collector.stop()
     from traceml.views.summary import RunFacts
 
-    hellos, ends = store.hellos(), store.ends()
-    rank0 = next((h for h in hellos if h.rank == 0), hellos[0] if hellos else None)
-    end0 = next((e for e in ends if e.rank == 0), None)
-    argv = rank0.argv if rank0 is not None else [args.script]
-    facts = RunFacts(script=Path(argv[0]).name, argv=argv,
-                     exit_code=end0.exit_code if end0 is not None else None,
-                     started_at_unix_s=rank0.started_at_unix_s if rank0 is not None else time.time(),
-                     ended_at_unix_s=time.time())
+    facts = RunFacts.from_store(store, script=args.script)
     finish_run(store, writable_dir, facts)
     return 0
 
@@ -408,6 +401,7 @@ def finish_run(store: Any, run_dir: Optional[Path], facts: Any) -> Optional[dict
 
     try:
         data = RunData(store)
+        store.write_findings(data.findings)
         summary = build_summary(data, facts)
         store.set_meta({"run": summary["run"], "steps": summary["steps"]})
         store.close()

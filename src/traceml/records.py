@@ -159,6 +159,29 @@ class RankEnd(msgspec.Struct, tag="end", array_like=True):
     records_dropped: int
 
 
+class SpanRecord(msgspec.Struct, tag="span", array_like=True, gc=False):
+    """A user span (`tracer.span(name)`) in one step of one rank: its calls summed.
+
+    Spans overlap the phases (like gc): they are shown beside the breakdown, never added to it.
+    """
+
+    rank: int
+    step: int
+    name: str
+    start_unix_s: float  # the first call's start
+    duration_ms: float  # summed over the calls
+    count: int
+
+
+class ScalarRecord(msgspec.Struct, tag="scalar", array_like=True, gc=False):
+    """A value the user logged (`tracer.log_scalar(name, value)`) at a step: a loss, a learning rate."""
+
+    rank: int
+    step: int
+    name: str
+    value: float
+
+
 class Finding(msgspec.Struct, omit_defaults=False):
     """One diagnosis: what is wrong, by how much, and the next thing to try."""
 
@@ -170,7 +193,8 @@ class Finding(msgspec.Struct, omit_defaults=False):
     evidence: Dict[str, Union[float, int, str, None]] = {}
 
 
-Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord, LayerReport]
+Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord, LayerReport, SpanRecord,
+               ScalarRecord]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(List[Record])

@@ -133,6 +133,16 @@ class Window:
     def step_p90_ms(self) -> float:
         return percentile(self.step_times_ms, 0.90)
 
+    @property
+    def steps_per_s(self) -> float:
+        return len(self.steps) * 1000.0 / self.total_ms if self.total_ms > 0 else 0.0
+
+    @property
+    def samples_per_s(self) -> Optional[float]:
+        """The global batch (summed over ranks) per second; None when no batch size was seen."""
+        samples = sum(s.samples for s in self.steps)
+        return samples * 1000.0 / self.total_ms if samples and self.total_ms > 0 else None
+
     @functools.cached_property
     def memory_trend(self) -> "MemoryTrend":
         """What each step leaves behind: device memory allocated at step end, or without a

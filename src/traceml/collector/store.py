@@ -4,12 +4,13 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from typing import Any, Dict, Iterable, List
+import urllib.parse
+from typing import Any, Dict, Iterable, List, Sequence
 
 import msgspec
 
 from traceml.records import (Finding, GpuSample, LayerReport, OomRecord, RankEnd, RankHello,
-                             StepRecord, SystemSample)
+                             ScalarRecord, SpanRecord, StepRecord, SystemSample)
 
 STEP_COLUMNS = msgspec.structs.fields(StepRecord)
 _STEP_NAMES = [field.name for field in STEP_COLUMNS]
@@ -35,15 +36,29 @@ CREATE TABLE IF NOT EXISTS findings (kind TEXT, severity TEXT, rank INTEGER, fin
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS ooms (rank INTEGER, step INTEGER, oom TEXT);
 CREATE TABLE IF NOT EXISTS layer_reports (rank INTEGER PRIMARY KEY, report TEXT);
+CREATE TABLE IF NOT EXISTS spans (rank INTEGER, step INTEGER, name TEXT, start_unix_s REAL,
+                                  duration_ms REAL, count INTEGER);
+CREATE TABLE IF NOT EXISTS scalars (rank INTEGER, step INTEGER, name TEXT, value REAL);
+CREATE INDEX IF NOT EXISTS spans_by_step ON spans (step);
+CREATE INDEX IF NOT EXISTS scalars_by_name ON scalars (name, step);
 """
 
 
 class Store:
-    """A thread-safe wrapper around one SQLite connection; ":memory:" when no file can be written."""
+    """A thread-safe wrapper around one SQLite connection; ":memory:" when no file can be written.
 
-    def __init__(self, path: str):
+    The collector holds the one writing Store of a run. Views open their own with
+    readonly=True: a separate connection, so their reads never wait on the writer's lock, and
+    one that cannot write even by mistake.
+    """
+
+    def __init__(self, path: str, readonly: bool = False):
         self.path = path
+        self.readonly = readonly
         self._lock = threading.Lock()
+        if readonly:
+            self._db = _connect_readonly(path)
+            return
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         if path != ":memory:":
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -57,7 +72,10 @@ class Store:
 
     # -- writing ----------------------------------------------------------------------------
     def write(self, records: Iterable[Any]) -> None:
-        steps, samples = [], []
+        steps: List[tuple] = []
+        samples: List[list] = []
+        spans: List[tuple] = []
+        scalars: List[tuple] = []
         with self._lock:
             for record in records:
                 if type(record) is StepRecord:
@@ -82,6 +100,14 @@ class Store:
                         "INSERT INTO ranks (rank, end_record) VALUES (?, ?) "
                         "ON CONFLICT(rank) DO UPDATE SET end_record = excluded.end_record",
                         (record.rank, msgspec.json.encode(record).decode()))
+                elif type(record) is SpanRecord:
+                    spans.append(msgspec.structs.astuple(record))
+                elif type(record) is ScalarRecord:
+                    scalars.append(msgspec.structs.astuple(record))
+            if spans:
+                self._db.executemany("INSERT INTO spans VALUES (?, ?, ?, ?, ?, ?)", spans)
+            if scalars:
+                self._db.executemany("INSERT INTO scalars VALUES (?, ?, ?, ?)", scalars)
             if steps:
                 self._db.executemany(self._step_insert, steps)
             if samples:
@@ -112,6 +138,11 @@ class Store:
                 self._db.close()
 
     # -- reading ----------------------------------------------------------------------------
+    def query(self, sql: str, params: Sequence[Any] = ()) -> List[tuple]:
+        """Rows of one read-only statement (the web views' downsampling queries)."""
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
+
     def steps(self) -> List[StepRecord]:
         with self._lock:
             rows = self._db.execute(
@@ -156,3 +187,19 @@ class Store:
             rows = self._db.execute("SELECT key, value FROM meta").fetchall()
         return {key: json.loads(value) for key, value in rows}
 
+
+
+def _connect_readonly(path: str) -> sqlite3.Connection:
+    """Open a run's store for reading only. A finished run in a directory we may not write
+    (SQLite would create its WAL index there) is opened as immutable: it no longer changes."""
+    uri = "file:" + urllib.parse.quote(path)
+    for flags in ("?mode=ro", "?mode=ro&immutable=1"):
+        db = sqlite3.connect(uri + flags, uri=True, check_same_thread=False, isolation_level=None)
+        try:
+            db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            return db
+        except sqlite3.OperationalError:
+            db.close()
+            if flags.endswith("immutable=1"):
+                raise
+    raise AssertionError("unreachable")

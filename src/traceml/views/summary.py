@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import datetime
 import io
+import os
 import statistics
+import time
 from typing import Any, Dict, List, Optional
 
 import msgspec
@@ -12,7 +14,8 @@ from traceml.collector.rollup import (RolledStep, Window, max_present, rank_medi
                                       roll_up, warmup_steps)
 from traceml.collector.store import Store
 from traceml.diagnose import MemoryLimits, diagnose
-from traceml.records import ALL_PHASES, STEP_PHASES, Finding, RankEnd, RankHello, SystemSample
+from traceml.records import (ALL_PHASES, STEP_PHASES, Finding, LayerReport, RankEnd, RankHello,
+                             SystemSample)
 
 SCHEMA_VERSION = 1
 CARD_WIDTH = 100
@@ -26,6 +29,19 @@ class RunFacts(msgspec.Struct):
     exit_code: Optional[int]
     started_at_unix_s: float
     ended_at_unix_s: float
+
+    @classmethod
+    def from_store(cls, store: Store, script: Optional[str] = None,
+                   ended_at_unix_s: Optional[float] = None) -> "RunFacts":
+        """With no launcher to ask: rank 0's hello (its argv, its start) and goodbye (its exit code)."""
+        hellos, ends = store.hellos(), store.ends()
+        rank0 = next((h for h in hellos if h.rank == 0), hellos[0] if hellos else None)
+        end0 = next((e for e in ends if e.rank == 0), None)
+        argv = rank0.argv if rank0 is not None else [script or "python"]
+        return cls(script=os.path.basename(argv[0]) if argv else (script or ""), argv=argv,
+                   exit_code=end0.exit_code if end0 is not None else None,
+                   started_at_unix_s=rank0.started_at_unix_s if rank0 is not None else time.time(),
+                   ended_at_unix_s=ended_at_unix_s or time.time())
 
 
 class RunData:
@@ -44,35 +60,34 @@ class RunData:
         self.lost_ranks: List[int] = store.meta().get("lost_ranks", [])
         reports = store.layer_reports()
         self.layer_report = reports[0] if reports else None  # rank 0's, or the first rank's
-        self.layers = self._layer_rows()
+        self.layers = layer_rows(self.layer_report)
         self.limits = MemoryLimits.of_run(self.hellos, self.samples[-1] if self.samples else None)
         self.findings: List[Finding] = diagnose(
             self.window, steps_seen=len(self.rolled), ranks=self.ranks if len(self.ranks) > 1 else None,
             limits=self.limits, peak_device_bytes=max_present(s.device_peak_bytes for s in self.rolled),
             peak_rss_bytes=max_present(s.host_rss_bytes for s in self.rolled),
             oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive())
-        store.write_findings(self.findings)
-
-    def _layer_rows(self) -> List[Dict[str, Any]]:
-        """Deep-dive figures per step (the sums over sampled steps, divided by their count)."""
-        report = self.layer_report
-        if report is None:
-            return []
-        per_step = 1.0 / report.sampled_steps
-        rows = [{"name": layer.name, "type": layer.kind, "leaf": layer.leaf,
-                 "calls_per_step": layer.calls * per_step, "forward_ms": layer.forward_ms * per_step,
-                 "backward_ms": layer.backward_ms * per_step,
-                 "memory_bytes": round(layer.saved_bytes * per_step),
-                 "output_bytes": round(layer.output_bytes * per_step),
-                 "allocated_delta_bytes": (round(layer.allocated_delta_bytes * per_step)
-                                           if layer.allocated_delta_bytes is not None else None),
-                 "alive_bytes": layer.alive_bytes} for layer in report.layers]
-        return sorted(rows, key=lambda row: -(row["forward_ms"] + row["backward_ms"]))
 
     def _layers_alive(self) -> List[Dict[str, Any]]:
         rows = [row for row in self.layers if row["leaf"] and row["alive_bytes"]]
         return [{"name": row["name"], "alive_bytes": row["alive_bytes"]}
                 for row in sorted(rows, key=lambda row: -row["alive_bytes"])]
+
+
+def layer_rows(report: Optional[LayerReport]) -> List[Dict[str, Any]]:
+    """Deep-dive figures per step (the sums over sampled steps, divided by their count)."""
+    if report is None:
+        return []
+    per_step = 1.0 / report.sampled_steps
+    rows = [{"name": layer.name, "type": layer.kind, "leaf": layer.leaf,
+             "calls_per_step": layer.calls * per_step, "forward_ms": layer.forward_ms * per_step,
+             "backward_ms": layer.backward_ms * per_step,
+             "memory_bytes": round(layer.saved_bytes * per_step),
+             "output_bytes": round(layer.output_bytes * per_step),
+             "allocated_delta_bytes": (round(layer.allocated_delta_bytes * per_step)
+                                       if layer.allocated_delta_bytes is not None else None),
+             "alive_bytes": layer.alive_bytes} for layer in report.layers]
+    return sorted(rows, key=lambda row: -(row["forward_ms"] + row["backward_ms"]))
 
 
 def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
@@ -81,8 +96,6 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
     phases["step"] = {"median_ms": window.step_median_ms, "mean_ms": window.step_mean_ms,
                       "p90_ms": window.step_p90_ms, "share": 1.0 if len(window) else 0.0}
     world_size = max([h.world_size for h in data.hellos] + [len({r.rank for r in data.records}), 1])
-    train_s = window.total_ms / 1000.0
-    samples = sum(s.samples for s in window.steps)
     findings = [msgspec.to_builtins(f) for f in data.findings]
     return _rounded({
         "schema_version": SCHEMA_VERSION,
@@ -106,8 +119,8 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         },
         "phases": phases,
         "throughput": {
-            "steps_per_s": len(window) / train_s if train_s > 0 else 0.0,
-            "samples_per_s": samples / train_s if train_s > 0 and samples else None,
+            "steps_per_s": window.steps_per_s,
+            "samples_per_s": window.samples_per_s,
         },
         "memory": _memory(data),
         "system": _system(data.samples),

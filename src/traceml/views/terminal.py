@@ -14,55 +14,14 @@ import statistics
 import time
 from typing import Any, List, Optional, Tuple
 
-from traceml.collector.rollup import Window, max_present, rank_medians, warmup_steps
-from traceml.diagnose import MemoryLimits, diagnose
-from traceml.records import STEP_PHASES, Finding, LayerReport, SystemSample
+from traceml.collector.live import LiveState, snapshot
+from traceml.records import STEP_PHASES, Finding
 from traceml.views.summary import PHASE_LABELS, SEVERITY_STYLE
 
 REFRESH_S = 0.5
-RECENT_WINDOW = 200  # steps the live figures are computed over
 WIDE_COLUMNS = 100  # at this width and above, panels sit two by two
 SPARK = "▁▂▃▄▅▆▇█"
 GIB = 2 ** 30
-
-
-class LiveState:
-    """What the dashboard shows, read from the collector at one moment."""
-
-    def __init__(self, script: str, elapsed_s: float, window: Window, steps_seen: int,
-                 ranks: List[dict], world_size: int, system: Optional[SystemSample],
-                 limits: MemoryLimits, layers: Optional[LayerReport], findings: List[Finding],
-                 alerts: List[Tuple[float, Finding]]):
-        self.script, self.elapsed_s, self.window, self.steps_seen = script, elapsed_s, window, steps_seen
-        self.ranks, self.world_size, self.system, self.limits = ranks, world_size, system, limits
-        self.layers, self.findings, self.alerts = layers, findings, alerts
-
-
-def snapshot(collector: Any, script: str, elapsed_s: float,
-             alerts: List[Tuple[float, Finding]]) -> LiveState:
-    """Read the collector's live state and diagnose it with the rules the summary uses.
-
-    `alerts` collects each finding kind the first time it appears (it is updated in place).
-    """
-    rolled = list(collector.live.recent)
-    steps_seen = collector.live.newest_step + 1
-    warmup = warmup_steps(steps_seen)
-    window = Window([s for s in rolled[-RECENT_WINDOW:] if s.step >= warmup])
-    records = [record for recent in list(collector.recent_by_rank.values()) for record in list(recent)]
-    ranks = rank_medians(records, skip_steps=0) if len(collector.recent_by_rank) > 1 else []
-    system = collector.latest_system
-    limits = MemoryLimits.of_run(list(collector.hellos.values()), system)
-    findings: List[Finding] = []
-    if rolled:
-        findings = diagnose(window, steps_seen=steps_seen, ranks=ranks or None, limits=limits,
-                            peak_device_bytes=max_present(s.device_peak_bytes for s in rolled),
-                            peak_rss_bytes=max_present(s.host_rss_bytes for s in rolled))
-    seen = {finding.kind for _, finding in alerts}
-    for finding in findings:
-        if finding.kind not in seen and finding.kind != "INSUFFICIENT_DATA" and finding.severity != "info":
-            alerts.append((elapsed_s, finding))
-    return LiveState(script, elapsed_s, window, steps_seen, ranks, collector.world_size, system,
-                     limits, collector.latest_layers, findings, alerts)
 
 
 # -- rendering ----------------------------------------------------------------------------------
@@ -135,14 +94,11 @@ def _header(state: LiveState) -> Any:
     from rich.text import Text
 
     window = state.window
-    total_s = window.total_ms / 1000.0
-    steps_per_s = len(window) / total_s if total_s > 0 else 0.0
-    samples = sum(s.samples for s in window.steps)
     elapsed = time.strftime("%H:%M:%S", time.gmtime(state.elapsed_s))
     text = Text.assemble(("TraceML", "bold"), f" · {state.script} · {elapsed} · step {state.steps_seen:,}"
-                         f" · {steps_per_s:,.1f} steps/s")
-    if samples and total_s > 0:
-        text.append(f" · {samples / total_s:,.0f} samples/s")
+                         f" · {window.steps_per_s:,.1f} steps/s")
+    if window.samples_per_s:
+        text.append(f" · {window.samples_per_s:,.0f} samples/s")
     primary = next((f for f in state.findings), None)
     if primary is not None:
         text.append("  ")

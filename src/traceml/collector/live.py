@@ -1,0 +1,54 @@
+"""The live state every live view shows: the collector's recent steps, diagnosed by the rules
+the final summary uses, at one moment. The terminal and the web dashboard both read it."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from traceml.collector.rollup import Window, max_present, rank_medians, rank_spread, warmup_steps
+from traceml.diagnose import MemoryLimits, diagnose
+from traceml.records import Finding, LayerReport, SystemSample
+
+RECENT_WINDOW = 200  # steps the live figures are computed over
+
+
+class LiveState:
+    """What the dashboard shows, read from the collector at one moment."""
+
+    def __init__(self, script: str, elapsed_s: float, window: Window, steps_seen: int,
+                 ranks: List[dict], world_size: int, system: Optional[SystemSample],
+                 limits: MemoryLimits, layers: Optional[LayerReport], findings: List[Finding],
+                 alerts: List[Tuple[float, Finding]]):
+        self.script, self.elapsed_s, self.window, self.steps_seen = script, elapsed_s, window, steps_seen
+        self.ranks, self.world_size, self.system, self.limits = ranks, world_size, system, limits
+        self.layers, self.findings, self.alerts = layers, findings, alerts
+        self.spread: Dict[str, dict] = {}  # across ranks, per phase (rollup.rank_spread)
+
+
+def snapshot(collector: Any, script: str, elapsed_s: float,
+             alerts: List[Tuple[float, Finding]]) -> LiveState:
+    """Read the collector's live state and diagnose it with the rules the summary uses.
+
+    `alerts` collects each finding kind the first time it appears (it is updated in place).
+    """
+    rolled = list(collector.live.recent)
+    steps_seen = collector.live.newest_step + 1
+    warmup = warmup_steps(steps_seen)
+    window = Window([s for s in rolled[-RECENT_WINDOW:] if s.step >= warmup])
+    records = [record for recent in list(collector.recent_by_rank.values()) for record in list(recent)]
+    ranks = rank_medians(records, skip_steps=0) if len(collector.recent_by_rank) > 1 else []
+    system = collector.latest_system
+    limits = MemoryLimits.of_run(list(collector.hellos.values()), system)
+    findings: List[Finding] = []
+    if rolled:
+        findings = diagnose(window, steps_seen=steps_seen, ranks=ranks or None, limits=limits,
+                            peak_device_bytes=max_present(s.device_peak_bytes for s in rolled),
+                            peak_rss_bytes=max_present(s.host_rss_bytes for s in rolled))
+    seen = {finding.kind for _, finding in alerts}
+    for finding in findings:
+        if finding.kind not in seen and finding.kind != "INSUFFICIENT_DATA" and finding.severity != "info":
+            alerts.append((elapsed_s, finding))
+    state = LiveState(script, elapsed_s, window, steps_seen, ranks, collector.world_size, system,
+                      limits, collector.latest_layers, findings, alerts)
+    if ranks:
+        state.spread = rank_spread(records, skip_steps=warmup)
+    return state
