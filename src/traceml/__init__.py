@@ -8,7 +8,7 @@ import time
 from typing import Any, Callable, Optional
 
 __version__ = "0.1.0"
-__all__ = ["trace_step", "trace_model_instance", "__version__"]
+__all__ = ["trace_step", "trace_model_instance", "Trace", "__version__"]
 
 _trace_step: Optional[Callable[[Any], Any]] = None
 
@@ -38,3 +38,12 @@ def trace_model_instance(model: Any, every_n_steps: Optional[int] = None) -> Any
     from traceml.probe.step import trace_model_instance as _trace_model_instance
 
     return _trace_model_instance(model, every_n_steps)
+
+
+def __getattr__(name: str) -> Any:
+    """`traceml.Trace`, the object API (spans, scalars, a dashboard): loaded on first use."""
+    if name == "Trace":
+        from traceml.probe.tracer import Trace
+
+        return Trace
+    raise AttributeError(f"module 'traceml' has no attribute {name!r}")

@@ -21,6 +21,8 @@ from typing import Any, Callable, List, Optional, Set, Tuple
 log = logging.getLogger("traceml")
 
 ENV_RUN_DIR = "TRACEML_RUN_DIR"
+DEFAULT_WEB_PORT = 8765
+SSE_FAREWELL_S = 1.5  # after the run, how long the page has to receive its last update
 RANK_GOODBYE_TIMEOUT_S = 5.0
 
 
@@ -30,6 +32,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run":
         return run_command(args)
+    if args.command == "view":
+        return view_command(args)
     if args.command == "_collect":
         return collect_command(args)
     parser.print_help()
@@ -43,13 +47,15 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a training script under TraceML",
                               description="Run SCRIPT with the same Python under a collector; "
                                           "print the card and write the run directory at the end.")
-    run.add_argument("--mode", choices=("cli", "summary"), default=None,
-                     help="cli on a terminal, summary otherwise (default: chosen from stdout)")
+    run.add_argument("--mode", choices=("cli", "dashboard", "summary"), default=None,
+                     help="cli: live terminal dashboard; dashboard: live web dashboard; summary: "
+                          "the card at the end only (default: cli on a terminal, else summary)")
     run.add_argument("--run-dir", type=Path, default=None,
                      help="where the run's files go (default ./traceml_runs/<time>-<script>)")
     run.add_argument("--deep", action="store_true",
                      help="deep-dive: per-layer time and memory of the model given to trace_step, "
                           "measured every 10th step")
+    _web_arguments(run)
     distributed = run.add_argument_group("distributed (launched through torch.distributed.run)")
     distributed.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                              help="ranks on this node")
@@ -62,13 +68,39 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
+    view = commands.add_parser("view", help="reopen a finished run in the web dashboard",
+                               description="Serve a run directory's telemetry.sqlite in the web "
+                                           "dashboard (read-only) until Ctrl-C.")
+    view.add_argument("run_dir", type=Path, help="the run's directory (holds telemetry.sqlite)")
+    _web_arguments(view)
+
     collect = commands.add_parser("_collect", help=argparse.SUPPRESS)
     collect.add_argument("--ready-fd", type=int, required=True)
     collect.add_argument("--parent-pid", type=int, required=True)
     collect.add_argument("--script", required=True)
     collect.add_argument("--host", default="127.0.0.1")
     collect.add_argument("--port", type=int, default=0)
+    collect.add_argument("--web-port", type=int, default=None)
+    collect.add_argument("--web-host", default="127.0.0.1")
     return parser
+
+
+def _web_arguments(parser: argparse.ArgumentParser) -> None:
+    web = parser.add_argument_group("web dashboard")
+    web.add_argument("--port", type=_port, default=DEFAULT_WEB_PORT, metavar="P",
+                     help=f"the dashboard's port; the next free one if taken (default {DEFAULT_WEB_PORT})")
+    web.add_argument("--host", default="127.0.0.1", metavar="H",
+                     help="the address to serve on (default 127.0.0.1: this machine only)")
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range (0-65535)")
+    return port
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -168,7 +200,18 @@ def run_command(args: argparse.Namespace) -> int:
 
         env[ENV_DEEP] = "1"
     started = time.time()
-    live = (args.mode or ("cli" if sys.stdout.isatty() else "summary")) == "cli"
+    mode = args.mode or ("cli" if sys.stdout.isatty() else "summary")
+    live = mode == "cli"
+    web = None
+    if mode == "dashboard":
+        from traceml.views.web.app import PortInUse, RunSource, serve_run
+
+        try:
+            web = serve_run(RunSource.of_live_run(writable_dir, store, collector, launch.script.name,
+                                                  started), args.host, args.port, _say)
+        except (PortInUse, OSError) as exc:
+            collector.stop()
+            return _fail(f"cannot serve the dashboard: {exc}")
     output_fd = terminal_fd = None
     if live:  # the script writes to a terminal of its own; the dashboard shows it above itself
         try:
@@ -183,6 +226,8 @@ def run_command(args: argparse.Namespace) -> int:
             child = subprocess.Popen(launch.command(), env=env)
     except OSError as exc:
         collector.stop()
+        if web is not None:
+            web.stop()
         return _fail(f"cannot start {launch.script}: {exc}")
     child_pids.add(child.pid)
     sampler.start()
@@ -200,8 +245,34 @@ def run_command(args: argparse.Namespace) -> int:
 
     facts = RunFacts(script=launch.script.name, argv=[os.fspath(launch.script), *launch.script_args],
                      exit_code=exit_code, started_at_unix_s=started, ended_at_unix_s=ended)
-    finish_run(store, writable_dir, facts)
+    summary = finish_run(store, writable_dir, facts)
+    if web is not None:
+        _close_dashboard(web, summary, writable_dir)
     return exit_code
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _close_dashboard(web: Any, summary: Optional[dict], run_dir: Optional[Path]) -> None:
+    """The page shows the final verdict, then the server goes with the run."""
+    from traceml import rundir
+
+    if summary is not None:
+        web.source.summary = summary
+        time.sleep(SSE_FAREWELL_S)
+    web.stop()
+    if run_dir is not None:
+        # The collector closed its store while the page still read it, so SQLite left the
+        # write-ahead log beside it: the last connection folds it back into the one file.
+        try:
+            from traceml.collector.store import Store
+
+            Store(rundir.store_path(run_dir)).close()
+        except Exception as exc:
+            log.debug("could not fold the store's log back: %s", exc)
+        _say(f"traceml: reopen the dashboard with: traceml view {run_dir}")
 
 
 def _run_without_collector(launch: Launch, deep: bool) -> int:
@@ -316,17 +387,50 @@ def _forward_signals(child: subprocess.Popen) -> Callable[[], None]:
     return restore
 
 
-# -- python train.py: the collector process rank 0 starts -------------------------------------
-def spawn_collector_process(hello: Any, host: str, port: int) -> Tuple[subprocess.Popen, str]:
-    """Start `python -m traceml _collect` for this run and return it with its address."""
-    read_fd, write_fd = os.pipe()
-    script = hello.argv[0] if hello.argv else "python"
+# -- traceml view ------------------------------------------------------------------------------
+def view_command(args: argparse.Namespace) -> int:
+    from traceml.views.web.app import PortInUse, RunSource, serve_run
+
     try:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "traceml", "_collect", "--ready-fd", str(write_fd),
-             "--parent-pid", str(os.getpid()), "--script", script, "--host", host,
-             "--port", str(port)],
-            pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
+        source = RunSource.of_finished_run(args.run_dir)
+    except (OSError, ValueError) as exc:
+        return _fail(f"cannot open {args.run_dir}: {exc}")
+    except Exception as exc:  # a store SQLite cannot read
+        return _fail(f"cannot read the run in {args.run_dir}: {exc}")
+    try:
+        web = serve_run(source, args.host, args.port, _say)
+    except (PortInUse, OSError) as exc:
+        return _fail(f"cannot serve the dashboard: {exc}")
+    _say("traceml: serving until Ctrl-C")
+    import threading
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        web.stop()
+    return 0
+
+
+# -- python train.py: the collector process rank 0 starts -------------------------------------
+def spawn_collector_process(hello: Any, host: str, port: int, web_port: Optional[int] = None,
+                            run_name: Optional[str] = None) -> Tuple[subprocess.Popen, str]:
+    """Start `python -m traceml _collect` for this run and return it with its address; with
+    web_port, it serves the web dashboard too (the Trace API), never in the training process."""
+    read_fd, write_fd = os.pipe()
+    script = run_name or (hello.argv[0] if hello.argv else "python")
+    command = [sys.executable, "-m", "traceml", "_collect", "--ready-fd", str(write_fd),
+               "--parent-pid", str(os.getpid()), "--script", script, "--host", host,
+               "--port", str(port)]
+    if web_port is not None:
+        command += ["--web-port", str(web_port)]
+    try:
+        process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
     finally:
         os.close(write_fd)
     with os.fdopen(read_fd, "rb") as ready:
@@ -367,6 +471,16 @@ def collect_command(args: argparse.Namespace) -> int:
         os.close(args.ready_fd)
     sampler = SystemSampler(collector.ingest, lambda: collector.training_pids)
     sampler.start()
+    web = None
+    if args.web_port is not None:
+        from traceml.views.web.app import PortInUse, RunSource, serve_run
+
+        try:
+            web = serve_run(RunSource.of_live_run(writable_dir, store, collector,
+                                                  Path(args.script).name, time.time()),
+                            args.web_host, args.web_port, _say)
+        except (PortInUse, OSError) as exc:  # the run goes on, with the card at its end
+            _say(f"traceml: no web dashboard: {exc}")
     parent_gone = lambda: not _alive(args.parent_pid)  # noqa: E731
     while not collector.wait_for_ranks(timeout_s=3600.0, until=parent_gone):
         if parent_gone():
@@ -378,7 +492,9 @@ def collect_command(args: argparse.Namespace) -> int:
     from traceml.views.summary import RunFacts
 
     facts = RunFacts.from_store(store, script=args.script)
-    finish_run(store, writable_dir, facts)
+    summary = finish_run(store, writable_dir, facts)
+    if web is not None:
+        _close_dashboard(web, summary, writable_dir)
     return 0
 
 

@@ -133,7 +133,8 @@ class Store:
     def close(self) -> None:
         with self._lock:
             try:
-                self._db.execute("COMMIT")
+                if not self.readonly:
+                    self._db.execute("COMMIT")
             finally:
                 self._db.close()
 

@@ -18,12 +18,16 @@ class DeviceMemory:
         # torch.cuda.memory_allocated() and friends each flatten the allocator's whole stats
         # dict; one read of the nested dict gives all three figures for a fraction of that.
         self._nested_stats = getattr(torch._C, "_cuda_memoryStats", None)
+        self.counting = True  # False: Trace(profile_memory=False), capacity only
 
     def reset_peak(self) -> None:
-        self._cuda.reset_peak_memory_stats(self._device)
+        if self.counting:
+            self._cuda.reset_peak_memory_stats(self._device)
 
-    def read(self) -> Tuple[int, int, int]:
+    def read(self) -> Tuple[Optional[int], Optional[int], Optional[int]]:
         """(allocated now, peak since the last reset, reserved) in bytes."""
+        if not self.counting:
+            return None, None, None
         if self._nested_stats is not None:
             stats = self._nested_stats(self._index)
             allocated = stats["allocated_bytes"]["all"]

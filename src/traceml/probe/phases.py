@@ -68,6 +68,8 @@ def _patch_h2d(probe: StepProbe) -> None:
 
     def wrap(original: Any) -> Any:
         def moved(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not probe.in_step and probe.auto_steps and self.is_cpu:
+                return first_copy(self, *args, **kwargs)
             if not probe.in_step or probe.open_phase != -1 or not self.is_cpu:
                 return original(self, *args, **kwargs)
             if not probe.phase_begin(H2D):
@@ -82,6 +84,16 @@ def _patch_h2d(probe: StepProbe) -> None:
                 probe.cancel_phase(H2D)
             else:
                 probe.phase_end(H2D)
+            return result
+
+        def first_copy(self: Any, *args: Any, **kwargs: Any) -> Any:
+            """Steps inferred: the batch's copy to the device is what starts the step (once it
+            is known to have moved something; a `.to(dtype)` on the CPU starts nothing)."""
+            start_ns = _now_ns()
+            result = original(self, *args, **kwargs)
+            if result is not self and not result.is_cpu and not probe.in_step:
+                probe.enter(start_ns)
+                probe.phase_ns[H2D] += _now_ns() - start_ns
             return result
 
         moved.__wrapped__ = original  # type: ignore[attr-defined]
@@ -123,6 +135,8 @@ def _hook_optimizers(probe: StepProbe) -> None:
 
     def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         probe.phase_end(OPTIMIZER)
+        if probe.auto_steps:
+            probe.optimizer_stepped(optimizer)
 
     _undo.append(register_optimizer_step_pre_hook(before_step).remove)
     _undo.append(register_optimizer_step_post_hook(after_step).remove)
@@ -165,6 +179,71 @@ class TimedForward:
 
     def __reduce__(self) -> Any:
         return (_same, (self.__wrapped__,))
+
+
+class OutermostModules:
+    """Forward timing while the model is not known (steps inferred, no trace_step(model)).
+
+    During the first step only, process-wide module hooks time each outermost module call as
+    forward. When the optimizer first steps, the outermost module called that holds its
+    parameters is the model: it gets its TimedForward, and these hooks (which would send every
+    module call through torch's slow path) are taken out.
+    """
+
+    def __init__(self, probe: StepProbe):
+        self.probe = probe
+        self.depth = 0
+        self.called: dict = {}  # id -> module, the outermost calls in first-call order
+        self._handles: List[Any] = []
+
+    def install(self) -> "OutermostModules":
+        import torch
+        from torch.nn.modules import module as nn_module
+
+        self._tensor_type = torch.Tensor
+        try:  # always_call: the depth must come back down when a forward raises
+            after = nn_module.register_module_forward_hook(self._after, always_call=True)
+        except TypeError:  # torch before 2.1
+            after = nn_module.register_module_forward_hook(self._after)
+        self._handles = [nn_module.register_module_forward_pre_hook(self._before), after]
+        _undo.extend(handle.remove for handle in self._handles)
+        self.probe.outermost = self
+        return self
+
+    def _before(self, module: Any, args: Any) -> None:
+        # A module without parameters called on its own (a loss, an activation) is not the model.
+        if self.depth == 0 and next(module.parameters(), None) is not None:
+            self.called.setdefault(id(module), module)
+            if self.probe.phase_begin(FORWARD):
+                self.probe.forward_calls += 1
+                self.probe.samples += _batch_size(args, {}, self._tensor_type)
+        self.depth += 1
+
+    def _after(self, module: Any, args: Any, output: Any) -> None:
+        self.depth = max(0, self.depth - 1)
+        if self.depth == 0:
+            self.probe.phase_end(FORWARD)
+
+    def settle(self, optimizer: Any) -> None:
+        """The optimizer stepped: time the outermost module holding its parameters from now on."""
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        model = next((module for module in self.called.values()
+                      if any(id(p) in owned for p in module.parameters())), None)
+        self.remove()
+        if model is not None:
+            from traceml.probe.step import hook_inferred_model
+
+            hook_inferred_model(model)
+        else:
+            log.info("traceml: no module called before the optimizer step holds its parameters; "
+                     "forward is not timed")
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self.called.clear()
+        if self.probe.outermost is self:
+            self.probe.outermost = None
 
 
 def _same(value: Any) -> Any:

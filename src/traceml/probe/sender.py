@@ -46,12 +46,18 @@ class Sender:
         self.records_sent = 0
         self.records_dropped = 0
         self._buffer: Deque[Any] = collections.deque()  # Records, and raw step tuples
+        # Values still on the device (Trace.log_scalar): each has ready() and record().
+        self._deferred: Deque[Any] = collections.deque()
         self._address = address if address is not None else os.environ.get(rendezvous.ENV_COLLECTOR)
         self._first_connect_at: Optional[float] = None
         self._socket: Optional[socket.socket] = None
         self._next_connect_at = 0.0
         self._said_unreachable = False
         self._collector_process: Optional[subprocess.Popen] = None
+        # Rank 0 under the Trace API: the collector it starts serves the web page on web_port,
+        # and names the run directory after run_name.
+        self.web_port: Optional[int] = None
+        self.run_name: Optional[str] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
 
@@ -61,6 +67,14 @@ class Sender:
             self.records_dropped += 1
             return
         self._buffer.append(record)
+
+    def defer(self, pending: Any, limit: int) -> None:
+        """Hold a record whose value the device has not copied yet; the sender sends it when
+        pending.ready(). Dropped and counted when `limit` are already waiting."""
+        if len(self._deferred) >= limit:
+            self.records_dropped += 1
+            return
+        self._deferred.append(pending)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -74,10 +88,11 @@ class Sender:
         if self._thread.is_alive():
             log.warning("traceml: telemetry sender did not stop in time; the last records are lost")
             return
-        if self.timeline is not None:  # let the device finish the last steps' events
-            while self.timeline.pending_count and time.monotonic() < deadline - 1.0:
-                self._collect_device_steps()
-                time.sleep(0.01)
+        # Let the device finish the last steps' events and scalar copies.
+        while ((self.timeline is not None and self.timeline.pending_count) or self._deferred) \
+                and time.monotonic() < deadline - 1.0:
+            self._collect_device_steps()
+            time.sleep(0.01)
         self._collect_device_steps()
         # The goodbye bypasses the capacity check: it is what tells the collector the rank is done.
         self._buffer.append(RankEnd(rank=self.hello.rank, exit_code=exit_code, records_sent=0,
@@ -130,6 +145,10 @@ class Sender:
                 return
 
     def _collect_device_steps(self) -> None:
+        """Move what the device has finished into the buffer: steps whose events are done,
+        scalars whose copies are (in order: one stream finishes its work in order)."""
+        while self._deferred and self._deferred[0].ready():
+            self.push(self._deferred.popleft().record())
         if self.timeline is None:
             return
         for record in self.timeline.resolve_ready():
@@ -206,7 +225,8 @@ class Sender:
         try:
             from traceml.cli import spawn_collector_process
 
-            self._collector_process, address = spawn_collector_process(self.hello, host, port)
+            self._collector_process, address = spawn_collector_process(
+                self.hello, host, port, web_port=self.web_port, run_name=self.run_name)
             return address
         except Exception as exc:
             log.warning("traceml: could not start a collector (%s); running without telemetry", exc)

@@ -43,7 +43,8 @@ class StepProbe:
                  "_open_start_ns", "_open_event", "phase_ns", "_phase_events",
                  "input_wait_inside_ns", "forward_calls", "samples", "input_wait_gap_ns", "_gc",
                  "_gc_start_ns", "_closed", "comm_timed", "_comm_wait_ns",
-                 "_bucket_ready_ns", "_bucket_event", "layers", "failed_phase")
+                 "_bucket_ready_ns", "_bucket_event", "layers", "failed_phase", "auto_steps",
+                 "spans", "outermost", "_step_optimizer")
 
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
                  host_rss: Any = None):
@@ -87,6 +88,14 @@ class StepProbe:
         self._bucket_event: Any = None
         self.layers: Any = None  # a LayerProbe under deep-dive (trace_model_instance)
         self.failed_phase = NO_PHASE  # the phase an exception left through, for an OOM report
+        # No trace_step in the loop (the Trace API): a step starts at its first phase and ends
+        # when the optimizer steps. An explicit trace_step turns this off for good.
+        self.auto_steps = False
+        self.outermost: Any = None  # OutermostModules while the model to time is not yet known
+        self._step_optimizer: Optional[int] = None  # id() of the optimizer whose step ends a step
+        # User spans of the current window, summed by name: name -> [step, first start ns,
+        # total ns, calls]; sent as one SpanRecord per name and step.
+        self.spans: dict = {}
         # The closed step waiting for the next start to end its window (see exit for its layout).
         self._closed: Optional[tuple] = None
 
@@ -105,12 +114,12 @@ class StepProbe:
             _disable("trace_step exit")
         return False
 
-    def enter(self) -> None:
+    def enter(self, now: int = 0) -> None:
         if self._step_depth:
             self._step_depth += 1  # a nested trace_step (an integration inside a user's block)
             return
         self._step_depth = 1
-        now = _now_ns()
+        now = now or _now_ns()
         if self.setup_started_ns:
             # The first step began when trace_step was first called; the probe's own set-up
             # (imports, patches) is part of it, so even step 0 adds up to the loop's clock.
@@ -215,8 +224,11 @@ class StepProbe:
 
     def finish(self) -> None:
         """At the end of the run: the last closed step's window ends where the step ended."""
+        if self.auto_steps and self.in_step:  # the loop ended inside an inferred step: close it
+            self.exit(None)
         if self.layers is not None:
             self.layers.report()
+        self.flush_spans()
         closed, self._closed = self._closed, None
         if closed is None:
             return
@@ -229,7 +241,9 @@ class StepProbe:
     def phase_begin(self, phase: int) -> bool:
         """Open a phase; True when this call is the outermost one and is being timed."""
         if not self.in_step:
-            return False
+            if not self.auto_steps:
+                return False
+            self.enter()  # steps inferred from the optimizer: the first phase opens one
         if self.open_phase != NO_PHASE:
             if self.open_phase == phase:
                 self._open_depth += 1
@@ -267,6 +281,53 @@ class StepProbe:
             if end_event is not None:
                 self._phase_events.append(("comm_wait", self._bucket_event, end_event))
                 self._bucket_event = None
+
+    def optimizer_stepped(self, optimizer: Any) -> None:
+        """Inferred steps: the update that ends a step. With several optimizers (a GAN), the
+        first one seen stepping marks the step; the others' time is optimizer time within it."""
+        if self.outermost is not None:  # the first step: now the model to time is known
+            self.outermost.settle(optimizer)
+        if self._step_optimizer is None:
+            self._step_optimizer = id(optimizer)
+        elif id(optimizer) != self._step_optimizer:
+            return
+        if self.in_step and self.open_phase == NO_PHASE:
+            self.exit(None)
+
+    def stop_inferring_steps(self) -> None:
+        """An explicit trace_step appeared: it decides the steps from now on."""
+        self.auto_steps = False
+        if self.outermost is not None:
+            self.outermost.remove()
+        if self.in_step:
+            self.exit(None)
+
+    # -- user spans: Trace.span ---------------------------------------------------------------
+    def span_done(self, name: str, start_ns: int, end_ns: int) -> None:
+        """Add one call of a user span to its step: the step in flight, else the step whose
+        window (it runs to the next step's start) this gap belongs to."""
+        step = self.step_index if self.in_step else max(0, self.step_index - 1)
+        entry = self.spans.get(name)
+        if entry is not None and entry[0] == step:
+            entry[2] += end_ns - start_ns
+            entry[3] += 1
+            return
+        if entry is not None:
+            self._send_span(name, entry)
+        self.spans[name] = [step, start_ns, end_ns - start_ns, 1]
+
+    def flush_spans(self) -> None:
+        spans, self.spans = self.spans, {}
+        for name, entry in spans.items():
+            self._send_span(name, entry)
+
+    def _send_span(self, name: str, entry: list) -> None:
+        from traceml.records import SpanRecord
+
+        step, start_ns, total_ns, calls = entry
+        self.sender.push(SpanRecord(rank=self.rank, step=step, name=name,
+                                    start_unix_s=self.unix_s(start_ns), duration_ms=total_ns / 1e6,
+                                    count=calls))
 
     def note_failure(self, phase: int) -> None:
         """An exception is leaving this phase: remember where, in case it ends the step."""
@@ -371,6 +432,8 @@ _trace_step: Any = None
 _hooked_models: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _disabled = False
+_explicit_steps_seen = False  # a trace_step was used: steps are never inferred in this process
+_create_options: dict = {}  # how infer_steps wants the probe made: web_port, run_name, profile_memory
 first_call_ns = 0  # set by traceml.trace_step before it imports this module
 ENV_DEEP = "TRACEML_DEEP"  # set by `traceml run --deep`: deep-dive on the model trace_step sees
 ENV_DEEP_EVERY = "TRACEML_DEEP_EVERY"
@@ -392,13 +455,22 @@ def trace_step(model: Any = None) -> Any:
     """Trace one optimizer step: `with traceml.trace_step(model): ...`."""
     if _disabled:
         return _NO_TRACE
-    if _trace_step is None or (model is not None and model not in _hooked_models):
+    if (_trace_step is None or _trace_step.auto_steps
+            or (model is not None and model not in _hooked_models)):
         try:
             _setup(model)
+            _note_explicit_steps()
         except Exception:
             _disable("setup")
             return _NO_TRACE
     return _trace_step
+
+
+def _note_explicit_steps() -> None:
+    global _explicit_steps_seen
+    _explicit_steps_seen = True
+    if _probe is not None and _probe.auto_steps:
+        _probe.stop_inferring_steps()
 
 
 def _setup(model: Any) -> None:
@@ -414,14 +486,54 @@ def _setup(model: Any) -> None:
             install_patches(_probe)
             _trace_step = _probe
         if model is not None and model not in _hooked_models:
-            from traceml.probe.phases import hook_model
+            _hook(model)
 
-            _hooked_models[model] = hook_model(_probe, model)
-            if os.environ.get(ENV_DEEP) and _probe.layers is None:  # traceml run --deep
-                from traceml.probe.layers import DEFAULT_EVERY_N_STEPS, LayerProbe
 
-                every = int(os.environ.get(ENV_DEEP_EVERY) or DEFAULT_EVERY_N_STEPS)
-                _probe.layers = LayerProbe(_probe, model, every_n_steps=every)
+def _hook(model: Any) -> None:
+    """Time this model's forward (and, under `traceml run --deep`, deep-dive on it)."""
+    from traceml.probe.phases import hook_model
+
+    _hooked_models[model] = hook_model(_probe, model)
+    if os.environ.get(ENV_DEEP) and _probe.layers is None:  # traceml run --deep
+        from traceml.probe.layers import DEFAULT_EVERY_N_STEPS, LayerProbe
+
+        every = int(os.environ.get(ENV_DEEP_EVERY) or DEFAULT_EVERY_N_STEPS)
+        _probe.layers = LayerProbe(_probe, model, every_n_steps=every)
+
+
+def hook_inferred_model(model: Any) -> None:
+    """Steps inferred: the model found at the first optimizer step (phases.OutermostModules)."""
+    with _lock:
+        if _probe is not None and model not in _hooked_models:
+            _hook(model)
+
+
+def infer_steps(web_port: Optional[int] = None, run_name: Optional[str] = None,
+                profile_memory: bool = True) -> Optional[StepProbe]:
+    """Trace without trace_step: each step ends at optimizer.step() (the Trace API).
+
+    Rank 0 not under `traceml run` starts the run's collector, serving the web dashboard on
+    web_port when given. An explicit trace_step, before or after, decides steps instead.
+    """
+    if _disabled:
+        return None
+    try:
+        with _lock:
+            if _probe is None:
+                _create_options.update(web_port=web_port, run_name=run_name,
+                                       profile_memory=profile_memory)
+        _setup(None)
+        with _lock:
+            if _probe is not None and not _explicit_steps_seen and not _probe.auto_steps:
+                _probe.auto_steps = True
+                if not _hooked_models:
+                    from traceml.probe.phases import OutermostModules
+
+                    OutermostModules(_probe).install()
+        return _probe
+    except Exception:
+        _disable("step inference setup")
+        return None
 
 
 def trace_model_instance(model: Any, every_n_steps: Optional[int] = None) -> Any:
@@ -476,8 +588,13 @@ def _create_probe(model: Any) -> StepProbe:
 
         timeline = DeviceTimeline(lambda: torch.cuda.Event(enable_timing=True))
         device_memory = DeviceMemory(torch, device)
-    host_rss = HostRss()
+    profile_memory = _create_options.get("profile_memory", True)
+    if device_memory is not None:
+        device_memory.counting = profile_memory
+    host_rss = HostRss() if profile_memory else None
     sender = Sender(_hello(torch, device, device_memory), timeline=timeline, host_rss=host_rss)
+    sender.web_port = _create_options.get("web_port")
+    sender.run_name = _create_options.get("run_name")
     probe = StepProbe(sender, timeline=timeline, device_memory=device_memory, host_rss=host_rss)
     sender.record_from = probe.record_from
     if timeline is not None:

@@ -1,0 +1,151 @@
+"""The object API: `Trace(port=...)` traces a loop without trace_step, names user spans and logs
+scalars; under plain `python train.py` its collector serves the web dashboard.
+
+    tracer = traceml.Trace(port=8080)
+    with tracer.trace("training_loop"):
+        for batch in loader:
+            with tracer.span("forward_pass"):
+                loss = model(batch).sum()
+            loss.backward()
+            optimizer.step()                      # each optimizer step ends a step
+            tracer.log_scalar("train_loss", loss)  # a tensor is read later, off the hot path
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Optional
+
+from traceml import rendezvous
+
+log = logging.getLogger("traceml")
+_now_ns = time.perf_counter_ns
+PENDING_SCALARS = 4096  # device scalars waiting for their copy; beyond this they are dropped
+
+
+class Trace:
+    """A traced training run: steps inferred from `optimizer.step()`, user spans and scalars.
+
+    port: where rank 0's collector serves the web dashboard when the script runs under plain
+    `python` (None: no dashboard, the card at the end only). Under `traceml run` the launcher
+    owns the collector and the dashboard (`--mode dashboard --port P`), and port is ignored.
+    profile_memory: record device memory (allocated, peak, reserved) and host RSS each step.
+    """
+
+    def __init__(self, port: Optional[int] = None, profile_memory: bool = True):
+        self.port = port
+        self.profile_memory = profile_memory
+        self._probe: Any = None
+
+    # -- the traced region -----------------------------------------------------------------
+    def trace(self, name: str = "training") -> "_TracedRegion":
+        """`with tracer.trace(name):` around the loop; name also names the run directory."""
+        return _TracedRegion(self, name)
+
+    def _start(self, name: str) -> None:
+        from traceml.probe import step
+
+        launched = bool(os.environ.get(rendezvous.ENV_COLLECTOR))  # under `traceml run`
+        self._probe = step.infer_steps(web_port=None if launched else self.port, run_name=name,
+                                       profile_memory=self.profile_memory)
+
+    def _stop(self) -> None:
+        from traceml.probe import step
+
+        try:
+            step.detach()  # closes the last step, sends the spans, takes the patches out
+        except Exception:
+            log.warning("traceml: could not close the traced region", exc_info=True)
+
+    # -- user spans and scalars --------------------------------------------------------------
+    def span(self, name: str) -> "_Span":
+        """`with tracer.span("forward_pass"):` a named part of the step, shown in the timeline
+        and beside the breakdown (spans overlap the phases; they are not added to them)."""
+        return _Span(self, name)
+
+    def log_scalar(self, name: str, value: Any) -> None:
+        """Log a float or a 0-dim tensor at the current step. A CUDA tensor is copied to the
+        host without waiting and read by the sender thread once its copy is done: no sync."""
+        probe = self._probe
+        if probe is None:
+            return
+        try:
+            step = probe.step_index if probe.in_step else max(0, probe.step_index - 1)
+            if isinstance(value, (int, float)):
+                probe.sender.push(_scalar(probe.rank, step, name, float(value)))
+            elif getattr(value, "is_cuda", False):
+                _defer_device_scalar(probe, step, name, value)
+            else:  # a CPU tensor (or anything float() takes): reading it costs nothing to wait for
+                probe.sender.push(_scalar(probe.rank, step, name, float(value.detach().reshape(-1)[0])
+                                          if hasattr(value, "detach") else float(value)))
+        except Exception as exc:  # a bad value costs that scalar, never the training
+            log.debug("traceml: scalar %s not logged: %s", name, exc)
+
+
+class _TracedRegion:
+    __slots__ = ("tracer", "name")
+
+    def __init__(self, tracer: Trace, name: str):
+        self.tracer, self.name = tracer, name
+
+    def __enter__(self) -> Trace:
+        self.tracer._start(self.name)
+        return self.tracer
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.tracer._stop()
+        return False
+
+
+class _Span:
+    """One call of a user span; its time is added to its step's total for that name."""
+
+    __slots__ = ("tracer", "name", "start_ns")
+
+    def __init__(self, tracer: Trace, name: str):
+        self.tracer, self.name, self.start_ns = tracer, name, 0
+
+    def __enter__(self) -> "_Span":
+        self.start_ns = _now_ns()
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        probe = self.tracer._probe
+        if probe is not None:
+            try:
+                probe.span_done(self.name, self.start_ns, _now_ns())
+            except Exception:
+                log.debug("traceml: span %s not recorded", self.name, exc_info=True)
+        return False
+
+
+def _scalar(rank: int, step: int, name: str, value: float) -> Any:
+    from traceml.records import ScalarRecord
+
+    return ScalarRecord(rank=rank, step=step, name=name, value=value)
+
+
+class _DeviceScalar:
+    """A scalar on its way from the device: a non-blocking copy to pinned host memory and an
+    event behind it; the sender reads the value once the event says the copy is done."""
+
+    __slots__ = ("rank", "step", "name", "host_copy", "copied")
+
+    def __init__(self, rank: int, step: int, name: str, tensor: Any):
+        import torch
+
+        self.rank, self.step, self.name = rank, step, name
+        self.host_copy = tensor.detach().reshape(-1)[:1].to("cpu", non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+    def ready(self) -> bool:
+        return bool(self.copied.query())
+
+    def record(self) -> Any:
+        return _scalar(self.rank, self.step, self.name, float(self.host_copy[0]))
+
+
+def _defer_device_scalar(probe: Any, step: int, name: str, tensor: Any) -> None:
+    probe.sender.defer(_DeviceScalar(probe.rank, step, name, tensor), limit=PENDING_SCALARS)
