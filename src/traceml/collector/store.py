@@ -40,6 +40,7 @@ CREATE TABLE IF NOT EXISTS spans (rank INTEGER, step INTEGER, name TEXT, start_u
                                   duration_ms REAL, count INTEGER);
 CREATE TABLE IF NOT EXISTS scalars (rank INTEGER, step INTEGER, name TEXT, value REAL);
 CREATE INDEX IF NOT EXISTS spans_by_step ON spans (step);
+CREATE INDEX IF NOT EXISTS spans_by_name ON spans (name, step);
 CREATE INDEX IF NOT EXISTS scalars_by_name ON scalars (name, step);
 """
 

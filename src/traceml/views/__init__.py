@@ -1,1 +1,1 @@
-"""What users see: the summary card and final_summary.json, the HTML report."""
+"""What users see: the live terminal and web dashboards, the summary card and final_summary.json, the HTML report."""

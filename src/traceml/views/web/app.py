@@ -64,9 +64,11 @@ class RunSource:
         self.started_at_unix_s = started_at_unix_s or time.time()
         self.summary: Optional[Dict[str, Any]] = None  # once the run is over
         self._alerts: List[Any] = []
-        self._buckets = queries.StepBuckets(store)
-        self._buckets_points = 0
-        self._lock = threading.Lock()  # the bucket cache is shared by the request threads
+        # Whole-run buckets, kept between requests: a refresh reads only the newest rows.
+        self._steps = queries.step_buckets(store)
+        self._spans = queries.span_buckets(store)
+        self._scalars = queries.scalar_buckets(store)
+        self._lock = threading.Lock()  # the caches are shared by the request threads
 
     @classmethod
     def of_finished_run(cls, run_dir: Path) -> "RunSource":
@@ -124,13 +126,13 @@ class RunSource:
         capacity = self._capacity()
         if start is None and end is None:
             with self._lock:
-                self._refresh(points)
-                return self._buckets.series(capacity)
+                self._steps.refresh()
+                return queries.step_series(self._steps.coarsen(points), capacity)
         known = queries.step_range(self.store) or (0, -1)
-        first = known[0] if start is None else start
-        last = known[1] if end is None else end
-        return queries.StepBuckets.of_range(self.store, max(first, known[0]), min(last, known[1]),
-                                            points).series(capacity)
+        first = known[0] if start is None else max(start, known[0])
+        last = known[1] if end is None else min(end, known[1])
+        zoomed = queries.step_buckets(self.store).read_range(first, last, points)
+        return queries.step_series(zoomed, capacity)
 
     def ranks(self, points: int) -> Dict[str, Any]:
         if self.live:
@@ -142,8 +144,8 @@ class RunSource:
             findings = summary.get("findings", [])
         straggler = next((f["rank"] for f in findings if f["kind"].endswith("STRAGGLER")), None)
         with self._lock:
-            self._refresh(points)
-            heatmap = self._buckets.heatmap()
+            self._steps.refresh()
+            heatmap = queries.rank_heatmap(self._steps.coarsen(points))
         return {"ranks": rows, "spread": spread, "straggler": straggler, "heatmap": heatmap}
 
     def layers(self) -> Dict[str, Any]:
@@ -160,13 +162,14 @@ class RunSource:
 
     def spans(self) -> Dict[str, Any]:
         with self._lock:
-            self._refresh(self._buckets_points or DEFAULT_POINTS)
-            training_ms = self._buckets.training_ms
-        return queries.span_table(self.store, training_ms)
+            self._steps.refresh()
+            self._spans.refresh()
+            return queries.span_table(self._spans, queries.training_ms(self._steps))
 
-    def _refresh(self, points: int) -> None:
-        self._buckets_points = points
-        self._buckets.refresh(points)
+    def scalars(self, points: int) -> Dict[str, Any]:
+        with self._lock:
+            self._scalars.refresh()
+            return queries.scalar_series(self._scalars.coarsen(points))
 
     def _capacity(self) -> Dict[str, Optional[int]]:
         """The lines memory is drawn against: the largest device, and the node's RAM."""
@@ -281,7 +284,7 @@ def create_app(source: RunSource) -> Any:
         Route("/api/ranks", api(lambda request: source.ranks(points(request)))),
         Route("/api/layers", api(lambda request: source.layers())),
         Route("/api/spans", api(lambda request: source.spans())),
-        Route("/api/scalars", api(lambda request: queries.scalar_series(source.store, points(request)))),
+        Route("/api/scalars", api(lambda request: source.scalars(points(request)))),
         Route("/api/stream", stream),
     ]
     return Starlette(routes=routes)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from traceml.collector.rollup import max_present
 from traceml.collector.store import Store
@@ -22,22 +22,16 @@ MAX_TIMELINE_STEPS = 200
 TIMELINE_ORDER = ("h2d", "forward", "backward", "optimizer", "untraced", "input_wait", "outside")
 MEMORY_COLUMNS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes",
                   "host_rss_bytes")
+# What a bucket holds: (SQL aggregate, how two buckets' figures merge into one).
+Figures = Sequence[Tuple[str, Callable[[Iterable[Any]], Any]]]
+STEP_FIGURES: Figures = ([("COUNT(*)", sum), ("SUM(step_ms)", sum), ("MAX(step_ms)", max)]
+                         + [(f"SUM({name}_ms)", sum) for name in ALL_PHASES]
+                         + [(f"MAX({name})", max_present) for name in MEMORY_COLUMNS])
+_PHASES_AT, _MEMORY_AT = 3, 3 + len(ALL_PHASES)  # where STEP_FIGURES put them
 
 
 def ranks_of(store: Store) -> List[int]:
     return [row[0] for row in store.query("SELECT rank FROM ranks ORDER BY rank")]
-
-
-def step_range(store: Store) -> Optional[Tuple[int, int]]:
-    """The first and last step any rank reported, from the (rank, step) key: no table scan."""
-    lows, highs = [], []
-    for rank in ranks_of(store):
-        # Two statements: SQLite answers a lone MIN or MAX from the key, not both at once.
-        low = store.query("SELECT MIN(step) FROM steps WHERE rank = ?", (rank,))[0][0]
-        if low is not None:
-            lows.append(low)
-            highs.append(store.query("SELECT MAX(step) FROM steps WHERE rank = ?", (rank,))[0][0])
-    return (min(lows), max(highs)) if lows else None
 
 
 def bucket_steps(first: int, last: int, points: int) -> int:
@@ -48,99 +42,162 @@ def bucket_steps(first: int, last: int, points: int) -> int:
     return 1 if span <= points else 1 << math.ceil(math.log2(span / points))
 
 
-_SUMS = ", ".join(["COUNT(*)", "SUM(step_ms)", "MAX(step_ms)"]
-                  + [f"SUM({name}_ms)" for name in ALL_PHASES]
-                  + [f"MAX({name})" for name in MEMORY_COLUMNS])
+class Buckets:
+    """One table's rows summed per series (a rank, a span or scalar name) and bucket of steps.
 
+    Each (series, step) pair is indexed, so a series' step range costs two lookups and its
+    buckets one range scan. The whole run is kept at the finest resolution (MAX_POINTS) and
+    coarsened on request. Buckets every rank has moved past no longer change: a refresh reads
+    again only from the bucket of the slowest rank's newest step.
+    """
 
-class StepBuckets:
-    """Every rank's steps summed per bucket of steps: the source of the step series and of the
-    rank heatmap. For the whole run, buckets the slowest rank has passed no longer change, so
-    a live refresh reads only the newest few from SQLite, not the whole run again."""
-
-    def __init__(self, store: Store):
-        self.store = store
+    def __init__(self, store: Store, table: str, series_column: str, figures: Figures):
+        self.store, self.table, self.column, self.figures = store, table, series_column, figures
+        self.figures_sql = ", ".join(sql for sql, _ in figures)
         self.first_step: Optional[int] = None
         self.last_step: Optional[int] = None
         self.bucket = 1
-        self._rows: Dict[Tuple[int, int], tuple] = {}  # (rank, slot) -> the _SUMS figures
+        self.rows: Dict[Tuple[Any, int], tuple] = {}  # (series, slot) -> figures
 
-    def refresh(self, points: int) -> None:
-        """Bring the whole run's buckets up to date."""
-        known = step_range(self.store)
-        if known is None:
+    def series_keys(self) -> Iterator[Any]:
+        """The distinct series, one index lookup each (a DISTINCT would read every row)."""
+        if self.table == "steps":
+            yield from ranks_of(self.store)
             return
-        first, last = known
+        key = self.store.query(f"SELECT MIN({self.column}) FROM {self.table}")[0][0]
+        while key is not None:
+            yield key
+            key = self.store.query(f"SELECT MIN({self.column}) FROM {self.table} "
+                                   f"WHERE {self.column} > ?", (key,))[0][0]
+
+    def refresh(self, points: int = MAX_POINTS) -> None:
+        """Bring the whole run's buckets up to date."""
+        ranges = {key: key_range(self.store, self.table, self.column, key) for key in self.series_keys()}
+        ranges = {key: span for key, span in ranges.items() if span[0] is not None}
+        if not ranges:
+            return
+        first = min(low for low, _ in ranges.values())
+        last = max(high for _, high in ranges.values())
         bucket = bucket_steps(first, last, points)
         if bucket != self.bucket or first != self.first_step:
-            self._rows.clear()
+            self.rows.clear()
             self.bucket, self.first_step = bucket, first
         self.last_step = last
-        # From the bucket of the slowest rank's newest step: records behind it may still come.
-        newest = [self.store.query("SELECT MAX(step) FROM steps WHERE rank = ?", (rank,))[0][0]
-                  for rank in ranks_of(self.store)]
-        since_slot = (min(step for step in newest if step is not None) - first) // bucket
-        if self._rows:
-            since_slot = min(since_slot, max(slot for _, slot in self._rows))
-        else:
-            since_slot = 0
-        for rank in ranks_of(self.store):
+        since_slot = 0
+        if self.rows:  # records behind the slowest rank's newest step are all in
+            settled = settled_step(self.store)
+            settled_slot = (settled - first) // bucket if settled is not None else 0
+            since_slot = max(0, min(settled_slot, max(slot for _, slot in self.rows)))
+        for key in ranges:
             for slot, *figures in self.store.query(
-                    f"SELECT (step - ?) / ?, {_SUMS} FROM steps WHERE rank = ? AND step >= ? "
-                    f"GROUP BY 1", (first, bucket, rank, first + since_slot * bucket)):
-                self._rows[(rank, slot)] = tuple(figures)
+                    f"SELECT (step - ?) / ?, {self.figures_sql} FROM {self.table} "
+                    f"WHERE {self.column} = ? AND step >= ? GROUP BY 1",
+                    (first, bucket, key, first + since_slot * bucket)):
+                self.rows[(key, slot)] = tuple(figures)
 
-    @property
-    def training_ms(self) -> float:
-        """Step time summed over every rank and step: the run's training time, rank by rank."""
-        return sum(figures[1] for figures in self._rows.values())
+    def read_range(self, first: int, last: int, points: int) -> "Buckets":
+        """These buckets for steps [first, last] only (a zoomed-in view), read by key range."""
+        self.first_step, self.last_step = first, last
+        self.bucket = bucket = bucket_steps(first, last, points)
+        self.rows.clear()
+        for key in self.series_keys():
+            for slot, *figures in self.store.query(
+                    f"SELECT (step - ?) / ?, {self.figures_sql} FROM {self.table} "
+                    f"WHERE {self.column} = ? AND step BETWEEN ? AND ? GROUP BY 1",
+                    (first, bucket, key, first, last)):
+                self.rows[(key, slot)] = tuple(figures)
+        return self
 
-    @classmethod
-    def of_range(cls, store: Store, first: int, last: int, points: int) -> "StepBuckets":
-        """The buckets of steps [first, last] only (a zoomed-in view), read by key range."""
-        buckets = cls(store)
-        buckets.first_step, buckets.last_step = first, last
-        buckets.bucket = bucket = bucket_steps(first, last, points)
-        for rank in ranks_of(store):
-            for slot, *figures in store.query(
-                    f"SELECT (step - ?) / ?, {_SUMS} FROM steps WHERE rank = ? AND step BETWEEN ? AND ? "
-                    f"GROUP BY 1", (first, bucket, rank, first, last)):
-                buckets._rows[(rank, slot)] = tuple(figures)
-        return buckets
+    def coarsen(self, points: int) -> "Buckets":
+        """These buckets merged into at most `points` per series (bucket sizes are powers of
+        two, so each coarse bucket is a whole number of fine ones)."""
+        if self.first_step is None or self.last_step is None:
+            return self
+        bucket = bucket_steps(self.first_step, self.last_step, points)
+        if bucket <= self.bucket:
+            return self
+        factor = bucket // self.bucket
+        groups: Dict[Tuple[Any, int], List[tuple]] = {}
+        for (key, slot), figures in self.rows.items():
+            groups.setdefault((key, slot // factor), []).append(figures)
+        coarse = Buckets(self.store, self.table, self.column, self.figures)
+        coarse.first_step, coarse.last_step, coarse.bucket = self.first_step, self.last_step, bucket
+        coarse.rows = {slot: tuple(merge(column) for (_, merge), column in zip(self.figures, zip(*group)))
+                       for slot, group in groups.items()}
+        return coarse
 
-    def series(self, capacity: Dict[str, Optional[int]]) -> Dict[str, Any]:
-        """Across ranks, per bucket: mean step and phase times, the slowest step, peak memory."""
-        by_slot: Dict[int, List[tuple]] = {}
-        for (_, slot), figures in self._rows.items():
-            by_slot.setdefault(slot, []).append(figures)
-        series: Dict[str, Any] = {
-            "first_step": self.first_step, "last_step": self.last_step, "bucket_steps": self.bucket,
-            "step": [], "step_ms": [], "step_max_ms": [], "phases": {name: [] for name in ALL_PHASES},
-            "memory": {name: [] for name in MEMORY_COLUMNS}, "capacity": capacity}
-        phases_at, memory_at = 3, 3 + len(ALL_PHASES)
-        for slot in sorted(by_slot):
-            ranks = by_slot[slot]
-            count = sum(figures[0] for figures in ranks)
-            series["step"].append(self.first_step + slot * self.bucket)
-            series["step_ms"].append(sum(figures[1] for figures in ranks) / count)
-            series["step_max_ms"].append(max(figures[2] for figures in ranks))
-            for offset, name in enumerate(ALL_PHASES):
-                series["phases"][name].append(sum(f[phases_at + offset] for f in ranks) / count)
-            for offset, name in enumerate(MEMORY_COLUMNS):
-                series["memory"][name].append(max_present(f[memory_at + offset] for f in ranks))
-        return series
+    def by_slot(self) -> Dict[int, List[tuple]]:
+        slots: Dict[int, List[tuple]] = {}
+        for (_, slot), figures in self.rows.items():
+            slots.setdefault(slot, []).append(figures)
+        return dict(sorted(slots.items()))
 
-    def heatmap(self) -> Dict[str, Any]:
-        """Mean step time per rank and bucket: a slow rank is a bright row."""
-        slots = sorted({slot for _, slot in self._rows})
-        ranks = sorted({rank for rank, _ in self._rows})
-        first = self.first_step or 0
-        return {"ranks": ranks, "step": [first + slot * self.bucket for slot in slots],
-                "step_ms": [[self._mean_step(rank, slot) for slot in slots] for rank in ranks]}
+    def step_of(self, slot: int) -> int:
+        return (self.first_step or 0) + slot * self.bucket
 
-    def _mean_step(self, rank: int, slot: int) -> Optional[float]:
-        figures = self._rows.get((rank, slot))
+
+def key_range(store: Store, table: str, column: str, key: Any) -> Tuple[Optional[int], Optional[int]]:
+    """The first and last step of one series, from the (series, step) index."""
+    # Two statements: SQLite answers a lone MIN or MAX from the index, not both at once.
+    where = f"FROM {table} WHERE {column} = ?"
+    low = store.query(f"SELECT MIN(step) {where}", (key,))[0][0]
+    return low, (store.query(f"SELECT MAX(step) {where}", (key,))[0][0] if low is not None else None)
+
+
+# -- steps ----------------------------------------------------------------------------------------
+def step_buckets(store: Store) -> Buckets:
+    return Buckets(store, "steps", "rank", STEP_FIGURES)
+
+
+def step_range(store: Store) -> Optional[Tuple[int, int]]:
+    """The first and last step any rank reported."""
+    ranges = [key_range(store, "steps", "rank", rank) for rank in ranks_of(store)]
+    ranges = [span for span in ranges if span[0] is not None]
+    return (min(low for low, _ in ranges), max(high for _, high in ranges)) if ranges else None
+
+
+def settled_step(store: Store) -> Optional[int]:
+    """The newest step every rank has reported: what comes later may still change."""
+    newest = [key_range(store, "steps", "rank", rank)[1] for rank in ranks_of(store)]
+    newest = [step for step in newest if step is not None]
+    return min(newest) if newest else None
+
+
+def step_series(buckets: Buckets, capacity: Dict[str, Optional[int]]) -> Dict[str, Any]:
+    """Across ranks, per bucket: mean step and phase times, the slowest step, peak memory."""
+    series: Dict[str, Any] = {
+        "first_step": buckets.first_step, "last_step": buckets.last_step,
+        "bucket_steps": buckets.bucket, "step": [], "step_ms": [], "step_max_ms": [],
+        "phases": {name: [] for name in ALL_PHASES}, "memory": {name: [] for name in MEMORY_COLUMNS},
+        "capacity": capacity}
+    for slot, ranks in buckets.by_slot().items():
+        count = sum(figures[0] for figures in ranks)
+        series["step"].append(buckets.step_of(slot))
+        series["step_ms"].append(sum(figures[1] for figures in ranks) / count)
+        series["step_max_ms"].append(max(figures[2] for figures in ranks))
+        for offset, name in enumerate(ALL_PHASES):
+            series["phases"][name].append(sum(f[_PHASES_AT + offset] for f in ranks) / count)
+        for offset, name in enumerate(MEMORY_COLUMNS):
+            series["memory"][name].append(max_present(f[_MEMORY_AT + offset] for f in ranks))
+    return series
+
+
+def rank_heatmap(buckets: Buckets) -> Dict[str, Any]:
+    """Mean step time per rank and bucket: a slow rank is a bright row."""
+    slots = sorted({slot for _, slot in buckets.rows})
+    ranks = sorted({rank for rank, _ in buckets.rows})
+
+    def mean_step(rank: int, slot: int) -> Optional[float]:
+        figures = buckets.rows.get((rank, slot))
         return figures[1] / figures[0] if figures else None
+
+    return {"ranks": ranks, "step": [buckets.step_of(slot) for slot in slots],
+            "step_ms": [[mean_step(rank, slot) for slot in slots] for rank in ranks]}
+
+
+def training_ms(buckets: Buckets) -> float:
+    """Step time summed over every rank and step: the run's training time, rank by rank."""
+    return sum(figures[1] for figures in buckets.rows.values())
 
 
 def timeline(store: Store, steps: int) -> Dict[str, Any]:
@@ -171,6 +228,43 @@ def timeline(store: Store, steps: int) -> Dict[str, Any]:
     return {"ranks": ranks, "order": list(TIMELINE_ORDER), "steps": rows, "spans": spans}
 
 
+# -- user spans and scalars ------------------------------------------------------------------------
+def span_buckets(store: Store) -> Buckets:
+    return Buckets(store, "spans", "name", [("SUM(count)", sum), ("COUNT(*)", sum),
+                                            ("SUM(duration_ms)", sum)])
+
+
+def span_table(buckets: Buckets, training_ms: float) -> Dict[str, Any]:
+    """Each user span: calls, the (rank, step) pairs it was in, mean time a call, and its share
+    of the training time (step time summed over ranks)."""
+    totals: Dict[str, List[float]] = {}
+    for (name, _), (calls, steps, total_ms) in buckets.rows.items():
+        entry = totals.setdefault(name, [0, 0, 0.0])
+        entry[0] += calls
+        entry[1] += steps
+        entry[2] += total_ms
+    rows = [{"name": name, "count": calls, "steps": steps,
+             "mean_ms": total_ms / calls if calls else 0.0, "total_ms": total_ms,
+             "share": total_ms / training_ms if training_ms else 0.0}
+            for name, (calls, steps, total_ms) in totals.items()]
+    return {"spans": sorted(rows, key=lambda row: -row["total_ms"])}
+
+
+def scalar_buckets(store: Store) -> Buckets:
+    return Buckets(store, "scalars", "name", [("MIN(step)", min), ("COUNT(*)", sum), ("SUM(value)", sum)])
+
+
+def scalar_series(buckets: Buckets) -> Dict[str, Any]:
+    """Each logged scalar over steps: per bucket, its mean over ranks and steps."""
+    scalars: Dict[str, Any] = {}
+    for (name, _), (first_step, count, total) in sorted(buckets.rows.items()):
+        series = scalars.setdefault(name, {"step": [], "value": []})
+        series["step"].append(first_step)
+        series["value"].append(total / count)
+    return {"scalars": scalars}
+
+
+# -- the node ------------------------------------------------------------------------------------
 def system_series(store: Store, points: int) -> Dict[str, Any]:
     """The node sampler's readings over time, averaged per bucket; GPUs from each bucket's last."""
     low, high, count = store.query("SELECT MIN(rowid), MAX(rowid), COUNT(*) FROM system")[0]
@@ -184,6 +278,7 @@ def system_series(store: Store, points: int) -> Dict[str, Any]:
         "SELECT AVG(unix_s), AVG(cpu_percent), AVG(training_cpu_percent), AVG(ram_used_bytes), "
         "MAX(ram_total_bytes), MAX(training_rss_bytes), gpus, MAX(rowid) FROM system "
         "GROUP BY (rowid - ?) / ? ORDER BY 1", (low, bucket))
+    gpu_fields = ("utilization_percent", "memory_used_bytes", "temperature_c", "power_w")
     gpus: Dict[int, Dict[str, Any]] = {}
     for index, (unix_s, cpu, training_cpu, ram_used, ram_total, training_rss, gpu_json, _) in enumerate(rows):
         series["unix_s"].append(unix_s)
@@ -193,38 +288,14 @@ def system_series(store: Store, points: int) -> Dict[str, Any]:
         series["training_rss_bytes"].append(training_rss)
         series["ram_total_bytes"] = ram_total
         for gpu in json.loads(gpu_json or "[]"):
-            line = gpus.setdefault(gpu["index"], {
-                "index": gpu["index"], "memory_total_bytes": gpu["memory_total_bytes"],
-                **{name: [None] * index for name in ("utilization_percent", "memory_used_bytes",
-                                                     "temperature_c", "power_w")}})
-            for name in ("utilization_percent", "memory_used_bytes", "temperature_c", "power_w"):
+            line = gpus.setdefault(gpu["index"], {"index": gpu["index"],
+                                                  "memory_total_bytes": gpu["memory_total_bytes"],
+                                                  **{name: [None] * index for name in gpu_fields}})
+            for name in gpu_fields:
                 line[name].append(gpu.get(name))
         for line in gpus.values():  # a GPU missing from this reading: a gap, not a shift
-            for name in ("utilization_percent", "memory_used_bytes", "temperature_c", "power_w"):
+            for name in gpu_fields:
                 if len(line[name]) <= index:
                     line[name].append(None)
     series["gpus"] = [gpus[index] for index in sorted(gpus)]
     return series
-
-
-def span_table(store: Store, training_ms: float) -> Dict[str, Any]:
-    """Each user span: calls, the steps it was in, mean time a call, and its share of the
-    training time (step time summed over ranks, StepBuckets.training_ms)."""
-    rows = store.query("SELECT name, SUM(count), COUNT(*), SUM(duration_ms) FROM spans "
-                       "GROUP BY name ORDER BY SUM(duration_ms) DESC")
-    return {"spans": [{"name": name, "count": count, "steps": steps,
-                       "mean_ms": total_ms / count if count else 0.0, "total_ms": total_ms,
-                       "share": total_ms / training_ms if training_ms else 0.0}
-                      for name, count, steps, total_ms in rows]}
-
-
-def scalar_series(store: Store, points: int) -> Dict[str, Any]:
-    """Each logged scalar over steps, bucket means over ranks and steps."""
-    scalars: Dict[str, Any] = {}
-    for (name,) in store.query("SELECT DISTINCT name FROM scalars ORDER BY name"):
-        first, last = store.query("SELECT MIN(step), MAX(step) FROM scalars WHERE name = ?", (name,))[0]
-        bucket = bucket_steps(first, last, points)
-        rows = store.query("SELECT MIN(step), AVG(value) FROM scalars WHERE name = ? "
-                           "GROUP BY (step - ?) / ? ORDER BY 1", (name, first, bucket))
-        scalars[name] = {"step": [row[0] for row in rows], "value": [row[1] for row in rows]}
-    return {"scalars": scalars}

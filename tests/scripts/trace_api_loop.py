@@ -1,0 +1,63 @@
+"""A loop traced with the Trace API only (no trace_step): steps inferred from optimizer.step()."""
+import argparse
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import traceml
+
+
+class SlowDataset(Dataset):
+    def __init__(self, load_ms):
+        self.load_ms = load_ms
+
+    def __len__(self):
+        return 100_000
+
+    def __getitem__(self, index):
+        if self.load_ms:
+            time.sleep(self.load_ms / 1000.0)
+        return torch.randn(32), torch.randn(1)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--load-ms", type=float, default=0.0)
+    parser.add_argument("--explicit", action="store_true", help="also wrap each step in trace_step")
+    parser.add_argument("--port", type=int, default=None)
+    args = parser.parse_args()
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    loss_fn = nn.MSELoss()  # a module without parameters, called at top level: not the model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = iter(DataLoader(SlowDataset(args.load_ms), batch_size=8))
+    tracer = traceml.Trace(port=args.port)
+    with tracer.trace("api_loop"):
+        for step in range(args.steps):
+            block = traceml.trace_step(model) if args.explicit else _Nothing()
+            with block:
+                for _ in range(args.accumulate):
+                    inputs, targets = next(batches)
+                    with tracer.span("compute"):
+                        loss = loss_fn(model(inputs), targets) / args.accumulate
+                        loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            tracer.log_scalar("loss", loss * args.accumulate)  # a 0-dim tensor
+            tracer.log_scalar("lr", optimizer.param_groups[0]["lr"])  # a float
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    main()
