@@ -84,3 +84,17 @@ def test_deep_dive_on_cuda_is_device_timed(traceml_run):
         assert row["forward_ms"] > 0 and row["backward_ms"] > 0
         assert row["allocated_delta_bytes"] is not None
     assert summary["deep_dive"]["sampled_steps"] == 3
+
+
+def test_log_scalar_reads_a_cuda_tensor_without_a_sync(plain_run):
+    from conftest import SCRIPTS
+
+    run = plain_run("--device", "cuda", "--steps", 40, "--sync-check", script=SCRIPTS / "trace_api_loop.py")
+    assert run.returncode == 0, run.stderr
+    import sqlite3
+
+    with sqlite3.connect(run.run_dir / "telemetry.sqlite") as db:
+        losses = [row[0] for row in db.execute("SELECT value FROM scalars WHERE name = 'loss' ORDER BY step")]
+        steps = db.execute("SELECT COUNT(*), MIN(forward_calls) FROM steps").fetchone()
+    assert len(losses) == 40 and all(0.0 < value < 100.0 for value in losses)
+    assert steps == (40, 1)

@@ -29,9 +29,12 @@ def main():
     parser.add_argument("--load-ms", type=float, default=0.0)
     parser.add_argument("--explicit", action="store_true", help="also wrap each step in trace_step")
     parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sync-check", action="store_true",
+                        help="CUDA: make any synchronizing call inside log_scalar an error")
     args = parser.parse_args()
 
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).to(args.device)
     loss_fn = nn.MSELoss()  # a module without parameters, called at top level: not the model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     batches = iter(DataLoader(SlowDataset(args.load_ms), batch_size=8))
@@ -41,13 +44,17 @@ def main():
             block = traceml.trace_step(model) if args.explicit else _Nothing()
             with block:
                 for _ in range(args.accumulate):
-                    inputs, targets = next(batches)
+                    inputs, targets = (t.to(args.device) for t in next(batches))
                     with tracer.span("compute"):
                         loss = loss_fn(model(inputs), targets) / args.accumulate
                         loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
+            if args.sync_check:
+                torch.cuda.set_sync_debug_mode("error")
             tracer.log_scalar("loss", loss * args.accumulate)  # a 0-dim tensor
+            if args.sync_check:
+                torch.cuda.set_sync_debug_mode("default")
             tracer.log_scalar("lr", optimizer.param_groups[0]["lr"])  # a float
 
 
