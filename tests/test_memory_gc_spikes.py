@@ -11,7 +11,7 @@ def kinds(summary):
 
 
 def test_keeping_loss_and_activations_is_memory_creep_with_a_forecast(traceml_run):
-    run = traceml_run("--steps", 60, "--no-loader", "--keep-graph", "--batch-size", 256,
+    run = traceml_run("--steps", 60, "--no-loader", "--keep-graph", "--batch-size", 512,
                       "--features", 256, "--width", 1024)
     assert run.returncode == 0, run.stderr
     summary = run.summary()

@@ -338,3 +338,37 @@ def _watch_exit_code(probe: StepProbe) -> None:
 
     _replace(sys, "excepthook", excepthook)
     _replace(sys, "exit", exit)
+    _flush_on_sigterm(probe)
+
+
+def _flush_on_sigterm(probe: StepProbe) -> None:
+    """A launcher stopping the ranks (torchrun after one failed, a job's time limit) sends
+    SIGTERM, whose default ends Python at once, without atexit: the last records would go
+    with it. Where the script left SIGTERM at its default, send what is buffered first, then
+    die of the same signal, so the exit status is what it would have been."""
+    import os
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return  # the script handles SIGTERM itself: its handler, its exit, our atexit
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            probe.exit_code = 128 + signum
+            probe.finish()
+            probe.sender.close(exit_code=probe.exit_code, timeout_s=2.0)
+        except Exception:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    _undo.append(restore)

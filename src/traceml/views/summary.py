@@ -74,6 +74,12 @@ class RunData:
                 for row in sorted(rows, key=lambda row: -row["alive_bytes"])]
 
 
+def device_names(hellos: List[RankHello]) -> List[str]:
+    """The run's devices as the card names them: "cpu", "cuda:0 (NVIDIA H100 80GB HBM3)"."""
+    return sorted({h.device_name if h.device == "cpu" else f"{h.device} ({h.device_name})"
+                   for h in hellos})
+
+
 def layer_rows(report: Optional[LayerReport]) -> List[Dict[str, Any]]:
     """Deep-dive figures per step (the sums over sampled steps, divided by their count)."""
     if report is None:
@@ -106,8 +112,7 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
             "started_at": _iso(facts.started_at_unix_s),
             "duration_s": round(facts.ended_at_unix_s - facts.started_at_unix_s, 3),
             "world_size": world_size,
-            "devices": sorted({h.device_name if h.device == "cpu" else f"{h.device} ({h.device_name})"
-                               for h in data.hellos}),
+            "devices": device_names(data.hellos),
             "torch_version": data.hellos[0].torch_version if data.hellos else None,
         },
         "steps": {

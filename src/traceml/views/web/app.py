@@ -21,13 +21,14 @@ from traceml import rundir
 from traceml.collector.live import snapshot
 from traceml.collector.store import Store
 from traceml.records import ALL_PHASES
-from traceml.views.summary import RunData, RunFacts, build_summary, layer_rows
+from traceml.views.summary import RunData, RunFacts, build_summary, device_names, layer_rows
 from traceml.views.web import queries
 
 log = logging.getLogger("traceml")
 
 STATIC = Path(__file__).parent / "static"
 STREAM_INTERVAL_S = 1.0
+LIVE_STATE_S = 0.5
 DEFAULT_POINTS = 1000
 PORT_ATTEMPTS = 20  # a taken port moves on to the next, this many times
 
@@ -69,6 +70,8 @@ class RunSource:
         self._spans = queries.span_buckets(store)
         self._scalars = queries.scalar_buckets(store)
         self._lock = threading.Lock()  # the caches are shared by the request threads
+        self._state: Any = None  # the latest live snapshot, and when it was taken
+        self._state_at = 0.0
 
     @classmethod
     def of_finished_run(cls, run_dir: Path) -> "RunSource":
@@ -93,6 +96,17 @@ class RunSource:
         reader = store if store.path == ":memory:" else Store(store.path, readonly=True)
         return cls(run_dir or Path("."), reader, collector, script, started_at_unix_s)
 
+    def _live_state(self) -> Any:
+        """The collector's live state, diagnosed at most every LIVE_STATE_S however many pages
+        and endpoints ask: the rules run in the collector's process, beside the ingest."""
+        with self._lock:
+            now = time.monotonic()
+            if self._state is None or now - self._state_at >= LIVE_STATE_S:
+                self._state = snapshot(self.collector, self.script,
+                                       time.time() - self.started_at_unix_s, self._alerts)
+                self._state_at = now
+            return self._state
+
     def close(self) -> None:
         """Close our own read-only connection (never the collector's store we were lent)."""
         if self.store.readonly:
@@ -106,15 +120,14 @@ class RunSource:
     def overview(self) -> Dict[str, Any]:
         if not self.live:
             return _overview_of_summary(self.summary or {}, os.fspath(self.run_dir))
-        elapsed_s = time.time() - self.started_at_unix_s
-        state = snapshot(self.collector, self.script, elapsed_s, self._alerts)
+        state = self._live_state()
+        elapsed_s = state.elapsed_s
         window = state.window
         findings = [_finding(f) for f in state.findings]
         return {
             "live": True, "script": self.script, "run_dir": os.fspath(self.run_dir),
             "elapsed_s": elapsed_s, "steps_seen": state.steps_seen, "world_size": state.world_size,
-            "devices": sorted({h.device if h.device == "cpu" else f"{h.device} ({h.device_name})"
-                               for h in list(self.collector.hellos.values())}),
+            "devices": device_names(list(self.collector.hellos.values())),
             "step": {"median_ms": window.step_median_ms, "p90_ms": window.step_p90_ms},
             "throughput": {"steps_per_s": window.steps_per_s, "samples_per_s": window.samples_per_s},
             "phases": {name: {"median_ms": stats.median_ms, "mean_ms": stats.mean_ms,
@@ -136,7 +149,7 @@ class RunSource:
 
     def ranks(self, points: int) -> Dict[str, Any]:
         if self.live:
-            state = snapshot(self.collector, self.script, 0.0, [])
+            state = self._live_state()
             rows, spread, findings = state.ranks, state.spread, [_finding(f) for f in state.findings]
         else:
             summary = self.summary or {}
