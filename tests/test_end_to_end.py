@@ -33,17 +33,19 @@ def test_slow_dataset_is_input_bound(traceml_run):
 
 
 def test_wide_mlp_in_memory_is_compute_bound(traceml_run):
-    run = traceml_run("--steps", 30, "--no-loader", "--batch-size", 64, "--features", 512,
+    # 80 steps: on a shared 2-core machine a few steps stall on other processes, and over a
+    # short run three such stalls already cost enough to be reported as STEP_SPIKES.
+    run = traceml_run("--steps", 80, "--no-loader", "--batch-size", 64, "--features", 512,
                       "--width", 2048)
     assert run.returncode == 0, run.stderr
     summary = run.summary()
-    assert summary["primary_diagnosis"]["kind"] == "COMPUTE_BOUND"
+    assert summary["primary_diagnosis"]["kind"] == "COMPUTE_BOUND", summary["findings"]
     compute = sum(summary["phases"][p]["share"] for p in ("forward", "backward", "optimizer"))
     assert compute > 0.7
     assert summary["phases"]["input_wait"]["median_ms"] == 0.0  # no DataLoader at all
     assert summary["throughput"]["samples_per_s"] > 0
     rows = run.step_rows()
-    assert len(rows) == 30
+    assert len(rows) == 80
     assert all(row["samples"] == 64 and row["forward_calls"] == 1 for row in rows)
 
 
