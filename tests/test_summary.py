@@ -41,7 +41,8 @@ FACTS = RunFacts(script="train.py", argv=["train.py", "--lr", "1e-3"], exit_code
 def test_summary_figures_come_from_the_records(tmp_path):
     summary = build_summary(RunData(filled_store(tmp_path)), FACTS)
     assert summary["steps"] == {"count": 40, "warmup_excluded": 4, "measured": 36,
-                                "records_dropped": 7, "device_timed": False}
+                                "records_dropped": 7, "device_timed": False,
+                                "found_by": None}
     assert summary["phases"]["input_wait"] == {"median_ms": 6.0, "mean_ms": 6.0, "share": 0.6}
     assert summary["phases"]["step"]["median_ms"] == 10.0
     assert summary["throughput"]["steps_per_s"] == pytest.approx(100.0)
@@ -91,6 +92,7 @@ def test_report_is_self_contained_with_its_charts(tmp_path):
 
 def test_import_traceml_is_light():
     code = ("import sys, traceml; heavy = [m for m in ('torch', 'msgspec', 'rich', 'psutil', "
-            "'sqlite3', 'asyncio') if m in sys.modules]; print(heavy)")
+            "'sqlite3', 'asyncio', 'transformers', 'lightning', 'pytorch_lightning', 'accelerate', "
+            "'starlette', 'uvicorn', 'plotly') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

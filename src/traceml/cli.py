@@ -22,7 +22,8 @@ log = logging.getLogger("traceml")
 
 ENV_RUN_DIR = "TRACEML_RUN_DIR"
 DEFAULT_WEB_PORT = 8765
-SSE_FAREWELL_S = 1.5  # after the run, how long the page has to receive its last update
+SSE_FAREWELL_S = 1.5
+ZERO_CODE = "traceml.probe.zero_code"  # after the run, how long the page has to receive its last update
 RANK_GOODBYE_TIMEOUT_S = 5.0
 
 
@@ -133,13 +134,15 @@ class Launch:
             self.collector_host, self.collector_port = rendezvous.LOOPBACK, 0
 
     def command(self) -> List[str]:
+        """Each rank runs the script through probe.zero_code, which traces it even if it
+        never imports traceml (steps inferred from optimizer.step())."""
+        script = [ZERO_CODE, os.fspath(self.script), *self.script_args]
         if not self.distributed:
-            return [sys.executable, os.fspath(self.script), *self.script_args]
+            return [sys.executable, "-m", *script]
         return [sys.executable, "-m", "torch.distributed.run",
                 "--nproc-per-node", str(self.nproc_per_node), "--nnodes", str(self.nnodes),
                 "--node-rank", str(self.node_rank), "--master-addr", self.master_addr,
-                "--master-port", str(self.master_port),
-                os.fspath(self.script), *self.script_args]
+                "--master-port", str(self.master_port), "--module", *script]
 
     @property
     def world_size(self) -> int:

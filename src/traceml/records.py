@@ -45,6 +45,7 @@ class RankHello(msgspec.Struct, tag="hello", array_like=True):
     # The run's shared secret when the collector listens beyond loopback; the collector drops
     # a connection whose hello lacks it, and never stores it.
     token: str = ""
+    steps_from: str = ""  # how steps are found: trace_step, optimizer.step() (inferred), a trainer
 
 
 class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
@@ -157,6 +158,7 @@ class RankEnd(msgspec.Struct, tag="end", array_like=True):
     exit_code: Optional[int]
     records_sent: int
     records_dropped: int
+    steps_from: str = ""  # how steps were found in the end (an explicit trace_step may win late)
 
 
 class SpanRecord(msgspec.Struct, tag="span", array_like=True, gc=False):

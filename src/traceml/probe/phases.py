@@ -38,8 +38,10 @@ def _replace(owner: Any, name: str, replacement: Any) -> None:
 
 
 def _patch_dataloader(probe: StepProbe) -> None:
+    import torch
     from torch.utils.data import dataloader
 
+    grad_enabled = torch.is_grad_enabled
     iterator_class = dataloader._BaseDataLoaderIter
     original_next = iterator_class.__next__
 
@@ -50,8 +52,10 @@ def _patch_dataloader(probe: StepProbe) -> None:
         finally:  # inline, not a probe method: this runs once per batch
             if probe.in_step:
                 probe.input_wait_inside_ns += _now_ns() - start_ns
-            else:
+            elif probe.counting_input and grad_enabled():
                 probe.input_wait_gap_ns += _now_ns() - start_ns
+            # Between steps with gradients off (an evaluation loop), or while an integration
+            # says evaluation runs: the wait is not the training's input, it stays `outside`.
 
     __next__.__wrapped__ = original_next  # type: ignore[attr-defined]
     _replace(iterator_class, "__next__", __next__)
@@ -130,8 +134,22 @@ def _hook_optimizers(probe: StepProbe) -> None:
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
 
-    def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-        probe.phase_begin(OPTIMIZER)  # returns None: a pre-hook's result would replace the args
+    def before_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
+        # args are step()'s own, the optimizer first: step(closure) has it second.
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if closure is None:
+            probe.phase_begin(OPTIMIZER)
+            return None  # None keeps the arguments as they are
+        # optimizer.step(closure) runs forward and backward inside the step (Lightning does
+        # this every step): the update is timed from when the closure returns.
+        def timed_closure() -> Any:
+            result = closure()
+            probe.phase_begin(OPTIMIZER)
+            return result
+
+        if len(args) > 1:
+            return (args[0], timed_closure, *args[2:]), kwargs
+        return args, {**kwargs, "closure": timed_closure}
 
     def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         probe.phase_end(OPTIMIZER)

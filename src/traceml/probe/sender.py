@@ -58,6 +58,7 @@ class Sender:
         # and names the run directory after run_name.
         self.web_port: Optional[int] = None
         self.run_name: Optional[str] = None
+        self.steps_from = hello.steps_from  # the probe updates it; the goodbye carries it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
 
@@ -96,7 +97,7 @@ class Sender:
         self._collect_device_steps()
         # The goodbye bypasses the capacity check: it is what tells the collector the rank is done.
         self._buffer.append(RankEnd(rank=self.hello.rank, exit_code=exit_code, records_sent=0,
-                                    records_dropped=0))
+                                    records_dropped=0, steps_from=self.steps_from))
         # Rank 0's collector may still be starting when a short run's other ranks end: keep
         # trying to reach it, whatever the back-off said, until the deadline.
         while True:

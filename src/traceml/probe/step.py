@@ -27,6 +27,10 @@ log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
 
 _GC_ZEROS = (0, 0, 0, 0, 0, 0, 0)
+# How steps are found (summary steps.found_by).
+STEPS_FROM_TRACE_STEP = "trace_step"
+STEPS_FROM_OPTIMIZER = "optimizer.step() (inferred)"
+_NOT_A_STEP = RuntimeError("not a step")  # ends an inferred step without a record
 # Phase slots in the probe's accumulators; the order matches the StepRecord fields.
 H2D, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
 PHASE_NAMES = ("h2d", "forward", "backward", "optimizer")
@@ -44,7 +48,8 @@ class StepProbe:
                  "input_wait_inside_ns", "forward_calls", "samples", "input_wait_gap_ns", "_gc",
                  "_gc_start_ns", "_closed", "comm_timed", "_comm_wait_ns",
                  "_bucket_ready_ns", "_bucket_event", "layers", "failed_phase", "auto_steps",
-                 "spans", "outermost", "_step_optimizer")
+                 "spans", "outermost", "_step_optimizer", "counting_input", "steps_from",
+                 "_grad_enabled")
 
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
                  host_rss: Any = None):
@@ -93,6 +98,10 @@ class StepProbe:
         self.auto_steps = False
         self.outermost: Any = None  # OutermostModules while the model to time is not yet known
         self._step_optimizer: Optional[int] = None  # id() of the optimizer whose step ends a step
+        self.steps_from = STEPS_FROM_TRACE_STEP  # how steps are found, for the card
+        self._grad_enabled: Any = lambda: True  # torch.is_grad_enabled, once torch is here
+        # False while an integration runs evaluation: loader waits then are not input wait.
+        self.counting_input = True
         # User spans of the current window, summed by name: name -> [step, first start ns,
         # total ns, calls]; sent as one SpanRecord per name and step.
         self.spans: dict = {}
@@ -241,8 +250,8 @@ class StepProbe:
     def phase_begin(self, phase: int) -> bool:
         """Open a phase; True when this call is the outermost one and is being timed."""
         if not self.in_step:
-            if not self.auto_steps:
-                return False
+            if not self.auto_steps or (phase == FORWARD and not self._grad_enabled()):
+                return False  # a forward without gradients (evaluation) starts no step
             self.enter()  # steps inferred from the optimizer: the first phase opens one
         if self.open_phase != NO_PHASE:
             if self.open_phase == phase:
@@ -295,12 +304,17 @@ class StepProbe:
             self.exit(None)
 
     def stop_inferring_steps(self) -> None:
-        """An explicit trace_step appeared: it decides the steps from now on."""
+        """An explicit trace_step appeared: it decides the steps from now on. A step inferred
+        so far, not yet ended by an optimizer step (a forward before the loop), is dropped."""
         self.auto_steps = False
+        self.set_steps_from(STEPS_FROM_TRACE_STEP)
         if self.outermost is not None:
             self.outermost.remove()
         if self.in_step:
-            self.exit(None)
+            self.exit(failed=_NOT_A_STEP)
+
+    def set_steps_from(self, how: str) -> None:
+        self.steps_from = self.sender.steps_from = how
 
     # -- user spans: Trace.span ---------------------------------------------------------------
     def span_done(self, name: str, start_ns: int, end_ns: int) -> None:
@@ -509,27 +523,33 @@ def hook_inferred_model(model: Any) -> None:
 
 
 def infer_steps(web_port: Optional[int] = None, run_name: Optional[str] = None,
-                profile_memory: bool = True) -> Optional[StepProbe]:
-    """Trace without trace_step: each step ends at optimizer.step() (the Trace API).
+                profile_memory: bool = True, steps_from: str = STEPS_FROM_OPTIMIZER,
+                device_of: Any = None, model: Any = None) -> Optional[StepProbe]:
+    """Trace without trace_step: each step ends at optimizer.step() (the Trace API, zero-code
+    mode, the trainer integrations; steps_from says which, for the card).
 
     Rank 0 not under `traceml run` starts the run's collector, serving the web dashboard on
-    web_port when given. An explicit trace_step, before or after, decides steps instead.
+    web_port when given. model: the model to time, when the caller knows it (a trainer does);
+    otherwise it is found at the first optimizer step. device_of: a module whose parameters
+    say the device. An explicit trace_step, before or after, decides steps instead.
     """
     if _disabled:
         return None
     try:
         with _lock:
             if _probe is None:
-                _create_options.update(web_port=web_port, run_name=run_name,
-                                       profile_memory=profile_memory)
-        _setup(None)
+                _create_options.update(web_port=web_port, run_name=run_name, steps_from=steps_from,
+                                       profile_memory=profile_memory, device_of=device_of)
+        _setup(model)
         with _lock:
-            if _probe is not None and not _explicit_steps_seen and not _probe.auto_steps:
-                _probe.auto_steps = True
-                if not _hooked_models:
-                    from traceml.probe.phases import OutermostModules
+            if _probe is not None and not _explicit_steps_seen:
+                _probe.set_steps_from(steps_from)
+                if not _probe.auto_steps:
+                    _probe.auto_steps = True
+                    if not _hooked_models:
+                        from traceml.probe.phases import OutermostModules
 
-                    OutermostModules(_probe).install()
+                        OutermostModules(_probe).install()
         return _probe
     except Exception:
         _disable("step inference setup")
@@ -581,7 +601,7 @@ def _create_probe(model: Any) -> StepProbe:
     from traceml.probe.memory import DeviceMemory, HostRss
     from traceml.probe.sender import Sender
 
-    device = _model_device(torch, model)
+    device = _model_device(torch, model if model is not None else _create_options.get("device_of"))
     timeline = device_memory = None
     if device.type == "cuda":
         from traceml.probe.clock import DeviceTimeline
@@ -596,6 +616,7 @@ def _create_probe(model: Any) -> StepProbe:
     sender.web_port = _create_options.get("web_port")
     sender.run_name = _create_options.get("run_name")
     probe = StepProbe(sender, timeline=timeline, device_memory=device_memory, host_rss=host_rss)
+    probe._grad_enabled = torch.is_grad_enabled
     sender.record_from = probe.record_from
     if timeline is not None:
         timeline.record_from = probe.record_from
@@ -651,6 +672,7 @@ def _hello(torch: Any, device: Any, device_memory: Any) -> RankHello:
         argv=[os.path.abspath(sys.argv[0])] + sys.argv[1:] if sys.argv and sys.argv[0] else list(sys.argv),
         started_at_unix_s=_process_start_unix_s(),
         token=os.environ.get("TRACEML_TOKEN", ""),
+        steps_from=_create_options.get("steps_from", STEPS_FROM_TRACE_STEP),
     )
 
 

@@ -121,6 +121,7 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
             "measured": len(window),
             "records_dropped": sum(end.records_dropped for end in data.ends),
             "device_timed": any(s.device_timed for s in window.steps),
+            "found_by": _steps_found_by(data),
         },
         "phases": phases,
         "throughput": {
@@ -141,6 +142,16 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "primary_diagnosis": findings[0] if findings else None,
         "findings": findings,
     })
+
+
+def _steps_found_by(data: RunData) -> Optional[str]:
+    """How rank 0 found its steps: its goodbye knows best (an explicit trace_step may have
+    replaced inference late); a rank that died only said so in its hello."""
+    for records in (data.ends, data.hellos):
+        said = [r.steps_from for r in sorted(records, key=lambda r: r.rank) if r.steps_from]
+        if said:
+            return said[0]
+    return None
 
 
 def _rounded(value: Any) -> Any:
@@ -243,7 +254,8 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     facts.add_row("Run", f"{escape(run['script'])}  ·  {run['duration_s']:.1f} s  ·  world size "
                          f"{run['world_size']}  ·  {', '.join(run['devices']) or 'cpu'}{exit_note}")
     samples_per_s = throughput["samples_per_s"]
-    facts.add_row("Steps", f"{steps['count']} ({steps['warmup_excluded']} warm-up excluded)  ·  "
+    found_by = f", found by {steps['found_by']}" if steps.get("found_by") else ""
+    facts.add_row("Steps", f"{steps['count']} ({steps['warmup_excluded']} warm-up excluded{found_by})  ·  "
                            f"{throughput['steps_per_s']:.2f} steps/s  ·  "
                            + (f"{samples_per_s:,.1f} samples/s" if samples_per_s else "samples/s n/a"))
     step = phases["step"]
