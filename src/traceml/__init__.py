@@ -41,9 +41,13 @@ def trace_model_instance(model: Any, every_n_steps: Optional[int] = None) -> Any
 
 
 def __getattr__(name: str) -> Any:
-    """`traceml.Trace`, the object API (spans, scalars, a dashboard): loaded on first use."""
+    """`traceml.Trace` (the object API) and the integration modules, loaded on first use."""
     if name == "Trace":
         from traceml.probe.tracer import Trace
 
         return Trace
+    if name in ("integrations", "hf_decorators"):
+        import importlib
+
+        return importlib.import_module(f"traceml.{name}")
     raise AttributeError(f"module 'traceml' has no attribute {name!r}")

@@ -1,0 +1,71 @@
+"""A small Lightning fit with validation, traced by TraceMLCallback (either namespace)."""
+import argparse
+import importlib
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class Rows(Dataset):
+    def __init__(self, count, sleep_ms=0.0):
+        self.inputs = torch.randn(count, 16)
+        self.sleep_ms = sleep_ms
+
+    def __len__(self):
+        return len(self.inputs)
+
+    def __getitem__(self, index):
+        if self.sleep_ms:
+            time.sleep(self.sleep_ms / 1000.0)
+        return self.inputs[index], self.inputs[index, :1]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--namespace", choices=("lightning", "pytorch_lightning"), default="lightning")
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--val-every", type=int, default=20, help="validate every N training batches")
+    parser.add_argument("--val-sample-ms", type=float, default=2.0, help="a slow validation Dataset")
+    args = parser.parse_args()
+    if args.namespace == "lightning":
+        pl = importlib.import_module("lightning.pytorch")
+    else:
+        pl = importlib.import_module("pytorch_lightning")
+
+    class Regressor(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+
+        def forward(self, inputs):
+            return self.net(inputs)
+
+        def training_step(self, batch, batch_idx):
+            inputs, targets = batch
+            return nn.functional.mse_loss(self(inputs), targets)
+
+        def validation_step(self, batch, batch_idx):
+            inputs, targets = batch
+            self.log("val_loss", nn.functional.mse_loss(self(inputs), targets))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    from traceml.integrations import lightning as traceml_lightning
+
+    traceml_lightning.init()
+    trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accumulate_grad_batches=args.accumulate,
+                         val_check_interval=args.val_every, limit_val_batches=4,
+                         num_sanity_val_steps=1, callbacks=[traceml_lightning.TraceMLCallback()])
+    trainer.fit(Regressor(), DataLoader(Rows(100_000), batch_size=8),
+                DataLoader(Rows(256, args.val_sample_ms), batch_size=8))
+    print("fit", trainer.global_step, "optimizer steps")
+
+
+if __name__ == "__main__":
+    main()

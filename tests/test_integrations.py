@@ -1,0 +1,110 @@
+"""Trainer integrations and zero-code mode on real, tiny, offline training runs: Hugging Face
+Trainer (a GPT-2 built from a config), Lightning (both namespaces), Accelerate, and a script
+that never imports traceml."""
+import sqlite3
+
+import pytest
+
+from conftest import SCRIPTS
+
+pytest.importorskip("transformers")
+HF = SCRIPTS / "hf_trainer.py"
+LIGHTNING = SCRIPTS / "lightning_fit.py"
+
+
+def steps_of(run):
+    with sqlite3.connect(run.run_dir / "telemetry.sqlite") as db:
+        db.row_factory = sqlite3.Row
+        return [dict(row) for row in db.execute("SELECT * FROM steps ORDER BY step")]
+
+
+def test_hf_trainer_makes_one_step_per_update_and_sees_a_slow_collate(traceml_run):
+    run = traceml_run("--how", "callback", "--max-steps", 30, "--accumulate", 4, "--collate-ms", 20,
+                      script=HF, timeout=240)
+    assert run.returncode == 0, run.stderr
+    assert "trained 30 updates" in run.stdout
+    steps = steps_of(run)
+    assert len(steps) == 30
+    assert all(s["forward_calls"] == 4 and s["samples"] == 16 for s in steps)  # 4 micro-batches of 4
+    assert all(s["forward_ms"] > 0 and s["backward_ms"] > 0 and s["optimizer_ms"] > 0 for s in steps)
+    # The four collates of an update (4 x 20 ms) are fetched before its first forward, and
+    # count for that update.
+    assert all(s["input_wait_ms"] >= 78.0 for s in steps[1:])
+    summary = run.summary()
+    assert summary["primary_diagnosis"]["kind"] == "INPUT_BOUND"
+    assert summary["steps"]["found_by"].startswith("Hugging Face Trainer")
+    assert "found by Hugging Face Trainer" in run.stdout
+
+
+def test_hf_evaluation_is_outside_the_steps_not_input_wait(traceml_run):
+    run = traceml_run("--how", "callback", "--max-steps", 20, "--accumulate", 1, "--collate-ms", 5,
+                      "--eval-every", 10, script=HF, timeout=240)
+    assert run.returncode == 0, run.stderr
+    steps = steps_of(run)
+    assert len(steps) == 20
+    # After update 10 Trainer evaluates 64 batches at 5 ms a collate: that is outside step 9,
+    # and none of it is the training's input wait.
+    assert steps[9]["outside_ms"] >= 300.0
+    assert steps[9]["input_wait_ms"] < 20.0
+    assert max(s["input_wait_ms"] for s in steps) < 20.0
+    assert run.summary()["phases"]["outside"]["share"] > 0.2
+
+
+@pytest.mark.parametrize("how", ["seed", "trainer"])
+def test_seed_snippets_run_unchanged(plain_run, how):
+    # `from traceml_ai.integrations import huggingface as traceml_hf; traceml_hf.init();
+    # Trainer(..., callbacks=[traceml_hf.TraceMLTrainerCallback()])`, and
+    # `traceml.hf_decorators.TraceMLTrainer(...)`, under plain python.
+    run = plain_run("--how", how, "--max-steps", 8, "--accumulate", 2, script=HF, timeout=240)
+    assert run.returncode == 0, run.stderr
+    steps = steps_of(run)
+    assert len(steps) == 8 and all(s["forward_calls"] == 2 for s in steps)
+    assert run.summary()["steps"]["found_by"].startswith("Hugging Face Trainer")
+
+
+@pytest.mark.parametrize("namespace, accumulate", [("lightning", 1), ("pytorch_lightning", 2)])
+def test_lightning_fit_steps_are_optimizer_steps_and_validation_is_not_input(traceml_run, namespace,
+                                                                              accumulate):
+    pytest.importorskip(namespace)
+    run = traceml_run("--namespace", namespace, "--steps", 80, "--accumulate", accumulate,
+                      script=LIGHTNING, timeout=240)
+    assert run.returncode == 0, run.stderr
+    assert "fit 80 optimizer steps" in run.stdout
+    steps = steps_of(run)
+    assert len(steps) == 80
+    assert all(s["forward_calls"] == accumulate for s in steps)
+    assert all(s["forward_ms"] > 0 and s["backward_ms"] > 0 and s["optimizer_ms"] > 0 for s in steps)
+    # Validation reads 4 batches of 8 slow samples (2 ms each: 64 ms) every 20 training
+    # batches: outside the steps, never the training's input wait.
+    assert max(s["input_wait_ms"] for s in steps) < 20.0
+    validated = [s for s in steps if s["outside_ms"] >= 50.0]
+    assert 2 <= len(validated) <= 80 // (20 // accumulate) + 1
+    assert run.summary()["steps"]["found_by"].startswith("Lightning")
+
+
+def test_zero_code_traces_a_script_that_never_imports_traceml(traceml_run):
+    run = traceml_run("--steps", 40, "--collate-ms", 5, script=SCRIPTS / "untouched_loop.py")
+    assert run.returncode == 0, run.stderr
+    assert "trained 40 steps" in run.stdout
+    summary = run.summary()
+    assert summary["steps"]["count"] == 40  # the no_grad look at the model is not a step
+    assert summary["steps"]["found_by"] == "optimizer.step() (inferred)"
+    assert "found by optimizer.step() (inferred)" in run.stdout
+    assert summary["primary_diagnosis"]["kind"] == "INPUT_BOUND"
+    steps = steps_of(run)
+    assert all(s["forward_calls"] == 1 and s["samples"] == 16 for s in steps)  # MSELoss is not the model
+    assert all(s["backward_ms"] > 0 and s["optimizer_ms"] > 0 for s in steps)
+
+
+@pytest.mark.parametrize("untraced", [False, True])
+def test_accelerate_loops_are_traced(traceml_run, untraced):
+    pytest.importorskip("accelerate")
+    run = traceml_run("--steps", 30, "--load-ms", 1, *(["--untraced"] if untraced else []),
+                      script=SCRIPTS / "accelerate_loop.py", timeout=240)
+    assert run.returncode == 0, run.stderr
+    summary = run.summary()
+    assert summary["steps"]["count"] == 30
+    assert summary["primary_diagnosis"]["kind"] == "INPUT_BOUND"
+    assert summary["steps"]["found_by"] == ("optimizer.step() (inferred)" if untraced else "trace_step")
+    steps = steps_of(run)
+    assert all(s["forward_ms"] > 0 and s["backward_ms"] > 0 and s["optimizer_ms"] > 0 for s in steps)
