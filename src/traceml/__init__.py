@@ -8,7 +8,7 @@ import time
 from typing import Any, Callable, Optional
 
 __version__ = "0.1.0"
-__all__ = ["trace_step", "trace_model_instance", "Trace", "__version__"]
+__all__ = ["trace_step", "trace_model_instance", "Trace", "summary", "__version__"]
 
 _trace_step: Optional[Callable[[Any], Any]] = None
 
@@ -38,6 +38,23 @@ def trace_model_instance(model: Any, every_n_steps: Optional[int] = None) -> Any
     from traceml.probe.step import trace_model_instance as _trace_model_instance
 
     return _trace_model_instance(model, every_n_steps)
+
+
+def summary() -> dict:
+    """This process's figures so far, flat, for a tracker: `wandb.log(traceml.summary())`.
+
+    Keys like "traceml/phase/input_wait/share", "traceml/step/median_ms",
+    "traceml/diagnosis/primary"; the same rules as the card, over this rank's steps. Empty
+    before the first traced step.
+    """
+    from traceml.probe import step
+
+    probe = step._probe
+    if probe is None:
+        return {}
+    from traceml.views.summary import flat_summary
+
+    return flat_summary(probe.sender.local_steps())
 
 
 def __getattr__(name: str) -> Any:

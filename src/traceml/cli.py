@@ -35,6 +35,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run_command(args)
     if args.command == "view":
         return view_command(args)
+    if args.command == "compare":
+        return compare_command(args)
+    if args.command == "export":
+        return export_command(args)
     if args.command == "_collect":
         return collect_command(args)
     parser.print_help()
@@ -75,6 +79,23 @@ def _parser() -> argparse.ArgumentParser:
     view.add_argument("run_dir", type=Path, help="the run's directory (holds telemetry.sqlite)")
     _web_arguments(view)
 
+    compare = commands.add_parser("compare", help="did my change help? two runs, phase by phase",
+                                  description="Compare two runs (run directories or "
+                                              "final_summary.json files): medians per phase with "
+                                              "bootstrap intervals, a verdict, the change in "
+                                              "diagnosis and the environment.")
+    compare.add_argument("run_a", type=Path, help="the baseline run")
+    compare.add_argument("run_b", type=Path, help="the changed run")
+    compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
+
+    export = commands.add_parser("export", help="a run's records as a Perfetto trace, JSON lines or CSV")
+    export.add_argument("run_dir", type=Path)
+    export.add_argument("--format", choices=("chrome", "jsonl", "csv"), required=True)
+    export.add_argument("--steps", default=None, metavar="A:B",
+                        help="only steps A to B, inclusive (either side may be left out)")
+    export.add_argument("--out", default=None, metavar="FILE",
+                        help="where to write ('-' for stdout; default: a file in the run dir)")
+
     collect = commands.add_parser("_collect", help=argparse.SUPPRESS)
     collect.add_argument("--ready-fd", type=int, required=True)
     collect.add_argument("--parent-pid", type=int, required=True)
@@ -92,6 +113,10 @@ def _web_arguments(parser: argparse.ArgumentParser) -> None:
                      help=f"the dashboard's port; the next free one if taken (default {DEFAULT_WEB_PORT})")
     web.add_argument("--host", default="127.0.0.1", metavar="H",
                      help="the address to serve on (default 127.0.0.1: this machine only)")
+    if parser.prog.endswith(" run"):
+        web.add_argument("--metrics-port", type=_port, default=None, metavar="P",
+                         help="serve Prometheus /metrics on P while the run trains (any mode; "
+                              "the dashboard serves /metrics too)")
 
 
 def _port(text: str) -> int:
@@ -215,6 +240,20 @@ def run_command(args: argparse.Namespace) -> int:
         except (PortInUse, OSError) as exc:
             collector.stop()
             return _fail(f"cannot serve the dashboard: {exc}")
+    metrics_server = None
+    if args.metrics_port is not None:
+        from traceml.views.web.app import RunSource
+
+        source = web.source if web is not None else RunSource.of_live_run(
+            writable_dir, store, collector, launch.script.name, started)
+        try:
+            metrics_server = _serve_metrics(source, args.host, args.metrics_port,
+                                            owns_source=web is None)
+        except OSError as exc:
+            collector.stop()
+            if web is not None:
+                web.stop()
+            return _fail(f"cannot serve /metrics on {args.host}:{args.metrics_port}: {exc.strerror or exc}")
     output_fd = terminal_fd = None
     if live:  # the script writes to a terminal of its own; the dashboard shows it above itself
         try:
@@ -249,9 +288,35 @@ def run_command(args: argparse.Namespace) -> int:
     facts = RunFacts(script=launch.script.name, argv=[os.fspath(launch.script), *launch.script_args],
                      exit_code=exit_code, started_at_unix_s=started, ended_at_unix_s=ended)
     summary = finish_run(store, writable_dir, facts)
+    if metrics_server is not None:
+        metrics_server.shutdown()
     if web is not None:
         _close_dashboard(web, summary, writable_dir)
     return exit_code
+
+
+def _serve_metrics(source: Any, host: str, port: int, owns_source: bool) -> Any:
+    """prometheus-client's own HTTP server for /metrics, on a thread; raises OSError."""
+    from prometheus_client import start_http_server
+
+    from traceml.views.metrics import registry_for
+
+    server, _ = start_http_server(port, addr=host, registry=registry_for(source.collector, source.live_state))
+    _say(f"traceml: Prometheus metrics at http://{host}:{server.server_port}/metrics")
+    return MetricsServer(server, source if owns_source else None)
+
+
+class MetricsServer:
+    """The /metrics server, and the live source it reads when it is its own; closed with the run."""
+
+    def __init__(self, server: Any, own_source: Any):
+        self.server, self.own_source = server, own_source
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        if self.own_source is not None:
+            self.own_source.close()
 
 
 def _say(line: str) -> None:
@@ -417,6 +482,53 @@ def view_command(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         web.stop()
+    return 0
+
+
+# -- traceml compare / export -----------------------------------------------------------------
+def compare_command(args: argparse.Namespace) -> int:
+    from traceml.views.compare import ComparedRun, compare, render
+
+    try:
+        runs = [ComparedRun.load(path) for path in (args.run_a, args.run_b)]
+    except (OSError, ValueError, KeyError) as exc:
+        return _fail(f"cannot compare: {exc}")
+    result = compare(*runs)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        from rich.console import Console
+
+        Console(highlight=False).print(render(result))
+    return 0
+
+
+def export_command(args: argparse.Namespace) -> int:
+    from traceml import rundir
+    from traceml.collector.store import Store
+    from traceml.views.export import SUFFIX, export, parse_steps
+
+    try:
+        first, last = parse_steps(args.steps)
+    except ValueError as exc:
+        return _fail(str(exc))
+    store_path = args.run_dir / rundir.STORE_NAME
+    if not store_path.is_file():
+        return _fail(f"{args.run_dir} holds no {rundir.STORE_NAME}: not a TraceML run directory")
+    store = Store(os.fspath(store_path), readonly=True)
+    target = args.out or os.fspath(args.run_dir / SUFFIX[args.format])
+    try:
+        if target == "-":
+            count = export(store, args.format, first, last, sys.stdout)
+        else:
+            with open(target, "w", newline="") as out:
+                count = export(store, args.format, first, last, out)
+    except OSError as exc:
+        return _fail(f"cannot write {target}: {exc.strerror or exc}")
+    finally:
+        store.close()
+    if target != "-":
+        _say(f"traceml: {count} step records written to {target}")
     return 0
 
 

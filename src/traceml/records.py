@@ -87,6 +87,8 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     gc_gen0_ms: float = 0.0  # gc_ms, by the generation collected
     gc_gen1_ms: float = 0.0
     gc_gen2_ms: float = 0.0
+    tokens: int = 0  # token inputs (an integer 2-D first input or input_ids): ids given, padding included
+    real_tokens: Optional[int] = None  # of them, the ones attention_mask keeps (None: no mask)
 
 
 class OomRecord(msgspec.Struct, tag="oom", array_like=True):

@@ -33,6 +33,7 @@ def main():
     parser.add_argument("--save-every", type=int, default=0,
                         help="a synchronous checkpoint save inside every Nth step")
     parser.add_argument("--save-mb", type=float, default=32.0)
+    parser.add_argument("--print-summary", action="store_true", help="print traceml.summary() at the end")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -73,6 +74,8 @@ def main():
         if args.outside_ms:
             time.sleep(args.outside_ms / 1000.0)
     print(f"trained {len(starts)} steps", flush=True)
+    if args.print_summary:  # traceml.summary(), as a user logs it to a tracker
+        print("SUMMARY " + json.dumps(traceml.summary()), flush=True)
     del kept, heap  # alive until here on purpose: the leak, and the objects gc walks
     if args.timestamps:
         with open(args.timestamps, "w") as out:

@@ -45,6 +45,8 @@ class RolledStep(msgspec.Struct):
     device_peak_bytes: Optional[int]
     device_reserved_bytes: Optional[int]
     host_rss_bytes: Optional[int]
+    tokens: int = 0  # summed over ranks, padding included
+    real_tokens: Optional[int] = None  # summed over the ranks that had an attention mask
 
 
 class PhaseStats(msgspec.Struct):
@@ -93,6 +95,8 @@ def _roll_step(step: int, ranks: List[StepRecord]) -> RolledStep:
         device_peak_bytes=max_present(r.device_peak_bytes for r in ranks),
         device_reserved_bytes=max_present(r.device_reserved_bytes for r in ranks),
         host_rss_bytes=max_present(r.host_rss_bytes for r in ranks),
+        tokens=sum(r.tokens for r in ranks),
+        real_tokens=_sum_present(r.real_tokens for r in ranks),
     )
 
 
@@ -142,6 +146,20 @@ class Window:
         """The global batch (summed over ranks) per second; None when no batch size was seen."""
         samples = sum(s.samples for s in self.steps)
         return samples * 1000.0 / self.total_ms if samples and self.total_ms > 0 else None
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        """Real tokens a second (per attention_mask; all tokens given where there is no mask),
+        summed over ranks; None without token inputs."""
+        tokens = sum(s.tokens if s.real_tokens is None else s.real_tokens for s in self.steps)
+        return tokens * 1000.0 / self.total_ms if tokens and self.total_ms > 0 else None
+
+    @property
+    def padding_share(self) -> Optional[float]:
+        """Of the tokens given in steps with an attention mask, the share that was padding."""
+        masked = [s for s in self.steps if s.real_tokens is not None and s.tokens]
+        given = sum(s.tokens for s in masked)
+        return 1.0 - sum(s.real_tokens for s in masked) / given if given else None
 
     @functools.cached_property
     def memory_trend(self) -> "MemoryTrend":
@@ -270,6 +288,11 @@ def robust_slope(xs: Sequence[float], ys: Sequence[float], max_points: int = 200
 def _median_present(values: Iterable[Optional[float]]) -> Optional[float]:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
+
+
+def _sum_present(values: Iterable[Optional[int]]) -> Optional[int]:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
 
 
 def max_present(values: Iterable[Optional[int]]) -> Optional[int]:

@@ -180,6 +180,8 @@ class TimedForward:
         if probe.phase_begin(FORWARD):
             probe.forward_calls += 1
             probe.samples += _batch_size(args, kwargs, self.tensor_type)
+            if kwargs or (args and isinstance(args[0], self.tensor_type) and not args[0].is_floating_point()):
+                _count_tokens(probe, args, kwargs, self.tensor_type)
         try:
             layers = probe.layers
             if layers is not None and layers.active:  # a deep-dive step: count saved tensors
@@ -321,6 +323,27 @@ def _time_ddp_collectives(probe: StepProbe, model: Any) -> None:
         log.info("traceml: DDP collective wait not measured (%s)", exc)
         return
     probe.comm_timed = True
+
+
+def _count_tokens(probe: StepProbe, args: tuple, kwargs: dict, tensor_type: type) -> None:
+    """Token inputs: input_ids (or an integer first input) of shape (batch, length), and the
+    real tokens per attention_mask. A mask on the device is summed there and copied to pinned
+    host memory without waiting; the step's record reads it once the step is done."""
+    ids = kwargs.get("input_ids")
+    if ids is None and args and isinstance(args[0], tensor_type):
+        ids = args[0]
+    if not isinstance(ids, tensor_type) or ids.is_floating_point() or ids.dim() != 2:
+        return
+    probe.tokens += ids.numel()
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, tensor_type):
+        return
+    if mask.is_cpu:
+        probe.real_tokens = (probe.real_tokens or 0) + int(mask.sum())
+    else:
+        probe.token_copies.append(mask.sum().to("cpu", non_blocking=True))
+        if probe.real_tokens is None:
+            probe.real_tokens = 0
 
 
 def _batch_size(args: tuple, kwargs: dict, tensor_type: type) -> int:

@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Deque, List, Optional
 
 from traceml import rendezvous
-from traceml.records import RankEnd, RankHello, Record, encode_frame
+from traceml.records import RankEnd, RankHello, Record, StepRecord, encode_frame
 
 log = logging.getLogger("traceml")
 
@@ -26,6 +26,7 @@ BUFFER_CAPACITY = 65536
 FLUSH_INTERVAL_S = 0.1
 ROUNDS_PER_FLUSH = 5  # host RSS is read every round (20 ms), records sent every 5th
 RECORDS_PER_FRAME = 4096
+RECENT_STEPS_KEPT = 8192
 CONNECT_TIMEOUT_S = 2.0
 SEND_TIMEOUT_S = 5.0
 RECONNECT_BACKOFF_S = 1.0
@@ -46,6 +47,8 @@ class Sender:
         self.records_sent = 0
         self.records_dropped = 0
         self._buffer: Deque[Any] = collections.deque()  # Records, and raw step tuples
+        # This rank's latest step records, for traceml.summary() inside the training process.
+        self.sent_steps: Deque[Any] = collections.deque(maxlen=RECENT_STEPS_KEPT)
         # Values still on the device (Trace.log_scalar): each has ready() and record().
         self._deferred: Deque[Any] = collections.deque()
         self._address = address if address is not None else os.environ.get(rendezvous.ENV_COLLECTOR)
@@ -76,6 +79,12 @@ class Sender:
             self.records_dropped += 1
             return
         self._deferred.append(pending)
+
+    def local_steps(self) -> List[StepRecord]:
+        """This rank's step records so far: those sent (the latest RECENT_STEPS_KEPT) and those
+        still waiting in the buffer; read from the training thread, the buffer left as it is."""
+        pending = [self.record_from(r) if type(r) is tuple else r for r in list(self._buffer)]
+        return list(self.sent_steps) + [r for r in pending if type(r) is StepRecord]
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -165,6 +174,8 @@ class Sender:
                 record = self._buffer.popleft()
                 if type(record) is tuple:
                     record = self.record_from(record)
+                if type(record) is StepRecord:
+                    self.sent_steps.append(record)
                 elif isinstance(record, RankEnd):  # the goodbye carries the final counts
                     record.records_sent = self.records_sent + len(batch)
                     record.records_dropped = self.records_dropped + (

@@ -49,7 +49,7 @@ class StepProbe:
                  "_gc_start_ns", "_closed", "comm_timed", "_comm_wait_ns",
                  "_bucket_ready_ns", "_bucket_event", "layers", "failed_phase", "auto_steps",
                  "spans", "outermost", "_step_optimizer", "counting_input", "steps_from",
-                 "_grad_enabled")
+                 "_grad_enabled", "tokens", "real_tokens", "token_copies")
 
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
                  host_rss: Any = None):
@@ -79,6 +79,11 @@ class StepProbe:
         self.input_wait_inside_ns = 0
         self.forward_calls = 0
         self.samples = 0
+        # Token inputs: tokens given (padding included), and the real ones per attention_mask
+        # (None: no mask seen); a mask on the device is summed there and copied without waiting.
+        self.tokens = 0
+        self.real_tokens: Optional[int] = None
+        self.token_copies: List[Any] = []
         # Accumulators of the whole window (step plus the gap after it).
         self.input_wait_gap_ns = 0
         # Garbage collection in this window: [pause ns, collections, longest pause ns,
@@ -149,7 +154,10 @@ class StepProbe:
         self.input_wait_gap_ns = self.input_wait_inside_ns = 0
         phase_ns = self.phase_ns
         phase_ns[0] = phase_ns[1] = phase_ns[2] = phase_ns[3] = 0
-        self.forward_calls = self.samples = self._comm_wait_ns = 0
+        self.forward_calls = self.samples = self._comm_wait_ns = self.tokens = 0
+        self.real_tokens = None
+        if self.token_copies:
+            self.token_copies = []
         self.failed_phase = NO_PHASE
         if self.layers is not None:
             self.layers.begin_step(self.step_index)
@@ -193,7 +201,7 @@ class StepProbe:
                         optimizer_ns, self.input_wait_inside_ns, self.forward_calls, self.samples,
                         self._comm_wait_ns if self.comm_timed else None,
                         allocated, peak, reserved, self._start_event, end_event, self._phase_events,
-                        rss)
+                        rss, self.tokens, self.real_tokens, self.token_copies)
         self.step_index += 1
 
     def _submit_device_step(self, closed: tuple, window_end_ns: int, next_start_event: Any) -> None:
@@ -223,6 +231,7 @@ class StepProbe:
             gc_ms=gc_ns / 1e6, gc_collections=gc_collections, forward_calls=forward_calls,
             samples=samples, device_allocated_bytes=allocated, device_peak_bytes=peak,
             device_reserved_bytes=reserved, host_rss_bytes=closed[17],
+            tokens=closed[18], real_tokens=_real_tokens(closed[19], closed[20]),
             comm_wait_ms=comm_wait_ns / 1e6 if comm_wait_ns is not None else None,
             gc_max_pause_ms=gc_max_ns / 1e6, gc_full_collections=gc_full,
             gc_gen0_ms=gen0_ns / 1e6, gc_gen1_ms=gen1_ns / 1e6, gc_gen2_ms=gen2_ns / 1e6)
@@ -404,6 +413,15 @@ class StepProbe:
             stats[4 + generation] += pause_ns  # generations are 0, 1 and 2
             if generation == 2:
                 stats[3] += 1
+
+
+def _real_tokens(counted: Optional[int], copies: List[Any]) -> Optional[int]:
+    """Real tokens of a step: counted on the host, plus device masks' sums copied to the host.
+    Read once the step is resolved: on CUDA its end event is done, so the copies made before
+    it are too, and reading them waits for nothing."""
+    if not copies:
+        return counted
+    return (counted or 0) + sum(int(copy) for copy in copies)
 
 
 def _is_out_of_memory(error: BaseException) -> bool:

@@ -127,6 +127,10 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "throughput": {
             "steps_per_s": window.steps_per_s,
             "samples_per_s": window.samples_per_s,
+            # The global batch: samples a step, summed over ranks (the median step's).
+            "samples_per_step": statistics.median(s.samples for s in window.steps) if len(window) else None,
+            "tokens_per_s": window.tokens_per_s,  # real tokens (attention_mask), summed over ranks
+            "padding_share": window.padding_share,
         },
         "memory": _memory(data),
         "system": _system(data.samples),
@@ -142,6 +146,37 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "primary_diagnosis": findings[0] if findings else None,
         "findings": findings,
     })
+
+
+def flat_summary(records: List[Any]) -> Dict[str, Any]:
+    """One rank's figures so far as a flat dict (traceml.summary()), for W&B or MLflow: the
+    same rollup, warm-up and rules as the card, over the records this process sent."""
+    rolled = roll_up(records)
+    window = Window(rolled[warmup_steps(len(rolled)):])
+    findings = diagnose(window, steps_seen=len(rolled),
+                        peak_device_bytes=max_present(s.device_peak_bytes for s in rolled),
+                        peak_rss_bytes=max_present(s.host_rss_bytes for s in rolled)) if rolled else []
+    flat: Dict[str, Any] = {
+        "traceml/steps": len(rolled),
+        "traceml/step/median_ms": window.step_median_ms,
+        "traceml/step/p90_ms": window.step_p90_ms,
+        "traceml/step/mean_ms": window.step_mean_ms,
+        "traceml/throughput/steps_per_s": window.steps_per_s,
+        "traceml/throughput/samples_per_s": window.samples_per_s,
+        "traceml/throughput/tokens_per_s": window.tokens_per_s,
+        "traceml/throughput/padding_share": window.padding_share,
+        "traceml/memory/device_peak_bytes": max_present(s.device_peak_bytes for s in rolled),
+        "traceml/memory/host_rss_peak_bytes": max_present(s.host_rss_bytes for s in rolled),
+        "traceml/diagnosis/primary": findings[0].kind if findings else None,
+        "traceml/diagnosis/severity": findings[0].severity if findings else None,
+    }
+    for name, stats in window.phases.items():
+        flat[f"traceml/phase/{name}/share"] = stats.share
+        flat[f"traceml/phase/{name}/median_ms"] = stats.median_ms
+        flat[f"traceml/phase/{name}/mean_ms"] = stats.mean_ms
+    for finding in findings:
+        flat[f"traceml/finding/{finding.kind}"] = finding.severity
+    return flat
 
 
 def _steps_found_by(data: RunData) -> Optional[str]:
@@ -257,7 +292,8 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     found_by = f", found by {steps['found_by']}" if steps.get("found_by") else ""
     facts.add_row("Steps", f"{steps['count']} ({steps['warmup_excluded']} warm-up excluded{found_by})  ·  "
                            f"{throughput['steps_per_s']:.2f} steps/s  ·  "
-                           + (f"{samples_per_s:,.1f} samples/s" if samples_per_s else "samples/s n/a"))
+                           + (f"{samples_per_s:,.1f} samples/s" if samples_per_s else "samples/s n/a")
+                           + _tokens_text(throughput))
     step = phases["step"]
     facts.add_row("Step time", f"median {step['median_ms']:.1f} ms  ·  p90 {step['p90_ms']:.1f} ms")
     facts.add_row("System", _system_line(system))
@@ -349,6 +385,14 @@ def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
                           f"{row['memory_bytes'] / 2 ** 20:.2f}", f"{row['output_bytes'] / 2 ** 20:.2f}")
         tables.append(table)
     return tables
+
+
+def _tokens_text(throughput: Dict[str, Any]) -> str:
+    tokens_per_s = throughput.get("tokens_per_s")
+    if not tokens_per_s:
+        return ""
+    padding = throughput.get("padding_share")
+    return f"  ·  {tokens_per_s:,.0f} tokens/s" + (f" ({padding:.0%} padding)" if padding is not None else "")
 
 
 def _system_line(system: Dict[str, Any]) -> str:

@@ -96,7 +96,7 @@ class RunSource:
         reader = store if store.path == ":memory:" else Store(store.path, readonly=True)
         return cls(run_dir or Path("."), reader, collector, script, started_at_unix_s)
 
-    def _live_state(self) -> Any:
+    def live_state(self) -> Any:
         """The collector's live state, diagnosed at most every LIVE_STATE_S however many pages
         and endpoints ask: the rules run in the collector's process, beside the ingest."""
         with self._lock:
@@ -120,7 +120,7 @@ class RunSource:
     def overview(self) -> Dict[str, Any]:
         if not self.live:
             return _overview_of_summary(self.summary or {}, os.fspath(self.run_dir))
-        state = self._live_state()
+        state = self.live_state()
         elapsed_s = state.elapsed_s
         window = state.window
         findings = [_finding(f) for f in state.findings]
@@ -149,7 +149,7 @@ class RunSource:
 
     def ranks(self, points: int) -> Dict[str, Any]:
         if self.live:
-            state = self._live_state()
+            state = self.live_state()
             rows, spread, findings = state.ranks, state.spread, [_finding(f) for f in state.findings]
         else:
             summary = self.summary or {}
@@ -238,7 +238,8 @@ def create_app(source: RunSource) -> Any:
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
-    from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.responses import (FileResponse, JSONResponse, PlainTextResponse, Response,
+                                     StreamingResponse)
     from starlette.routing import Route
 
     max_step = 2 ** 62
@@ -272,6 +273,19 @@ def create_app(source: RunSource) -> Any:
             return PlainTextResponse(str(exc), status_code=404)
         return FileResponse(path, media_type=media_type, headers={"Cache-Control": "max-age=3600"})
 
+    registry = None
+    if source.collector is not None:
+        from traceml.views.metrics import registry_for
+
+        registry = registry_for(source.collector, source.live_state)
+
+    async def metrics(request: Request) -> Any:
+        if registry is None or not source.live:
+            return PlainTextResponse("no live run: /metrics is served while a run trains\n", status_code=404)
+        from traceml.views.metrics import exposition
+
+        return Response(**await run_in_threadpool(exposition, registry))
+
     async def stream(request: Request) -> Any:
         async def events() -> Any:
             while True:
@@ -299,6 +313,7 @@ def create_app(source: RunSource) -> Any:
         Route("/api/spans", api(lambda request: source.spans())),
         Route("/api/scalars", api(lambda request: source.scalars(points(request)))),
         Route("/api/stream", stream),
+        Route("/metrics", metrics),
     ]
     return Starlette(routes=routes)
 

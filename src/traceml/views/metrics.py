@@ -1,0 +1,86 @@
+"""Prometheus: a live run's figures in the exposition format, labelled by rank, read from the
+collector's live state at each scrape (prometheus-client renders them). This is how a cluster's
+Prometheus and Grafana pick a run up: scrape `/metrics` on the dashboard's port, or on
+`traceml run --metrics-port P`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterator, List
+
+from traceml.collector.rollup import percentile
+from traceml.records import STEP_PHASES, StepRecord
+
+QUANTILES = (0.5, 0.9, 0.99)
+MEMORY_FIELDS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes", "host_rss_bytes")
+
+
+class LiveMetrics:
+    """A prometheus-client collector over the run's collector: each scrape reads its state."""
+
+    def __init__(self, collector: Any, live_state: Callable[[], Any]):
+        self.collector = collector
+        self.live_state = live_state  # the shared, rate-limited live snapshot (its findings)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        step_time = GaugeMetricFamily("traceml_step_time_ms", "Step time over the recent steps, by quantile",
+                                      labels=["rank", "quantile"])
+        phase_share = GaugeMetricFamily("traceml_phase_share", "Share of the recent steps' time in each phase",
+                                        labels=["rank", "phase"])
+        memory = GaugeMetricFamily("traceml_memory_bytes", "Memory at the latest step",
+                                   labels=["rank", "kind"])
+        steps_per_s = GaugeMetricFamily("traceml_steps_per_second", "Steps a second over the recent steps",
+                                        labels=["rank"])
+        samples_per_s = GaugeMetricFamily("traceml_samples_per_second", "Samples a second over the recent steps",
+                                          labels=["rank"])
+        tokens_per_s = GaugeMetricFamily("traceml_tokens_per_second",
+                                         "Real tokens (attention_mask) a second over the recent steps",
+                                         labels=["rank"])
+        steps_total = CounterMetricFamily("traceml_steps", "Steps recorded", labels=["rank"])
+        findings = GaugeMetricFamily("traceml_finding_active", "A live finding (1 while it holds)",
+                                     labels=["kind", "severity", "rank"])
+        for rank, recent in sorted(self.collector.recent_by_rank.items()):
+            records: List[StepRecord] = list(recent)
+            if not records:
+                continue
+            label = str(rank)
+            times = sorted(r.step_ms for r in records)
+            total_ms = sum(times)
+            for q in QUANTILES:
+                step_time.add_metric([label, str(q)], percentile(times, q))
+            for name in STEP_PHASES + ("gc",):
+                share = sum(getattr(r, f"{name}_ms") for r in records) / total_ms if total_ms else 0.0
+                phase_share.add_metric([label, name], share)
+            latest = records[-1]
+            for name in MEMORY_FIELDS:
+                value = getattr(latest, name)
+                if value is not None:
+                    memory.add_metric([label, name[:-len("_bytes")]], value)
+            steps_per_s.add_metric([label], len(records) * 1000.0 / total_ms if total_ms else 0.0)
+            samples = sum(r.samples for r in records)
+            samples_per_s.add_metric([label], samples * 1000.0 / total_ms if total_ms else 0.0)
+            tokens = sum(r.tokens if r.real_tokens is None else r.real_tokens for r in records)
+            if tokens:
+                tokens_per_s.add_metric([label], tokens * 1000.0 / total_ms if total_ms else 0.0)
+            steps_total.add_metric([label], latest.step + 1)
+        for finding in self.live_state().findings:
+            findings.add_metric([finding.kind, finding.severity,
+                                 "" if finding.rank is None else str(finding.rank)], 1.0)
+        yield from (step_time, phase_share, memory, steps_per_s, samples_per_s, tokens_per_s,
+                    steps_total, findings)
+
+
+def registry_for(collector: Any, live_state: Callable[[], Any]) -> Any:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LiveMetrics(collector, live_state))
+    return registry
+
+
+def exposition(registry: Any) -> Dict[str, Any]:
+    """The body and content type of one scrape."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return {"content": generate_latest(registry), "media_type": CONTENT_TYPE_LATEST}

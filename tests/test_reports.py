@@ -1,0 +1,177 @@
+"""After a run: compare two runs, export a trace, scrape /metrics live, traceml.summary()."""
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import SCRIPTS, TRAIN_LOOP, _env
+from test_web import get, read_url
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A slow-loader run, the same loop with its loader fixed, and the slow one again."""
+    tmp = tmp_path_factory.mktemp("compare")
+    made = {}
+    for name, load_ms in (("slow", 1.0), ("fixed", 0.0), ("slow_again", 1.0)):
+        run_dir = tmp / name
+        process = subprocess.run(
+            [sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir", str(run_dir),
+             str(TRAIN_LOOP), "--steps", "300", "--load-ms", str(load_ms), "--outside-ms", "2"],
+            capture_output=True, text=True, timeout=180, cwd=tmp, env=_env())
+        assert process.returncode == 0, process.stderr
+        made[name] = run_dir
+    return made
+
+
+def compare(a, b, *extra):
+    process = subprocess.run([sys.executable, "-m", "traceml", "compare", str(a), str(b), *extra],
+                             capture_output=True, text=True, timeout=120, env=_env())
+    assert process.returncode == 0, process.stderr
+    return process
+
+
+def test_fixing_the_loader_is_an_improvement(runs):
+    result = json.loads(compare(runs["slow"], runs["fixed"], "--json").stdout)
+    assert result["verdict"] == "IMPROVEMENT"
+    low, high = result["step"]["ci_share"]
+    assert low <= high < -0.3  # 8 samples x 1 ms of a ~10 ms step are gone
+    wait = result["phases"]["input_wait"]
+    assert wait["median_a_ms"] >= 8.0 and wait["median_b_ms"] < 1.0 and wait["ci_ms"][1] < -7.0
+    assert result["diagnosis"]["primary_a"] == "INPUT_BOUND"
+    assert "INPUT_BOUND" in result["diagnosis"]["gone"]
+    argv = next(row for row in result["environment"] if row["field"] == "argv")
+    assert argv["differs"] and "--load-ms 1.0" in argv["a"] and "--load-ms 0.0" in argv["b"]
+    batch = next(row for row in result["environment"] if row["field"] == "batch_size")
+    assert batch["a"] == batch["b"] == 8 and not batch["differs"]
+
+
+def test_a_run_against_itself_is_equivalent(runs):
+    result = json.loads(compare(runs["slow"], runs["slow"], "--json").stdout)
+    assert result["verdict"] == "EQUIVALENT", result["reason"]
+    assert result["step"]["delta_ms"] == 0.0
+    text = compare(runs["slow"], runs["slow"]).stdout
+    assert "EQUIVALENT" in text and "input wait" in text
+
+
+def test_summary_files_alone_are_inconclusive_not_guessed(runs, tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text((runs["slow"] / "final_summary.json").read_text())
+    b.write_text((runs["fixed"] / "final_summary.json").read_text())
+    result = json.loads(compare(a, b, "--json").stdout)
+    assert result["verdict"] == "INCONCLUSIVE" and "no per-step data" in result["reason"]
+    assert result["step"]["delta_ms"] < -5.0  # the medians still compare
+
+
+def test_chrome_export_nests_per_rank_and_keeps_time_order(runs, tmp_path):
+    out = tmp_path / "trace.json"
+    process = subprocess.run([sys.executable, "-m", "traceml", "export", str(runs["slow"]), "--format",
+                              "chrome", "--steps", "50:99", "--out", str(out)],
+                             capture_output=True, text=True, timeout=60, env=_env())
+    assert process.returncode == 0, process.stderr
+    assert "50 step records written" in process.stderr
+    events = json.loads(out.read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    steps = [e for e in slices if e["cat"] == "step"]
+    assert [e["args"]["step"] for e in steps] == list(range(50, 100))
+    assert {e["pid"] for e in events} == {0}
+    assert any(e["ph"] == "M" and e["name"] == "process_name" and e["args"]["name"] == "rank 0" for e in events)
+    by_track = {}
+    for event in slices:
+        by_track.setdefault((event["pid"], event["tid"]), []).append(event)
+    for track in by_track.values():
+        track.sort(key=lambda e: (e["ts"], -e["dur"]))
+        open_ends = []
+        for event in track:  # proper nesting: a slice ends inside every slice it starts in
+            while open_ends and open_ends[-1] <= event["ts"]:
+                open_ends.pop()
+            assert not open_ends or event["ts"] + event["dur"] <= open_ends[-1], event
+            open_ends.append(event["ts"] + event["dur"])
+    starts = [e["ts"] for e in steps]
+    assert starts == sorted(starts) and starts[0] == 0
+    phases = [e for e in slices if e["cat"] == "phase"]
+    assert {"forward", "backward", "optimizer", "input_wait", "outside"} <= {e["name"] for e in phases}
+    counters = [e for e in events if e["ph"] == "C"]
+    assert len(counters) == 50 and all(e["args"]["host_rss"] > 10 for e in counters)
+
+
+def test_jsonl_and_csv_exports(runs, tmp_path):
+    for fmt in ("jsonl", "csv"):
+        process = subprocess.run([sys.executable, "-m", "traceml", "export", str(runs["fixed"]), "--format",
+                                  fmt, "--out", "-"], capture_output=True, text=True, timeout=60, env=_env())
+        assert process.returncode == 0, process.stderr
+        lines = process.stdout.splitlines()
+        if fmt == "jsonl":
+            records = [json.loads(line) for line in lines]
+            assert len(records) == 300 and records[0]["type"] == "step" and records[-1]["step"] == 299
+        else:
+            assert lines[0].startswith("rank,step,start_unix_s,step_ms,") and len(lines) == 301
+    bad = subprocess.run([sys.executable, "-m", "traceml", "export", str(runs["fixed"]), "--format", "csv",
+                          "--steps", "9:3"], capture_output=True, text=True, timeout=60, env=_env())
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "empty" in bad.stderr
+
+
+def test_metrics_are_scraped_from_a_live_run(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "traceml", "run", "--mode", "dashboard", "--port", "0", "--run-dir",
+         str(tmp_path / "run"), str(TRAIN_LOOP), "--steps", "400", "--load-ms", "1.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=_env())
+    try:
+        base, _ = read_url(process)
+        deadline = time.monotonic() + 60
+        while get(base, "/api/overview")["steps_seen"] < 40 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        with urllib.request.urlopen(base + "metrics", timeout=10) as response:
+            assert response.headers["content-type"].startswith("text/plain")
+            text = response.read().decode()
+        process.communicate(timeout=120)
+    finally:
+        process.kill()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    median = samples[("traceml_step_time_ms", (("quantile", "0.5"), ("rank", "0")))]
+    p90 = samples[("traceml_step_time_ms", (("quantile", "0.9"), ("rank", "0")))]
+    assert 12.0 <= median <= p90  # 8 samples x 1.5 ms of loading, at least
+    share = samples[("traceml_phase_share", (("phase", "input_wait"), ("rank", "0")))]
+    assert 0.5 < share < 1.0
+    assert samples[("traceml_steps_total", (("rank", "0"),))] >= 40
+    assert samples[("traceml_memory_bytes", (("kind", "host_rss"), ("rank", "0")))] > 2 ** 20
+    assert samples[("traceml_samples_per_second", (("rank", "0"),))] > 0
+    assert samples[("traceml_finding_active", (("kind", "INPUT_BOUND"), ("rank", ""), ("severity", "crit")))] == 1.0
+
+
+def test_summary_in_the_training_process_is_flat(plain_run):
+    run = plain_run("--steps", 60, "--load-ms", 1, "--print-summary", script=SCRIPTS / "train_loop.py")
+    assert run.returncode == 0, run.stderr
+    line = next(line for line in run.stdout.splitlines() if line.startswith("SUMMARY "))
+    flat = json.loads(line[len("SUMMARY "):])
+    assert flat["traceml/steps"] >= 58  # all but the step still open when it was asked
+    assert flat["traceml/diagnosis/primary"] == "INPUT_BOUND"
+    assert 0.5 < flat["traceml/phase/input_wait/share"] < 1.0
+    assert flat["traceml/step/median_ms"] >= 8.0
+    assert all(isinstance(value, (int, float, str, type(None))) for value in flat.values())
+    card = run.summary()
+    assert flat["traceml/phase/input_wait/share"] == pytest.approx(card["phases"]["input_wait"]["share"], abs=0.05)
+
+
+def test_tokens_per_second_counts_real_tokens_and_padding(traceml_run):
+    run = traceml_run("--steps", 40, script=SCRIPTS / "token_loop.py")
+    assert run.returncode == 0, run.stderr
+    real = sum(8 + (3 * row) % 24 for row in range(8))  # 8 rows of 32 ids, the rest padding
+    assert f"real tokens a step {real} of 256" in run.stdout
+    rows = run.step_rows()
+    assert all(row["tokens"] == 256 and row["real_tokens"] == real for row in rows)
+    summary = run.summary()
+    throughput = summary["throughput"]
+    assert throughput["padding_share"] == pytest.approx(1 - real / 256, abs=1e-4)
+    measured = rows[summary["steps"]["warmup_excluded"]:]
+    expected = real * len(measured) / (sum(row["step_ms"] for row in measured) / 1000)
+    assert throughput["tokens_per_s"] == pytest.approx(expected, rel=1e-3)
+    assert f"{throughput['tokens_per_s']:,.0f} tokens/s ({1 - real / 256:.0%} padding)" in run.stdout
