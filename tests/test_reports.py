@@ -175,3 +175,22 @@ def test_tokens_per_second_counts_real_tokens_and_padding(traceml_run):
     expected = real * len(measured) / (sum(row["step_ms"] for row in measured) / 1000)
     assert throughput["tokens_per_s"] == pytest.approx(expected, rel=1e-3)
     assert f"{throughput['tokens_per_s']:,.0f} tokens/s ({1 - real / 256:.0%} padding)" in run.stdout
+
+
+def test_report_html_holds_every_chart_of_a_ddp_deep_dive_run(traceml_run):
+    run = traceml_run("--steps", 40, "--slow-rank", 1, "--load-ms", 1, script=SCRIPTS / "ddp_loop.py",
+                      traceml_args=("--nproc-per-node", "2", "--deep"))
+    assert run.returncode == 0, run.stderr
+    html = (run.run_dir / "report.html").read_text()
+    summary = run.summary()
+    for chart in ("phase-bar", "step-chart", "memory-chart", "rank-chart"):
+        assert f"<svg id='{chart}'" in html, chart
+    assert "<table id='rank-table'>" in html and "<table id='layer-table'>" in html
+    assert html.count("<polyline") >= 3  # step time (median and slowest rank) and host RSS
+    assert "node RAM: " in html and "far above" in html  # named, not drawn: it would flatten RSS
+    primary = summary["primary_diagnosis"]
+    assert f"data-kind='{primary['kind']}'" in html and "<div class='evidence'>" in html
+    assert f"rank {primary['rank']}" in html  # INPUT_STRAGGLER names the rank
+    first_layer = next(row for row in summary["layers"] if row["leaf"])
+    assert f"<td>{first_layer['name']} ({first_layer['type']})</td>" in html
+    assert "src=" not in html and "http" not in html  # self-contained
