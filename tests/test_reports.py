@@ -194,3 +194,28 @@ def test_report_html_holds_every_chart_of_a_ddp_deep_dive_run(traceml_run):
     first_layer = next(row for row in summary["layers"] if row["leaf"])
     assert f"<td>{first_layer['name']} ({first_layer['type']})</td>" in html
     assert "src=" not in html and "http" not in html  # self-contained
+
+
+def test_flops_per_step_are_counted_once_under_deep_dive(traceml_run):
+    run = traceml_run("--steps", 40, traceml_args=("--deep",))
+    assert run.returncode == 0, run.stderr
+    throughput = run.summary()["throughput"]
+    # Linear 32->64, 64->64, 64->10 on 8 samples: forward 2*B*in*out each; backward twice that,
+    # but for the first layer, whose input needs no gradient.
+    batch, layers = 8, [(32, 64), (64, 64), (64, 10)]
+    expected = sum(2 * batch * fan_in * fan_out * (2 if index == 0 else 3)
+                   for index, (fan_in, fan_out) in enumerate(layers))
+    assert throughput["flops_per_step"] == expected
+    assert throughput["achieved_tflops"] == pytest.approx(expected * throughput["steps_per_s"] / 1e12, abs=1e-4)
+    assert throughput["mfu"] is None  # a CPU's peak is not known: no made-up MFU
+    assert "GFLOP/s (device peak unknown: no MFU)" in run.stdout
+
+
+def test_device_peaks_for_mfu():
+    from traceml.views.summary import device_peak_tflops
+
+    assert device_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert device_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert device_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert device_peak_tflops("NVIDIA L4") == 121.0 and device_peak_tflops("NVIDIA L40S") == 362.0
+    assert device_peak_tflops("cpu") is None

@@ -130,6 +130,7 @@ class LayerReport(msgspec.Struct, tag="layers", array_like=True):
     forward_coverage: float  # leaf modules' share of the model's forward time
     backward_coverage: float
     layers: List[LayerStat]
+    flops_per_step: Optional[int] = None  # one whole step's, by torch's FlopCounterMode (once)
 
 
 class GpuSample(msgspec.Struct):

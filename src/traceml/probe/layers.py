@@ -62,6 +62,11 @@ class LayerProbe:
         self._watched_step = 0  # the sampled step they come from
         self.alive: Dict[str, int] = {}
         self._device_spans: List[Tuple[str, int, Any, Any]] = []  # CUDA: (name, slot, begin, end)
+        # FLOPs of one whole step, counted once by torch's FlopCounterMode (it slows the step it
+        # watches): on the step after the first sampled one, so no layer timing sees it.
+        self.flops_per_step: Optional[int] = None
+        self._flop_step = self.every_n_steps + 1
+        self._flop_counter: Any = None
 
     # -- the step, called by the probe ------------------------------------------------------
     def begin_step(self, step_index: int) -> None:
@@ -70,6 +75,8 @@ class LayerProbe:
         if step_index >= self._watched_step + 2:
             self._check_alive()
         self._resolve_device_spans()
+        if step_index == self._flop_step and self.flops_per_step is None:
+            self._count_flops()
         if step_index % self.every_n_steps or step_index == 0:
             return
         self._check_alive()  # an earlier sampled step's, if not checked yet
@@ -80,6 +87,13 @@ class LayerProbe:
         self.active = True
 
     def end_step(self) -> None:
+        if self._flop_counter is not None:
+            counter, self._flop_counter = self._flop_counter, None
+            try:
+                counter.__exit__(None, None, None)
+                self.flops_per_step = int(counter.get_total_flops())
+            except Exception:
+                log.debug("traceml: FLOPs not counted", exc_info=True)
         if not self.active:
             return
         for handle in self._handles:
@@ -91,6 +105,17 @@ class LayerProbe:
         self.sampled_steps += 1
         if self.sampled_steps % REPORT_EVERY_SAMPLES == 0:
             self.report()
+
+    def _count_flops(self) -> None:
+        try:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            counter = FlopCounterMode(display=False)
+            counter.__enter__()
+            self._flop_counter = counter
+        except Exception:  # an old torch, or a mode already active: no MFU, nothing else lost
+            log.debug("traceml: FLOPs not counted", exc_info=True)
+            self.flops_per_step = 0
 
     def saved_tensors_context(self) -> Any:
         """The context the model's forward runs in on a sampled step (see TimedForward)."""
@@ -226,7 +251,7 @@ class LayerProbe:
             rank=self.probe.rank, sampled_steps=self.sampled_steps, every_n_steps=self.every_n_steps,
             forward_coverage=min(1.0, leaf_forward / root[FORWARD_NS]) if root[FORWARD_NS] else 0.0,
             backward_coverage=min(1.0, leaf_backward / root[BACKWARD_NS]) if root[BACKWARD_NS] else 0.0,
-            layers=layers))
+            layers=layers, flops_per_step=self.flops_per_step or None))
 
 
 def _unpack(tensor: Any) -> Any:

@@ -37,6 +37,8 @@ class LiveMetrics:
         tokens_per_s = GaugeMetricFamily("traceml_tokens_per_second",
                                          "Real tokens (attention_mask) a second over the recent steps",
                                          labels=["rank"])
+        mfu = GaugeMetricFamily("traceml_mfu", "Model FLOPs utilization (deep-dive FLOPs a step, "
+                                "known device peak)", labels=["rank"])
         steps_total = CounterMetricFamily("traceml_steps", "Steps recorded", labels=["rank"])
         findings = GaugeMetricFamily("traceml_finding_active", "A live finding (1 while it holds)",
                                      labels=["kind", "severity", "rank"])
@@ -64,11 +66,24 @@ class LiveMetrics:
             if tokens:
                 tokens_per_s.add_metric([label], tokens * 1000.0 / total_ms if total_ms else 0.0)
             steps_total.add_metric([label], latest.step + 1)
+            utilization = self._mfu(rank, len(records) * 1000.0 / total_ms if total_ms else 0.0)
+            if utilization is not None:
+                mfu.add_metric([label], utilization)
         for finding in self.live_state().findings:
             findings.add_metric([finding.kind, finding.severity,
                                  "" if finding.rank is None else str(finding.rank)], 1.0)
-        yield from (step_time, phase_share, memory, steps_per_s, samples_per_s, tokens_per_s,
+        yield from (step_time, phase_share, memory, steps_per_s, samples_per_s, tokens_per_s, mfu,
                     steps_total, findings)
+
+    def _mfu(self, rank: int, steps_per_s: float) -> Any:
+        """The deep-dive's FLOPs a step at this rank's pace, against its device's known peak."""
+        from traceml.views.summary import device_peak_tflops
+
+        report, hello = self.collector.latest_layers, self.collector.hellos.get(rank)
+        if report is None or not report.flops_per_step or hello is None or hello.device == "cpu":
+            return None
+        peak = device_peak_tflops(hello.device_name)
+        return report.flops_per_step * steps_per_s / (peak * 1e12) if peak else None
 
 
 def registry_for(collector: Any, live_state: Callable[[], Any]) -> Any:

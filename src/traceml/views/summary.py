@@ -131,6 +131,7 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
             "samples_per_step": statistics.median(s.samples for s in window.steps) if len(window) else None,
             "tokens_per_s": window.tokens_per_s,  # real tokens (attention_mask), summed over ranks
             "padding_share": window.padding_share,
+            **_model_flops(data),
         },
         "memory": _memory(data),
         "system": _system(data.samples),
@@ -177,6 +178,29 @@ def flat_summary(records: List[Any]) -> Dict[str, Any]:
     for finding in findings:
         flat[f"traceml/finding/{finding.kind}"] = finding.severity
     return flat
+
+
+# Dense bf16/fp16 tensor-core peaks, TFLOP/s, by a part of the device name (first match wins).
+PEAK_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0),
+               ("L40S", 362.0), ("L4", 121.0), ("V100", 125.0), ("T4", 65.0))
+
+
+def device_peak_tflops(device_name: str) -> Optional[float]:
+    return next((peak for part, peak in PEAK_TFLOPS if part in device_name), None)
+
+
+def _model_flops(data: RunData) -> Dict[str, Any]:
+    """Under deep-dive: FLOPs of a step (rank 0's, counted once), what the device achieves, and
+    MFU where the device's peak is known (not for CPUs)."""
+    report = data.layer_report
+    flops = report.flops_per_step if report is not None else None
+    if not flops:
+        return {"flops_per_step": None, "achieved_tflops": None, "mfu": None}
+    achieved = flops * data.window.steps_per_s / 1e12
+    names = [h.device_name for h in data.hellos if h.device != "cpu"]
+    peak = device_peak_tflops(names[0]) if names else None
+    return {"flops_per_step": flops, "achieved_tflops": achieved,
+            "mfu": achieved / peak if peak else None, "device_peak_tflops": peak}
 
 
 def _steps_found_by(data: RunData) -> Optional[str]:
@@ -293,7 +317,7 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     facts.add_row("Steps", f"{steps['count']} ({steps['warmup_excluded']} warm-up excluded{found_by})  ·  "
                            f"{throughput['steps_per_s']:.2f} steps/s  ·  "
                            + (f"{samples_per_s:,.1f} samples/s" if samples_per_s else "samples/s n/a")
-                           + _tokens_text(throughput))
+                           + _tokens_text(throughput) + _flops_text(throughput))
     step = phases["step"]
     facts.add_row("Step time", f"median {step['median_ms']:.1f} ms  ·  p90 {step['p90_ms']:.1f} ms")
     facts.add_row("System", _system_line(system))
@@ -393,6 +417,14 @@ def _tokens_text(throughput: Dict[str, Any]) -> str:
         return ""
     padding = throughput.get("padding_share")
     return f"  ·  {tokens_per_s:,.0f} tokens/s" + (f" ({padding:.0%} padding)" if padding is not None else "")
+
+
+def _flops_text(throughput: Dict[str, Any]) -> str:
+    if not throughput.get("achieved_tflops"):
+        return ""
+    mfu = throughput.get("mfu")
+    return (f"  ·  {throughput['achieved_tflops'] * 1000:,.2f} GFLOP/s"
+            + (f", MFU {mfu:.1%}" if mfu is not None else " (device peak unknown: no MFU)"))
 
 
 def _system_line(system: Dict[str, Any]) -> str:
