@@ -272,6 +272,11 @@ def run_command(args: argparse.Namespace) -> int:
             web.stop()
         return _fail(f"cannot start {launch.script}: {exc}")
     child_pids.add(child.pid)
+    rundir.update_run_json(writable_dir, {
+        "status": "running", "collector": address, "script": os.fspath(launch.script),
+        "argv": [os.fspath(launch.script), *launch.script_args], "started_at": rundir.iso_time(started),
+        "pids": {"launcher": os.getpid(), "script": child.pid},
+        "dashboard": web.url if web is not None else None})
     sampler.start()
     if output_fd is not None:
         exit_code = _wait_with_dashboard(child, output_fd, collector, launch.script.name)
@@ -288,6 +293,9 @@ def run_command(args: argparse.Namespace) -> int:
     facts = RunFacts(script=launch.script.name, argv=[os.fspath(launch.script), *launch.script_args],
                      exit_code=exit_code, started_at_unix_s=started, ended_at_unix_s=ended)
     summary = finish_run(store, writable_dir, facts)
+    rundir.update_run_json(writable_dir, {
+        "status": "finished", "exit_code": exit_code, "ended_at": rundir.iso_time(ended),
+        "rank_pids": sorted(collector.training_pids)})
     if metrics_server is not None:
         metrics_server.shutdown()
     if web is not None:
@@ -534,18 +542,24 @@ def export_command(args: argparse.Namespace) -> int:
 
 # -- python train.py: the collector process rank 0 starts -------------------------------------
 def spawn_collector_process(hello: Any, host: str, port: int, web_port: Optional[int] = None,
-                            run_name: Optional[str] = None) -> Tuple[subprocess.Popen, str]:
-    """Start `python -m traceml _collect` for this run and return it with its address; with
-    web_port, it serves the web dashboard too (the Trace API), never in the training process."""
+                            run_name: Optional[str] = None) -> Tuple[subprocess.Popen, str, Path]:
+    """Start `python -m traceml _collect` for this run and return it with its address and the
+    run dir it keeps; with web_port, it serves the web dashboard too (the Trace API), never in
+    the training process."""
+    from traceml import rundir
+
     read_fd, write_fd = os.pipe()
     script = run_name or (hello.argv[0] if hello.argv else "python")
+    # Chosen here, so that rank 0 knows where its run goes even if the collector dies.
+    run_dir = Path(os.environ.get(ENV_RUN_DIR) or rundir.default_run_dir(script))
+    env = {**os.environ, ENV_RUN_DIR: os.fspath(run_dir)}
     command = [sys.executable, "-m", "traceml", "_collect", "--ready-fd", str(write_fd),
                "--parent-pid", str(os.getpid()), "--script", script, "--host", host,
                "--port", str(port)]
     if web_port is not None:
         command += ["--web-port", str(web_port)]
     try:
-        process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, env=env)
     finally:
         os.close(write_fd)
     with os.fdopen(read_fd, "rb") as ready:
@@ -554,7 +568,7 @@ def spawn_collector_process(hello: Any, host: str, port: int, web_port: Optional
     if not line or line.startswith("error:"):
         process.kill()
         raise RuntimeError(line[len("error:"):].strip() or "the collector did not start")
-    return process, line
+    return process, line, run_dir
 
 
 def collect_command(args: argparse.Namespace) -> int:
@@ -586,20 +600,33 @@ def collect_command(args: argparse.Namespace) -> int:
         os.close(args.ready_fd)
     sampler = SystemSampler(collector.ingest, lambda: collector.training_pids)
     sampler.start()
+    started = time.time()
+    rundir.update_run_json(writable_dir, {
+        "status": "running", "collector": address, "script": args.script,
+        "started_at": rundir.iso_time(started),
+        "pids": {"collector": os.getpid(), "rank0": args.parent_pid}})
     web = None
     if args.web_port is not None:
         from traceml.views.web.app import PortInUse, RunSource, serve_run
 
         try:
             web = serve_run(RunSource.of_live_run(writable_dir, store, collector,
-                                                  Path(args.script).name, time.time()),
+                                                  Path(args.script).name, started),
                             args.web_host, args.web_port, _say)
         except (PortInUse, OSError) as exc:  # the run goes on, with the card at its end
             _say(f"traceml: no web dashboard: {exc}")
+    # SIGTERM to the whole group (a job's time limit, a kill of the process group) reaches us
+    # too: the ranks flush on theirs, we keep the run and summarize it, then go.
+    import threading
+
+    stop_asked = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop_asked.set())
     parent_gone = lambda: not _alive(args.parent_pid)  # noqa: E731
-    while not collector.wait_for_ranks(timeout_s=3600.0, until=parent_gone):
-        if parent_gone():
-            # Rank 0 is gone without waiting for us: give the other ranks a moment to finish.
+    give_up = lambda: parent_gone() or stop_asked.is_set()  # noqa: E731
+    while not collector.wait_for_ranks(timeout_s=3600.0, until=give_up):
+        if give_up():
+            # Rank 0 is gone without waiting for us, or we are told to stop: give the ranks
+            # a moment to send their last records.
             collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S)
             break
     sampler.stop()
@@ -608,6 +635,9 @@ def collect_command(args: argparse.Namespace) -> int:
 
     facts = RunFacts.from_store(store, script=args.script)
     summary = finish_run(store, writable_dir, facts)
+    rundir.update_run_json(writable_dir, {
+        "status": "finished", "exit_code": facts.exit_code, "ended_at": rundir.iso_time(time.time()),
+        "rank_pids": sorted(collector.training_pids)})
     if web is not None:
         _close_dashboard(web, summary, writable_dir)
     return 0
@@ -632,14 +662,21 @@ def finish_run(store: Any, run_dir: Optional[Path], facts: Any) -> Optional[dict
 
     try:
         data = RunData(store)
-        store.write_findings(data.findings)
         summary = build_summary(data, facts)
-        store.set_meta({"run": summary["run"], "steps": summary["steps"]})
-        store.close()
     except Exception as exc:
         print(f"traceml: could not summarize the run: {exc}", file=sys.stderr)
         log.debug("summary failed", exc_info=True)
         return None
+    try:  # the findings and facts also go in the store, where there is room for them
+        store.write_findings(data.findings)
+        store.set_meta({"run": summary["run"], "steps": summary["steps"]})
+        store.close()
+    except Exception as exc:  # a full disk was already reported by the collector
+        log.debug("could not save the summary in the store: %s", exc)
+        try:
+            store.close()
+        except Exception:
+            pass
     try:
         sys.stdout.flush()
         print_card(summary)

@@ -231,5 +231,6 @@ def parse_header(header: bytes) -> int:
 def decode_payload(payload: bytes) -> List[Record]:
     try:
         return _decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, ValueError,
+            OverflowError, RecursionError) as exc:  # a string that is not UTF-8 included
         raise FrameError(f"malformed payload: {exc}") from None

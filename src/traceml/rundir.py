@@ -1,6 +1,7 @@
 """The run directory: where a run's files go, created without ever overwriting an earlier run."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ STORE_NAME = "telemetry.sqlite"
 SUMMARY_JSON = "final_summary.json"
 SUMMARY_TXT = "final_summary.txt"
 REPORT_HTML = "report.html"
+RUN_JSON = "run.json"
 
 
 class RunDirError(Exception):
@@ -51,3 +53,30 @@ def prepare(run_dir: Path) -> Tuple[Optional[Path], Optional[str]]:
 
 def store_path(run_dir: Optional[Path]) -> str:
     return os.fspath(run_dir / STORE_NAME) if run_dir is not None else ":memory:"
+
+
+def update_run_json(run_dir: Optional[Path], values: dict) -> None:
+    """Merge values into the run's run.json (where its collector listens, its pids, its start;
+    at the end its exit code and end). Written whole to a temporary file and renamed, so a
+    reader never sees half of it. A run dir that cannot be written has none."""
+    if run_dir is None:
+        return
+    path = run_dir / RUN_JSON
+    try:
+        current = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        current = {}
+    current.update(values)
+    partial = path.with_suffix(".json.partial")
+    try:
+        partial.write_text(json.dumps(current, indent=2) + "\n")
+        os.replace(partial, path)
+    except OSError:
+        pass
+
+
+def iso_time(unix_s: float) -> str:
+    """A moment as run.json and final_summary.json write it: ISO 8601, UTC, to the second."""
+    import datetime
+
+    return datetime.datetime.fromtimestamp(unix_s, tz=datetime.timezone.utc).isoformat(timespec="seconds")

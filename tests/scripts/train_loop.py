@@ -22,6 +22,7 @@ def main():
     parser.add_argument("--load-ms", type=float, default=0.0, help="per-sample sleep in the Dataset")
     parser.add_argument("--no-loader", action="store_true", help="batches built by hand, no DataLoader")
     parser.add_argument("--outside-ms", type=float, default=0.0, help="sleep between steps")
+    parser.add_argument("--close-stdout-at", type=int, default=-1, help="the script closes its stdout")
     parser.add_argument("--crash-at", type=int, default=-1, help="raise inside this step")
     parser.add_argument("--exit-code", type=int, default=0)
     parser.add_argument("--timestamps", help="write the loop's own step start times here")
@@ -53,6 +54,9 @@ def main():
     starts = []
     for step, (inputs, targets) in enumerate(batches):
         starts.append(time.perf_counter())
+        if step == args.close_stdout_at:
+            print("closing stdout", flush=True)
+            sys.stdout.close()
         with traceml.trace_step(model):
             if args.device != "cpu":
                 inputs = inputs.to(args.device, non_blocking=True)
@@ -73,7 +77,8 @@ def main():
                            f"checkpoint-{step % 2}.pt")
         if args.outside_ms:
             time.sleep(args.outside_ms / 1000.0)
-    print(f"trained {len(starts)} steps", flush=True)
+    if not sys.stdout.closed:
+        print(f"trained {len(starts)} steps", flush=True)
     if args.print_summary:  # traceml.summary(), as a user logs it to a tracker
         print("SUMMARY " + json.dumps(traceml.summary()), flush=True)
     del kept, heap  # alive until here on purpose: the leak, and the objects gc walks

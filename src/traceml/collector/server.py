@@ -23,13 +23,23 @@ from traceml.records import (HEADER_BYTES, FrameError, LayerReport, RankEnd, Ran
 log = logging.getLogger("traceml")
 COMMIT_INTERVAL_S = 0.5
 RECENT_STEPS = 512  # per rank, for the live views
+# A connection must greet within HELLO_TIMEOUT_S, send each frame's rest within FRAME_TIMEOUT_S
+# of its header, and say something at least every IDLE_TIMEOUT_S (ranks send a heartbeat
+# every HEARTBEAT_S when they have nothing else: a model compiling for minutes is not dead).
+HELLO_TIMEOUT_S = 10.0
+FRAME_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 120.0
 
 
 class Collector:
     """Receives every rank's records for one run and keeps them in the store."""
 
-    def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, token: str = ""):
+    def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, token: str = "",
+                 hello_timeout_s: float = HELLO_TIMEOUT_S, frame_timeout_s: float = FRAME_TIMEOUT_S,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S):
         self.store = store
+        self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
+        self.idle_timeout_s = idle_timeout_s
         self.host = host
         self.port = port
         self._token = token  # when set, a connection's hello must carry it
@@ -49,6 +59,8 @@ class Collector:
         self.connections_seen = 0
         self.connections_open = 0
         self.frames_rejected = 0
+        self.records_unstored = 0  # lost to a failing store (a full disk)
+        self._said_store_failed = False
         self._last_change = time.monotonic()  # of connections opening or closing
         self._changed = threading.Condition()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -96,7 +108,7 @@ class Collector:
 
     def ingest(self, records: List[Any]) -> None:
         """Add records produced outside the sockets (the system sampler); the store locks."""
-        self.store.write(records)
+        self._store(records)
         self._observe(records)
 
     def _observe(self, records: List[Any]) -> None:
@@ -138,7 +150,10 @@ class Collector:
                 self._changed.wait(min(remaining, 0.2))
 
     def stop(self) -> None:
-        self.store.set_meta({"lost_ranks": sorted(self.lost_ranks)})
+        try:
+            self.store.set_meta({"lost_ranks": sorted(self.lost_ranks)})
+        except Exception as exc:
+            self._store_failed(exc)
         loop = self._loop
         if loop is not None and loop.is_running():
             async def shutdown() -> None:
@@ -149,22 +164,29 @@ class Collector:
             asyncio.run_coroutine_threadsafe(shutdown(), loop)
             if self._thread is not None:
                 self._thread.join(timeout=5)
-        self.store.commit()
+        try:
+            self.store.commit()
+        except Exception as exc:
+            self._store_failed(exc)
 
     # -- on the loop ------------------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._count_connection(+1)
         peer = writer.get_extra_info("peername")
-        greeted = False
+        greeted = mid_frame = False
         rank: Optional[int] = None
         said_goodbye = False
         try:
             while True:
                 try:
-                    header = await reader.readexactly(HEADER_BYTES)
+                    header = await asyncio.wait_for(reader.readexactly(HEADER_BYTES), (
+                        self.idle_timeout_s if greeted else self.hello_timeout_s))
                 except asyncio.IncompleteReadError:
                     return  # a clean goodbye, or a rank that died: either way its data is kept
-                payload = await reader.readexactly(parse_header(header))
+                mid_frame = True
+                payload = await asyncio.wait_for(reader.readexactly(parse_header(header)),
+                                                 self.frame_timeout_s)
+                mid_frame = False
                 records = decode_payload(payload)
                 if not greeted:
                     if not records or type(records[0]) is not RankHello:
@@ -182,23 +204,42 @@ class Collector:
                         rank = record.rank
                     elif type(record) is RankEnd:
                         said_goodbye = True
-                try:
-                    self.store.write(records)
-                except Exception as exc:  # a full disk loses these records, not the run
-                    log.warning("traceml: could not store %d records: %s", len(records), exc)
+                self._store(records)
                 self._observe(records)
                 self.records_ingested += len(records)
         except (FrameError, asyncio.IncompleteReadError) as exc:
             self.frames_rejected += 1
             log.warning("traceml: closed connection from %s: %s", peer, exc)
+        except asyncio.TimeoutError:
+            self.frames_rejected += 1
+            log.warning("traceml: closed connection from %s: %s", peer,
+                        "a frame stalled half-sent" if mid_frame else
+                        "idle for too long" if greeted else "no hello in time")
         except (ConnectionError, OSError) as exc:
             log.debug("traceml: connection from %s ended: %s", peer, exc)
+        except Exception as exc:  # anything else a peer provokes ends its connection, no more
+            self.frames_rejected += 1
+            log.warning("traceml: closed connection from %s: %s: %s", peer, type(exc).__name__, exc)
         finally:
             writer.close()
             with self._changed:
                 if rank is not None and not said_goodbye and self.connections_open > 1:
                     self.lost_ranks.add(rank)
             self._count_connection(-1)
+
+    def _store(self, records: List[Any]) -> None:
+        """Write records; a full disk loses them (counted, said once), never the run."""
+        try:
+            self.store.write(records)
+        except Exception as exc:
+            self.records_unstored += len(records)
+            self._store_failed(exc)
+
+    def _store_failed(self, exc: Exception) -> None:
+        if not self._said_store_failed:
+            self._said_store_failed = True
+            log.warning("traceml: could not store telemetry (%s); the run goes on, and what was "
+                        "stored before is kept", exc)
 
     def _greet(self, hello: RankHello) -> None:
         with self._changed:
@@ -222,5 +263,5 @@ class Collector:
             await asyncio.sleep(COMMIT_INTERVAL_S)
             try:
                 self.store.commit()
-            except Exception:
-                log.warning("traceml: could not commit telemetry", exc_info=True)
+            except Exception as exc:  # a full disk: said once, the next commits try again
+                self._store_failed(exc)

@@ -127,14 +127,20 @@ class Store:
                                  [(key, json.dumps(value)) for key, value in values.items()])
 
     def commit(self) -> None:
+        """Make what was written durable. A failed commit (a full disk) may roll the open
+        transaction back or keep it: either way, writing carries on in a transaction."""
         with self._lock:
-            self._db.execute("COMMIT")
-            self._db.execute("BEGIN")
+            try:
+                if self._db.in_transaction:
+                    self._db.execute("COMMIT")
+            finally:
+                if not self._db.in_transaction:
+                    self._db.execute("BEGIN")
 
     def close(self) -> None:
         with self._lock:
             try:
-                if not self.readonly:
+                if not self.readonly and self._db.in_transaction:
                     self._db.execute("COMMIT")
             finally:
                 self._db.close()

@@ -397,13 +397,16 @@ def _flush_on_sigterm(probe: StepProbe) -> None:
         return  # the script handles SIGTERM itself: its handler, its exit, our atexit
 
     def on_sigterm(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # A second SIGTERM (sent to the group, and forwarded by `traceml run`) must not cut the
+        # flush short: ignored until it is done.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             probe.exit_code = 128 + signum
             probe.finish()
             probe.sender.close(exit_code=probe.exit_code, timeout_s=2.0)
         except Exception:
             pass
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_sigterm)

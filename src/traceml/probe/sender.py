@@ -8,6 +8,7 @@ wait in the buffer (which drops when full); at exit what could not be sent is co
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import socket
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Deque, List, Optional
 
 from traceml import rendezvous
@@ -30,6 +32,7 @@ RECENT_STEPS_KEPT = 8192
 CONNECT_TIMEOUT_S = 2.0
 SEND_TIMEOUT_S = 5.0
 RECONNECT_BACKOFF_S = 1.0
+HEARTBEAT_S = 20.0  # an empty frame when nothing else went out: the collector drops idle peers
 QUIET_CONNECT_S = 15.0  # other ranks may start before rank 0's collector: no warning before this
 
 
@@ -56,6 +59,11 @@ class Sender:
         self._socket: Optional[socket.socket] = None
         self._next_connect_at = 0.0
         self._said_unreachable = False
+        self._last_sent_at = time.monotonic()
+        self.lost_collector = False  # a connection broke: at exit, this rank keeps its own summary
+        # Where the run's files go, when this process knows (traceml run says; rank 0 chooses).
+        env_run_dir = os.environ.get("TRACEML_RUN_DIR")
+        self.run_dir: Optional[Path] = Path(env_run_dir) if env_run_dir else None
         self._collector_process: Optional[subprocess.Popen] = None
         # Rank 0 under the Trace API: the collector it starts serves the web page on web_port,
         # and names the run directory after run_name.
@@ -116,6 +124,10 @@ class Sender:
                     or time.monotonic() >= deadline):
                 break
             time.sleep(0.1)
+        if self._buffer and self._address is not None:
+            self.lost_collector = True
+        if self.lost_collector:
+            self._keep_local_summary(exit_code)
         if self._buffer:
             self.records_dropped += _drain_count(self._buffer)
         if self._socket is not None:
@@ -166,6 +178,9 @@ class Sender:
 
     def _flush(self) -> None:
         sock = self._connection()  # connecting sends the hello, even with nothing buffered yet
+        if sock is not None and not self._buffer and time.monotonic() - self._last_sent_at > HEARTBEAT_S:
+            self._send(sock, [])
+            return
         if not self._buffer or sock is None:
             return  # unreachable: records wait in the bounded buffer, which drops when full
         while self._buffer:
@@ -181,13 +196,19 @@ class Sender:
                     record.records_dropped = self.records_dropped + (
                         self.timeline.dropped_steps if self.timeline is not None else 0)
                 batch.append(record)
-            try:
-                sock.sendall(encode_frame(batch))
-                self.records_sent += len(batch)
-            except OSError as exc:
+            if not self._send(sock, batch):
                 self.records_dropped += len(batch) + _drain_count(self._buffer)
-                self._lost_connection(exc)
                 return
+
+    def _send(self, sock: socket.socket, batch: List[Record]) -> bool:
+        try:
+            sock.sendall(encode_frame(batch))
+        except OSError as exc:
+            self._lost_connection(exc)
+            return False
+        self.records_sent += len(batch)
+        self._last_sent_at = time.monotonic()
+        return True
 
     def _connection(self) -> Optional[socket.socket]:
         if self._socket is not None:
@@ -207,6 +228,7 @@ class Sender:
             sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
             sock.settimeout(SEND_TIMEOUT_S)
             sock.sendall(encode_frame([self.hello]))
+            self._last_sent_at = time.monotonic()
         except (OSError, ValueError) as exc:
             if not self._said_unreachable and now - self._first_connect_at >= QUIET_CONNECT_S:
                 log.warning("traceml: collector %s unreachable (%s); telemetry is dropped until it is",
@@ -214,9 +236,31 @@ class Sender:
                 self._said_unreachable = True
             return None
         self._socket = sock
+        self.lost_collector = False  # reached again: the collector keeps the run after all
         return sock
 
+    def _keep_local_summary(self, exit_code: Optional[int]) -> None:
+        """The collector is gone: write this rank's own summary beside the run (or in the
+        current directory), so the run is not lost with it. One line says where."""
+        try:
+            from traceml import rundir
+            from traceml.views.summary import flat_summary
+
+            folder = self.run_dir or Path(rundir.RUNS_ROOT)
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"rank{self.hello.rank}-local-summary.json"
+            summary = {"rank": self.hello.rank, "exit_code": exit_code, "argv": self.hello.argv,
+                       "reason": "the collector was lost during the run",
+                       "records_sent": self.records_sent, "records_dropped": self.records_dropped,
+                       **flat_summary(self.local_steps())}
+            path.write_text(json.dumps(summary, indent=2) + "\n")
+            print(f"traceml: the collector was lost; rank {self.hello.rank}'s summary is in {path}",
+                  file=sys.stderr)
+        except Exception as exc:
+            log.warning("traceml: the collector was lost and no local summary could be written: %s", exc)
+
     def _lost_connection(self, exc: Exception) -> None:
+        self.lost_collector = True
         log.warning("traceml: lost the collector (%s); telemetry is dropped until it is back", exc)
         try:
             if self._socket is not None:
@@ -237,7 +281,7 @@ class Sender:
         try:
             from traceml.cli import spawn_collector_process
 
-            self._collector_process, address = spawn_collector_process(
+            self._collector_process, address, self.run_dir = spawn_collector_process(
                 self.hello, host, port, web_port=self.web_port, run_name=self.run_name)
             return address
         except Exception as exc:

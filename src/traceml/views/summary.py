@@ -1,7 +1,6 @@
 """The end-of-run summary: final_summary.json (DESIGN's contract) and the card printed from it."""
 from __future__ import annotations
 
-import datetime
 import io
 import os
 import statistics
@@ -10,6 +9,7 @@ from typing import Any, Dict, List, Optional
 
 import msgspec
 
+from traceml import rundir
 from traceml.collector.rollup import (RolledStep, Window, max_present, rank_medians, rank_spread,
                                       roll_up, warmup_steps)
 from traceml.collector.store import Store
@@ -109,7 +109,7 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
             "script": facts.script,
             "argv": facts.argv,
             "exit_code": facts.exit_code,
-            "started_at": _iso(facts.started_at_unix_s),
+            "started_at": rundir.iso_time(facts.started_at_unix_s),
             "duration_s": round(facts.ended_at_unix_s - facts.started_at_unix_s, 3),
             "world_size": world_size,
             "devices": device_names(data.hellos),
@@ -283,8 +283,6 @@ def _system(samples: List[SystemSample]) -> Dict[str, Any]:
     return system
 
 
-def _iso(unix_s: float) -> str:
-    return datetime.datetime.fromtimestamp(unix_s, tz=datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 # -- the card ---------------------------------------------------------------------------------
