@@ -254,6 +254,13 @@ def test_a_long_run_is_downsampled_and_refreshed_incrementally(tmp_path):
     series = queries.step_series(buckets, {})
     assert series["last_step"] == 119_999 and len(series["step"]) == 1875
     assert queries.training_ms(buckets) == pytest.approx(120_000 * 25.0)
+
+    steps(120_000, 140_000)  # past 128k steps: 128 a bucket, made by merging pairs, not re-read
+    buckets.refresh()
+    fresh = queries.step_buckets(reader)
+    fresh.refresh()
+    assert buckets.bucket == fresh.bucket == 128
+    assert queries.step_series(buckets, {}) == queries.step_series(fresh, {})
     store.close()
 
 

@@ -13,8 +13,9 @@ from hypothesis import given, settings, strategies as st
 from traceml.collector.server import Collector
 from traceml.collector.store import Store
 from traceml.probe.sender import Sender
-from traceml.records import (HEADER_BYTES, MAX_FRAME_BYTES, WIRE_VERSION, FrameError, RankHello,
+from traceml.records import (HEADER_BYTES, MAX_FRAME_BYTES, WIRE_VERSION, FrameError,
                              StepRecord, decode_payload, encode_frame, parse_header)
+from test_collector import wait_for
 from test_records import hello, step
 
 TOKEN = "fuzz-s3cret"
@@ -84,15 +85,6 @@ def collector(tmp_path):
     collector.stop()
 
 
-def wait_until(condition, timeout_s=10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def closed_by_peer(sock, timeout_s=5.0) -> bool:
     sock.settimeout(timeout_s)
     try:
@@ -119,7 +111,7 @@ def test_idle_and_slow_peers_are_dropped_and_the_collector_goes_on(collector):
     for index in range(20):
         sender.push(step(index))
     sender.close(exit_code=0)
-    assert wait_until(lambda: collector.store.query("SELECT COUNT(*) FROM steps")[0][0] == 20)
+    assert wait_for(lambda: collector.store.query("SELECT COUNT(*) FROM steps")[0][0] == 20, timeout_s=10)
 
 
 def mutated_frames(rng: random.Random, valid: list):
@@ -194,7 +186,7 @@ def test_ten_thousand_bad_frames_do_not_cost_the_real_ranks_a_record(patient_col
     for sender in senders:
         sender.close(exit_code=0)
     assert sum(sender.records_dropped for sender in senders) == 0
-    assert wait_until(lambda: len(collector.store.ends()) == 2)  # both goodbyes: all is in
+    assert wait_for(lambda: len(collector.store.ends()) == 2, timeout_s=10)  # both goodbyes: all is in
     rows = collector.store.query("SELECT rank, COUNT(*), MIN(step), MAX(step) FROM steps "
                                  "WHERE rank IN (0, 1) GROUP BY rank")
     assert rows == [(0, steps_per_rank, 0, steps_per_rank - 1), (1, steps_per_rank, 0, steps_per_rank - 1)]

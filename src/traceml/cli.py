@@ -230,30 +230,12 @@ def run_command(args: argparse.Namespace) -> int:
     started = time.time()
     mode = args.mode or ("cli" if sys.stdout.isatty() else "summary")
     live = mode == "cli"
-    web = None
-    if mode == "dashboard":
-        from traceml.views.web.app import PortInUse, RunSource, serve_run
-
-        try:
-            web = serve_run(RunSource.of_live_run(writable_dir, store, collector, launch.script.name,
-                                                  started), args.host, args.port, _say)
-        except (PortInUse, OSError) as exc:
-            collector.stop()
-            return _fail(f"cannot serve the dashboard: {exc}")
-    metrics_server = None
-    if args.metrics_port is not None:
-        from traceml.views.web.app import RunSource
-
-        source = web.source if web is not None else RunSource.of_live_run(
-            writable_dir, store, collector, launch.script.name, started)
-        try:
-            metrics_server = _serve_metrics(source, args.host, args.metrics_port,
-                                            owns_source=web is None)
-        except OSError as exc:
-            collector.stop()
-            if web is not None:
-                web.stop()
-            return _fail(f"cannot serve /metrics on {args.host}:{args.metrics_port}: {exc.strerror or exc}")
+    try:
+        web, metrics_server = _start_views(args, mode, writable_dir, store, collector,
+                                           launch.script.name, started)
+    except OSError as exc:
+        collector.stop()
+        return _fail(str(exc))
     output_fd = terminal_fd = None
     if live:  # the script writes to a terminal of its own; the dashboard shows it above itself
         try:
@@ -268,8 +250,7 @@ def run_command(args: argparse.Namespace) -> int:
             child = subprocess.Popen(launch.command(), env=env)
     except OSError as exc:
         collector.stop()
-        if web is not None:
-            web.stop()
+        _stop_views(web, metrics_server)
         return _fail(f"cannot start {launch.script}: {exc}")
     child_pids.add(child.pid)
     rundir.update_run_json(writable_dir, {
@@ -301,6 +282,40 @@ def run_command(args: argparse.Namespace) -> int:
     if web is not None:
         _close_dashboard(web, summary, writable_dir)
     return exit_code
+
+
+def _start_views(args: argparse.Namespace, mode: str, run_dir: Optional[Path], store: Any,
+                 collector: Any, script: str, started: float) -> Tuple[Any, Any]:
+    """The web dashboard (--mode dashboard) and /metrics (--metrics-port) over the live run;
+    raises OSError with the one line to say when one cannot be served (and stops the other)."""
+    if mode != "dashboard" and args.metrics_port is None:
+        return None, None
+    from traceml.views.web.app import PortInUse, RunSource, serve_run
+
+    web = metrics_server = None
+    if mode == "dashboard":
+        try:
+            web = serve_run(RunSource.of_live_run(run_dir, store, collector, script, started),
+                            args.host, args.port, _say)
+        except (PortInUse, OSError) as exc:
+            raise OSError(f"cannot serve the dashboard: {exc}") from None
+    if args.metrics_port is not None:
+        source = web.source if web is not None else RunSource.of_live_run(
+            run_dir, store, collector, script, started)
+        try:
+            metrics_server = _serve_metrics(source, args.host, args.metrics_port, owns_source=web is None)
+        except OSError as exc:
+            _stop_views(web, None)
+            raise OSError(f"cannot serve /metrics on {args.host}:{args.metrics_port}: "
+                          f"{exc.strerror or exc}") from None
+    return web, metrics_server
+
+
+def _stop_views(web: Any, metrics_server: Any) -> None:
+    if metrics_server is not None:
+        metrics_server.shutdown()
+    if web is not None:
+        web.stop()
 
 
 def _serve_metrics(source: Any, host: str, port: int, owns_source: bool) -> Any:

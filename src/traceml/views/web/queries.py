@@ -79,9 +79,12 @@ class Buckets:
         first = min(low for low, _ in ranges.values())
         last = max(high for _, high in ranges.values())
         bucket = bucket_steps(first, last, points)
-        if bucket != self.bucket or first != self.first_step:
+        if first != self.first_step or bucket < self.bucket:
             self.rows.clear()
             self.bucket, self.first_step = bucket, first
+        elif bucket > self.bucket:  # the run doubled: pairs of buckets merge, nothing is re-read
+            self.rows = self._merged(bucket // self.bucket)
+            self.bucket = bucket
         self.last_step = last
         since_slot = 0
         if self.rows:  # records behind the slowest rank's newest step are all in
@@ -116,15 +119,18 @@ class Buckets:
         bucket = bucket_steps(self.first_step, self.last_step, points)
         if bucket <= self.bucket:
             return self
-        factor = bucket // self.bucket
+        coarse = Buckets(self.store, self.table, self.column, self.figures)
+        coarse.first_step, coarse.last_step, coarse.bucket = self.first_step, self.last_step, bucket
+        coarse.rows = self._merged(bucket // self.bucket)
+        return coarse
+
+    def _merged(self, factor: int) -> Dict[Tuple[Any, int], tuple]:
+        """The rows with every `factor` neighbouring buckets of a series merged into one."""
         groups: Dict[Tuple[Any, int], List[tuple]] = {}
         for (key, slot), figures in self.rows.items():
             groups.setdefault((key, slot // factor), []).append(figures)
-        coarse = Buckets(self.store, self.table, self.column, self.figures)
-        coarse.first_step, coarse.last_step, coarse.bucket = self.first_step, self.last_step, bucket
-        coarse.rows = {slot: tuple(merge(column) for (_, merge), column in zip(self.figures, zip(*group)))
-                       for slot, group in groups.items()}
-        return coarse
+        return {slot: tuple(merge(column) for (_, merge), column in zip(self.figures, zip(*group)))
+                for slot, group in groups.items()}
 
     def by_slot(self) -> Dict[int, List[tuple]]:
         slots: Dict[int, List[tuple]] = {}
