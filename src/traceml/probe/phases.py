@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import sys
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 from traceml.probe.step import BACKWARD, FORWARD, H2D, OPTIMIZER, StepProbe, _now_ns
 
@@ -136,7 +136,7 @@ def _hook_optimizers(probe: StepProbe) -> None:
 
     def before_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
         # args are step()'s own, the optimizer first: step(closure) has it second.
-        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        closure = (args[1] if len(args) > 1 else kwargs.get("closure")) if kwargs or len(args) > 1 else None
         if closure is None:
             probe.phase_begin(OPTIMIZER)
             return None  # None keeps the arguments as they are
@@ -168,19 +168,24 @@ class TimedForward:
     yields its own forward back, never this wrapper; `inspect.signature` sees the original.
     """
 
-    __slots__ = ("probe", "__wrapped__", "tensor_type")
+    __slots__ = ("probe", "__wrapped__", "tensor_type", "token_inputs")
 
     def __init__(self, probe: StepProbe, forward: Any, tensor_type: type):
         self.probe = probe
         self.__wrapped__ = forward
         self.tensor_type = tensor_type
+        # Whether this model is given token ids, decided at its first call: the check then
+        # costs one attribute read a call, not a look at the inputs.
+        self.token_inputs: Optional[bool] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         probe = self.probe
         if probe.phase_begin(FORWARD):
             probe.forward_calls += 1
             probe.samples += _batch_size(args, kwargs, self.tensor_type)
-            if kwargs or (args and isinstance(args[0], self.tensor_type) and not args[0].is_floating_point()):
+            if self.token_inputs is None:
+                self.token_inputs = _token_ids(args, kwargs, self.tensor_type) is not None
+            if self.token_inputs:
                 _count_tokens(probe, args, kwargs, self.tensor_type)
         try:
             layers = probe.layers
@@ -325,14 +330,22 @@ def _time_ddp_collectives(probe: StepProbe, model: Any) -> None:
     probe.comm_timed = True
 
 
-def _count_tokens(probe: StepProbe, args: tuple, kwargs: dict, tensor_type: type) -> None:
-    """Token inputs: input_ids (or an integer first input) of shape (batch, length), and the
-    real tokens per attention_mask. A mask on the device is summed there and copied to pinned
-    host memory without waiting; the step's record reads it once the step is done."""
+def _token_ids(args: tuple, kwargs: dict, tensor_type: type) -> Any:
+    """The token ids a model is given: input_ids, or an integer (batch, length) first input."""
     ids = kwargs.get("input_ids")
     if ids is None and args and isinstance(args[0], tensor_type):
         ids = args[0]
     if not isinstance(ids, tensor_type) or ids.is_floating_point() or ids.dim() != 2:
+        return None
+    return ids
+
+
+def _count_tokens(probe: StepProbe, args: tuple, kwargs: dict, tensor_type: type) -> None:
+    """Token inputs: input_ids (or an integer first input) of shape (batch, length), and the
+    real tokens per attention_mask. A mask on the device is summed there and copied to pinned
+    host memory without waiting; the step's record reads it once the step is done."""
+    ids = _token_ids(args, kwargs, tensor_type)
+    if ids is None:
         return
     probe.tokens += ids.numel()
     mask = kwargs.get("attention_mask")
