@@ -4,13 +4,15 @@ A child process plays 8 ranks over TCP, each sending its 125,000 steps in frames
 fast as the collector takes them. This process hosts the collector and, while it ingests,
 reads the live views every second (the live snapshot both dashboards show, and the web page's
 whole-run step series). It prints the collector's peak RSS, the store's bytes per step, the
-live views' slowest answer, and how long the final summary takes once all is in.
+live views' slowest answer, and how long the end of the run takes once all is in (the
+collector's stop, the summary, the card and the run directory's files).
 
     python benchmarks/soak.py [--ranks 8] [--steps 125000]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -55,7 +57,8 @@ def main() -> None:
     from traceml.collector.live import snapshot
     from traceml.collector.server import Collector
     from traceml.collector.store import Store
-    from traceml.views.summary import RunData, RunFacts, build_summary
+    from traceml.cli import finish_run
+    from traceml.views.summary import RunFacts
     from traceml.views.web.app import RunSource
 
     me = psutil.Process()
@@ -88,23 +91,25 @@ def main() -> None:
         done.set()
         watcher.join()
         peak_rss = max(peak_rss, me.memory_info().rss)
-        collector.stop()
         source.close()
         total = args.ranks * args.steps
         stored = store.query("SELECT COUNT(*) FROM steps")[0][0]
-        store.commit()
-        size = sum(path.stat().st_size for path in Path(folder).glob("telemetry.sqlite*"))
+        # The end of the run as `traceml run` does it: the collector stops (rolling what was
+        # left), then the summary, the card, final_summary.json and report.html.
         began = time.perf_counter()
-        summary = build_summary(RunData(store), RunFacts.from_store(store))
+        collector.stop()
+        facts = RunFacts.from_store(store)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            summary = finish_run(store, Path(folder), facts)
         summary_s = time.perf_counter() - began
-        store.close()
+        size = sum(path.stat().st_size for path in Path(folder).glob("telemetry.sqlite*"))
         print(f"steps sent {total:,}, stored {stored:,} in {ingest_s:.1f} s ({stored / ingest_s:,.0f} records/s)")
         print(f"collector RSS: {rss_start / 2 ** 20:.0f} MiB at start, {peak_rss / 2 ** 20:.0f} MiB peak")
         print(f"store: {size / 2 ** 20:.0f} MiB, {size / max(1, stored):.0f} bytes a step record")
         print(f"live views (snapshot + whole-run series), {len(live_ms)} reads: median "
               f"{sorted(live_ms)[len(live_ms) // 2] if live_ms else 0:.0f} ms, slowest {max(live_ms, default=0):.0f} ms")
-        print(f"final summary: {summary_s:.1f} s for {summary['steps']['count']:,} steps x {args.ranks} ranks "
-              f"(target 3 s)")
+        print(f"end of run (collector stop, summary, card, final_summary.json, report.html): "
+              f"{summary_s:.1f} s for {summary['steps']['count']:,} steps x {args.ranks} ranks (target 3 s)")
 
 
 if __name__ == "__main__":

@@ -114,3 +114,33 @@ def test_end_record_counts_drops_reported_by_the_rank(collector):
     (end,) = collector.store.ends()
     assert end.exit_code == 3 and end.records_dropped == 15
     assert len(collector.store.steps()) == 10
+
+
+def test_rolled_steps_in_the_store_match_rolling_every_record_again(tmp_path):
+    """The collector rolls steps up as they complete; a rank far behind arrives late, and its
+    steps are rolled again at the end: the store's rolled steps equal a fresh roll-up."""
+    import msgspec
+
+    from traceml.collector.rollup import roll_up
+
+    store = Store(str(tmp_path / "telemetry.sqlite"))
+    collector = Collector(store)
+    collector.live.stale_s = 0.0  # rank 0's steps roll as soon as they are 64 steps behind
+    collector.start()
+    senders = [Sender(msgspec.structs.replace(hello(), rank=rank, world_size=2), address=collector.address)
+               for rank in (0, 1)]
+    for sender in senders:
+        sender.start()
+    for n in range(200):  # rank 0 runs 200 steps ahead: its steps roll stale, without rank 1
+        senders[0].push(msgspec.structs.replace(step(n), rank=0, step_ms=10.0 + n % 3))
+    assert wait_for(lambda: collector.live.newest_step == 199)
+    for n in range(200):
+        senders[1].push(msgspec.structs.replace(step(n), rank=1, step_ms=20.0))
+    for sender in senders:
+        sender.close(exit_code=0)
+    assert wait_for(lambda: len(store.ends()) == 2)
+    collector.stop()
+    assert collector.live.late_steps  # rank 1's records came after their steps were rolled
+    assert store.meta()["rolled_complete"] is True
+    assert store.rolled_steps() == roll_up(store.steps())
+    assert all(rolled.ranks == 2 and rolled.worst_rank == 1 for rolled in store.rolled_steps())

@@ -87,8 +87,18 @@ def test_live_rollup_rolls_a_step_once_every_rank_reported_it():
 
 
 def test_live_rollup_does_not_wait_forever_for_a_dead_rank_and_stays_bounded():
-    live = LiveRollup(keep_steps=10, stale_after=5)
+    live = LiveRollup(keep_steps=10, stale_after=5, stale_s=0.0)
     live.world_size = 2
     live.add(records_for(0, 40, comm_wait=1.0))  # rank 1 never reports
     assert live.pending_steps == 5  # only the last few wait for it
     assert len(live.recent) == 10 and live.recent[-1].step == 34 and live.recent[-1].ranks == 1
+
+
+def test_live_rollup_waits_a_moment_for_a_rank_whose_frame_is_still_coming():
+    # Fast steps: one rank's frame runs far ahead of another's (each sends every 100 ms).
+    live = LiveRollup(keep_steps=100, stale_after=5, stale_s=60.0)
+    live.world_size = 2
+    live.add(records_for(0, 40, comm_wait=1.0))
+    assert live.pending_steps == 40 and not live.recent  # not stale yet: too young
+    live.add(records_for(1, 40, comm_wait=1.0))
+    assert len(live.recent) == 40 and all(s.ranks == 2 for s in live.recent) and not live.late_steps

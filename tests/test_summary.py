@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from traceml.collector.store import Store
@@ -42,7 +43,7 @@ def test_summary_figures_come_from_the_records(tmp_path):
     summary = build_summary(RunData(filled_store(tmp_path)), FACTS)
     assert summary["steps"] == {"count": 40, "warmup_excluded": 4, "measured": 36,
                                 "records_dropped": 7, "device_timed": False,
-                                "found_by": None}
+                                "found_by": None, "rank_figures_every_n_steps": 1}
     assert summary["phases"]["input_wait"] == {"median_ms": 6.0, "mean_ms": 6.0, "share": 0.6}
     assert summary["phases"]["step"]["median_ms"] == 10.0
     assert summary["throughput"]["steps_per_s"] == pytest.approx(100.0)
@@ -96,3 +97,28 @@ def test_import_traceml_is_light():
             "'starlette', 'uvicorn', 'plotly') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_long_run_reads_rolled_steps_and_samples_records_for_rank_figures(tmp_path):
+    """Past 10k steps the summary reads the collector's rolled steps and every k-th step's
+    records for the per-rank medians; counts and last steps stay exact."""
+    from traceml.collector.rollup import roll_up
+
+    store = Store(str(tmp_path / "telemetry.sqlite"))
+    store.write([msgspec.structs.replace(hello(), rank=rank, world_size=2) for rank in (0, 1)])
+    records = [msgspec.structs.replace(step(n), rank=rank, step_ms=10.0 + 5.0 * rank,
+                                       input_wait_ms=1.0 + 5.0 * rank)
+               for n in range(25_000) for rank in (0, 1) if rank == 0 or n < 24_990]
+    store.write(records)
+    store.write_rolled(roll_up(records))
+    store.set_meta({"rolled_complete": True})
+    data = RunData(store)
+    assert data.rank_sample_every == 2 and len(data.records) < len(records) // 2 + 10
+    summary = build_summary(data, FACTS)
+    assert summary["steps"]["count"] == 25_000 and summary["steps"]["rank_figures_every_n_steps"] == 2
+    rank0, rank1 = summary["ranks"]
+    assert (rank0["steps"], rank0["last_step"]) == (25_000 - 5, 24_999)  # exact, not sampled
+    assert (rank1["steps"], rank1["last_step"]) == (24_990 - 5, 24_989)
+    assert rank0["step_median_ms"] == 10.0 and rank1["step_median_ms"] == 15.0
+    assert summary["missing_ranks"] == [{"rank": 1, "from_step": 24_990}]
+    assert summary["phases"]["step"]["median_ms"] == 12.5  # the rolled steps: median across ranks

@@ -302,41 +302,68 @@ def max_present(values: Iterable[Optional[int]]) -> Optional[int]:
 
 
 class LiveRollup:
-    """Steps rolled up across ranks as their records arrive, for the live views.
+    """Steps rolled up across ranks as their records arrive: for the live views, and, written
+    to the store as they roll, for the final summary (which then need not roll them again).
 
     A step is rolled once every rank of the run has reported it, or once it is stale_after
-    steps behind the newest step seen (a rank that died or fell far behind). Only the last
-    keep_steps rolled steps are kept, so memory stays bounded however long the run.
+    steps behind the newest step seen and stale_s seconds old (a rank that died or fell far
+    behind: ranks send every 100 ms, so fast steps of one rank run far ahead of another's
+    frame without anything being wrong). A record that
+    comes for a step already rolled is noted in late_steps, to be rolled again from the store
+    at the end. Only the last keep_steps rolled steps are kept here, so memory stays bounded
+    however long the run.
     """
 
-    def __init__(self, keep_steps: int = 4096, stale_after: int = 64):
+    def __init__(self, keep_steps: int = 4096, stale_after: int = 64, stale_s: float = 2.0):
         self.world_size = 1
         self.recent: "collections.deque[RolledStep]" = collections.deque(maxlen=keep_steps)
         self.rolled_at: "collections.deque[float]" = collections.deque(maxlen=keep_steps)
-        self.stale_after = stale_after
+        self.stale_after, self.stale_s = stale_after, stale_s
         self.newest_step = -1
+        self._first_seen: Dict[int, float] = {}  # pending step -> when its first record came
+        self.rolled_out: List[RolledStep] = []  # rolled since the collector last took them
+        self.late_steps: set = set()
+        self._rolled_through = -1
         self._pending: Dict[int, Dict[int, StepRecord]] = {}
 
     def add(self, records: Iterable[StepRecord]) -> None:
         for record in records:
             ranks = self._pending.get(record.step)
             if ranks is None:
-                if self.recent and record.step <= self.recent[-1].step - self.stale_after:
-                    continue  # a step already rolled long ago: too late to matter live
+                if record.step <= self._rolled_through:
+                    self.late_steps.add(record.step)  # rolled without it: again at the end
+                    continue
                 ranks = self._pending[record.step] = {}
+                self._first_seen[record.step] = time.monotonic()
             ranks[record.rank] = record
             if record.step > self.newest_step:
                 self.newest_step = record.step
             if len(ranks) >= self.world_size:
                 self._roll(record.step)
-        stale = [step for step in self._pending if step <= self.newest_step - self.stale_after]
+        old_enough = time.monotonic() - self.stale_s
+        stale = [step for step in self._pending if step <= self.newest_step - self.stale_after
+                 and self._first_seen[step] <= old_enough]
         for step in sorted(stale):
             self._roll(step)
 
     def _roll(self, step: int) -> None:
         ranks = self._pending.pop(step)
-        self.recent.append(_roll_step(step, list(ranks.values())))
+        del self._first_seen[step]
+        rolled = _roll_step(step, list(ranks.values()))
+        self.recent.append(rolled)
+        self.rolled_out.append(rolled)
         self.rolled_at.append(time.monotonic())
+        if step > self._rolled_through:
+            self._rolled_through = step
+
+    def flush(self) -> None:
+        """The run is over: roll what is still waiting for a rank that will not come."""
+        for step in sorted(self._pending):
+            self._roll(step)
+
+    def take_rolled(self) -> List[RolledStep]:
+        rolled, self.rolled_out = self.rolled_out, []
+        return rolled
 
     @property
     def pending_steps(self) -> int:

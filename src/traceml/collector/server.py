@@ -15,7 +15,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set
 
 import msgspec
 
-from traceml.collector.rollup import LiveRollup
+from traceml.collector.rollup import LiveRollup, roll_up
 from traceml.collector.store import Store
 from traceml.records import (HEADER_BYTES, FrameError, LayerReport, RankEnd, RankHello,
                              StepRecord, SystemSample, decode_payload, parse_header)
@@ -128,6 +128,8 @@ class Collector:
                 self.latest_layers = record
         if steps:
             self.live.add(steps)
+            if self.live.rolled_out:
+                self._store_rolled(self.live.take_rolled())
 
     def wait_for_ranks(self, timeout_s: float, until: Optional[Callable[[], bool]] = None,
                        absent_grace_s: float = 5.0) -> bool:
@@ -150,10 +152,6 @@ class Collector:
                 self._changed.wait(min(remaining, 0.2))
 
     def stop(self) -> None:
-        try:
-            self.store.set_meta({"lost_ranks": sorted(self.lost_ranks)})
-        except Exception as exc:
-            self._store_failed(exc)
         loop = self._loop
         if loop is not None and loop.is_running():
             async def shutdown() -> None:
@@ -164,7 +162,9 @@ class Collector:
             asyncio.run_coroutine_threadsafe(shutdown(), loop)
             if self._thread is not None:
                 self._thread.join(timeout=5)
-        try:
+        try:  # the loop is gone: nothing else writes now
+            self.store.set_meta({"lost_ranks": sorted(self.lost_ranks)})
+            self._finish_rollup()
             self.store.commit()
         except Exception as exc:
             self._store_failed(exc)
@@ -234,6 +234,25 @@ class Collector:
         except Exception as exc:
             self.records_unstored += len(records)
             self._store_failed(exc)
+
+    def _store_rolled(self, rolled: List[Any]) -> None:
+        try:
+            self.store.write_rolled(rolled)
+        except Exception as exc:
+            self._store_failed(exc)
+
+    def _finish_rollup(self) -> None:
+        """Roll what still waits, and again every step a late record reached after it was
+        rolled, so the store's rolled steps are every step's, across every rank that sent it."""
+        self.live.flush()
+        rolled = self.live.take_rolled()
+        late = sorted(self.live.late_steps)
+        for first in range(0, len(late), 500):
+            chunk = late[first:first + 500]
+            rolled += roll_up(self.store.steps_where(f"step IN ({', '.join('?' * len(chunk))})", chunk))
+        if rolled:
+            self.store.write_rolled(rolled)
+        self.store.set_meta({"rolled_complete": True})
 
     def _store_failed(self, exc: Exception) -> None:
         if not self._said_store_failed:

@@ -9,10 +9,13 @@ from typing import Any, Dict, Iterable, List, Sequence
 
 import msgspec
 
+from traceml.collector.rollup import RolledStep
 from traceml.records import (Finding, GpuSample, LayerReport, OomRecord, RankEnd, RankHello,
                              ScalarRecord, SpanRecord, StepRecord, SystemSample)
 
 STEP_COLUMNS = msgspec.structs.fields(StepRecord)
+ROLLED_COLUMNS = msgspec.structs.fields(RolledStep)
+_ROLLED_NAMES = [field.name for field in ROLLED_COLUMNS]
 _STEP_NAMES = [field.name for field in STEP_COLUMNS]
 _SYSTEM_NAMES = [field.name for field in msgspec.structs.fields(SystemSample) if field.name != "gpus"]
 
@@ -30,6 +33,8 @@ def _sql_type(field: Any) -> str:
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS steps ({", ".join(f"{f.name} {_sql_type(f)}" for f in STEP_COLUMNS)},
                                   PRIMARY KEY (rank, step)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS rolled ({", ".join(f"{f.name} {_sql_type(f)}" for f in ROLLED_COLUMNS)},
+                                   PRIMARY KEY (step)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS system ({", ".join(_SYSTEM_NAMES)}, gpus TEXT);
 CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, hello TEXT, end_record TEXT);
 CREATE TABLE IF NOT EXISTS findings (kind TEXT, severity TEXT, rank INTEGER, finding TEXT);
@@ -114,6 +119,15 @@ class Store:
             if samples:
                 self._db.executemany(self._system_insert, samples)
 
+    def write_rolled(self, rolled: List[RolledStep]) -> None:
+        """Steps rolled up across ranks (by the collector as they complete); a step rolled
+        again replaces its earlier row."""
+        with self._lock:
+            self._db.executemany(
+                f"INSERT OR REPLACE INTO rolled ({', '.join(_ROLLED_NAMES)}) "
+                f"VALUES ({', '.join('?' * len(_ROLLED_NAMES))})",
+                [msgspec.structs.astuple(step) for step in rolled])
+
     def write_findings(self, findings: List[Finding]) -> None:
         with self._lock:
             self._db.execute("DELETE FROM findings")
@@ -155,6 +169,18 @@ class Store:
         with self._lock:
             rows = self._db.execute(
                 f"SELECT {', '.join(_STEP_NAMES)} FROM steps ORDER BY step, rank").fetchall()
+        return [StepRecord(*row) for row in rows]
+
+    def rolled_steps(self) -> List[RolledStep]:
+        with self._lock:
+            rows = self._db.execute(f"SELECT {', '.join(_ROLLED_NAMES)} FROM rolled ORDER BY step").fetchall()
+        return [RolledStep(*row) for row in rows]
+
+    def steps_where(self, condition: str, params: Sequence[Any] = ()) -> List[StepRecord]:
+        """Step records matching an SQL condition on the steps table, in step then rank order."""
+        with self._lock:
+            rows = self._db.execute(f"SELECT {', '.join(_STEP_NAMES)} FROM steps WHERE {condition} "
+                                    f"ORDER BY step, rank", params).fetchall()
         return [StepRecord(*row) for row in rows]
 
     def hellos(self) -> List[RankHello]:

@@ -18,6 +18,7 @@ from traceml.records import (ALL_PHASES, STEP_PHASES, Finding, LayerReport, Rank
                              SystemSample)
 
 SCHEMA_VERSION = 1
+RANK_SAMPLE_STEPS = 10_000  # beyond this many steps, per-rank figures read every k-th step
 CARD_WIDTH = 100
 
 
@@ -48,16 +49,30 @@ class RunData:
     """Everything the summary and the report read, taken from the store and rolled up once."""
 
     def __init__(self, store: Store):
-        self.records = store.steps()
-        self.rolled: List[RolledStep] = roll_up(self.records)
+        meta = store.meta()
+        # The collector rolled each step up as it completed and kept it in the store; a store
+        # without them (an older run, a collector that died) is rolled up here.
+        self.rank_sample_every = 1
+        if meta.get("rolled_complete"):
+            self.rolled: List[RolledStep] = store.rolled_steps()
+            # Per-rank figures read every record of a run up to RANK_SAMPLE_STEPS steps, and
+            # every k-th step of a longer one (medians need no million records).
+            self.rank_sample_every = max(1, len(self.rolled) // RANK_SAMPLE_STEPS)
+            self.records = (store.steps() if self.rank_sample_every == 1 else
+                            store.steps_where("step % ? = 0", (self.rank_sample_every,)))
+        else:
+            self.records = store.steps()
+            self.rolled = roll_up(self.records)
         self.warmup = warmup_steps(len(self.rolled))
         self.window = Window(self.rolled[self.warmup:])
         self.hellos: List[RankHello] = store.hellos()
         self.ends: List[RankEnd] = store.ends()
         self.samples: List[SystemSample] = store.system_samples()
         self.ranks = rank_medians(self.records, skip_steps=self.warmup)
+        if self.rank_sample_every > 1:
+            self._exact_rank_counts(store)
         self.ooms = store.ooms()
-        self.lost_ranks: List[int] = store.meta().get("lost_ranks", [])
+        self.lost_ranks: List[int] = meta.get("lost_ranks", [])
         reports = store.layer_reports()
         self.layer_report = reports[0] if reports else None  # rank 0's, or the first rank's
         self.layers = layer_rows(self.layer_report)
@@ -67,6 +82,24 @@ class RunData:
             limits=self.limits, peak_device_bytes=max_present(s.device_peak_bytes for s in self.rolled),
             peak_rss_bytes=max_present(s.host_rss_bytes for s in self.rolled),
             oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive())
+
+    def _exact_rank_counts(self, store: Store) -> None:
+        """Sampled records give the medians; each rank's step count and last step (which say
+        whether it went missing) come exactly from the store's (rank, step) key."""
+        rows = {row["rank"]: row for row in self.ranks}
+        for hello in self.hellos:
+            last = store.query("SELECT MAX(step) FROM steps WHERE rank = ?", (hello.rank,))[0][0]
+            if last is None:
+                continue
+            row = rows.get(hello.rank)
+            if row is None:  # all its records fell between the sampled steps
+                row = rows[hello.rank] = {"rank": hello.rank, "step_median_ms": None, "behind_share": 0.0,
+                                          **{f"{name}_median_ms": None
+                                             for name in STEP_PHASES + ("gc", "comm_wait")}}
+            row["last_step"] = last
+            row["steps"] = store.query("SELECT COUNT(*) FROM steps WHERE rank = ? AND step >= ?",
+                                       (hello.rank, self.warmup))[0][0]
+        self.ranks = [rows[rank] for rank in sorted(rows)]
 
     def _layers_alive(self) -> List[Dict[str, Any]]:
         rows = [row for row in self.layers if row["leaf"] and row["alive_bytes"]]
@@ -122,6 +155,7 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
             "records_dropped": sum(end.records_dropped for end in data.ends),
             "device_timed": any(s.device_timed for s in window.steps),
             "found_by": _steps_found_by(data),
+            "rank_figures_every_n_steps": data.rank_sample_every,
         },
         "phases": phases,
         "throughput": {
