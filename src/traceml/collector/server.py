@@ -61,6 +61,8 @@ class Collector:
         self.frames_rejected = 0
         self.records_unstored = 0  # lost to a failing store (a full disk)
         self._said_store_failed = False
+        self._deadlines: Dict[Any, list] = {}  # writer -> [monotonic deadline, what is owed]
+        self._timed_out: Dict[Any, str] = {}
         self._last_change = time.monotonic()  # of connections opening or closing
         self._changed = threading.Condition()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -84,6 +86,7 @@ class Collector:
                     asyncio.start_server(self._serve, self.host, self.port))
                 self.port = self._server.sockets[0].getsockname()[1]
                 loop.create_task(self._commit_periodically())
+                loop.create_task(self._watch_deadlines())
             except BaseException as exc:
                 failure.append(exc)
                 started.set()
@@ -173,20 +176,22 @@ class Collector:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._count_connection(+1)
         peer = writer.get_extra_info("peername")
-        greeted = mid_frame = False
+        greeted = False
         rank: Optional[int] = None
         said_goodbye = False
+        # What the connection owes next, and by when: the watchdog closes it when late (one
+        # watchdog for all, not a timer a read: a rank sends ten frames a second).
+        deadline = self._deadlines[writer] = [time.monotonic() + self.hello_timeout_s, "no hello in time"]
         try:
             while True:
                 try:
-                    header = await asyncio.wait_for(reader.readexactly(HEADER_BYTES), (
-                        self.idle_timeout_s if greeted else self.hello_timeout_s))
+                    header = await reader.readexactly(HEADER_BYTES)
                 except asyncio.IncompleteReadError:
+                    if writer in self._timed_out:
+                        raise
                     return  # a clean goodbye, or a rank that died: either way its data is kept
-                mid_frame = True
-                payload = await asyncio.wait_for(reader.readexactly(parse_header(header)),
-                                                 self.frame_timeout_s)
-                mid_frame = False
+                deadline[0], deadline[1] = time.monotonic() + self.frame_timeout_s, "a frame stalled half-sent"
+                payload = await reader.readexactly(parse_header(header))
                 records = decode_payload(payload)
                 if not greeted:
                     if not records or type(records[0]) is not RankHello:
@@ -197,6 +202,7 @@ class Collector:
                                     "token", peer)
                         return
                     greeted = True
+                deadline[0], deadline[1] = time.monotonic() + self.idle_timeout_s, "idle for too long"
                 for index, record in enumerate(records):
                     if type(record) is RankHello:
                         records[index] = msgspec.structs.replace(record, token="")  # never stored
@@ -207,20 +213,19 @@ class Collector:
                 self._store(records)
                 self._observe(records)
                 self.records_ingested += len(records)
-        except (FrameError, asyncio.IncompleteReadError) as exc:
-            self.frames_rejected += 1
-            log.warning("traceml: closed connection from %s: %s", peer, exc)
-        except asyncio.TimeoutError:
-            self.frames_rejected += 1
-            log.warning("traceml: closed connection from %s: %s", peer,
-                        "a frame stalled half-sent" if mid_frame else
-                        "idle for too long" if greeted else "no hello in time")
+        except (FrameError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            reason = self._timed_out.pop(writer, None)
+            if reason is None:  # a timeout was counted by the watchdog as it closed it
+                self.frames_rejected += 1
+            log.warning("traceml: closed connection from %s: %s", peer, reason or exc)
         except (ConnectionError, OSError) as exc:
             log.debug("traceml: connection from %s ended: %s", peer, exc)
         except Exception as exc:  # anything else a peer provokes ends its connection, no more
             self.frames_rejected += 1
             log.warning("traceml: closed connection from %s: %s: %s", peer, type(exc).__name__, exc)
         finally:
+            self._deadlines.pop(writer, None)
+            self._timed_out.pop(writer, None)
             writer.close()
             with self._changed:
                 if rank is not None and not said_goodbye and self.connections_open > 1:
@@ -276,6 +281,18 @@ class Collector:
             if delta > 0:
                 self.connections_seen += 1
             self._changed.notify_all()
+
+    async def _watch_deadlines(self) -> None:
+        """Close the connections that are late with a hello, a frame's rest, or any word."""
+        while True:
+            await asyncio.sleep(min(0.25, self.hello_timeout_s / 2, self.frame_timeout_s / 2))
+            now = time.monotonic()
+            for writer, (due, reason) in list(self._deadlines.items()):
+                if now > due:
+                    self._timed_out[writer] = reason
+                    self._deadlines.pop(writer, None)
+                    self.frames_rejected += 1
+                    writer.transport.abort()
 
     async def _commit_periodically(self) -> None:
         while True:
