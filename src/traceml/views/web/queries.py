@@ -88,7 +88,9 @@ class Buckets:
         self.last_step = last
         since_slot = 0
         if self.rows:  # records behind the slowest rank's newest step are all in
-            settled = settled_step(self.store)
+            # The steps table's series are the ranks: their newest steps were just read.
+            settled = (min(high for _, high in ranges.values()) if self.table == "steps"
+                       else settled_step(self.store))
             settled_slot = (settled - first) // bucket if settled is not None else 0
             since_slot = max(0, min(settled_slot, max(slot for _, slot in self.rows)))
         for key in ranges:
