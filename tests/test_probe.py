@@ -36,6 +36,10 @@ class SlowForward(nn.Module):
         return self.linear(inputs)
 
 
+class CompiledInPlace(SlowForward):
+    """A class of its own for model.compile(): dynamo caches compiled code per class."""
+
+
 @pytest.fixture
 def probe():
     originals = (torch.autograd.backward, dataloader._BaseDataLoaderIter.__next__, torch.Tensor.to)
@@ -160,28 +164,107 @@ def test_garbage_collector_pauses_are_counted(probe):
     del junk
 
 
-def test_timed_forward_pickles_and_copies_as_the_models_own(probe):
+def test_a_traced_model_pickles_copies_and_saves_as_the_untraced_one(probe, tmp_path):
+    torch.manual_seed(0)
     model = SlowForward()
+    reference = pickle.dumps(model)
+    (tmp_path / "before").mkdir()
+    (tmp_path / "after").mkdir()
+    torch.save(model, tmp_path / "before" / "model.pt")  # the archive is named after the file
     signature = inspect.signature(model.forward)
-    phases.hook_model(probe, model)
-    assert isinstance(model.__dict__["forward"], phases.TimedForward)
+    keys = set(model.__dict__)
+    handles = phases.hook_model(probe, model)
+    with probe:
+        model(torch.ones(1, 4))
+    assert type(model) is SlowForward and set(model.__dict__) == keys
     assert inspect.signature(model.forward) == signature
-    assert model.forward.__name__ == "forward"
-    restored = pickle.loads(pickle.dumps(model))
+    assert pickle.dumps(model) == reference and b"traceml" not in reference
+    torch.save(model, tmp_path / "after" / "model.pt")
+    assert (tmp_path / "after" / "model.pt").read_bytes() == (tmp_path / "before" / "model.pt").read_bytes()
     twin = copy.deepcopy(model)
-    for other in (restored, twin):
-        assert not isinstance(other.__dict__.get("forward"), phases.TimedForward)
-        assert torch.equal(other(torch.ones(1, 4)), model(torch.ones(1, 4)))
-    state = model.state_dict()
-    assert set(state) == {"linear.weight", "linear.bias"}
+    assert set(twin.__dict__) == keys and torch.equal(twin(torch.ones(1, 4)), model(torch.ones(1, 4)))
+    assert set(model.state_dict()) == {"linear.weight", "linear.bias"}
+    for handle in handles:
+        handle.remove()
 
 
-def test_removing_the_forward_handle_restores_the_model(probe):
-    model = SlowForward()
+def test_only_the_traced_instance_is_timed_and_removal_restores_its_class(probe):
+    model, twin = SlowForward(sleep_ms=5), SlowForward(sleep_ms=5)
     (handle,) = phases.hook_model(probe, model)
+    assert "_call_impl" in SlowForward.__dict__ or "__call__" in SlowForward.__dict__
+    with probe:
+        twin(torch.randn(2, 4))  # same class, another object: an EMA copy, say
+    with probe:
+        model(torch.randn(3, 4))
     handle.remove()
-    assert "forward" not in model.__dict__
+    assert "_call_impl" not in SlowForward.__dict__ and "__call__" not in SlowForward.__dict__
     with probe:
         model(torch.randn(2, 4))
-    (record,) = records(probe)
-    assert record.forward_calls == 0
+    untimed, timed, removed = records(probe)
+    assert untimed.forward_calls == 0 and untimed.forward_ms == 0.0
+    assert timed.forward_calls == 1 and timed.samples == 3 and timed.forward_ms >= 5.0
+    assert removed.forward_calls == 0
+
+
+def test_deep_dive_leaves_no_hook_on_the_users_tensors(probe):
+    from traceml.probe.layers import LayerProbe
+
+    class LearnedQuery(nn.Module):  # a parameter handed to a submodule, as attention pooling does
+        def __init__(self):
+            super().__init__()
+            self.query = nn.Parameter(torch.randn(1, 4))
+            self.mix = nn.Linear(4, 4)
+
+        def forward(self, inputs):
+            return self.mix(self.query) + inputs
+
+    model = LearnedQuery()
+    inputs = torch.randn(2, 4, requires_grad=True)  # the user's own leaf tensor
+    phases.hook_model(probe, model)
+    probe.layers = LayerProbe(probe, model, every_n_steps=1)
+    for _ in range(3):  # sampled steps: layer hooks on, tensors of the graph watched
+        with probe:
+            model(inputs).sum().backward()
+    assert probe.layers.sampled_steps >= 2
+    assert probe.layers.stats["mix"][2] > 0  # its backward was still timed
+    for tensor in (model.query, inputs):
+        assert not tensor._backward_hooks  # nothing left on them, nothing to travel with them
+
+
+def test_compiled_models_keep_their_graphs_and_the_forward_is_timed(probe):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    class Doubled(nn.Module):  # calls the traced model from inside a compiled region
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, inputs):
+            return self.inner(inputs) * 2
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = SlowForward()
+    phases.hook_model(probe, model)
+    compiled, parent = torch.compile(model, backend="eager"), torch.compile(Doubled(model), backend="eager")
+    inputs = torch.randn(3, 4)
+    for _ in range(2):
+        with probe:
+            compiled(inputs)
+    with probe:
+        parent(inputs)
+    in_place = CompiledInPlace()
+    in_place.compile(backend="eager")  # compiled before TraceML sees it: the instance's own call
+    phases.hook_model(probe, in_place)
+    with probe:
+        in_place(inputs)
+    assert counters["stats"]["unique_graphs"] == 3  # one each: TraceML added no graph break
+    assert counters["frames"]["total"] == 3  # and dynamo never looked at TraceML's own code
+    assert not counters["graph_break"] and not counters["recompiles"]
+    first, second, inside_parent, compiled_in_place = records(probe)
+    assert first.forward_calls == second.forward_calls == 1 and second.forward_ms > 0.0
+    assert inside_parent.forward_calls == 0  # inside a compiled region: dynamo's, untouched
+    assert compiled_in_place.forward_calls == 1
+    assert torch.equal(parent(inputs), model(inputs) * 2)
+    assert b"traceml" not in pickle.dumps(in_place)

@@ -26,6 +26,12 @@ COMPUTE_PHASES = ("forward", "backward", "optimizer")
 OVERLAPPING_PHASES = ("gc",)
 ALL_PHASES = STEP_PHASES + OVERLAPPING_PHASES
 
+# How a rank's steps were found (RankHello and RankEnd steps_from); the trainer integrations
+# name themselves.
+STEPS_FROM_TRACE_STEP = "trace_step"
+STEPS_FROM_OPTIMIZER = "optimizer.step() (inferred)"
+STEPS_FROM_BACKWARD = "backward() (inferred)"
+
 
 class RankHello(msgspec.Struct, tag="hello", array_like=True):
     """Sent once per training process when it first connects: who it is and what it runs on."""
@@ -45,7 +51,7 @@ class RankHello(msgspec.Struct, tag="hello", array_like=True):
     # The run's shared secret when the collector listens beyond loopback; the collector drops
     # a connection whose hello lacks it, and never stores it.
     token: str = ""
-    steps_from: str = ""  # how steps are found: trace_step, optimizer.step() (inferred), a trainer
+    steps_from: str = ""  # how steps are found: one of STEPS_FROM_*, or a trainer integration
 
 
 class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):

@@ -134,7 +134,7 @@ class LayerProbe:
         start: Any = timeline.record() if timeline is not None else _now_ns()
         allocated = self.probe.device_memory.read()[0] if self.probe.device_memory is not None else None
         self._stack.append((name, call, start, set(), allocated))
-        grad_input = _first_tensor(args, self._torch.Tensor, requires_grad=True)
+        grad_input = _graph_tensor(args, self._torch.Tensor)
         if grad_input is not None:  # its gradient arrives when this module's backward is done
             grad_input.register_hook(lambda grad, call=call: self._backward_end(call))
 
@@ -157,7 +157,7 @@ class LayerProbe:
             size = tensor.numel() * tensor.element_size()
             stats[OUTPUT] += size
             self._watch(name, tensor, size)
-        grad_output = _first_tensor((output,), tensor_type, requires_grad=True)
+        grad_output = _graph_tensor((output,), tensor_type)
         if grad_output is not None:  # its gradient arriving starts this module's backward
             grad_output.register_hook(lambda grad, call=call, name=name: self._backward_start(call, name))
 
@@ -268,9 +268,12 @@ def _tensors(value: Any, tensor_type: type) -> List[Any]:
     return []
 
 
-def _first_tensor(values: tuple, tensor_type: type, requires_grad: bool) -> Optional[Any]:
+def _graph_tensor(values: tuple, tensor_type: type) -> Optional[Any]:
+    """The first tensor made inside the autograd graph (it has a grad_fn): a hook on it goes
+    when the graph does. Never a leaf: that is the user's own tensor (a parameter, an input
+    with requires_grad), and a hook left on it would stay there, and travel with it."""
     for value in values:
         for tensor in _tensors(value, tensor_type):
-            if tensor.requires_grad or not requires_grad:
+            if tensor.grad_fn is not None:
                 return tensor
     return None

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import sys
+import weakref
 from typing import Any, Callable, List, Optional
 
 from traceml.probe.step import BACKWARD, FORWARD, H2D, OPTIMIZER, StepProbe, _now_ns
@@ -27,6 +29,7 @@ def install_patches(probe: StepProbe) -> None:
 
 def remove_patches() -> None:
     """Restore everything install_patches changed, leaving torch as it was."""
+    disarm_first_call()
     while _undo:
         _undo.pop()()
 
@@ -118,12 +121,15 @@ def _patch_backward(probe: StepProbe) -> None:
     def backward(*args: Any, **kwargs: Any) -> Any:
         probe.phase_begin(BACKWARD)
         try:
-            return original_backward(*args, **kwargs)
+            result = original_backward(*args, **kwargs)
         except BaseException:
             probe.note_failure(BACKWARD)
-            raise
-        finally:
             probe.phase_end(BACKWARD)
+            raise
+        probe.phase_end(BACKWARD)
+        if probe.auto_steps:
+            probe.backward_returned()
+        return result
 
     backward.__wrapped__ = original_backward  # type: ignore[attr-defined]
     backward.__doc__ = original_backward.__doc__
@@ -141,8 +147,12 @@ def _hook_optimizers(probe: StepProbe) -> None:
             probe.phase_begin(OPTIMIZER)
             return None  # None keeps the arguments as they are
         # optimizer.step(closure) runs forward and backward inside the step (Lightning does
-        # this every step): the update is timed from when the closure returns.
+        # this every step): the update is timed from when the closure returns. An optimizer
+        # that calls the closure again (LBFGS re-evaluates the loss) stops the update's clock
+        # meanwhile: those forwards and backwards are forward and backward.
         def timed_closure() -> Any:
+            if probe.open_phase == OPTIMIZER:
+                probe.phase_end(OPTIMIZER)
             result = closure()
             probe.phase_begin(OPTIMIZER)
             return result
@@ -160,145 +170,254 @@ def _hook_optimizers(probe: StepProbe) -> None:
     _undo.append(register_optimizer_step_post_hook(after_step).remove)
 
 
-class TimedForward:
-    """Stands in for `model.forward` (as an instance attribute) to time the outermost call.
+# -- the model's forward: timed from its class, never from the model object --------------------
+#
+# Why the class: whatever is set on the model itself (an instance `forward`, a hook in its
+# hook dicts) travels with it into pickles, torch.save, deepcopy and state, and a checkpoint
+# made under TraceML would name traceml. A class is pickled by name, so a method set on it is
+# invisible there; the instance is left exactly as the user built it. Why not a module hook:
+# any hook sends every module call through torch's slow path, and a global hook makes
+# torch.compile warn. One wrapper per patched class checks whether the module being called is
+# a traced model (a dict lookup) and otherwise calls straight through.
 
-    Not a forward hook: any hook sends every call of the module through torch's slow path,
-    which costs more than all the rest of the probe. Pickling or deep-copying the model
-    yields its own forward back, never this wrapper; `inspect.signature` sees the original.
+_models: dict = {}  # id(model) -> _TracedModel, for the models whose forward is timed
+_patched_classes: dict = {}  # class -> [its own attribute before (or _ABSENT), models traced]
+_ABSENT = object()
+
+
+def _call_attribute() -> str:
+    """The nn.Module attribute every call goes through and a class may override: `_call_impl`
+    (torch >= 2.2 calls it from `__call__`, and torch.compile keeps `__call__` bound), or on an
+    older torch `__call__` itself, which is `_call_impl` there."""
+    from torch.nn import Module
+
+    return "__call__" if Module.__dict__["__call__"] is Module.__dict__["_call_impl"] else "_call_impl"
+
+
+def _compiling() -> Callable[[], bool]:
+    """torch.compiler.is_compiling: True while dynamo traces (and while torch.export does), so
+    traced code calls straight through and nothing of TraceML enters a graph."""
+    import torch
+
+    compiler = getattr(torch, "compiler", None)
+    return getattr(compiler, "is_compiling", None) or (lambda: False)
+
+
+def _run_eagerly_under_dynamo(function: Any, callees_too: bool = False) -> None:
+    """Have torch.compile run this function's frames as plain Python: never traced, never
+    compiled. Its callees are compiled as usual (the model's forward, when this wraps the
+    model's call), unless callees_too (TraceML's own bookkeeping, which has nothing to compile).
+
+    torch.compile(model) calls the model's call method under dynamo: without this, dynamo
+    would trace the wrapper itself (and, finding is_compiling() true, skip the timing).
     """
+    try:
+        from torch._C._dynamo import eval_frame
 
-    __slots__ = ("probe", "__wrapped__", "tensor_type", "token_inputs")
+        code = function.__code__
+        if hasattr(eval_frame, "set_code_exec_strategy"):
+            action = eval_frame._FrameAction
+            eval_frame.set_code_exec_strategy(code, eval_frame._FrameExecStrategy(
+                action.SKIP, action.SKIP if callees_too else action.DEFAULT))
+        elif hasattr(eval_frame, "skip_code") and not callees_too:  # torch before 2.5
+            eval_frame.skip_code(code)
+    except Exception:  # no dynamo (or no function): nothing to step around
+        log.debug("traceml: not marked for dynamo: %r", function, exc_info=True)
 
-    def __init__(self, probe: StepProbe, forward: Any, tensor_type: type):
+
+def _run_bookkeeping_eagerly() -> None:
+    """What the forward wrapper calls on the model's way in and out, kept out of dynamo."""
+    for function in (StepProbe.phase_begin, StepProbe.phase_end, StepProbe.note_failure,
+                     _batch_size, _token_ids, _count_tokens):
+        _run_eagerly_under_dynamo(function, callees_too=True)
+
+
+class _TracedModel:
+    """What the probe keeps about one traced model, away from the model itself."""
+
+    __slots__ = ("probe", "token_inputs")
+
+    def __init__(self, probe: StepProbe):
         self.probe = probe
-        self.__wrapped__ = forward
-        self.tensor_type = tensor_type
         # Whether this model is given token ids, decided at its first call: the check then
         # costs one attribute read a call, not a look at the inputs.
         self.token_inputs: Optional[bool] = None
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        probe = self.probe
+
+def _timed_call(original: Callable[..., Any], tensor_type: type,
+                is_compiling: Callable[[], bool]) -> Callable[..., Any]:
+    """The class's call method, timing the outermost call of a traced model as forward."""
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        traced = _models.get(id(self))
+        if traced is None or is_compiling():
+            return original(self, *args, **kwargs)
+        probe = traced.probe
         if probe.phase_begin(FORWARD):
             probe.forward_calls += 1
-            probe.samples += _batch_size(args, kwargs, self.tensor_type)
-            if self.token_inputs is None:
-                self.token_inputs = _token_ids(args, kwargs, self.tensor_type) is not None
-            if self.token_inputs:
-                _count_tokens(probe, args, kwargs, self.tensor_type)
+            probe.samples += _batch_size(args, kwargs, tensor_type)
+            if traced.token_inputs is None:
+                traced.token_inputs = _token_ids(args, kwargs, tensor_type) is not None
+            if traced.token_inputs:
+                _count_tokens(probe, args, kwargs, tensor_type)
         try:
             layers = probe.layers
             if layers is not None and layers.active:  # a deep-dive step: count saved tensors
                 with layers.saved_tensors_context():
-                    return self.__wrapped__(*args, **kwargs)
-            return self.__wrapped__(*args, **kwargs)
+                    return original(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
         except BaseException:
             probe.note_failure(FORWARD)
             raise
         finally:
             probe.phase_end(FORWARD)
 
-    def __getattr__(self, name: str) -> Any:  # __name__, __doc__, __func__, ... of the original
-        return getattr(self.__wrapped__, name)
-
-    def __reduce__(self) -> Any:
-        return (_same, (self.__wrapped__,))
+    call.__wrapped__ = original  # type: ignore[attr-defined]
+    _run_eagerly_under_dynamo(call)
+    return call
 
 
-class OutermostModules:
-    """Forward timing while the model is not known (steps inferred, no trace_step(model)).
+class _ModelHandle:
+    """Stops timing one model; its class gets its own call method back when no traced model of
+    that class is left (taken out, or garbage-collected)."""
 
-    During the first step only, process-wide module hooks time each outermost module call as
-    forward. When the optimizer first steps, the outermost module called that holds its
-    parameters is the model: it gets its TimedForward, and these hooks (which would send every
-    module call through torch's slow path) are taken out.
-    """
-
-    def __init__(self, probe: StepProbe):
-        self.probe = probe
-        self.depth = 0
-        self.called: dict = {}  # id -> module, the outermost calls in first-call order
-        self._handles: List[Any] = []
-
-    def install(self) -> "OutermostModules":
-        import torch
-        from torch.nn.modules import module as nn_module
-
-        self._tensor_type = torch.Tensor
-        try:  # always_call: the depth must come back down when a forward raises
-            after = nn_module.register_module_forward_hook(self._after, always_call=True)
-        except TypeError:  # torch before 2.1
-            after = nn_module.register_module_forward_hook(self._after)
-        self._handles = [nn_module.register_module_forward_pre_hook(self._before), after]
-        _undo.extend(handle.remove for handle in self._handles)
-        self.probe.outermost = self
-        return self
-
-    def _before(self, module: Any, args: Any) -> None:
-        # A module without parameters called on its own (a loss, an activation) is not the model.
-        if self.depth == 0 and next(module.parameters(), None) is not None:
-            self.called.setdefault(id(module), module)
-            if self.probe.phase_begin(FORWARD):
-                self.probe.forward_calls += 1
-                self.probe.samples += _batch_size(args, {}, self._tensor_type)
-        self.depth += 1
-
-    def _after(self, module: Any, args: Any, output: Any) -> None:
-        self.depth = max(0, self.depth - 1)
-        if self.depth == 0:
-            self.probe.phase_end(FORWARD)
-
-    def settle(self, optimizer: Any) -> None:
-        """The optimizer stepped: time the outermost module holding its parameters from now on."""
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        model = next((module for module in self.called.values()
-                      if any(id(p) in owned for p in module.parameters())), None)
-        self.remove()
-        if model is not None:
-            from traceml.probe.step import hook_inferred_model
-
-            hook_inferred_model(model)
-        else:
-            log.info("traceml: no module called before the optimizer step holds its parameters; "
-                     "forward is not timed")
+    def __init__(self, model: Any, compiled_call: Any = None):
+        self._model_id = id(model)
+        self._class = type(model)
+        self._model = weakref.ref(model)
+        self._compiled_call = compiled_call  # (timed, its own) when model.compile() came first
+        # The entry goes with the model, so a new object reusing its id() is not taken for it.
+        self._finalizer = weakref.finalize(model, _forget, self._model_id, self._class)
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self.called.clear()
-        if self.probe.outermost is self:
-            self.probe.outermost = None
+        model = self._model()
+        if model is not None and self._compiled_call is not None:
+            timed, own = self._compiled_call
+            if model.__dict__.get("_compiled_call_impl") is timed:
+                model._compiled_call_impl = own
+        self._finalizer()  # runs _forget once, now or never again
 
 
-def _same(value: Any) -> Any:
-    return value
-
-
-class _ForwardHandle:
-    """Takes a model's TimedForward back out, restoring what forward was before."""
-
-    def __init__(self, model: Any, timed: TimedForward, had_own_forward: bool):
-        self._model, self._timed, self._had_own_forward = model, timed, had_own_forward
-
-    def remove(self) -> None:
-        if self._model.__dict__.get("forward") is not self._timed:
-            return  # someone wrapped it again since: leave their wrapper alone
-        if self._had_own_forward:
-            self._model.forward = self._timed.__wrapped__
+def _forget(model_id: int, cls: type) -> None:
+    if _models.pop(model_id, None) is None:
+        return
+    entry = _patched_classes.get(cls)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] == 0:
+        del _patched_classes[cls]
+        attribute = _call_attribute()
+        if entry[0] is _ABSENT:
+            delattr(cls, attribute)
         else:
-            del self._model.forward
+            setattr(cls, attribute, entry[0])
 
 
 def hook_model(probe: StepProbe, model: Any) -> List[Any]:
     """Time the outermost call of this model as forward and count the samples it is given."""
     import torch
 
-    had_own_forward = "forward" in model.__dict__  # e.g. Accelerate's autocast wrapper
-    timed = TimedForward(probe, model.forward, torch.Tensor)
-    model.forward = timed
+    if id(model) in _models:
+        return []
+    cls = type(model)
+    attribute = _call_attribute()
+    entry = _patched_classes.get(cls)
+    if not _patched_classes:
+        _run_bookkeeping_eagerly()
+    if entry is None:
+        entry = _patched_classes[cls] = [cls.__dict__.get(attribute, _ABSENT), 0]
+        inherited = getattr(cls, attribute)
+        inherited = getattr(inherited, "traceml_original", inherited)  # not a first-call wait
+        setattr(cls, attribute, _timed_call(inherited, torch.Tensor, _compiling()))
+    entry[1] += 1
+    _models[id(model)] = _TracedModel(probe)
     _time_ddp_collectives(probe, model)
-    return [_ForwardHandle(model, timed, had_own_forward)]
+    return [_ModelHandle(model, _time_compiled_call(model, torch.Tensor))]
+
+
+def _time_compiled_call(model: Any, tensor_type: type) -> Any:
+    """model.compile() before TraceML saw the model: nn.Module calls the compiled call it keeps
+    on the instance, never the class's call method. Timed there instead (torch drops that
+    attribute from pickles and copies, so it stays invisible). Returns (timed, its own)."""
+    own = model.__dict__.get("_compiled_call_impl")
+    if own is None:
+        return None
+    timed = _timed_call(lambda _model, *args, **kwargs: own(*args, **kwargs), tensor_type,
+                        _compiling()).__get__(model)
+    model._compiled_call_impl = timed
+    return timed, own
+
+
+def on_first_module_call(start: Callable[[Any], None],
+                         wanted: Callable[[Any], bool] = lambda module: True) -> None:
+    """Call start(module) at the first call of a module that `wanted` accepts, then step aside.
+
+    For steps inferred without a model given (zero-code mode, the Trace API, Lightning): the
+    model to time, and its device, are learned from the first call. Until then nn.Module's own
+    call method is replaced (not a global hook, which torch.compile warns about); it is
+    restored before start() runs, so whatever start() patches wraps the original. In a forked
+    DataLoader worker it is only restored; code that dynamo traces calls straight through.
+    One such wait at a time: a new one replaces the one before.
+    """
+    from torch.nn import Module
+
+    disarm_first_call()
+    attribute = _call_attribute()
+    original = Module.__dict__[attribute]
+    is_compiling = _compiling()
+    process = os.getpid()
+    passed: dict = {}  # id -> weakref of each module `wanted` turned down: asked once, not per call
+
+    def first_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_compiling() or Module.__dict__.get(attribute) is not first_call:
+            return original(self, *args, **kwargs)
+        known = passed.get(id(self))
+        if known is not None and known() is self:
+            return original(self, *args, **kwargs)
+        if os.getpid() != process:
+            disarm_first_call()
+            return original(self, *args, **kwargs)
+        try:
+            accepted = wanted(self)
+        except Exception:  # a module that cannot say what it holds is not the model
+            accepted = False
+        if not accepted:
+            passed[id(self)] = weakref.ref(self)
+            return original(self, *args, **kwargs)
+        disarm_first_call()
+        try:
+            start(self)
+        except Exception:
+            log.warning("traceml: could not start tracing at the first module call; "
+                        "the script runs untraced", exc_info=True)
+        return getattr(type(self), attribute)(self, *args, **kwargs)  # timed, if start() hooked it
+
+    first_call.traceml_original = original  # type: ignore[attr-defined]
+    _run_eagerly_under_dynamo(first_call)
+    for bookkeeping in (start, wanted, disarm_first_call):  # the model's first call is compiled
+        _run_eagerly_under_dynamo(bookkeeping, callees_too=True)
+    setattr(Module, attribute, first_call)
+    _armed.append(lambda: setattr(Module, attribute, original))
+
+
+_armed: List[Callable[[], None]] = []  # how to restore nn.Module while a first call is awaited
+
+
+def disarm_first_call() -> None:
+    """Stop waiting for a first module call (an explicit trace_step decides, or detach)."""
+    while _armed:
+        _armed.pop()()
+
+
+def trainable(module: Any) -> bool:
+    """A module that holds a parameter to train (not a loss, an activation or a frozen net)."""
+    return any(parameter.requires_grad for parameter in module.parameters())
+
+
+def owner_of(parameter_ids: set) -> Callable[[Any], bool]:
+    """Accepts a module holding any of these parameters (by id)."""
+    return lambda module: any(id(parameter) in parameter_ids for parameter in module.parameters())
 
 
 def _time_ddp_collectives(probe: StepProbe, model: Any) -> None:

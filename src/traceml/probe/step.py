@@ -21,15 +21,13 @@ import time
 import weakref
 from typing import Any, List, Optional, Tuple
 
-from traceml.records import RankHello, StepRecord
+from traceml.records import (STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP,
+                             RankHello, StepRecord)
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
 
 _GC_ZEROS = (0, 0, 0, 0, 0, 0, 0)
-# How steps are found (summary steps.found_by).
-STEPS_FROM_TRACE_STEP = "trace_step"
-STEPS_FROM_OPTIMIZER = "optimizer.step() (inferred)"
 _NOT_A_STEP = RuntimeError("not a step")  # ends an inferred step without a record
 # Phase slots in the probe's accumulators; the order matches the StepRecord fields.
 H2D, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
@@ -48,7 +46,8 @@ class StepProbe:
                  "input_wait_inside_ns", "forward_calls", "samples", "input_wait_gap_ns", "_gc",
                  "_gc_start_ns", "_closed", "comm_timed", "_comm_wait_ns",
                  "_bucket_ready_ns", "_bucket_event", "layers", "failed_phase", "auto_steps",
-                 "spans", "outermost", "_step_optimizer", "counting_input", "steps_from",
+                 "spans", "_backward_ends_steps", "_step_optimizer", "_last_optimizer",
+                 "_turn_known", "_optimizers_seen", "counting_input", "steps_from",
                  "_grad_enabled", "tokens", "real_tokens", "token_copies")
 
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
@@ -98,11 +97,15 @@ class StepProbe:
         self._bucket_event: Any = None
         self.layers: Any = None  # a LayerProbe under deep-dive (trace_model_instance)
         self.failed_phase = NO_PHASE  # the phase an exception left through, for an OOM report
-        # No trace_step in the loop (the Trace API): a step starts at its first phase and ends
-        # when the optimizer steps. An explicit trace_step turns this off for good.
+        # No trace_step in the loop (zero-code mode, the Trace API): a step starts at its first
+        # phase and ends when the optimizer steps, or, in a loop that no torch.optim optimizer
+        # updates, when backward returns. An explicit trace_step turns this off for good.
         self.auto_steps = False
-        self.outermost: Any = None  # OutermostModules while the model to time is not yet known
         self._step_optimizer: Optional[int] = None  # id() of the optimizer whose step ends a step
+        self._last_optimizer: Optional[int] = None  # id() of the optimizer that stepped last
+        self._turn_known = False  # whether the optimizer ending steps is the last of a turn
+        self._backward_ends_steps: Optional[bool] = None  # decided at the first backward
+        self._optimizers_seen: set = set()  # id() of each optimizer whose model is timed
         self.steps_from = STEPS_FROM_TRACE_STEP  # how steps are found, for the card
         self._grad_enabled: Any = lambda: True  # torch.is_grad_enabled, once torch is here
         # False while an integration runs evaluation: loader waits then are not input wait.
@@ -242,8 +245,9 @@ class StepProbe:
 
     def finish(self) -> None:
         """At the end of the run: the last closed step's window ends where the step ended."""
-        if self.auto_steps and self.in_step:  # the loop ended inside an inferred step: close it
-            self.exit(None)
+        if self.auto_steps and self.in_step:
+            # Work after the last update (or a run that never updated): not a step.
+            self.exit(failed=_NOT_A_STEP)
         if self.layers is not None:
             self.layers.report()
         self.flush_spans()
@@ -301,15 +305,42 @@ class StepProbe:
                 self._bucket_event = None
 
     def optimizer_stepped(self, optimizer: Any) -> None:
-        """Inferred steps: the update that ends a step. With several optimizers (a GAN), the
-        first one seen stepping marks the step; the others' time is optimizer time within it."""
-        if self.outermost is not None:  # the first step: now the model to time is known
-            self.outermost.settle(optimizer)
+        """Inferred steps: the update that ends a step. With several optimizers stepping in
+        turn (a GAN's discriminator, then its generator), a step is one turn of them all: the
+        first one seen stepping ends the first step, and once it comes round again the one that
+        stepped just before it, the last of the turn, ends the steps. The forward of each
+        optimizer's model is forward."""
+        optimizer_id, last_id = id(optimizer), self._last_optimizer
+        self._last_optimizer = optimizer_id
+        if optimizer_id not in self._optimizers_seen:
+            self._optimizers_seen.add(optimizer_id)
+            _time_the_model_of(optimizer)
         if self._step_optimizer is None:
-            self._step_optimizer = id(optimizer)
-        elif id(optimizer) != self._step_optimizer:
+            self._step_optimizer = optimizer_id
+            if self._backward_ends_steps:  # the optimizer came late: it decides from now on
+                self.set_steps_from(STEPS_FROM_OPTIMIZER)
+            self._backward_ends_steps = False
+        elif optimizer_id != self._step_optimizer:
             return
+        elif not self._turn_known:  # the first optimizer comes round again: the turn is known
+            self._turn_known = True
+            if last_id != optimizer_id:
+                self._step_optimizer = last_id  # another stepped since: it ends the turn
+                return
         if self.in_step and self.open_phase == NO_PHASE:
+            self.exit(None)
+
+    def backward_returned(self) -> None:
+        """Inferred steps in a loop that no torch.optim optimizer updates (manual SGD, a custom
+        update): each top-level backward ends a step. Decided at the first backward: when no
+        optimizer has been made by then, backward ends steps until an optimizer steps."""
+        if self._step_optimizer is not None or self.open_phase != NO_PHASE or not self.in_step:
+            return
+        if self._backward_ends_steps is None:
+            self._backward_ends_steps = not _any_optimizer_made()
+            if self._backward_ends_steps:
+                self.set_steps_from(STEPS_FROM_BACKWARD)
+        if self._backward_ends_steps:
             self.exit(None)
 
     def stop_inferring_steps(self) -> None:
@@ -317,8 +348,9 @@ class StepProbe:
         so far, not yet ended by an optimizer step (a forward before the loop), is dropped."""
         self.auto_steps = False
         self.set_steps_from(STEPS_FROM_TRACE_STEP)
-        if self.outermost is not None:
-            self.outermost.remove()
+        from traceml.probe.phases import disarm_first_call
+
+        disarm_first_call()
         if self.in_step:
             self.exit(failed=_NOT_A_STEP)
 
@@ -534,10 +566,39 @@ def _hook(model: Any) -> None:
 
 
 def hook_inferred_model(model: Any) -> None:
-    """Steps inferred: the model found at the first optimizer step (phases.OutermostModules)."""
+    """Steps inferred: time this model, found at its first call (phases.on_first_module_call)."""
     with _lock:
         if _probe is not None and model not in _hooked_models:
             _hook(model)
+
+
+def _time_the_model_of(optimizer: Any) -> None:
+    """At an optimizer's first step: when no traced model holds its parameters (the first
+    module called was another one: a GAN's discriminator, say, for the generator's optimizer),
+    the next module called that holds them is timed as forward too."""
+    try:
+        owned = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        if any(id(parameter) in owned for model in list(_hooked_models) for parameter in model.parameters()):
+            return
+        from traceml.probe.phases import on_first_module_call, owner_of
+
+        on_first_module_call(hook_inferred_model, wanted=owner_of(owned))
+    except Exception:  # inside the user's optimizer.step(): a fault costs this model's forward only
+        log.debug("traceml: the model of an optimizer is not timed", exc_info=True)
+
+
+def _any_optimizer_made() -> bool:
+    """Whether this process has made a torch.optim optimizer: making one marks its class's
+    step() as hooked (torch's own profiling wrapper), so no instance needs to be found."""
+    from torch.optim import Optimizer
+
+    classes = [Optimizer]
+    while classes:
+        cls = classes.pop()
+        if getattr(cls.step, "hooked", False):
+            return True
+        classes.extend(cls.__subclasses__())
+    return False
 
 
 def infer_steps(web_port: Optional[int] = None, run_name: Optional[str] = None,
@@ -564,10 +625,10 @@ def infer_steps(web_port: Optional[int] = None, run_name: Optional[str] = None,
                 _probe.set_steps_from(steps_from)
                 if not _probe.auto_steps:
                     _probe.auto_steps = True
-                    if not _hooked_models:
-                        from traceml.probe.phases import OutermostModules
+                    if not _hooked_models:  # the model is the first one called with parameters to train
+                        from traceml.probe.phases import on_first_module_call, trainable
 
-                        OutermostModules(_probe).install()
+                        on_first_module_call(hook_inferred_model, wanted=trainable)
         return _probe
     except Exception:
         _disable("step inference setup")

@@ -3,10 +3,10 @@ imports traceml is still traced, with steps inferred from `optimizer.step()`.
 
     python -m traceml.probe.zero_code train.py --its --args
 
-Nothing is made until the script's first module call: the probe must know the model's device
-(CUDA events or the host clock) and the script may still call trace_step itself, which then
-decides the steps as usual. Until that first call a one-shot process-wide forward pre-hook is
-all there is.
+Nothing is made until the script first calls a module with parameters to train: that module
+is the model, its device says CUDA events or the host clock, and the script may still call
+trace_step itself, which then decides the steps as usual. Until that call nn.Module's call
+method waits for it (phases.on_first_module_call), and that is all there is.
 """
 from __future__ import annotations
 
@@ -19,41 +19,44 @@ from typing import Any, List
 log = logging.getLogger("traceml")
 
 
-def _start_at_first_forward() -> None:
-    from torch.nn.modules import module as nn_module
+def _start_at_first_module_call() -> None:
+    from traceml.probe import phases, step
 
-    handles: List[Any] = []
+    def start(module: Any) -> None:
+        if step._probe is None:  # else trace_step came first: the script traces itself
+            step.infer_steps(device_of=module, model=module)
 
-    def first_forward(module: Any, args: Any) -> None:
-        for handle in handles:
-            handle.remove()
-        handles.clear()
-        try:
-            from traceml.probe import step
-
-            if step._probe is not None:  # trace_step came first: the script traces itself
-                return
-            device_of = module if next(module.parameters(), None) is not None else None
-            probe = step.infer_steps(device_of=device_of)
-            if probe is not None and probe.outermost is not None:
-                probe.outermost._before(module, args)  # this very call is the first forward
-        except Exception:
-            log.warning("traceml: could not start tracing; the script runs untraced", exc_info=True)
-
-    handles.append(nn_module.register_module_forward_pre_hook(first_forward))
+    phases.on_first_module_call(start, wanted=phases.trainable)
 
 
 def main(argv: List[str]) -> None:
     if not argv:
         sys.exit("usage: python -m traceml.probe.zero_code SCRIPT [ARGS ...]")
-    script = argv[0]
+    script = os.path.abspath(argv[0])  # the script's __file__ and frames, as under `python`
     sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` would
+    sys.path[0] = os.path.dirname(script)  # as `python script.py` would
     try:
-        _start_at_first_forward()
-    except Exception:  # no torch, or a torch without global hooks: the script runs untraced
+        _start_at_first_module_call()
+    except Exception:  # no torch: the script runs untraced
         log.warning("traceml: zero-code tracing unavailable", exc_info=True)
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as error:
+        # The traceback `python script.py` would print: from the script's own frame, without
+        # this module's and runpy's above it. Then exit 1, as an uncaught exception does.
+        error.with_traceback(_from_frame_of(script, error.__traceback__))  # what is printed
+        sys.excepthook(type(error), error, error.__traceback__)
+        sys.exit(1)
+
+
+def _from_frame_of(script: str, traceback: Any) -> Any:
+    """The traceback from the first frame running the script's code (all of it if none does)."""
+    frame = traceback
+    while frame is not None and frame.tb_frame.f_code.co_filename != script:
+        frame = frame.tb_next
+    return frame if frame is not None else traceback
 
 
 if __name__ == "__main__":
