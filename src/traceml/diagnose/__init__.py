@@ -21,16 +21,18 @@ SEVERITY_ORDER = {"crit": 0, "warn": 1, "info": 2}
 def diagnose(window: Window, steps_seen: int, ranks: Optional[List[dict]] = None,
              limits: Optional[MemoryLimits] = None, peak_device_bytes: Optional[int] = None,
              peak_rss_bytes: Optional[int] = None, oom: Optional[OomRecord] = None,
-             layers_alive: Optional[List[dict]] = None) -> List[Finding]:
+             layers_alive: Optional[List[dict]] = None,
+             steps_found_by: Optional[str] = None) -> List[Finding]:
     """Every finding for this window, most severe and most costly first.
 
     ranks: per-rank medians (rollup.rank_medians) when there are several; limits and peaks:
-    what memory there is and what the run reached; oom: the step that ran out of memory.
+    what memory there is and what the run reached; oom: the step that ran out of memory;
+    steps_found_by: how steps were found (records.STEPS_FROM_*), for a run that found none.
     """
     limits = limits or MemoryLimits()
     findings: List[Finding] = [out_of_memory(oom, limits)] if oom is not None else []
     if steps_seen < MIN_STEPS:
-        return findings + [insufficient_data(steps_seen)]
+        return findings + [insufficient_data(steps_seen, steps_found_by)]
     findings += [finding for rule in RULES if (finding := rule(window)) is not None]
     found = [step_spikes(window), memory_creep(window, limits, layers_alive)]
     if oom is None:  # the post-mortem already says how full memory was

@@ -5,7 +5,7 @@ import statistics
 from typing import Callable, List, Optional
 
 from traceml.collector.rollup import Window
-from traceml.records import COMPUTE_PHASES, Finding
+from traceml.records import COMPUTE_PHASES, STEPS_FROM_TRACE_STEP, Finding
 
 MIN_STEPS = 10
 WAIT_WARN_SHARE = 0.10  # input wait or H2D at this share of step time: warn
@@ -36,7 +36,16 @@ def _of_step(what: str, share: float, phase_ms: float, window: Window) -> str:
     return f"{what} is {share:.0%} of the step: {phase_ms:.1f} ms of {window.step_mean_ms:.1f} ms"
 
 
-def insufficient_data(steps_seen: int) -> Finding:
+def insufficient_data(steps_seen: int, steps_found_by: Optional[str] = None) -> Finding:
+    if steps_seen == 0 and steps_found_by != STEPS_FROM_TRACE_STEP:
+        # Steps were to be inferred and none were: say so, never "run longer".
+        return Finding(
+            kind="INSUFFICIENT_DATA", severity="info",
+            summary="no training steps found: no optimizer.step() and no backward() ran while "
+                    "TraceML watched",
+            action="Mark the steps with one line around the body of the training loop: "
+                   "`with traceml.trace_step(model):`",
+            evidence={"steps": 0, "min_steps": MIN_STEPS, "found_by": steps_found_by})
     return Finding(
         kind="INSUFFICIENT_DATA", severity="info",
         summary=f"only {steps_seen} steps recorded; at least {MIN_STEPS} are needed for a verdict",

@@ -77,11 +77,13 @@ class RunData:
         self.layer_report = reports[0] if reports else None  # rank 0's, or the first rank's
         self.layers = layer_rows(self.layer_report)
         self.limits = MemoryLimits.of_run(self.hellos, self.samples[-1] if self.samples else None)
+        self.found_by = _steps_found_by(self)
         self.findings: List[Finding] = diagnose(
             self.window, steps_seen=len(self.rolled), ranks=self.ranks if len(self.ranks) > 1 else None,
             limits=self.limits, peak_device_bytes=max_present(s.device_peak_bytes for s in self.rolled),
             peak_rss_bytes=max_present(s.host_rss_bytes for s in self.rolled),
-            oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive())
+            oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive(),
+            steps_found_by=self.found_by)
 
     def _exact_rank_counts(self, store: Store) -> None:
         """Sampled records give the medians; each rank's step count and last step (which say
@@ -154,7 +156,7 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
             "measured": len(window),
             "records_dropped": sum(end.records_dropped for end in data.ends),
             "device_timed": any(s.device_timed for s in window.steps),
-            "found_by": _steps_found_by(data),
+            "found_by": data.found_by,
             "rank_figures_every_n_steps": data.rank_sample_every,
         },
         "phases": phases,
@@ -346,14 +348,18 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
                          f"{run['world_size']}  ·  {', '.join(run['devices']) or 'cpu'}{exit_note}")
     samples_per_s = throughput["samples_per_s"]
     found_by = f", found by {steps['found_by']}" if steps.get("found_by") else ""
-    facts.add_row("Steps", f"{steps['count']} ({steps['warmup_excluded']} warm-up excluded{found_by})  ·  "
-                           f"{throughput['steps_per_s']:.2f} steps/s  ·  "
-                           + (f"{samples_per_s:,.1f} samples/s" if samples_per_s else "samples/s n/a")
-                           + _tokens_text(throughput) + _flops_text(throughput))
-    step = phases["step"]
-    facts.add_row("Step time", f"median {step['median_ms']:.1f} ms  ·  p90 {step['p90_ms']:.1f} ms")
+    if steps["count"]:
+        facts.add_row("Steps", f"{steps['count']} ({steps['warmup_excluded']} warm-up excluded{found_by})  ·  "
+                               f"{throughput['steps_per_s']:.2f} steps/s  ·  "
+                               + (f"{samples_per_s:,.1f} samples/s" if samples_per_s else "samples/s n/a")
+                               + _tokens_text(throughput) + _flops_text(throughput))
+        step = phases["step"]
+        facts.add_row("Step time", f"median {step['median_ms']:.1f} ms  ·  p90 {step['p90_ms']:.1f} ms")
+    else:  # nothing to break down: the verdict below says why and what to add
+        facts.add_row("Steps", "none found")
     facts.add_row("System", _system_line(system))
-    facts.add_row("Memory", _memory_line(memory))
+    if steps["count"]:
+        facts.add_row("Memory", _memory_line(memory))
     for missing in summary["missing_ranks"]:
         facts.add_row("Missing", f"[bold red]rank {missing['rank']} from step {missing['from_step']}[/]"
                                  " (stopped reporting without a goodbye: died or killed)")
@@ -373,7 +379,7 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
         table.add_row(PHASE_LABELS[name], f"{stats['median_ms']:.2f}", f"{stats['mean_ms']:.2f}",
                       f"{stats['share']:.1%}", Text(bar, style="cyan"))
 
-    parts = [facts, table]
+    parts = [facts, table] if steps["count"] else [facts]
     if run["world_size"] > 1 and summary["rank_spread"]:
         parts.append(_rank_table(summary))
     if summary["layers"]:
