@@ -27,6 +27,7 @@ def main():
     parser.add_argument("--collate-ms", type=float, default=0.0, help="sleep per batch in collate")
     parser.add_argument("--eval-every", type=int, default=0, help="evaluate every N updates")
     parser.add_argument("--output-dir", default="hf_out")
+    parser.add_argument("--save", help="save the trained model here (save_model and torch.save)")
     args = parser.parse_args()
 
     config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2)
@@ -65,6 +66,9 @@ def main():
         trainer = Trainer(**kwargs)
     trainer.train()
     print("trained", trainer.state.global_step, "updates")
+    if args.save:
+        trainer.save_model(args.save)
+        torch.save(model, f"{args.save}/model.pt")
 
 
 if __name__ == "__main__":

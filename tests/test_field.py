@@ -1,0 +1,161 @@
+"""The field corpus: training scripts in the shapes real loops take (tests/field/, and the
+trainer scripts), each run plain and under TraceML. TraceML must be invisible in them: the same
+exit code, the same output (times aside), byte-identical files, and one step per update."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPTS, Run, _env
+
+FIELD = Path(__file__).parent / "field"
+CARD_TOP = "╭─ TraceML"
+SAVED_LINE = re.compile(r"^traceml: run saved to .*\n", re.MULTILINE)
+# What a script prints that is a time, and so differs from one run to the next.
+TIMES = (re.compile(r"\d+(\.\d+)?(\s?(ms|s|it/s|s/it)\b)"), re.compile(r"ms/batch\s+[\d.]+"),
+         re.compile(r"'(train_runtime|train_samples_per_second|train_steps_per_second)': '[\d.]+'"),
+         re.compile(r"\[\d\d:\d\d<\d\d:\d\d"))
+
+
+def masked(text):
+    for pattern in TIMES:
+        text = pattern.sub("<time>", text)
+    return text
+
+
+def start(command, cwd):
+    cwd.mkdir(parents=True, exist_ok=True)
+    # Hash randomisation off: some libraries pickle a str hash (Hugging Face's GenerationConfig).
+    return subprocess.Popen(command, cwd=cwd, env=dict(_env(), PYTHONHASHSEED="0"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process, timeout=240):
+    stdout, stderr = process.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def side_by_side(tmp_path, plain_command, traced_command):
+    """Run both at once (the machine has two cores): plain in tmp/plain, traced in tmp/traced."""
+    plain = start(plain_command, tmp_path / "plain")
+    traced = start(traced_command, tmp_path / "traced")
+    return finish(plain), Run(finish(traced), tmp_path / "traced" / "run")
+
+
+def traceml_run(script, *args, traceml_args=()):
+    return [sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir", "run",
+            *traceml_args, str(script), *args]
+
+
+def assert_invisible(plain, traced, plain_dir, traced_dir):
+    """Same exit code and output; the traced run's card and one line after the script's own."""
+    assert traced.returncode == plain.returncode == 0, traced.stderr[-3000:]
+    script_stdout, card_top, card = traced.stdout.partition(CARD_TOP)
+    assert card_top, traced.stdout[-2000:]  # the card came, after the script's own output
+    assert masked(script_stdout) == masked(plain.stdout)
+    assert len(SAVED_LINE.findall(traced.stderr)) == 1
+    assert masked(SAVED_LINE.sub("", traced.stderr)) == masked(plain.stderr)
+    plain_files = sorted(p.relative_to(plain_dir) for p in plain_dir.rglob("*") if p.is_file())
+    traced_files = sorted(p.relative_to(traced_dir) for p in traced_dir.rglob("*") if p.is_file())
+    assert plain_files and traced_files == plain_files
+    for name in plain_files:
+        assert (traced_dir / name).read_bytes() == (plain_dir / name).read_bytes(), name
+
+
+def updates_printed(stdout):
+    return int(re.search(r"^updates (\d+)$", stdout, re.MULTILINE).group(1))
+
+
+@pytest.mark.parametrize("script, args, found_by", [
+    pytest.param("gpt_memmap.py", [], "optimizer.step() (inferred)", id="gpt-memmap-accumulate-gradscaler-eval"),
+    pytest.param("lstm_bptt.py", [], "backward() (inferred)", id="lstm-bptt-manual-sgd-save-model"),
+    pytest.param("lstm_bptt.py", ["--use-optimizer", "--tied"], "optimizer.step() (inferred)",
+                 id="lstm-bptt-sgd-tied"),
+    pytest.param("gan.py", [], "optimizer.step() (inferred)", id="gan-two-optimizers"),
+    pytest.param("compiled_ema.py", ["--backend", "aot_eager"], "optimizer.step() (inferred)",
+                 id="compiled-ema-scheduler-tied"),
+    pytest.param("moved_model.py", ["--how", "late-to"], "optimizer.step() (inferred)", id="late-model-to"),
+    pytest.param("moved_model.py", ["--how", "own-forward"], "optimizer.step() (inferred)",
+                 id="replaced-forward"),
+])
+def test_a_field_script_runs_as_it_would_without_traceml(tmp_path, script, args, found_by):
+    plain, traced = side_by_side(tmp_path, [sys.executable, str(FIELD / script), "--out", "out", *args],
+                                 traceml_run(FIELD / script, "--out", "out", *args))
+    assert_invisible(plain, traced, tmp_path / "plain" / "out", tmp_path / "traced" / "out")
+    steps = traced.summary()["steps"]
+    assert steps["count"] == updates_printed(plain.stdout)
+    assert steps["found_by"] == found_by
+    assert f"found by {found_by}" in traced.stdout
+
+
+@pytest.fixture(scope="module")
+def every_style_plain(tmp_path_factory):
+    """every_style.py run once plain, for each traced way to compare with."""
+    where = tmp_path_factory.mktemp("every_style") / "plain"
+    return finish(start([sys.executable, str(FIELD / "every_style.py"), "--out", "out"], where)), where
+
+
+@pytest.mark.parametrize("how, launcher", [
+    ("trace_step", "python"), ("deep", "python"), ("trace_api", "python"),
+    ("plain", "traceml run"), ("plain", "traceml run --deep")])
+def test_every_way_of_tracing_leaves_the_model_as_it_was(tmp_path, every_style_plain, how, launcher):
+    plain, plain_dir = every_style_plain
+    script_args = [str(FIELD / "every_style.py"), "--out", "out", "--how", how]
+    if launcher == "python":
+        command = [sys.executable, *script_args]
+    else:
+        command = traceml_run(*script_args, traceml_args=["--deep"] if "--deep" in launcher else [])
+    traced = Run(finish(start(command, tmp_path)), tmp_path / "run")
+    if launcher == "python":  # plain python: the card at exit, the run under ./traceml_runs
+        (traced.run_dir,) = (tmp_path / "traceml_runs").iterdir()
+    assert_invisible(plain, traced.process, plain_dir / "out", tmp_path / "out")
+    assert "'__main__.Classifier'" in plain.stdout and "traceml" not in plain.stdout
+    assert traced.summary()["steps"]["count"] == updates_printed(plain.stdout)
+
+
+def test_hugging_face_trainer_saves_the_same_model(tmp_path):
+    pytest.importorskip("transformers")
+    args = ["--max-steps", "10", "--accumulate", "2", "--save", "saved"]
+    plain, traced = side_by_side(tmp_path, [sys.executable, str(SCRIPTS / "hf_trainer.py"), "--how", "none", *args],
+                                 traceml_run(SCRIPTS / "hf_trainer.py", "--how", "callback", *args))
+    assert_invisible(plain, traced, tmp_path / "plain" / "saved", tmp_path / "traced" / "saved")
+    assert traced.summary()["steps"]["count"] == 10
+
+
+def test_lightning_fit_saves_the_same_model(tmp_path):
+    pytest.importorskip("lightning")
+    args = ["--steps", "30", "--val-sample-ms", "0"]
+    plain, traced = side_by_side(
+        tmp_path, [sys.executable, str(SCRIPTS / "lightning_fit.py"), "--untraced", *args, "--save", "saved/model.pt"],
+        traceml_run(SCRIPTS / "lightning_fit.py", *args, "--save", "saved/model.pt"))
+    assert_invisible(plain, traced, tmp_path / "plain" / "saved", tmp_path / "traced" / "saved")
+    assert traced.summary()["steps"]["count"] == 30
+
+
+def test_a_loop_whose_steps_cannot_be_found_says_so_in_one_line(tmp_path):
+    plain, traced = side_by_side(tmp_path, [sys.executable, str(FIELD / "grad_only.py"), "--out", "out"],
+                                 traceml_run(FIELD / "grad_only.py", "--out", "out"))
+    assert_invisible(plain, traced, tmp_path / "plain" / "out", tmp_path / "traced" / "out")
+    summary = traced.summary()
+    assert summary["steps"]["count"] == 0  # not the whole run presented as one step
+    primary = summary["primary_diagnosis"]
+    assert primary["kind"] == "INSUFFICIENT_DATA"
+    assert primary["summary"].startswith("no training steps found")
+    assert "`with traceml.trace_step(model):`" in primary["action"]
+    card = (traced.run_dir / "final_summary.txt").read_text()
+    assert "Steps     none found" in card or "Steps   none found" in card
+    assert "Run longer" not in card and "phase" not in card  # no empty breakdown
+
+
+def test_a_zero_code_script_that_raises_prints_its_own_traceback(tmp_path):
+    args = ["--out", "out", "--fail-at", "7"]
+    plain, traced = side_by_side(tmp_path, [sys.executable, str(FIELD / "gan.py"), *args],
+                                 traceml_run(FIELD / "gan.py", *args))
+    assert plain.returncode == traced.returncode == 1
+    assert "RuntimeError: the discriminator diverged at iteration 7" in plain.stderr
+    assert SAVED_LINE.sub("", traced.stderr) == plain.stderr  # no frame of TraceML's, no runpy
+    assert traced.stdout.startswith(plain.stdout)
+    assert traced.summary()["steps"]["count"] == 7  # the steps before the failing one
