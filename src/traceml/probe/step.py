@@ -47,7 +47,7 @@ class StepProbe:
                  "_gc_start_ns", "_closed", "comm_timed", "_comm_wait_ns",
                  "_bucket_ready_ns", "_bucket_event", "layers", "failed_phase", "auto_steps",
                  "spans", "_backward_ends_steps", "_step_optimizer", "_last_optimizer",
-                 "_turn_known", "_optimizers_seen", "counting_input", "steps_from",
+                 "_turn_known", "_optimizers_seen", "_model_wait_ends", "counting_input", "steps_from",
                  "_grad_enabled", "tokens", "real_tokens", "token_copies")
 
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
@@ -106,6 +106,7 @@ class StepProbe:
         self._turn_known = False  # whether the optimizer ending steps is the last of a turn
         self._backward_ends_steps: Optional[bool] = None  # decided at the first backward
         self._optimizers_seen: set = set()  # id() of each optimizer whose model is timed
+        self._model_wait_ends: Optional[int] = None  # the step after which a model is no longer awaited
         self.steps_from = STEPS_FROM_TRACE_STEP  # how steps are found, for the card
         self._grad_enabled: Any = lambda: True  # torch.is_grad_enabled, once torch is here
         # False while an integration runs evaluation: loader waits then are not input wait.
@@ -314,7 +315,15 @@ class StepProbe:
         self._last_optimizer = optimizer_id
         if optimizer_id not in self._optimizers_seen:
             self._optimizers_seen.add(optimizer_id)
-            _time_the_model_of(optimizer)
+            if _time_the_model_of(optimizer):
+                self._model_wait_ends = self.step_index + 2
+        elif self._model_wait_ends is not None and self.step_index > self._model_wait_ends:
+            # Parameters no module called holds (a free-standing nn.Parameter): stop waiting,
+            # since the wait costs every module call a little.
+            from traceml.probe.phases import disarm_first_call
+
+            disarm_first_call()
+            self._model_wait_ends = None
         if self._step_optimizer is None:
             self._step_optimizer = optimizer_id
             if self._backward_ends_steps:  # the optimizer came late: it decides from now on
@@ -572,19 +581,24 @@ def hook_inferred_model(model: Any) -> None:
             _hook(model)
 
 
-def _time_the_model_of(optimizer: Any) -> None:
-    """At an optimizer's first step: when no traced model holds its parameters (the first
-    module called was another one: a GAN's discriminator, say, for the generator's optimizer),
-    the next module called that holds them is timed as forward too."""
+def _time_the_model_of(optimizer: Any) -> bool:
+    """At an optimizer's first step: when traced models do not hold all its parameters (the
+    first module called was another one: a GAN's discriminator, say, for the generator's
+    optimizer, or an encoder beside its decoder), the next module called that holds the others
+    is timed as forward too. True when such a module is now awaited."""
     try:
-        owned = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
-        if any(id(parameter) in owned for model in list(_hooked_models) for parameter in model.parameters()):
-            return
+        untraced = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        for model in list(_hooked_models):
+            untraced.difference_update(id(parameter) for parameter in model.parameters())
+        if not untraced:
+            return False
         from traceml.probe.phases import on_first_module_call, owner_of
 
-        on_first_module_call(hook_inferred_model, wanted=owner_of(owned))
+        on_first_module_call(hook_inferred_model, wanted=owner_of(untraced))
+        return True
     except Exception:  # inside the user's optimizer.step(): a fault costs this model's forward only
         log.debug("traceml: the model of an optimizer is not timed", exc_info=True)
+        return False
 
 
 def _any_optimizer_made() -> bool:
