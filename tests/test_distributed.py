@@ -37,6 +37,8 @@ def test_balanced_ranks_have_no_straggler(traceml_run):
     assert {row["rank"] for row in run.step_rows()} == {0, 1}
     assert "across ranks" in run.stdout and "worst rank" in run.stdout
     assert run.stdout.count("TraceML ·") == 1  # one card for the run, not one per rank
+    # The comm hook that times collective wait lives in DDP's reducer, not on the wrapper.
+    assert "rank 0 saved the DDP model, traceml in it: False" in run.stdout
 
 
 def test_rank_with_a_slow_dataset_is_an_input_straggler(traceml_run):

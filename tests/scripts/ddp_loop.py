@@ -1,5 +1,6 @@
 """A real DDP training loop (gloo, CPU) the distributed tests run, one rank slowed on request."""
 import argparse
+import io
 import os
 import signal
 import time
@@ -57,6 +58,10 @@ def main():
             loss.backward()
             optimizer.step()
     print(f"rank {rank} trained {step + 1} steps", flush=True)
+    if rank == 0:  # the wrapper pickles as it would untraced, and names no traceml
+        saved = io.BytesIO()
+        torch.save(model, saved)
+        print(f"rank 0 saved the DDP model, traceml in it: {b'traceml' in saved.getvalue()}", flush=True)
     # Both ranks done before either tears down gloo: a rank that leaves while the other is
     # still in its last all-reduce can abort it ("terminate called without an active exception").
     dist.barrier()

@@ -446,6 +446,11 @@ def _time_ddp_collectives(probe: StepProbe, model: Any) -> None:
     except Exception as exc:
         log.info("traceml: DDP collective wait not measured (%s)", exc)
         return
+    # DDP's reducer keeps the hook; the wrapper's own list would carry it into a pickle of the
+    # user's model (and fail there: it is a local function). Left as the user made it.
+    own_hooks = model.__dict__.get("_comm_hooks")
+    if own_hooks and own_hooks[-1][0] is timed_allreduce:
+        own_hooks.pop()
     probe.comm_timed = True
 
 
