@@ -29,8 +29,11 @@ def masked(text):
 def start(command, cwd):
     cwd.mkdir(parents=True, exist_ok=True)
     # Hash randomisation off: some libraries pickle a str hash (Hugging Face's GenerationConfig).
-    return subprocess.Popen(command, cwd=cwd, env=dict(_env(), PYTHONHASHSEED="0"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # One intra-op thread each: two runs side by side on two cores, each spinning a thread per
+    # core, slow each other down tenfold.
+    env = dict(_env(), PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def finish(process, timeout=240):
@@ -80,6 +83,8 @@ def updates_printed(stdout):
     pytest.param("moved_model.py", ["--how", "late-to"], "optimizer.step() (inferred)", id="late-model-to"),
     pytest.param("moved_model.py", ["--how", "own-forward"], "optimizer.step() (inferred)",
                  id="replaced-forward"),
+    pytest.param("lbfgs_fit.py", [], "optimizer.step() (inferred)", id="lbfgs-closure"),
+    pytest.param("autoencoder.py", [], "optimizer.step() (inferred)", id="encoder-decoder-one-optimizer"),
 ])
 def test_a_field_script_runs_as_it_would_without_traceml(tmp_path, script, args, found_by):
     plain, traced = side_by_side(tmp_path, [sys.executable, str(FIELD / script), "--out", "out", *args],
@@ -89,6 +94,11 @@ def test_a_field_script_runs_as_it_would_without_traceml(tmp_path, script, args,
     assert steps["count"] == updates_printed(plain.stdout)
     assert steps["found_by"] == found_by
     assert f"found by {found_by}" in traced.stdout
+    if script == "autoencoder.py":  # both modules holding the optimizer's parameters are forward
+        assert {row["forward_calls"] for row in traced.step_rows()[1:]} == {2}
+    if script == "lbfgs_fit.py":  # the closure's forwards and backwards, every one, and the update
+        rows = traced.step_rows()
+        assert all(row["forward_calls"] >= 2 and row["optimizer_ms"] > 0 for row in rows[1:])
 
 
 @pytest.fixture(scope="module")
