@@ -1,5 +1,5 @@
 """Zero-code mode: `traceml run` starts every script through this module, so a script that never
-imports traceml is still traced, with steps inferred from `optimizer.step()`.
+imports traceml is still traced, with steps inferred from `optimizer.step()` (or `backward()`).
 
     python -m traceml.probe.zero_code train.py --its --args
 
