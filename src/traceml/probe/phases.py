@@ -397,8 +397,12 @@ def on_first_module_call(start: Callable[[Any], None],
     _run_eagerly_under_dynamo(first_call)
     for bookkeeping in (start, wanted, disarm_first_call):  # the model's first call is compiled
         _run_eagerly_under_dynamo(bookkeeping, callees_too=True)
+    def restore() -> None:
+        if Module.__dict__.get(attribute) is first_call:  # not if someone replaced it since
+            setattr(Module, attribute, original)
+
     setattr(Module, attribute, first_call)
-    _armed.append(lambda: setattr(Module, attribute, original))
+    _armed.append(restore)
 
 
 _armed: List[Callable[[], None]] = []  # how to restore nn.Module while a first call is awaited
