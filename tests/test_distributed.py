@@ -27,12 +27,15 @@ def stragglers(summary):
 
 
 def test_balanced_ranks_have_no_straggler(traceml_run):
-    run = ddp_run(traceml_run, "--steps", 30)
+    # 120 steps: two ranks share this machine's two cores with the collector, and over 30
+    # steps the rank beside it came out behind in 75% of them about one run in five.
+    run = ddp_run(traceml_run, "--steps", 120)
     assert run.returncode == 0, run.stderr
     summary = run.summary()
     assert summary["run"]["world_size"] == 2
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
-    assert all(r["steps"] == 27 and r["comm_wait_median_ms"] is not None for r in summary["ranks"])
+    measured = 120 - summary["steps"]["warmup_excluded"]
+    assert all(r["steps"] == measured and r["comm_wait_median_ms"] is not None for r in summary["ranks"])
     assert stragglers(summary) == []
     assert {row["rank"] for row in run.step_rows()} == {0, 1}
     assert "across ranks" in run.stdout and "worst rank" in run.stdout

@@ -38,6 +38,7 @@ def main():
     parser.add_argument("--load-ms", type=float, default=0.0, help="per sample, on the slow rank")
     parser.add_argument("--busy-ms", type=float, default=0.0, help="extra forward, on the slow rank")
     parser.add_argument("--die-at", type=int, default=-1, help="the slow rank is killed at this step")
+    parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -47,8 +48,8 @@ def main():
     torch.manual_seed(0)
     model = DistributedDataParallel(Net(args.busy_ms if slow else 0.0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(SyntheticDataset(args.steps * 8, 32, args.load_ms if slow else 0.0, seed=rank),
-                        batch_size=8)
+    loader = DataLoader(SyntheticDataset(args.steps * args.batch_size, 32, args.load_ms if slow else 0.0, seed=rank),
+                        batch_size=args.batch_size)
     for step, (inputs, targets) in enumerate(loader):
         if slow and step == args.die_at:
             os.kill(os.getpid(), signal.SIGKILL)
