@@ -53,7 +53,7 @@ def probe():
 
 def records(probe):
     probe.finish()
-    return [probe.record_from(raw) for raw in probe.sender.raw]
+    return [probe.record_from(raw) for raw in probe.sender.raw if type(raw) is tuple]
 
 
 def test_phases_land_where_the_time_went(probe):
@@ -268,3 +268,38 @@ def test_compiled_models_keep_their_graphs_and_the_forward_is_timed(probe):
     assert compiled_in_place.forward_calls == 1
     assert torch.equal(parent(inputs), model(inputs) * 2)
     assert b"traceml" not in pickle.dumps(in_place)
+
+
+def test_evaluation_and_checkpoint_saves_are_counted_where_they_happen(probe, tmp_path):
+    model = SlowForward(sleep_ms=5)
+    phases.hook_model(probe, model)
+    loader = iter(DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2))
+    with probe:
+        model(torch.randn(2, 4))
+    with torch.no_grad():  # evaluation between steps: the model's call and its batch
+        next(loader)
+        model(torch.randn(2, 4))
+    torch.save(model.state_dict(), tmp_path / "between.pt")
+    with probe:
+        model(torch.randn(2, 4))
+        torch.save(model.state_dict(), tmp_path / "inside.pt")  # a save inside the step
+    first, second = records(probe)
+    assert first.eval_ms >= 5.0 and first.forward_calls == 1  # evaluation is not the step's forward
+    assert first.checkpoint_ms > 0.0
+    assert first.outside_ms >= first.eval_ms + first.checkpoint_ms  # both were between steps
+    assert second.eval_ms == 0.0 and second.checkpoint_ms > 0.0
+    assert second.untraced_ms >= second.checkpoint_ms  # inside the step, outside the model
+    assert torch.save.__wrapped__ is not None and torch.save.__name__ == "save"
+
+
+def test_steps_traceml_slows_on_purpose_are_marked(probe):
+    from traceml.probe.layers import LayerProbe
+
+    model = SlowForward()
+    phases.hook_model(probe, model)
+    probe.layers = LayerProbe(probe, model, every_n_steps=4)
+    for _ in range(9):
+        with probe:
+            model(torch.randn(2, 4)).sum().backward()
+    marked = [record.step for record in records(probe) if record.instrumented]
+    assert marked == [4, 5, 8]  # sampled every 4th step (not the first), and the FLOP count after the first

@@ -95,6 +95,13 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     gc_gen2_ms: float = 0.0
     tokens: int = 0  # token inputs (an integer 2-D first input or input_ids): ids given, padding included
     real_tokens: Optional[int] = None  # of them, the ones attention_mask keeps (None: no mask)
+    # Overlapping figures, like gc_ms: the user's planned work in the window. Evaluation: the
+    # traced model's calls with gradients off outside steps, and the DataLoader waits between
+    # steps with gradients off (within outside_ms). Checkpoints: time inside torch.save (within
+    # outside_ms between steps, untraced_ms inside one).
+    eval_ms: float = 0.0
+    checkpoint_ms: float = 0.0
+    instrumented: bool = False  # TraceML slowed this step on purpose (deep-dive sample, FLOP count)
 
 
 class OomRecord(msgspec.Struct, tag="oom", array_like=True):
@@ -158,6 +165,7 @@ class SystemSample(msgspec.Struct, tag="system", array_like=True):
     training_cpu_percent: float  # the training processes, 100 = one core
     training_rss_bytes: int
     gpus: List[GpuSample] = []
+    cpu_count: int = 0  # logical CPUs: cpu_percent's 100 is all of them (0: not known)
 
 
 class RankEnd(msgspec.Struct, tag="end", array_like=True):

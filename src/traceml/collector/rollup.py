@@ -47,6 +47,9 @@ class RolledStep(msgspec.Struct):
     host_rss_bytes: Optional[int]
     tokens: int = 0  # summed over ranks, padding included
     real_tokens: Optional[int] = None  # summed over the ranks that had an attention mask
+    eval_ms: float = 0.0  # overlapping, like gc_ms: evaluation and checkpoint saves in the window
+    checkpoint_ms: float = 0.0
+    instrumented: bool = False  # TraceML slowed it on purpose on some rank (deep-dive, FLOPs)
 
 
 class PhaseStats(msgspec.Struct):
@@ -97,6 +100,9 @@ def _roll_step(step: int, ranks: List[StepRecord]) -> RolledStep:
         host_rss_bytes=max_present(r.host_rss_bytes for r in ranks),
         tokens=sum(r.tokens for r in ranks),
         real_tokens=_sum_present(r.real_tokens for r in ranks),
+        eval_ms=median("eval_ms"),
+        checkpoint_ms=median("checkpoint_ms"),
+        instrumented=any(r.instrumented for r in ranks),
     )
 
 
@@ -174,6 +180,11 @@ class Window:
 
     def share(self, *names: str) -> float:
         return sum(self.phases[name].share for name in names)
+
+    def planned_share(self, name: str) -> float:
+        """The share of the window's time in planned work: `eval` or `checkpoint` (overlapping
+        the phases, like gc)."""
+        return sum(getattr(s, f"{name}_ms") for s in self.steps) / self.total_ms if self.total_ms > 0 else 0.0
 
     def mean_ms(self, *names: str) -> float:
         return sum(self.phases[name].mean_ms for name in names)

@@ -198,7 +198,8 @@ class Store:
         with self._lock:
             rows = self._db.execute(
                 f"SELECT {', '.join(_SYSTEM_NAMES)}, gpus FROM system ORDER BY unix_s").fetchall()
-        return [SystemSample(*row[:-1], gpus=msgspec.json.decode(row[-1], type=List[GpuSample]))
+        return [SystemSample(**dict(zip(_SYSTEM_NAMES, row[:-1])),
+                             gpus=msgspec.json.decode(row[-1], type=List[GpuSample]))
                 for row in rows]
 
     def layer_reports(self) -> List[LayerReport]:

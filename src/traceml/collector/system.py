@@ -72,6 +72,7 @@ class SystemSampler:
             training_cpu_percent=cpu,
             training_rss_bytes=rss,
             gpus=_read_gpus(self._nvml_handles or []),
+            cpu_count=psutil.cpu_count() or 0,
         )
 
     def _training_usage(self) -> tuple:

@@ -117,6 +117,12 @@ class LayerProbe:
             log.debug("traceml: FLOPs not counted", exc_info=True)
             self.flops_per_step = 0
 
+    @property
+    def instrumenting(self) -> bool:
+        """Whether this step runs with deep-dive hooks or the FLOP counter: slower by TraceML's
+        doing, so never read as a slow step of the user's."""
+        return self.active or self._flop_counter is not None
+
     def saved_tensors_context(self) -> Any:
         """The context the model's forward runs in on a sampled step (see TimedForward)."""
         return self._torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)

@@ -9,7 +9,8 @@ import sys
 import weakref
 from typing import Any, Callable, List, Optional
 
-from traceml.probe.step import BACKWARD, FORWARD, H2D, OPTIMIZER, StepProbe, _now_ns
+from traceml.probe.step import (BACKWARD, CHECKPOINT_NS, EVAL_NS, FORWARD, H2D, OPTIMIZER,
+                                StepProbe, _now_ns)
 
 log = logging.getLogger("traceml")
 _undo: List[Callable[[], None]] = []  # how to take back each installed patch, newest last
@@ -22,6 +23,7 @@ def install_patches(probe: StepProbe) -> None:
     _patch_h2d(probe)
     _patch_backward(probe)
     _hook_optimizers(probe)
+    _patch_checkpoint_saves(probe)
     gc.callbacks.append(probe.gc_callback)
     _undo.append(lambda: gc.callbacks.remove(probe.gc_callback))
     _watch_exit_code(probe)
@@ -57,8 +59,10 @@ def _patch_dataloader(probe: StepProbe) -> None:
                 probe.input_wait_inside_ns += _now_ns() - start_ns
             elif probe.counting_input and grad_enabled():
                 probe.input_wait_gap_ns += _now_ns() - start_ns
-            # Between steps with gradients off (an evaluation loop), or while an integration
-            # says evaluation runs: the wait is not the training's input, it stays `outside`.
+            else:
+                # Between steps with gradients off (an evaluation loop), or while an integration
+                # says evaluation runs: not the training's input; `outside`, and evaluation.
+                probe.window[EVAL_NS] += _now_ns() - start_ns
 
     __next__.__wrapped__ = original_next  # type: ignore[attr-defined]
     _replace(iterator_class, "__next__", __next__)
@@ -134,6 +138,25 @@ def _patch_backward(probe: StepProbe) -> None:
     backward.__wrapped__ = original_backward  # type: ignore[attr-defined]
     backward.__doc__ = original_backward.__doc__
     _replace(torch.autograd, "backward", backward)
+
+
+def _patch_checkpoint_saves(probe: StepProbe) -> None:
+    """Time torch.save: a checkpoint is the user's planned work, named as such, not a stall."""
+    import functools
+
+    import torch
+
+    original_save = torch.save
+
+    @functools.wraps(original_save)
+    def save(*args: Any, **kwargs: Any) -> Any:
+        start_ns = _now_ns()
+        try:
+            return original_save(*args, **kwargs)
+        finally:
+            probe.window[CHECKPOINT_NS] += _now_ns() - start_ns
+
+    _replace(torch, "save", save)
 
 
 def _hook_optimizers(probe: StepProbe) -> None:
@@ -246,7 +269,11 @@ class _TracedModel:
 
 def _timed_call(original: Callable[..., Any], tensor_type: type,
                 is_compiling: Callable[[], bool]) -> Callable[..., Any]:
-    """The class's call method, timing the outermost call of a traced model as forward."""
+    """The class's call method, timing the outermost call of a traced model as forward (or,
+    between steps with gradients off, as evaluation)."""
+    import torch
+
+    grad_enabled = torch.is_grad_enabled
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         traced = _models.get(id(self))
@@ -260,6 +287,12 @@ def _timed_call(original: Callable[..., Any], tensor_type: type,
                 traced.token_inputs = _token_ids(args, kwargs, tensor_type) is not None
             if traced.token_inputs:
                 _count_tokens(probe, args, kwargs, tensor_type)
+        elif not probe.in_step and not grad_enabled():  # evaluation, between steps
+            start_ns = _now_ns()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                probe.window[EVAL_NS] += _now_ns() - start_ns
         try:
             layers = probe.layers
             if layers is not None and layers.active:  # a deep-dive step: count saved tensors

@@ -27,7 +27,11 @@ from traceml.records import (STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FR
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
 
-_GC_ZEROS = (0, 0, 0, 0, 0, 0, 0)
+# Accumulators of a step's whole window (the step and the gap after it), in one list updated in
+# place: garbage-collector pauses [pause ns, collections, longest pause ns, full (generation 2)
+# collections, pause ns of generations 0, 1 and 2], then evaluation and checkpoint-save ns.
+_WINDOW_ZEROS = (0, 0, 0, 0, 0, 0, 0, 0, 0)
+EVAL_NS, CHECKPOINT_NS = 7, 8
 _NOT_A_STEP = RuntimeError("not a step")  # ends an inferred step without a record
 # Phase slots in the probe's accumulators; the order matches the StepRecord fields.
 H2D, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
@@ -43,7 +47,7 @@ class StepProbe:
                  "setup_started_ns", "in_step", "_step_depth", "step_index", "_step_start_ns",
                  "_unix_at_zero_s", "_start_event", "open_phase", "_open_depth",
                  "_open_start_ns", "_open_event", "phase_ns", "_phase_events",
-                 "input_wait_inside_ns", "forward_calls", "samples", "input_wait_gap_ns", "_gc",
+                 "input_wait_inside_ns", "forward_calls", "samples", "input_wait_gap_ns", "window",
                  "_gc_start_ns", "_closed", "comm_timed", "_comm_wait_ns",
                  "_bucket_ready_ns", "_bucket_event", "layers", "failed_phase", "auto_steps",
                  "spans", "_backward_ends_steps", "_step_optimizer", "_last_optimizer",
@@ -85,10 +89,9 @@ class StepProbe:
         self.token_copies: List[Any] = []
         # Accumulators of the whole window (step plus the gap after it).
         self.input_wait_gap_ns = 0
-        # Garbage collection in this window: [pause ns, collections, longest pause ns,
-        # full (generation 2) collections, then pause ns of generations 0, 1 and 2]; a list
-        # updated in place by gc_callback.
-        self._gc = list(_GC_ZEROS)
+        # The window's GC pauses, evaluation and checkpoint saves (see _WINDOW_ZEROS), added to
+        # in place by gc_callback, the model's calls outside steps and torch.save.
+        self.window = list(_WINDOW_ZEROS)
         self._gc_start_ns = 0
         # Under DDP (a timed comm hook): collective wait inside backward, see note_bucket_ready.
         self.comm_timed = False
@@ -146,7 +149,7 @@ class StepProbe:
         if self.timeline is None:
             if closed is not None:
                 # The arithmetic happens on the sender's thread (record_from): here, one tuple.
-                self.sender.push((closed, now, self.input_wait_gap_ns, tuple(self._gc)))
+                self.sender.push((closed, now, self.input_wait_gap_ns, tuple(self.window)))
         else:
             self._start_event = self.timeline.record()
             if closed is not None:
@@ -154,7 +157,7 @@ class StepProbe:
             self._phase_events = []
             self.device_memory.reset_peak()
         self._closed = None
-        self._gc[:] = _GC_ZEROS
+        self.window[:] = _WINDOW_ZEROS
         self.input_wait_gap_ns = self.input_wait_inside_ns = 0
         phase_ns = self.phase_ns
         phase_ns[0] = phase_ns[1] = phase_ns[2] = phase_ns[3] = 0
@@ -179,7 +182,9 @@ class StepProbe:
             self._report_oom(failed)
         self.open_phase = NO_PHASE
         self._open_depth = 0
+        instrumented = False
         if self.layers is not None:
+            instrumented = self.layers.instrumenting  # a deep-dive sample or the FLOP count
             self.layers.end_step()
         if failed is not None:
             # The step did not finish: it is not a step. Its window never closes, so the
@@ -205,20 +210,20 @@ class StepProbe:
                         optimizer_ns, self.input_wait_inside_ns, self.forward_calls, self.samples,
                         self._comm_wait_ns if self.comm_timed else None,
                         allocated, peak, reserved, self._start_event, end_event, self._phase_events,
-                        rss, self.tokens, self.real_tokens, self.token_copies)
+                        rss, self.tokens, self.real_tokens, self.token_copies, instrumented)
         self.step_index += 1
 
     def _submit_device_step(self, closed: tuple, window_end_ns: int, next_start_event: Any) -> None:
         from traceml.probe.clock import PendingDeviceStep
 
-        raw = (closed, window_end_ns, self.input_wait_gap_ns, tuple(self._gc))
+        raw = (closed, window_end_ns, self.input_wait_gap_ns, tuple(self.window))
         self.timeline.submit(PendingDeviceStep(raw, closed[14], closed[15], next_start_event,
                                                closed[16]))
 
     def record_from(self, raw: tuple) -> StepRecord:
         """The StepRecord of a closed step whose window ends at window_end_ns (sender's thread)."""
-        closed, window_end_ns, input_wait_gap_ns, gc_stats = raw
-        gc_ns, gc_collections, gc_max_ns, gc_full, gen0_ns, gen1_ns, gen2_ns = gc_stats
+        closed, window_end_ns, input_wait_gap_ns, window = raw
+        gc_ns, gc_collections, gc_max_ns, gc_full, gen0_ns, gen1_ns, gen2_ns, eval_ns, checkpoint_ns = window
         (step, start_ns, end_ns, h2d_ns, forward_ns, backward_ns, optimizer_ns, input_wait_inside_ns,
          forward_calls, samples, comm_wait_ns, allocated, peak, reserved) = closed[:14]
         gap_ns = window_end_ns - end_ns
@@ -238,7 +243,8 @@ class StepProbe:
             tokens=closed[18], real_tokens=_real_tokens(closed[19], closed[20]),
             comm_wait_ms=comm_wait_ns / 1e6 if comm_wait_ns is not None else None,
             gc_max_pause_ms=gc_max_ns / 1e6, gc_full_collections=gc_full,
-            gc_gen0_ms=gen0_ns / 1e6, gc_gen1_ms=gen1_ns / 1e6, gc_gen2_ms=gen2_ns / 1e6)
+            gc_gen0_ms=gen0_ns / 1e6, gc_gen1_ms=gen1_ns / 1e6, gc_gen2_ms=gen2_ns / 1e6,
+            eval_ms=eval_ns / 1e6, checkpoint_ms=checkpoint_ns / 1e6, instrumented=closed[21])
 
     def unix_s(self, perf_ns: int) -> float:
         """A perf_counter_ns reading as wall-clock seconds since the epoch."""
@@ -256,7 +262,7 @@ class StepProbe:
         if closed is None:
             return
         if self.timeline is None:
-            self.sender.push((closed, closed[2], 0, tuple(self._gc)))
+            self.sender.push((closed, closed[2], 0, tuple(self.window)))
         else:
             self._submit_device_step(closed, closed[2], None)
 
@@ -445,7 +451,7 @@ class StepProbe:
         elif self._gc_start_ns:
             pause_ns = _now_ns() - self._gc_start_ns
             self._gc_start_ns = 0
-            stats = self._gc
+            stats = self.window
             stats[0] += pause_ns
             stats[1] += 1
             if pause_ns > stats[2]:
