@@ -83,10 +83,11 @@ def test_a_healthy_compute_bound_run_has_it_as_primary():
     assert [f.kind for f in findings] == ["COMPUTE_BOUND"]
 
 
-def test_primary_is_the_most_severe_then_the_most_costly():
+def test_primary_is_what_acting_on_it_would_win_not_the_most_severe():
+    # 35% between steps (warn) is worth more of the run than 25% input wait (crit).
     findings = diagnose(window(input_wait=25.0, h2d=12.0, outside=35.0), steps_seen=20)
     assert [(f.kind, f.severity) for f in findings] == [
-        ("INPUT_BOUND", "crit"), ("UNTRACED_WORK", "warn"), ("H2D_BOUND", "warn")]
+        ("UNTRACED_WORK", "warn"), ("INPUT_BOUND", "crit"), ("H2D_BOUND", "warn")]
 
 
 def test_every_window_gets_a_verdict():
@@ -132,7 +133,7 @@ def test_rollup_takes_medians_across_ranks_and_names_the_worst():
 # -- GC, spikes, memory: the rules of the long runs ------------------------------------------
 from traceml.diagnose.memory import (PRESSURE_CRIT, PRESSURE_WARN, MemoryLimits, memory_creep,
                                      memory_pressure, out_of_memory)
-from traceml.diagnose.spikes import step_spikes
+from traceml.diagnose.spikes import Stalls, step_spikes
 from traceml.diagnose.step_time import GC_CRIT_SHARE, GC_WARN_SHARE
 from traceml.records import OomRecord
 
@@ -157,15 +158,15 @@ def spiky_window(period=None, at=(), count=100, spike_ms=120.0, phase="untraced"
 
 
 def test_periodic_spikes_name_their_period_and_phase():
-    found = step_spikes(spiky_window(period=20, phase="outside"))
-    assert found.evidence["period_steps"] == 20 and found.evidence["phase"] == "outside"
-    assert found.evidence["spikes"] == 5 and "every 20 steps" in found.summary
+    found = step_spikes(Stalls(spiky_window(period=20, phase="optimizer")))
+    assert found.evidence["period_steps"] == 20 and found.evidence["phase"] == "optimizer"
+    assert found.evidence["episodes"] == 5 and "every 20 steps" in found.summary
     assert found.evidence["share"] == pytest.approx(600.0 / 10600.0, rel=1e-3)
 
 
 def test_rare_irregular_hiccups_are_not_a_finding():
-    assert step_spikes(spiky_window(at=(13, 58, 91))) is None  # 3 irregular, 3.5% of the time
-    assert step_spikes(Window([rolled(i) for i in range(100)])) is None
+    assert step_spikes(Stalls(spiky_window(at=(33, 58, 91)))) is None  # 3 irregular, 3.5% of the time
+    assert step_spikes(Stalls(Window([rolled(i) for i in range(100)]))) is None
 
 
 def memory_window(held, device=True):
@@ -221,3 +222,148 @@ def test_out_of_memory_is_the_primary_finding_even_in_a_short_run():
     assert "in backward, inside layer blocks.2.mlp" in findings[0].summary
     assert "79.00 GiB allocated of 80.00 GiB" in findings[0].summary
     assert out_of_memory(oom, MemoryLimits()).evidence["oom"] is True
+
+
+# -- Calibrated verdicts: episodes, periods, warm-up, one cause one finding, the ranking ------
+from traceml.diagnose import VERDICT_SHARE, rank
+from traceml.records import (STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP,
+                             Finding, SystemSample)
+
+
+def stalled_window(slow_steps, count=100, extra_ms=150.0, **where_ms):
+    """100 ms steps, mostly forward; the given steps `extra_ms` longer, split as where_ms says
+    (by default all in untraced)."""
+    where_ms = where_ms or {"untraced": 1.0}
+    steps = []
+    for index in range(count):
+        step = rolled(index, backward=30.0, optimizer=10.0)
+        if index in slow_steps:
+            step.step_ms += extra_ms
+            for name, part in where_ms.items():
+                setattr(step, f"{name}_ms", getattr(step, f"{name}_ms") + part * extra_ms)
+        steps.append(step)
+    return Window(steps)
+
+
+def test_consecutive_slow_steps_are_one_stall_never_every_1_steps():
+    stalls = Stalls(stalled_window(range(50, 56)))
+    assert [(e.first_step, e.steps) for e in stalls.episodes] == [(50, 6)]
+    assert stalls.period is None
+    found = step_spikes(stalls)
+    assert "every 1 steps" not in found.summary and "the longest 6 steps in a row" in found.summary
+
+
+def test_a_period_needs_three_repeats_two_or_more_steps_apart():
+    assert Stalls(stalled_window({40, 60})).period is None  # twice is not a period
+    assert Stalls(stalled_window({30, 50, 70, 90})).period == 20
+    # Stalls of two steps each, every 25 steps: the period is between their starts.
+    assert Stalls(stalled_window({25, 26, 50, 51, 75, 76})).period == 25
+
+
+def test_early_slow_steps_that_never_come_back_are_warm_up_not_a_finding():
+    window = stalled_window({8, 12, 13})  # the allocator and optimizer state warming up
+    stalls = Stalls(window)
+    assert not stalls.episodes
+    assert [(w["first_step"], w["steps"]) for w in stalls.warmup_note()] == [(8, 1), (12, 2)]
+    findings = diagnose(window, steps_seen=100)
+    assert findings[0].kind == "COMPUTE_BOUND" and "STEP_SPIKES" not in kinds(findings)
+    # The same stalls that come back later are not warm-up.
+    assert Stalls(stalled_window({8, 12, 13, 60, 61})).episodes
+
+
+def test_steps_traceml_slowed_itself_are_never_spikes():
+    window = stalled_window({10, 20, 30, 40, 50, 60, 70, 80, 90})
+    for step in window.steps:
+        step.instrumented = step.step % 10 == 0  # deep-dive every 10 steps
+    assert not Stalls(window).episodes
+    assert "STEP_SPIKES" not in kinds(diagnose(window, steps_seen=100))
+
+
+def test_a_machine_wide_stall_is_named_as_such_not_blamed_on_a_phase():
+    slow = {23, 41, 42, 67, 88}
+    # Every phase 2.5 times longer at once: the machine, not the optimizer.
+    steps = []
+    for index in range(100):
+        step = rolled(index, backward=30.0, optimizer=10.0)
+        if index in slow:
+            for name in ("forward", "backward", "optimizer"):
+                setattr(step, f"{name}_ms", getattr(step, f"{name}_ms") * 2.5)
+            step.step_ms *= 2.5
+        steps.append(step)
+    busy = [SystemSample(unix_s=float(i), cpu_percent=95.0, ram_used_bytes=1, ram_total_bytes=2,
+                         training_cpu_percent=100.0, training_rss_bytes=1, cpu_count=2)
+            for i in range(100)]
+    found = step_spikes(Stalls(Window(steps), busy))
+    assert found.evidence["machine_wide"] is True and found.evidence["other_cpu_cores"] == pytest.approx(0.9)
+    assert found.summary.startswith("the machine stalls the training")
+    assert "other processes used 0.9 CPU cores" in found.summary and "OMP_NUM_THREADS" in found.action
+
+
+def test_periodic_untraced_work_is_one_finding_told_by_its_period():
+    # A synchronous save-like stall inside the step every 20 steps: 1 s each, not torch.save.
+    window = stalled_window({19, 39, 59, 79, 99}, extra_ms=1000.0)
+    findings = diagnose(window, steps_seen=100)
+    assert [f.kind for f in findings].count("UNTRACED_WORK") == 1 and "STEP_SPIKES" not in kinds(findings)
+    primary = findings[0]
+    assert primary.kind == "UNTRACED_WORK" and primary.evidence["period_steps"] == 20
+    assert primary.summary.startswith("every 20 steps, untraced work inside the step takes 1000 ms")
+    assert f"{primary.evidence['share']:.0%} of the run" in primary.summary
+
+
+def test_a_checkpoint_inside_the_step_is_checkpoint_stall_and_nothing_else():
+    window = stalled_window({19, 39, 59, 79, 99}, extra_ms=1000.0)
+    for step in window.steps:
+        step.checkpoint_ms = 1000.0 if step.step % 20 == 19 else 0.0
+    findings = diagnose(window, steps_seen=100)
+    assert [f.kind for f in findings][:2] == ["CHECKPOINT_STALL", "COMPUTE_BOUND"]
+    assert "UNTRACED_WORK" not in kinds(findings) and "STEP_SPIKES" not in kinds(findings)
+    assert findings[0].summary == "every 20 steps, a checkpoint save inside the step takes 1000 ms: 33% of the run"
+    assert "async_save" in findings[0].action
+
+
+def test_evaluation_every_n_steps_is_noted_under_a_compute_bound_verdict():
+    window = stalled_window({19, 39, 59, 79, 99}, extra_ms=180.0, outside=1.0)  # 8% of the run
+    for step in window.steps:
+        step.eval_ms = 180.0 if step.step % 20 == 19 else 0.0
+    findings = diagnose(window, steps_seen=100)
+    assert [f.kind for f in findings] == ["COMPUTE_BOUND", "EVAL_HEAVY"]
+    assert findings[1].severity == "info" and findings[1].evidence["period_steps"] == 20
+    assert findings[1].summary == "every 20 steps, evaluation between steps takes 180 ms: 8% of the run"
+
+
+def test_a_finding_worth_less_than_a_tenth_of_the_run_is_never_the_verdict():
+    # Input wait at 9% of the step (a warn at 10%... it is below) and GC at 9.5%: under Also.
+    findings = diagnose(window(input_wait=9.0, gc=9.5, backward=30.0), steps_seen=20)
+    assert findings[0].kind == "COMPUTE_BOUND"
+    below = Finding(kind="INPUT_BOUND", severity="crit", summary="", action="",
+                    evidence={"share": VERDICT_SHARE - 0.01})
+    healthy = Finding(kind="COMPUTE_BOUND", severity="info", summary="", action="", evidence={"share": 0.8})
+    assert [f.kind for f in rank([below, healthy])] == ["COMPUTE_BOUND", "INPUT_BOUND"]
+
+
+def test_the_ranking_puts_an_oom_first_then_memory_at_risk_then_worth():
+    def finding(kind, severity, share, **extra):
+        return Finding(kind=kind, severity=severity, summary="", action="",
+                       evidence={"share": share, **extra})
+    ranked = rank([finding("INPUT_BOUND", "warn", 0.3), finding("UNTRACED_WORK", "crit", 0.2),
+                   finding("MEMORY_CREEP", "crit", 0.01), finding("COMPUTE_BOUND", "info", 0.5),
+                   finding("MEMORY_PRESSURE", "crit", 1.0, oom=True), finding("GC_PRESSURE", "crit", 0.3)])
+    assert [(f.kind, f.severity) for f in ranked] == [
+        ("MEMORY_PRESSURE", "crit"), ("MEMORY_CREEP", "crit"), ("GC_PRESSURE", "crit"),
+        ("INPUT_BOUND", "warn"), ("UNTRACED_WORK", "crit"), ("COMPUTE_BOUND", "info")]
+
+
+@pytest.mark.parametrize("found_by, said, not_said", [
+    (STEPS_FROM_TRACE_STEP, "outside the trace_step block", "trainer"),
+    (STEPS_FROM_OPTIMIZER, "after one update, before the next step's work", "trace_step"),
+    (STEPS_FROM_BACKWARD, "includes the update written by hand", "trace_step"),
+    ("Lightning (optimizer steps)", "the trainer's own work between updates", "trace_step"),
+    ("Hugging Face Trainer (optimizer updates)", "the trainer's own work between updates", "trace_step"),
+])
+def test_the_words_fit_how_the_steps_were_found(found_by, said, not_said):
+    (finding,) = [f for f in diagnose(window(outside=60.0), steps_seen=20, steps_found_by=found_by)
+                  if f.kind == "UNTRACED_WORK"]
+    assert said in finding.summary
+    assert not_said not in finding.summary + finding.action
+    if "Trainer" in found_by or "Lightning" in found_by:
+        assert "larger batch" in finding.action and "log less often" in finding.action

@@ -43,7 +43,8 @@ def test_summary_figures_come_from_the_records(tmp_path):
     summary = build_summary(RunData(filled_store(tmp_path)), FACTS)
     assert summary["steps"] == {"count": 40, "warmup_excluded": 4, "measured": 36,
                                 "records_dropped": 7, "device_timed": False,
-                                "found_by": None, "rank_figures_every_n_steps": 1}
+                                "found_by": None, "warmup_transients": [],
+                                "rank_figures_every_n_steps": 1}
     assert summary["phases"]["input_wait"] == {"median_ms": 6.0, "mean_ms": 6.0, "share": 0.6}
     assert summary["phases"]["step"]["median_ms"] == 10.0
     assert summary["throughput"]["steps_per_s"] == pytest.approx(100.0)

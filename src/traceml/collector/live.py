@@ -40,9 +40,12 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
     limits = MemoryLimits.of_run(list(collector.hellos.values()), system)
     findings: List[Finding] = []
     if rolled:
+        hellos = list(collector.hellos.values())
         findings = diagnose(window, steps_seen=steps_seen, ranks=ranks or None, limits=limits,
                             peak_device_bytes=max_present(s.device_peak_bytes for s in rolled),
-                            peak_rss_bytes=max_present(s.host_rss_bytes for s in rolled))
+                            peak_rss_bytes=max_present(s.host_rss_bytes for s in rolled),
+                            steps_found_by=hellos[0].steps_from if hellos else None,
+                            system=[system] if system is not None else [])
     seen = {finding.kind for _, finding in alerts}
     for finding in findings:
         if finding.kind not in seen and finding.kind != "INSUFFICIENT_DATA" and finding.severity != "info":

@@ -1,47 +1,110 @@
 """Diagnosis: pure rules over a window of rolled-up steps, producing ranked Findings.
 
-The same functions give the live alerts and the final verdict. A rule takes a Window (and how
-many steps the run had) and returns a Finding or None; `diagnose` runs them all and orders the
-findings so the first is the primary diagnosis.
+The same functions give the live alerts and the final verdict. `diagnose` runs every rule,
+tells each cause once (periodic slow steps that explain a share-based finding become that
+finding's period), and ranks the findings so the first is the primary diagnosis:
+
+1. an out-of-memory post-mortem;
+2. memory that will run out (MEMORY_CREEP or MEMORY_PRESSURE at crit);
+3. findings worth at least VERDICT_SHARE of the run's time (`evidence.share`: what acting on
+   the cause could win), the most worth first, severity breaking ties. Evaluation and
+   checkpoints count only above their own lines (they are the run's plan);
+4. COMPUTE_BOUND, the verdict of a healthy run (given even below its own line when nothing
+   above is found);
+5. the rest, under "Also", by worth.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from traceml.collector.rollup import Window
 from traceml.diagnose.memory import MemoryLimits, memory_creep, memory_pressure, out_of_memory
-from traceml.diagnose.spikes import step_spikes
-from traceml.diagnose.step_time import MIN_STEPS, RULES, insufficient_data
+from traceml.diagnose.spikes import Stalls, periodic, planned_work, step_spikes
+from traceml.diagnose.step_time import (MIN_STEPS, compute_bound, gc_pressure, h2d_bound,
+                                        input_bound, insufficient_data, untraced_work)
 from traceml.diagnose.stragglers import straggler
-from traceml.records import Finding, OomRecord
+from traceml.records import Finding, OomRecord, SystemSample
 
 SEVERITY_ORDER = {"crit": 0, "warn": 1, "info": 2}
+VERDICT_SHARE = 0.10  # a finding worth less than this share of the run is never the verdict
+# Share-based findings a stall can explain, and what the stall is in their words.
+STALL_CAUSES = {"UNTRACED_WORK": ("outside", "untraced"), "INPUT_BOUND": ("input_wait",),
+                "GC_PRESSURE": ("gc",)}
+STALL_WORDS = {"outside": "work between steps", "untraced": "untraced work inside the step",
+               "input_wait": "waiting for the DataLoader", "gc": "garbage collection"}
 
 
 def diagnose(window: Window, steps_seen: int, ranks: Optional[List[dict]] = None,
              limits: Optional[MemoryLimits] = None, peak_device_bytes: Optional[int] = None,
              peak_rss_bytes: Optional[int] = None, oom: Optional[OomRecord] = None,
              layers_alive: Optional[List[dict]] = None,
-             steps_found_by: Optional[str] = None) -> List[Finding]:
-    """Every finding for this window, most severe and most costly first.
+             steps_found_by: Optional[str] = None, system: Sequence[SystemSample] = (),
+             stalls: Optional[Stalls] = None) -> List[Finding]:
+    """Every finding for this window, the primary diagnosis first (see the ranking above).
 
     ranks: per-rank medians (rollup.rank_medians) when there are several; limits and peaks:
     what memory there is and what the run reached; oom: the step that ran out of memory;
-    steps_found_by: how steps were found (records.STEPS_FROM_*), for a run that found none.
+    steps_found_by: how steps were found (records.STEPS_FROM_*, or a trainer), for the words;
+    system: the node's samples, to tell a machine-wide stall; stalls: the window's slow steps
+    when the caller has them already (the summary reports their warm-up).
     """
     limits = limits or MemoryLimits()
     findings: List[Finding] = [out_of_memory(oom, limits)] if oom is not None else []
     if steps_seen < MIN_STEPS:
         return findings + [insufficient_data(steps_seen, steps_found_by)]
-    findings += [finding for rule in RULES if (finding := rule(window)) is not None]
-    found = [step_spikes(window), memory_creep(window, limits, layers_alive)]
+    stalls = stalls if stalls is not None else Stalls(window, system)
+    shares = [finding for finding in (input_bound(window), h2d_bound(window),
+                                      untraced_work(window, steps_found_by), gc_pressure(window))
+              if finding is not None]
+    findings += _one_finding_per_cause(shares, stalls) + planned_work(window)
+    findings += [finding for finding in (compute_bound(window), memory_creep(window, limits, layers_alive))
+                 if finding is not None]
     if oom is None:  # the post-mortem already says how full memory was
-        found.append(memory_pressure(window, limits, peak_device_bytes, peak_rss_bytes))
+        findings += [f for f in (memory_pressure(window, limits, peak_device_bytes, peak_rss_bytes),) if f]
     if ranks:
-        found.append(straggler(ranks, window.step_median_ms))
-    findings += [finding for finding in found if finding is not None]
-    findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], -float(f.evidence.get("share") or 0.0)))
-    return findings
+        findings += [f for f in (straggler(ranks, window.step_median_ms),) if f]
+    if not any(_group(f) <= 3 for f in findings):
+        findings.append(compute_bound(window, healthy=True))
+    return rank(findings)
 
 
-__all__ = ["diagnose", "Finding", "MemoryLimits", "SEVERITY_ORDER"]
+def _one_finding_per_cause(shares: List[Finding], stalls: Stalls) -> List[Finding]:
+    """Slow steps explained by planned work are that work's finding; those that explain a
+    share-based finding are told in it, by their period; the rest are STEP_SPIKES."""
+    if not stalls.episodes or stalls.explained_by("eval", "checkpoint"):
+        return shares
+    for index, finding in enumerate(shares):
+        phases = STALL_CAUSES.get(finding.kind, ())
+        if (stalls.phase in phases and stalls.explained_by(*phases)
+                and stalls.cost_share >= 0.5 * finding.evidence["share"]):
+            shares[index] = periodic(finding, stalls, STALL_WORDS[stalls.phase], stalls.phase)
+            return shares
+    spikes = step_spikes(stalls)
+    return shares + ([spikes] if spikes is not None else [])
+
+
+def worth(finding: Finding) -> float:
+    """The share of the run's time acting on this finding could win."""
+    return float(finding.evidence.get("share") or 0.0)
+
+
+def _group(finding: Finding) -> int:
+    if finding.evidence.get("oom"):
+        return 0
+    if finding.kind in ("MEMORY_CREEP", "MEMORY_PRESSURE") and finding.severity == "crit":
+        return 1
+    if finding.kind == "COMPUTE_BOUND":
+        return 3
+    if finding.kind in ("INSUFFICIENT_DATA", "MEMORY_CREEP", "MEMORY_PRESSURE"):
+        return 4
+    if finding.severity != "info" and worth(finding) >= VERDICT_SHARE:
+        return 2
+    return 4
+
+
+def rank(findings: List[Finding]) -> List[Finding]:
+    """The primary diagnosis first: see the module's docstring."""
+    return sorted(findings, key=lambda f: (_group(f), -worth(f), SEVERITY_ORDER[f.severity]))
+
+
+__all__ = ["diagnose", "rank", "worth", "Finding", "MemoryLimits", "SEVERITY_ORDER", "Stalls"]

@@ -1,27 +1,50 @@
-"""STEP_SPIKES: steps much slower than the rest, how often they come, and which phase grows."""
+"""Slow steps: stall episodes, their period and their cause, warm-up transients, and the user's
+planned work between steps (evaluation, checkpoint saves). Findings: STEP_SPIKES, EVAL_HEAVY,
+CHECKPOINT_STALL.
+
+A slow step is far above the median (robust z-score) and at least twice it. Consecutive slow
+steps are one episode (a stall lasts as long as it lasts); a period needs at least three
+episodes at the same gap of two steps or more. Episodes early in the run that never come back
+are warm-up (the allocator, optimizer state, caches): noted, never a finding. Steps TraceML
+slowed on purpose (a deep-dive sample, the FLOP count) are left out. When every phase grows in
+the slow steps, no single part of the step is to blame: the machine stalled, and the system
+sampler says whether other processes were using the CPU at the time.
+"""
 from __future__ import annotations
 
 import statistics
 from collections import Counter
-from typing import Optional
+from typing import Dict, List, Optional, Sequence
 
-from traceml.collector.rollup import Window
-from traceml.records import ALL_PHASES, Finding
+import msgspec
 
-MIN_Z = 6.0  # robust z-score (median and MAD) a step must pass to be a spike
+from traceml.collector.rollup import RolledStep, Window
+from traceml.records import ALL_PHASES, STEP_PHASES, Finding, SystemSample
+
+MIN_Z = 6.0  # robust z-score (median and MAD) a step must pass to be slow
 MIN_RATIO = 2.0  # ... and it must take this many times the median step (a busy machine's
                  # jitter reaches 1.5x; the stalls worth naming are longer)
-MIN_SPIKES = 3
-MAJOR_SHARE = 0.25  # a spike counts when its excess is at least this share of the largest's
-WARN_COST_SHARE = 0.05  # spikes costing this share of the run's time: warn (below: info)
-PERIODIC_SHARE = 0.6  # this share of the gaps between spikes equal: a period
+MAJOR_SHARE = 0.25  # a slow step counts when its excess is at least this share of the largest's
+MIN_REPEATS = 3  # episodes at one gap that make a period
+MIN_GAP = 2  # steps between the starts of two episodes of a period
+PERIODIC_SHARE = 0.6  # this share of the gaps between episodes equal: a period
+WARMUP_HORIZON = 20  # episodes starting within this many steps of the window (or its first
+WARMUP_HORIZON_SHARE = 0.1  # tenth, when longer) that never recur are warm-up
+WARN_COST_SHARE = 0.05  # stalls costing this share of the run's time: warn (below: info)
+EXPLAINED_SHARE = 0.5  # a cause (one phase, planned work) that accounts for this much of the excess
+MACHINE_GROWTH = 0.3  # every part of the step this much longer in the slow steps: the machine
+MACHINE_PART_SHARE = 0.1  # ... every part that is at least this share of the median step
+OTHER_CPU_CORES = 0.5  # other processes using this many cores: the CPU is contended
+EVAL_LINE = 0.15  # evaluation at this share of the run bounds it; below, it is noted
+CHECKPOINT_LINE = 0.05  # checkpoint saves at this share of the run bound it
+PLANNED_NOTE_SHARE = 0.01  # planned work below this share of the run is not worth a line
 
 ACTIONS = {
-    "outside": ("A periodic task between steps (checkpointing, evaluation, logging) stalls "
-                "training: make it asynchronous or run it less often."),
-    "untraced": ("Work inside the step that runs only sometimes (a synchronous checkpoint save, "
-                 "metrics, a .item() sync) stalls it: move it out of the step, make it "
-                 "asynchronous, or run it less often."),
+    "outside": ("A periodic task between steps (logging, metrics, a sync) stalls training: "
+                "make it asynchronous or run it less often."),
+    "untraced": ("Work inside the step that runs only sometimes (metrics, a .item() sync, a "
+                 "synchronous save) stalls it: move it out of the step, make it asynchronous, "
+                 "or run it less often."),
     "input_wait": ("The DataLoader stalls now and then (a worker restarting each epoch, a slow "
                    "shard, an uneven file): use persistent_workers=True, a larger "
                    "prefetch_factor, and look for unusually slow samples."),
@@ -30,49 +53,230 @@ ACTIONS = {
 }
 DEFAULT_ACTION = ("Some steps do much more {phase} work than others: look for inputs that vary "
                   "in size (bucket by length) or work that happens only every few steps.")
+MACHINE_ACTION = ("Something else on this machine competes with the training (another job, "
+                  "data preparation, a backup): run it elsewhere or at another time, give the "
+                  "training dedicated cores (taskset, the scheduler's CPU binding), and set "
+                  "OMP_NUM_THREADS to the cores it really has.")
+EVAL_ACTION = ("Evaluation is the run's plan, not a fault; if it costs too much: evaluate less "
+               "often or on fewer batches, under torch.inference_mode() with a larger batch, or "
+               "asynchronously on a copy of the weights.")
+CHECKPOINT_ACTION = ("Save asynchronously (torch.distributed.checkpoint.async_save, or copy the "
+                     "state to host memory and write it from a thread), save less often, and save "
+                     "only what resuming needs.")
 
 
-def step_spikes(window: Window) -> Optional[Finding]:
-    steps = window.steps
-    if len(steps) < 10:
+class Episode(msgspec.Struct):
+    """Consecutive slow steps: one stall."""
+
+    first_step: int
+    steps: int
+    excess_ms: float  # over the median step, summed
+    peak_excess_ms: float  # the slowest step's
+
+
+class Stalls:
+    """The slow steps of a window, grouped into episodes, with what they have in common.
+
+    Computed once per window (diagnose builds it) and read by the rules that a periodic cause
+    explains, so one cause gives one finding.
+    """
+
+    def __init__(self, window: Window, system: Sequence[SystemSample] = ()):
+        steps = [s for s in window.steps if not s.instrumented]
+        self.total_ms = window.total_ms
+        self.median_ms = statistics.median(s.step_ms for s in steps) if steps else 0.0
+        self.episodes: List[Episode] = []
+        self.warmup: List[Episode] = []
+        self.slow: List[RolledStep] = []
+        self.period: Optional[int] = None
+        self.growth_ms: Dict[str, float] = {}
+        self.phase = ""  # the phase that grows most in the slow steps
+        self.machine_wide = False
+        self.other_cpu_cores: Optional[float] = None
+        if len(steps) < 10:
+            return
+        episodes = _episodes(_slow_steps(steps, self.median_ms), self.median_ms)
+        if not episodes:
+            return
+        horizon = steps[0].step + max(WARMUP_HORIZON, int(WARMUP_HORIZON_SHARE * len(steps)))
+        early = [e for e in episodes if e.first_step < horizon]
+        later = [e for e in episodes if e.first_step >= horizon]
+        if early and not any(e.peak_excess_ms >= MAJOR_SHARE * max(x.peak_excess_ms for x in early)
+                             for e in later):
+            self.warmup, episodes = early, later
+        if not episodes:
+            return
+        # Short steps have jittery hiccups too: the stalls that matter are those of the same
+        # order as the largest one; smaller ones would blur the period.
+        largest = max(e.peak_excess_ms for e in episodes)
+        self.episodes = [e for e in episodes if e.peak_excess_ms >= MAJOR_SHARE * largest]
+        in_episode = {e.first_step + i for e in self.episodes for i in range(e.steps)}
+        stalled = in_episode | {e.first_step + i for e in episodes + self.warmup for i in range(e.steps)}
+        self.slow = [s for s in steps if s.step in in_episode]
+        normal = [s for s in steps if s.step not in stalled]
+        self.growth_ms = {name: statistics.median(getattr(s, f"{name}_ms") for s in self.slow)
+                          - (statistics.median(getattr(s, f"{name}_ms") for s in normal) if normal else 0.0)
+                          for name in ALL_PHASES + ("eval", "checkpoint")}
+        self.phase = max(ALL_PHASES, key=lambda name: self.growth_ms[name])
+        self.period = _period([e.first_step for e in self.episodes])
+        self.other_cpu_cores = _other_cpu_cores(system, self.slow)
+        self.machine_wide = self._machine_wide(normal)
+
+    @property
+    def cost_ms(self) -> float:
+        return sum(e.excess_ms for e in self.episodes)
+
+    @property
+    def cost_share(self) -> float:
+        return self.cost_ms / self.total_ms if self.total_ms else 0.0
+
+    @property
+    def excess_ms(self) -> float:
+        """How much longer the typical slow step is than the median step."""
+        return statistics.median(s.step_ms for s in self.slow) - self.median_ms if self.slow else 0.0
+
+    def explained_by(self, *names: str) -> bool:
+        """Whether these figures (phases, eval, checkpoint) account for the slow steps' excess."""
+        return bool(self.slow) and sum(max(0.0, self.growth_ms[name]) for name in names) \
+            >= EXPLAINED_SHARE * self.excess_ms
+
+    def when(self) -> str:
+        """How often: "every 20 steps", or how many times."""
+        if self.period:
+            return f"every {self.period} steps"
+        lengths = [e.steps for e in self.episodes]
+        longest = f", the longest {max(lengths)} steps in a row" if max(lengths) > 1 else ""
+        return f"{len(self.episodes)} times, irregularly{longest}"
+
+    def evidence(self) -> dict:
+        return {"episodes": len(self.episodes), "slow_steps": len(self.slow),
+                "period_steps": self.period, "phase": self.phase,
+                "phase_growth_ms": round(self.growth_ms.get(self.phase, 0.0), 3),
+                "spike_median_ms": round(self.median_ms + self.excess_ms, 3),
+                "step_median_ms": round(self.median_ms, 3),
+                "first_spike_step": self.episodes[0].first_step if self.episodes else None,
+                "longest_episode_steps": max((e.steps for e in self.episodes), default=0)}
+
+    def warmup_note(self) -> List[dict]:
+        """The warm-up transients, for the summary: slow early steps that did not come back."""
+        return [{"first_step": e.first_step, "steps": e.steps, "excess_ms": round(e.excess_ms, 3)}
+                for e in self.warmup]
+
+    def _machine_wide(self, normal: List[RolledStep]) -> bool:
+        """Every part of the step that counts slowed at once (a stall of one cause grows one
+        part), or no part explains the slow steps while other processes took the CPU."""
+        usual = {name: statistics.median(getattr(s, f"{name}_ms") for s in normal) if normal else 0.0
+                 for name in STEP_PHASES}
+        parts = [name for name in STEP_PHASES if usual[name] >= MACHINE_PART_SHARE * self.median_ms]
+        if parts and all(self.growth_ms[name] >= MACHINE_GROWTH * usual[name] for name in parts):
+            return True
+        return (not self.explained_by(self.phase) and self.other_cpu_cores is not None
+                and self.other_cpu_cores >= OTHER_CPU_CORES)
+
+
+def step_spikes(stalls: Stalls) -> Optional[Finding]:
+    """Slow steps that no share-based finding or planned work explains (diagnose decides)."""
+    if not stalls.episodes:
         return None
-    times = [s.step_ms for s in steps]
-    median = statistics.median(times)
-    mad = statistics.median(abs(t - median) for t in times) or median * 0.01
-    candidates = [s for s in steps if 0.6745 * (s.step_ms - median) / mad > MIN_Z
-                  and s.step_ms > MIN_RATIO * median]
-    if not candidates:
-        return None
-    # Short steps have jittery hiccups too: the spikes that matter are those of the same
-    # order as the largest one; smaller ones would blur the period.
-    largest = max(s.step_ms for s in candidates) - median
-    spikes = [s for s in candidates if s.step_ms - median >= MAJOR_SHARE * largest]
-    if len(spikes) < MIN_SPIKES:
-        return None
-    normal = [s for s in steps if s not in spikes]
-    cost_ms = sum(s.step_ms - median for s in spikes)
-    cost_share = cost_ms / window.total_ms if window.total_ms else 0.0
-    # The phase that grows in a spike, against the same phase in ordinary steps.
-    growth = {name: statistics.median(getattr(s, f"{name}_ms") for s in spikes)
-              - statistics.median(getattr(s, f"{name}_ms") for s in normal) for name in ALL_PHASES}
-    phase = max(growth, key=growth.get)
-    gaps = [b.step - a.step for a, b in zip(spikes, spikes[1:])]
-    period = None
-    if gaps:
-        gap, count = Counter(gaps).most_common(1)[0]
-        if count >= PERIODIC_SHARE * len(gaps):
-            period = gap
-    if period is None and cost_share < WARN_COST_SHARE:
+    cost = stalls.cost_share
+    if stalls.period is None and cost < WARN_COST_SHARE:
         return None  # a few irregular hiccups that cost little: noise, not a finding
-    when = f"every {period} steps" if period else f"{len(spikes)} times, irregularly"
-    spike_ms = statistics.median(s.step_ms for s in spikes)
-    return Finding(
-        kind="STEP_SPIKES", severity="warn" if cost_share >= WARN_COST_SHARE else "info",
-        summary=(f"{len(spikes)} steps take {spike_ms:.1f} ms against a median of {median:.1f} ms, "
-                 f"{when}; {phase.replace('_', ' ')} grows by {growth[phase]:.1f} ms in them; "
-                 f"they cost {cost_share:.0%} of the run's time"),
-        action=ACTIONS.get(phase, DEFAULT_ACTION.format(phase=phase)),
-        evidence={"spikes": len(spikes), "period_steps": period, "phase": phase,
-                  "phase_growth_ms": round(growth[phase], 3), "spike_median_ms": round(spike_ms, 3),
-                  "step_median_ms": round(median, 3), "share": round(cost_share, 4),
-                  "first_spike_step": spikes[0].step})
+    slow_ms = stalls.median_ms + stalls.excess_ms
+    evidence = {**stalls.evidence(), "share": round(cost, 4), "machine_wide": stalls.machine_wide,
+                "other_cpu_cores": None if stalls.other_cpu_cores is None else round(stalls.other_cpu_cores, 2)}
+    if stalls.machine_wide:
+        busy = (f"; other processes used {stalls.other_cpu_cores:.1f} CPU cores meanwhile"
+                if stalls.other_cpu_cores is not None and stalls.other_cpu_cores >= OTHER_CPU_CORES else "")
+        summary = (f"the machine stalls the training {stalls.when()}: {len(stalls.slow)} steps take "
+                   f"{slow_ms:.1f} ms against a median of {stalls.median_ms:.1f} ms, every phase "
+                   f"slower at once{busy}; they cost {cost:.0%} of the run's time")
+        action = MACHINE_ACTION
+    else:
+        phase = stalls.phase
+        summary = (f"{len(stalls.slow)} steps take {slow_ms:.1f} ms against a median of "
+                   f"{stalls.median_ms:.1f} ms, {stalls.when()}; {phase.replace('_', ' ')} grows by "
+                   f"{stalls.growth_ms[phase]:.1f} ms in them; they cost {cost:.0%} of the run's time")
+        action = ACTIONS.get(phase, DEFAULT_ACTION.format(phase=phase))
+    return Finding(kind="STEP_SPIKES", severity="warn" if cost >= WARN_COST_SHARE else "info",
+                   summary=summary, action=action, evidence=evidence)
+
+
+def periodic(finding: Finding, stalls: Stalls, what: str, phase: str) -> Finding:
+    """A share-based finding whose time comes from the stalls: told once, by its cause and
+    period ("every 20 steps, untraced work inside the step takes 104 ms: 66% of the run")."""
+    share = finding.evidence["share"]
+    summary = (f"{stalls.when()}, {what} takes {stalls.excess_ms:.0f} ms (against a median step "
+               f"of {stalls.median_ms:.1f} ms): {share:.0%} of the run")
+    evidence = {**finding.evidence, **stalls.evidence(), "share": share, "periodic": True}
+    return Finding(kind=finding.kind, severity=finding.severity, summary=summary,
+                   action=ACTIONS.get(phase, finding.action), rank=finding.rank, evidence=evidence)
+
+
+def planned_work(window: Window) -> List[Finding]:
+    """Evaluation and checkpoint saves, with their share of the run and how often they come.
+    The run's plan, not a fault: a note, unless they take more than their line."""
+    found = []
+    for kind, name, line, what, action in (
+            ("EVAL_HEAVY", "eval", EVAL_LINE, "evaluation", EVAL_ACTION),
+            ("CHECKPOINT_STALL", "checkpoint", CHECKPOINT_LINE, "a checkpoint save", CHECKPOINT_ACTION)):
+        values = [getattr(s, f"{name}_ms") for s in window.steps]
+        share = sum(values) / window.total_ms if window.total_ms else 0.0
+        if share < PLANNED_NOTE_SHARE:
+            continue
+        largest = max(values)
+        occurrences = [s for s in window.steps if getattr(s, f"{name}_ms") >= 0.5 * largest]
+        each_ms = statistics.median(getattr(s, f"{name}_ms") for s in occurrences)
+        period = _period([s.step for s in occurrences])
+        when = f"every {period} steps" if period else f"{len(occurrences)} times in {len(window)} steps"
+        inside = sum(s.untraced_ms >= 0.8 * getattr(s, f"{name}_ms") for s in occurrences) > len(occurrences) / 2
+        where = "inside the step" if inside else "between steps"
+        severity = "crit" if share >= 2 * line else "warn" if share >= line else "info"
+        found.append(Finding(
+            kind=kind, severity=severity,
+            summary=f"{when}, {what} {where} takes {each_ms:.0f} ms: {share:.0%} of the run",
+            action=action,
+            evidence={"share": round(share, 4), "each_ms": round(each_ms, 3), "period_steps": period,
+                      "count": len(occurrences), "where": where, "line": line}))
+    return found
+
+
+def _slow_steps(steps: List[RolledStep], median: float) -> List[RolledStep]:
+    mad = statistics.median(abs(s.step_ms - median) for s in steps) or median * 0.01
+    return [s for s in steps if 0.6745 * (s.step_ms - median) / mad > MIN_Z
+            and s.step_ms > MIN_RATIO * median]
+
+
+def _episodes(slow: List[RolledStep], median: float) -> List[Episode]:
+    """Consecutive slow steps grouped: one episode each run of them."""
+    episodes: List[Episode] = []
+    for step in slow:
+        excess = step.step_ms - median
+        if episodes and step.step == episodes[-1].first_step + episodes[-1].steps:
+            episode = episodes[-1]
+            episode.steps += 1
+            episode.excess_ms += excess
+            episode.peak_excess_ms = max(episode.peak_excess_ms, excess)
+        else:
+            episodes.append(Episode(first_step=step.step, steps=1, excess_ms=excess,
+                                    peak_excess_ms=excess))
+    return episodes
+
+
+def _period(starts: List[int]) -> Optional[int]:
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    if len(gaps) < MIN_REPEATS - 1:
+        return None
+    gap, count = Counter(gaps).most_common(1)[0]
+    return gap if gap >= MIN_GAP and count >= PERIODIC_SHARE * len(gaps) else None
+
+
+def _other_cpu_cores(system: Sequence[SystemSample], slow: List[RolledStep]) -> Optional[float]:
+    """Cores that processes other than the training used while the slow steps ran (the samples
+    within a second of them; all samples when none is that close), or None without samples."""
+    known = [s for s in system if s.cpu_count]
+    if not known:
+        return None
+    near = [s for s in known if any(abs(s.unix_s - step.start_unix_s) <= 1.0 for step in slow)]
+    readings = [s.cpu_percent / 100.0 * s.cpu_count - s.training_cpu_percent / 100.0
+                for s in (near or known)]
+    return max(0.0, statistics.median(readings))

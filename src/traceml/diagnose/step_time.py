@@ -5,7 +5,8 @@ import statistics
 from typing import Callable, List, Optional
 
 from traceml.collector.rollup import Window
-from traceml.records import COMPUTE_PHASES, STEPS_FROM_TRACE_STEP, Finding
+from traceml.records import (COMPUTE_PHASES, STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER,
+                             STEPS_FROM_TRACE_STEP, Finding)
 
 MIN_STEPS = 10
 WAIT_WARN_SHARE = 0.10  # input wait or H2D at this share of step time: warn
@@ -79,26 +80,18 @@ def h2d_bound(window: Window) -> Optional[Finding]:
         "device; keep tensors that do not change on the device across steps.")
 
 
-def untraced_work(window: Window) -> Optional[Finding]:
+def untraced_work(window: Window, steps_found_by: Optional[str] = None) -> Optional[Finding]:
     outside_share, untraced_share = window.share("outside"), window.share("untraced")
-    # GC pauses land in whatever phase they interrupt, most often the unexplained time; they
-    # have a rule of their own, so they are not counted here twice.
-    share = max(0.0, outside_share + untraced_share - window.share("gc"))
+    # GC pauses, evaluation and checkpoint saves land in this time too; they have findings of
+    # their own, so they are not counted here twice.
+    named_share = window.share("gc") + window.planned_share("eval") + window.planned_share("checkpoint")
+    share = max(0.0, outside_share + untraced_share - named_share)
     severity = _severity(share, UNTRACED_WARN_SHARE, UNTRACED_CRIT_SHARE)
     if severity is None:
         return None
-    work_ms = max(0.0, window.mean_ms("outside", "untraced") - window.mean_ms("gc"))
-    if outside_share >= untraced_share:
-        where = (f"{outside_share:.0%} is between steps (outside the trace_step block)")
-        action = ("Look at the code between steps: log and compute metrics every N steps, not "
-                  "every step; avoid .item()/.cpu() syncs; run evaluation and checkpoints less "
-                  "often or asynchronously.")
-    else:
-        where = (f"{untraced_share:.0%} is inside the step but outside forward, backward and "
-                 "the optimizer")
-        action = ("Look at the code inside the step around the model call: a loss or metric "
-                  "computed outside the model, gradient clipping, manual all-reduces or .item() "
-                  "syncs. Pass the model to trace_step(model) so its forward is timed.")
+    work_ms = share * window.step_mean_ms
+    where, action = _where_and_what_to_do(outside_share >= untraced_share, steps_found_by,
+                                          outside_share, untraced_share)
     return Finding(
         kind="UNTRACED_WORK", severity=severity,
         summary=(f"{_of_step('work outside forward, backward and optimizer', share, work_ms, window)}"
@@ -108,9 +101,46 @@ def untraced_work(window: Window) -> Optional[Finding]:
                            untraced_share=round(untraced_share, 4)))
 
 
-def compute_bound(window: Window) -> Optional[Finding]:
+TRAINERS_ACTION = ("A step this short is mostly the trainer's own fixed cost: give each update "
+                   "more work (a larger batch, or gradient accumulation), log less often "
+                   "(logging_steps, log_every_n_steps), drop callbacks you do not need and turn off "
+                   "the progress bar.")
+
+
+def _where_and_what_to_do(between: bool, steps_found_by: Optional[str], outside_share: float,
+                          untraced_share: float) -> tuple:
+    """Where the untraced time is and what to look at, in the words of how the steps were
+    found: a trace_step block, steps inferred in the user's own loop, or a trainer's updates."""
+    if steps_found_by not in (None, STEPS_FROM_TRACE_STEP, STEPS_FROM_OPTIMIZER, STEPS_FROM_BACKWARD):
+        if between:
+            return (f"{outside_share:.0%} is the trainer's own work between updates (callbacks, "
+                    "logging, progress bar, evaluation)", TRAINERS_ACTION)
+        return (f"{untraced_share:.0%} is inside the update but outside the model (the trainer's "
+                "training step around it: the loss, logging, callbacks)", TRAINERS_ACTION)
+    if between:
+        if steps_found_by in (None, STEPS_FROM_TRACE_STEP):
+            where = f"{outside_share:.0%} is between steps (outside the trace_step block)"
+        else:
+            where = f"{outside_share:.0%} is between steps (after one update, before the next step's work)"
+            if steps_found_by == STEPS_FROM_BACKWARD:
+                where += "; with steps found by backward(), that includes the update written by hand"
+        return where, ("Look at the code between steps: log and compute metrics every N steps, not "
+                       "every step; avoid .item()/.cpu() syncs; run evaluation and checkpoints less "
+                       "often or asynchronously.")
+    where = (f"{untraced_share:.0%} is inside the step but outside forward, backward and the "
+             "optimizer")
+    action = ("Look at the code inside the step around the model call: a loss or metric "
+              "computed outside the model, gradient clipping, manual all-reduces or .item() syncs.")
+    if steps_found_by in (None, STEPS_FROM_TRACE_STEP):
+        action += " Pass the model to trace_step(model) so its forward is timed."
+    return where, action
+
+
+def compute_bound(window: Window, healthy: bool = False) -> Optional[Finding]:
+    """The model's own compute dominates: the verdict of a healthy run. healthy: given anyway,
+    as the verdict of a run in which nothing else is worth a tenth of its time."""
     share, compute_ms = window.share(*COMPUTE_PHASES), window.mean_ms(*COMPUTE_PHASES)
-    if share < COMPUTE_SHARE:
+    if share < COMPUTE_SHARE and not healthy:
         return None
     parts = ", ".join(f"{name} {window.phases[name].share:.0%}" for name in COMPUTE_PHASES)
     return Finding(
@@ -151,5 +181,3 @@ def gc_pressure(window: Window) -> Optional[Finding]:
                            full_collection_share=round(full_share, 4)))
 
 
-RULES: List[Callable[[Window], Optional[Finding]]] = [input_bound, h2d_bound, untraced_work,
-                                                      compute_bound, gc_pressure]

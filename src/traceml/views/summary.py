@@ -13,7 +13,7 @@ from traceml import rundir
 from traceml.collector.rollup import (RolledStep, Window, max_present, rank_medians, rank_spread,
                                       roll_up, warmup_steps)
 from traceml.collector.store import Store
-from traceml.diagnose import MemoryLimits, diagnose
+from traceml.diagnose import MemoryLimits, Stalls, diagnose
 from traceml.records import (ALL_PHASES, STEP_PHASES, Finding, LayerReport, RankEnd, RankHello,
                              SystemSample)
 
@@ -78,12 +78,13 @@ class RunData:
         self.layers = layer_rows(self.layer_report)
         self.limits = MemoryLimits.of_run(self.hellos, self.samples[-1] if self.samples else None)
         self.found_by = _steps_found_by(self)
+        self.stalls = Stalls(self.window, self.samples)
         self.findings: List[Finding] = diagnose(
             self.window, steps_seen=len(self.rolled), ranks=self.ranks if len(self.ranks) > 1 else None,
             limits=self.limits, peak_device_bytes=max_present(s.device_peak_bytes for s in self.rolled),
             peak_rss_bytes=max_present(s.host_rss_bytes for s in self.rolled),
             oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive(),
-            steps_found_by=self.found_by)
+            steps_found_by=self.found_by, system=self.samples, stalls=self.stalls)
 
     def _exact_rank_counts(self, store: Store) -> None:
         """Sampled records give the medians; each rank's step count and last step (which say
@@ -157,6 +158,9 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
             "records_dropped": sum(end.records_dropped for end in data.ends),
             "device_timed": any(s.device_timed for s in window.steps),
             "found_by": data.found_by,
+            # Slow steps early in the run that never came back (allocator, optimizer state,
+            # caches warming up): noted here, never a finding.
+            "warmup_transients": data.stalls.warmup_note(),
             "rank_figures_every_n_steps": data.rank_sample_every,
         },
         "phases": phases,
