@@ -50,7 +50,7 @@ class StepProbe:
                  "input_wait_inside_ns", "forward_calls", "samples", "input_wait_gap_ns", "window",
                  "_gc_start_ns", "_closed", "comm_timed", "_comm_wait_ns",
                  "_bucket_ready_ns", "_bucket_event", "layers", "failed_phase", "auto_steps",
-                 "spans", "_backward_ends_steps", "_step_optimizer", "_last_optimizer",
+                 "spans", "_unconfirmed", "_backward_ends_steps", "_step_optimizer", "_last_optimizer",
                  "_turn_known", "_optimizers_seen", "_model_wait_ends", "counting_input", "steps_from",
                  "_grad_enabled", "tokens", "real_tokens", "token_copies")
 
@@ -119,6 +119,9 @@ class StepProbe:
         self.spans: dict = {}
         # The closed step waiting for the next start to end its window (see exit for its layout).
         self._closed: Optional[tuple] = None
+        # Inferred steps: the step before, its window ended at this step's start, held until
+        # this one proves to be a step (see exit).
+        self._unconfirmed: Optional[tuple] = None
 
     # -- step boundaries: `with trace_step(model):` enters and exits the probe itself ---------
     def __enter__(self) -> "StepProbe":
@@ -146,14 +149,16 @@ class StepProbe:
             # (imports, patches) is part of it, so even step 0 adds up to the loop's clock.
             now, self.setup_started_ns = self.setup_started_ns, 0
         closed = self._closed
-        if self.timeline is None:
-            if closed is not None:
-                # The arithmetic happens on the sender's thread (record_from): here, one tuple.
-                self.sender.push((closed, now, self.input_wait_gap_ns, tuple(self.window)))
-        else:
+        if self.timeline is not None:
             self._start_event = self.timeline.record()
-            if closed is not None:
-                self._submit_device_step(closed, now, self._start_event)
+        if closed is not None:
+            # The arithmetic happens on the sender's thread (record_from): here, one tuple.
+            ending = (closed, now, self.input_wait_gap_ns, tuple(self.window), self._start_event)
+            if self.auto_steps:
+                self._unconfirmed = ending  # sent once this step proves to be one (see exit)
+            else:
+                self._end_window(*ending)
+        if self.timeline is not None:
             self._phase_events = []
             self.device_memory.reset_peak()
         self._closed = None
@@ -186,9 +191,17 @@ class StepProbe:
         if self.layers is not None:
             instrumented = self.layers.instrumenting  # a deep-dive sample or the FLOP count
             self.layers.end_step()
+        unconfirmed, self._unconfirmed = self._unconfirmed, None
         if failed is not None:
             # The step did not finish: it is not a step. Its window never closes, so the
             # previous steps keep their figures and the next step starts afresh.
+            if unconfirmed is not None:
+                # Inferred, the step before was waiting for this one to prove a step before
+                # closing its window at its start. It did not (work after the last update, an
+                # evaluation with gradients on): that step's window ends where it ended, and
+                # the planned work counted since is not its.
+                closed, _, _, window, _ = unconfirmed
+                self._end_window(closed, closed[2], 0, window[:EVAL_NS] + (0, 0), None)
             # Its phase events go back to the pool; its start event stays out, since the step
             # before it may still be waiting on that event as the end of its window.
             if self.timeline is not None:
@@ -196,6 +209,8 @@ class StepProbe:
                     self.timeline.release(begin)
                     self.timeline.release(end)
             return
+        if unconfirmed is not None:
+            self._end_window(*unconfirmed)
         h2d_ns, forward_ns, backward_ns, optimizer_ns = self.phase_ns
         if self.timeline is None:
             end_event = allocated = peak = reserved = None
@@ -213,10 +228,16 @@ class StepProbe:
                         rss, self.tokens, self.real_tokens, self.token_copies, instrumented)
         self.step_index += 1
 
-    def _submit_device_step(self, closed: tuple, window_end_ns: int, next_start_event: Any) -> None:
+    def _end_window(self, closed: tuple, window_end_ns: int, input_wait_gap_ns: int, window: tuple,
+                    next_start_event: Any) -> None:
+        """Send a closed step whose window ends now: as it is on the CPU; on CUDA, to the
+        timeline, which sends it once its events (and the next step's start) are done."""
+        raw = (closed, window_end_ns, input_wait_gap_ns, window)
+        if self.timeline is None:
+            self.sender.push(raw)
+            return
         from traceml.probe.clock import PendingDeviceStep
 
-        raw = (closed, window_end_ns, self.input_wait_gap_ns, tuple(self.window))
         self.timeline.submit(PendingDeviceStep(raw, closed[14], closed[15], next_start_event,
                                                closed[16]))
 
@@ -259,12 +280,8 @@ class StepProbe:
             self.layers.report()
         self.flush_spans()
         closed, self._closed = self._closed, None
-        if closed is None:
-            return
-        if self.timeline is None:
-            self.sender.push((closed, closed[2], 0, tuple(self.window)))
-        else:
-            self._submit_device_step(closed, closed[2], None)
+        if closed is not None:
+            self._end_window(closed, closed[2], 0, tuple(self.window), None)
 
     # -- phases, called by the patches in probe.phases ----------------------------------------
     def phase_begin(self, phase: int) -> bool:
