@@ -223,8 +223,10 @@ def planned_work(window: Window) -> List[Finding]:
         share = sum(values) / window.total_ms if window.total_ms else 0.0
         if share < PLANNED_NOTE_SHARE:
             continue
+        # The windows it happened in (a save's time varies with the disk's mood; a DataLoader
+        # wait of an evaluation loop's is not an evaluation).
         largest = max(values)
-        occurrences = [s for s in window.steps if getattr(s, f"{name}_ms") >= 0.5 * largest]
+        occurrences = [s for s in window.steps if getattr(s, f"{name}_ms") >= 0.1 * largest]
         each_ms = statistics.median(getattr(s, f"{name}_ms") for s in occurrences)
         period = _period([s.step for s in occurrences])
         when = f"every {period} steps" if period else f"{len(occurrences)} times in {len(window)} steps"
