@@ -303,3 +303,21 @@ def test_steps_traceml_slows_on_purpose_are_marked(probe):
             model(torch.randn(2, 4)).sum().backward()
     marked = [record.step for record in records(probe) if record.instrumented]
     assert marked == [4, 5, 8]  # sampled every 4th step (not the first), and the FLOP count after the first
+
+
+def test_an_inferred_step_that_never_ends_leaves_the_step_before_as_it_was(probe):
+    model = SlowForward()
+    phases.hook_model(probe, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe.auto_steps = True  # steps inferred: each ends at optimizer.step()
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        time.sleep(0.005)
+    time.sleep(0.05)  # the script's tail: saving, printing
+    model(torch.randn(2, 4))  # a forward with gradients on after the last update: not a step
+    time.sleep(0.05)
+    steps = records(probe)
+    assert [s.step for s in steps] == [0, 1, 2]
+    assert all(s.outside_ms >= 5.0 for s in steps[:2])  # the windows between updates, whole
+    assert steps[2].outside_ms == 0.0  # the last one ends where it ended, not at the tail's start

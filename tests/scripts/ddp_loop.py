@@ -39,6 +39,7 @@ def main():
     parser.add_argument("--busy-ms", type=float, default=0.0, help="extra forward, on the slow rank")
     parser.add_argument("--die-at", type=int, default=-1, help="the slow rank is killed at this step")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--sleep-ms", type=float, default=0.0, help="between steps, on the slow rank")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -58,6 +59,8 @@ def main():
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+        if slow and args.sleep_ms:  # its own business between steps: logging, a metric, a sync
+            time.sleep(args.sleep_ms / 1000.0)
     print(f"rank {rank} trained {step + 1} steps", flush=True)
     if rank == 0:  # the wrapper pickles as it would untraced, and names no traceml
         saved = io.BytesIO()

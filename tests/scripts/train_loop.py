@@ -34,6 +34,13 @@ def main():
     parser.add_argument("--save-every", type=int, default=0,
                         help="a synchronous checkpoint save inside every Nth step")
     parser.add_argument("--save-mb", type=float, default=32.0)
+    parser.add_argument("--save-between", action="store_true", help="save after the step, not inside it")
+    parser.add_argument("--stall-every", type=int, default=0,
+                        help="every Nth step waits --stall-ms inside the step (a metric's sync)")
+    parser.add_argument("--stall-ms", type=float, default=100.0)
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    parser.add_argument("--long-batch-every", type=int, default=0,
+                        help="every Nth batch is 8 times larger (inputs that vary in size)")
     parser.add_argument("--print-summary", action="store_true", help="print traceml.summary() at the end")
     args = parser.parse_args()
 
@@ -41,11 +48,18 @@ def main():
     model = nn.Sequential(nn.Linear(args.features, args.width), nn.ReLU(),
                           nn.Linear(args.width, args.width), nn.ReLU(),
                           nn.Linear(args.width, 10)).to(args.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer = (torch.optim.Adam(model.parameters(), lr=1e-3) if args.optimizer == "adam"
+                 else torch.optim.SGD(model.parameters(), lr=0.01))
     dataset = SyntheticDataset(args.steps * args.batch_size, args.features, args.load_ms)
     if args.no_loader:
-        batches = ((dataset.inputs[i:i + args.batch_size], dataset.targets[i:i + args.batch_size])
-                   for i in range(0, len(dataset), args.batch_size))
+        def batch(index):
+            size = args.batch_size
+            if args.long_batch_every and index % args.long_batch_every == args.long_batch_every - 1:
+                size *= 8  # an unusually long input: eight times the work
+            rows = [(index * args.batch_size + row) % len(dataset) for row in range(size)]
+            return dataset.inputs[rows], dataset.targets[rows]
+
+        batches = (batch(index) for index in range(args.steps))
     else:
         batches = DataLoader(dataset, batch_size=args.batch_size)
 
@@ -72,9 +86,13 @@ def main():
                 kept.append((loss, outputs))  # keeps each step's graph and activations alive
             if args.gc_heap:
                 gc.collect()
-            if args.save_every and step % args.save_every == args.save_every - 1:
+            if args.stall_every and step % args.stall_every == args.stall_every - 1:
+                time.sleep(args.stall_ms / 1000.0)  # a metric's sync, say, every so often
+            if args.save_every and not args.save_between and step % args.save_every == args.save_every - 1:
                 torch.save({"model": model.state_dict(), "extra": checkpoint},
                            f"checkpoint-{step % 2}.pt")
+        if args.save_every and args.save_between and step % args.save_every == args.save_every - 1:
+            torch.save({"model": model.state_dict(), "extra": checkpoint}, f"checkpoint-{step % 2}.pt")
         if args.outside_ms:
             time.sleep(args.outside_ms / 1000.0)
     if not sys.stdout.closed:
