@@ -184,6 +184,17 @@ def memory_window(held, device=True):
 MIB = 2 ** 20
 
 
+def test_creep_that_would_take_a_thousand_windows_to_run_out_is_no_verdict():
+    # 12 MiB over 94 steps on 440 MiB held, 23 GiB free: a busy machine's RSS drift, not a leak.
+    drift = memory_creep(memory_window([440 * MIB + i * 128 * 1024 for i in range(95)], device=False),
+                         MemoryLimits(host_available_bytes=23 * 1024 * MIB))
+    assert drift.severity == "warn"
+    # A graph kept every step: far from running out, but growing by a third of what is held.
+    leak = memory_creep(memory_window([300 * MIB + i * 2 * MIB for i in range(55)], device=False),
+                        MemoryLimits(host_available_bytes=23 * 1024 * MIB))
+    assert leak.severity == "crit"
+
+
 def test_creep_gives_bytes_per_step_and_the_step_memory_runs_out():
     found = memory_creep(memory_window([1024 * MIB + i * 2 * MIB for i in range(50)]),
                          MemoryLimits(device_capacity_bytes=2048 * MIB))
@@ -308,6 +319,61 @@ def test_periodic_untraced_work_is_one_finding_told_by_its_period():
     assert primary.kind == "UNTRACED_WORK" and primary.evidence["period_steps"] == 20
     assert primary.summary.startswith("every 20 steps, untraced work inside the step takes 1000 ms")
     assert f"{primary.evidence['share']:.0%} of the run" in primary.summary
+
+
+def busy_machine(seconds=100, other_cores=0.9):
+    """System samples of a 2-core machine on which other processes use other_cores."""
+    return [SystemSample(unix_s=float(i), cpu_percent=(1.0 + other_cores) * 50.0, ram_used_bytes=1,
+                         ram_total_bytes=2, training_cpu_percent=100.0, training_rss_bytes=1, cpu_count=2)
+            for i in range(seconds)]
+
+
+def jittery_window(stall_every=None, stall_ms=250.0, count=100):
+    """A busy machine's steps: compute between 50 and 190 ms (the spread of a 2-core run beside
+    a CPU hog), and, every stall_every steps, stall_ms of untraced work."""
+    steps = []
+    for index in range(count):
+        jitter_ms = (index * 37 % 15) * 10.0  # 0 to 140 ms, in no order a period could match
+        step = rolled(index, backward=30.0, optimizer=10.0)
+        step.forward_ms += jitter_ms
+        step.step_ms += jitter_ms
+        if stall_every and index % stall_every == stall_every - 1:
+            step.untraced_ms += stall_ms
+            step.step_ms += stall_ms
+        steps.append(step)
+    return Window(steps)
+
+
+def test_a_periodic_stall_is_found_in_its_own_part_when_the_machine_jitters():
+    window = jittery_window(stall_every=10)
+    # On the whole step the stalls drown in the jitter; in untraced time they stand alone.
+    stalls = Stalls(window)
+    assert stalls.period == 10 and stalls.phase == "untraced"
+    assert stalls.growth_ms["untraced"] == pytest.approx(250.0)
+    findings = diagnose(window, steps_seen=100)
+    # Its mean share (under 15%) is under UNTRACED_WORK's own line: named by its cause all the same.
+    assert window.share("untraced") < UNTRACED_WARN_SHARE
+    primary = findings[0]
+    assert primary.kind == "UNTRACED_WORK" and primary.evidence["period_steps"] == 10
+    assert primary.summary.startswith("every 10 steps, untraced work inside the step takes 250 ms")
+    assert "STEP_SPIKES" not in kinds(findings)
+    # Without the stall, the jitter alone is no period and no finding.
+    assert Stalls(jittery_window()).period is None
+
+
+def test_irregular_stalls_on_a_busy_machine_are_the_machines_and_listed_under_also():
+    # Descheduled now and then: each stall lands in whichever phase ran, here the forward.
+    window = stalled_window({23, 41, 42, 58, 67, 88}, extra_ms=250.0, forward=1.0)  # 13% of the run
+    quiet = diagnose(window, steps_seen=100)
+    assert quiet[0].kind == "STEP_SPIKES" and quiet[0].evidence["machine_wide"] is False
+    busy = diagnose(window, steps_seen=100, system=busy_machine())
+    assert busy[0].kind == "COMPUTE_BOUND"
+    spikes = next(f for f in busy if f.kind == "STEP_SPIKES")
+    assert spikes.evidence["machine_wide"] is True and spikes.summary.startswith("the machine stalls")
+    # A periodic stall of one part is the run's own, busy machine or not.
+    periodic = diagnose(stalled_window({19, 39, 59, 79, 99}, extra_ms=1000.0), steps_seen=100,
+                        system=busy_machine())
+    assert periodic[0].kind == "UNTRACED_WORK" and periodic[0].evidence["period_steps"] == 20
 
 
 def test_a_checkpoint_inside_the_step_is_checkpoint_stall_and_nothing_else():

@@ -26,6 +26,7 @@ def main():
     parser.add_argument("--accumulate", type=int, default=4)
     parser.add_argument("--collate-ms", type=float, default=0.0, help="sleep per batch in collate")
     parser.add_argument("--eval-every", type=int, default=0, help="evaluate every N updates")
+    parser.add_argument("--eval-rows", type=int, default=256, help="rows in the evaluation set")
     parser.add_argument("--output-dir", default="hf_out")
     parser.add_argument("--save", help="save the trained model here (save_model and torch.save)")
     args = parser.parse_args()
@@ -47,7 +48,7 @@ def main():
         eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every or None,
         disable_tqdm=True)
     kwargs = dict(model=model, args=training, train_dataset=Tokens(4096, 32, 128),
-                  eval_dataset=Tokens(256, 32, 128) if args.eval_every else None, data_collator=collate)
+                  eval_dataset=Tokens(args.eval_rows, 32, 128) if args.eval_every else None, data_collator=collate)
     if args.how == "callback":
         from traceml.integrations import huggingface as traceml_hf
 

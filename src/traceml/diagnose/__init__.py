@@ -11,7 +11,8 @@ finding's period), and ranks the findings so the first is the primary diagnosis:
    checkpoints count only above their own lines (they are the run's plan);
 4. COMPUTE_BOUND, the verdict of a healthy run (given even below its own line when nothing
    above is found);
-5. the rest, under "Also", by worth.
+5. the rest, under "Also", by worth: among them stalls of the whole machine (another process
+   took the CPU), so a run's verdict is the same on a busy machine as on a quiet one.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import List, Optional, Sequence
 
 from traceml.collector.rollup import Window
 from traceml.diagnose.memory import MemoryLimits, memory_creep, memory_pressure, out_of_memory
-from traceml.diagnose.spikes import Stalls, periodic, planned_work, step_spikes
+from traceml.diagnose.spikes import WARN_COST_SHARE, Stalls, periodic, planned_work, step_spikes
 from traceml.diagnose.step_time import (MIN_STEPS, compute_bound, gc_pressure, h2d_bound,
                                         input_bound, insufficient_data, untraced_work)
 from traceml.diagnose.stragglers import straggler
@@ -79,6 +80,13 @@ def _one_finding_per_cause(shares: List[Finding], stalls: Stalls) -> List[Findin
                 and stalls.cost_share >= 0.5 * finding.evidence["share"]):
             shares[index] = periodic(finding, stalls, STALL_WORDS[stalls.phase], stalls.phase)
             return shares
+    if stalls.period and stalls.phase in STALL_WORDS and stalls.explained_by(stalls.phase):
+        # A part that stalls on a period is that part's cause even when its mean share stays
+        # under the cause's own line (a sync every 10th step on a busy machine).
+        cause = next(kind for kind, phases in STALL_CAUSES.items() if stalls.phase in phases)
+        base = Finding(kind=cause, severity="warn" if stalls.cost_share >= WARN_COST_SHARE else "info",
+                       summary="", action="", evidence={"share": round(stalls.cost_share, 4)})
+        return shares + [periodic(base, stalls, STALL_WORDS[stalls.phase], stalls.phase)]
     spikes = step_spikes(stalls)
     return shares + ([spikes] if spikes is not None else [])
 
@@ -97,6 +105,8 @@ def _group(finding: Finding) -> int:
         return 3
     if finding.kind in ("INSUFFICIENT_DATA", "MEMORY_CREEP", "MEMORY_PRESSURE"):
         return 4
+    if finding.kind == "STEP_SPIKES" and finding.evidence.get("machine_wide"):
+        return 4  # the machine's, not the run's: the verdict stays what it is on a quiet machine
     if finding.severity != "info" and worth(finding) >= VERDICT_SHARE:
         return 2
     return 4

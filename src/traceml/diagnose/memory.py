@@ -17,6 +17,8 @@ MIN_GROWTH_BYTES = 4 * 2 ** 20  # what the trend must add over the window, at le
 MIN_GROWTH_SHARE = 0.02  # ... and as a share of the memory held
 MIN_CONCORDANCE = 0.75  # share of (earlier, later) pairs where the later holds more
 PERSIST_SHARE = 0.3  # each third of the window must grow by this share of the trend
+CRIT_GROWTH_SHARE = 0.10  # a trend adding this share of what is held over the window: crit
+OOM_SOON_WINDOWS = 10  # ... or one that runs out within this many windows' worth of steps
 PRESSURE_WARN = 0.90  # peak at this share of capacity: warn
 PRESSURE_CRIT = 0.97
 
@@ -83,7 +85,11 @@ def memory_creep(window: Window, limits: MemoryLimits,
         top = ", ".join(f"{layer['name']} ({_gib(layer['alive_bytes'])})" for layer in layers_alive[:3])
         summary += f"; layers whose outputs or saved tensors outlive the step: {top}"
         evidence["layers_alive"] = top
-    return Finding(kind="MEMORY_CREEP", severity="crit" if oom_step is not None else "warn",
+    # It will run out: soon, or it adds so much of what is held that it is no allocator's
+    # settling (a busy machine's RSS drifts by a few percent; a kept graph doubles it).
+    soon = oom_step is not None and oom_step - steps[-1] <= OOM_SOON_WINDOWS * (steps[-1] - steps[0])
+    fast = oom_step is not None and held[-1] and growth >= CRIT_GROWTH_SHARE * held[-1]
+    return Finding(kind="MEMORY_CREEP", severity="crit" if soon or fast else "warn",
                    summary=summary, action=LEAK_CAUSES, evidence=evidence)
 
 

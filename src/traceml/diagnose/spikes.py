@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import msgspec
 
@@ -24,6 +24,8 @@ from traceml.records import ALL_PHASES, STEP_PHASES, Finding, SystemSample
 MIN_Z = 6.0  # robust z-score (median and MAD) a step must pass to be slow
 MIN_RATIO = 2.0  # ... and it must take this many times the median step (a busy machine's
                  # jitter reaches 1.5x; the stalls worth naming are longer)
+PART_MIN_EXCESS = 0.5  # a part of the step stalls when it grows by this share of the median step
+SOMETIMES_PARTS = ("untraced", "outside", "input_wait", "gc")  # parts that stall on their own
 MAJOR_SHARE = 0.25  # a slow step counts when its excess is at least this share of the largest's
 MIN_REPEATS = 3  # episodes at one gap that make a period
 MIN_GAP = 2  # steps between the starts of two episodes of a period
@@ -95,23 +97,24 @@ class Stalls:
         self.other_cpu_cores: Optional[float] = None
         if len(steps) < 10:
             return
-        episodes = _episodes(_slow_steps(steps, self.median_ms), self.median_ms)
-        if not episodes:
+        # Stalls of the whole step first; when they have no period, a part of the step that
+        # stalls on its own period (a sync every 10th step) is found in that part's figures,
+        # which a busy machine's jitter in the compute phases does not drown.
+        found = _stall_episodes(steps, [s.step_ms for s in steps], (MIN_RATIO - 1.0) * self.median_ms)
+        if found is None or _period([e.first_step for e in found.episodes]) is None:
+            by_part = [_stall_episodes(steps, [getattr(s, f"{part}_ms") for s in steps],
+                                       PART_MIN_EXCESS * self.median_ms) for part in SOMETIMES_PARTS]
+            periodic = [f for f in by_part if f is not None and _period([e.first_step for e in f.episodes])]
+            if periodic:
+                found = max(periodic, key=lambda f: sum(e.excess_ms for e in f.episodes))
+        if found is None:
             return
-        horizon = steps[0].step + max(WARMUP_HORIZON, int(WARMUP_HORIZON_SHARE * len(steps)))
-        early = [e for e in episodes if e.first_step < horizon]
-        later = [e for e in episodes if e.first_step >= horizon]
-        if early and not any(e.peak_excess_ms >= MAJOR_SHARE * max(x.peak_excess_ms for x in early)
-                             for e in later):
-            self.warmup, episodes = early, later
-        if not episodes:
+        self.episodes, self.warmup = found.episodes, found.warmup
+        if not self.episodes:
             return
-        # Short steps have jittery hiccups too: the stalls that matter are those of the same
-        # order as the largest one; smaller ones would blur the period.
-        largest = max(e.peak_excess_ms for e in episodes)
-        self.episodes = [e for e in episodes if e.peak_excess_ms >= MAJOR_SHARE * largest]
         in_episode = {e.first_step + i for e in self.episodes for i in range(e.steps)}
-        stalled = in_episode | {e.first_step + i for e in episodes + self.warmup for i in range(e.steps)}
+        stalled = {e.first_step + i for e in found.episodes + found.minor + found.warmup
+                   for i in range(e.steps)}
         self.slow = [s for s in steps if s.step in in_episode]
         normal = [s for s in steps if s.step not in stalled]
         self.growth_ms = {name: statistics.median(getattr(s, f"{name}_ms") for s in self.slow)
@@ -164,14 +167,15 @@ class Stalls:
 
     def _machine_wide(self, normal: List[RolledStep]) -> bool:
         """Every part of the step that counts slowed at once (a stall of one cause grows one
-        part), or no part explains the slow steps while other processes took the CPU."""
+        part), or, while other processes took the CPU, stalls that no part explains or that come
+        at no period (a descheduled process stalls in whichever phase it was in)."""
         usual = {name: statistics.median(getattr(s, f"{name}_ms") for s in normal) if normal else 0.0
                  for name in STEP_PHASES}
         parts = [name for name in STEP_PHASES if usual[name] >= MACHINE_PART_SHARE * self.median_ms]
         if parts and all(self.growth_ms[name] >= MACHINE_GROWTH * usual[name] for name in parts):
             return True
-        return (not self.explained_by(self.phase) and self.other_cpu_cores is not None
-                and self.other_cpu_cores >= OTHER_CPU_CORES)
+        return ((self.period is None or not self.explained_by(self.phase))
+                and self.other_cpu_cores is not None and self.other_cpu_cores >= OTHER_CPU_CORES)
 
 
 def step_spikes(stalls: Stalls) -> Optional[Finding]:
@@ -205,7 +209,7 @@ def periodic(finding: Finding, stalls: Stalls, what: str, phase: str) -> Finding
     """A share-based finding whose time comes from the stalls: told once, by its cause and
     period ("every 20 steps, untraced work inside the step takes 104 ms: 66% of the run")."""
     share = finding.evidence["share"]
-    summary = (f"{stalls.when()}, {what} takes {stalls.excess_ms:.0f} ms (against a median step "
+    summary = (f"{stalls.when()}, {what} takes {stalls.growth_ms[phase]:.0f} ms (against a median step "
                f"of {stalls.median_ms:.1f} ms): {share:.0%} of the run")
     evidence = {**finding.evidence, **stalls.evidence(), "share": share, "periodic": True}
     return Finding(kind=finding.kind, severity=finding.severity, summary=summary,
@@ -242,24 +246,46 @@ def planned_work(window: Window) -> List[Finding]:
     return found
 
 
-def _slow_steps(steps: List[RolledStep], median: float) -> List[RolledStep]:
-    mad = statistics.median(abs(s.step_ms - median) for s in steps) or median * 0.01
-    return [s for s in steps if 0.6745 * (s.step_ms - median) / mad > MIN_Z
-            and s.step_ms > MIN_RATIO * median]
+class _Found(NamedTuple):
+    episodes: List[Episode]  # the stalls that matter
+    minor: List[Episode]  # hiccups much smaller than the largest stall
+    warmup: List[Episode]  # early stalls that never came back
 
 
-def _episodes(slow: List[RolledStep], median: float) -> List[Episode]:
-    """Consecutive slow steps grouped: one episode each run of them."""
+def _stall_episodes(steps: List[RolledStep], values_ms: List[float], min_excess_ms: float) -> Optional[_Found]:
+    """The episodes of slow values (far above their median by a robust z-score, and by at
+    least min_excess_ms), or None when no value is slow."""
+    median = statistics.median(values_ms)
+    mad = statistics.median(abs(v - median) for v in values_ms) or max(median, 1e-3) * 0.01
+    episodes = _episodes([(step.step, value - median) for step, value in zip(steps, values_ms)
+                          if 0.6745 * (value - median) / mad > MIN_Z and value - median > min_excess_ms])
+    horizon = steps[0].step + max(WARMUP_HORIZON, int(WARMUP_HORIZON_SHARE * len(steps)))
+    early = [e for e in episodes if e.first_step < horizon]
+    later = [e for e in episodes if e.first_step >= horizon]
+    warmup: List[Episode] = []
+    if early and not any(e.peak_excess_ms >= MAJOR_SHARE * max(x.peak_excess_ms for x in early)
+                         for e in later):
+        warmup, episodes = early, later
+    if not episodes:
+        return None if not warmup else _Found([], [], warmup)
+    # Short steps have jittery hiccups too: the stalls that matter are those of the same order
+    # as the largest one; smaller ones would blur the period.
+    largest = max(e.peak_excess_ms for e in episodes)
+    return _Found([e for e in episodes if e.peak_excess_ms >= MAJOR_SHARE * largest],
+                  [e for e in episodes if e.peak_excess_ms < MAJOR_SHARE * largest], warmup)
+
+
+def _episodes(slow: List[Tuple[int, float]]) -> List[Episode]:
+    """Consecutive slow steps (step, excess over the median) grouped: one episode each run."""
     episodes: List[Episode] = []
-    for step in slow:
-        excess = step.step_ms - median
-        if episodes and step.step == episodes[-1].first_step + episodes[-1].steps:
+    for step_number, excess in slow:
+        if episodes and step_number == episodes[-1].first_step + episodes[-1].steps:
             episode = episodes[-1]
             episode.steps += 1
             episode.excess_ms += excess
             episode.peak_excess_ms = max(episode.peak_excess_ms, excess)
         else:
-            episodes.append(Episode(first_step=step.step, steps=1, excess_ms=excess,
+            episodes.append(Episode(first_step=step_number, steps=1, excess_ms=excess,
                                     peak_excess_ms=excess))
     return episodes
 
