@@ -80,3 +80,21 @@ def test_deep_dive_names_the_layers_a_leak_keeps_alive(traceml_run):
     # The loop keeps each step's outputs: the last layer's output outlives its step.
     assert "layers whose outputs or saved tensors outlive the step: 4 (" in creep["summary"]
     assert any(row["alive_bytes"] > 0 for row in run.summary()["layers"])
+
+
+def test_a_gpt_script_under_deep_dive_ranks_its_linears_and_explains_its_coverage(traceml_run):
+    """The unmodified GPT-style script: p=0 Dropouts after the projections, attention through
+    F.scaled_dot_product_attention, residual connections, a tied head."""
+    run = traceml_run("--steps", 40, script=SCRIPTS / "gpt_deep.py", traceml_args=("--deep",))
+    assert run.returncode == 0, run.stderr
+    summary = run.summary()
+    leaves = [row for row in summary["layers"] if row["leaf"]]
+    by_time = sorted(leaves, key=lambda row: -(row["forward_ms"] + row["backward_ms"]))
+    assert all(row["type"] == "Linear" for row in by_time[:4]), by_time[:4]
+    for dropout in (row for row in leaves if row["type"] == "Dropout"):
+        assert dropout["backward_ms"] == 0.0  # its output is its input: no backward of its own
+    deep = summary["deep_dive"]
+    assert 0.5 < deep["forward_coverage"] < 0.98 and 0.5 < deep["backward_coverage"] < 0.98
+    card = (run.run_dir / "final_summary.txt").read_text()
+    top = card[card.index("top by time"):card.index("top by memory")]
+    assert "Dropout" not in top

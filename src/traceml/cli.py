@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 log = logging.getLogger("traceml")
 
@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--deep", action="store_true",
                      help="deep-dive: per-layer time and memory of the model given to trace_step, "
                           "measured every 10th step")
+    run.add_argument("--no-auto-capture", dest="auto_capture", action="store_false",
+                     help="do not sample a few steps in deep-dive on their own when a step spikes, "
+                          "steps slow down against the run's start, or memory jumps")
     _web_arguments(run)
     distributed = run.add_argument_group("distributed (launched through torch.distributed.run)")
     distributed.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
@@ -192,7 +195,7 @@ def run_command(args: argparse.Namespace) -> int:
     except rendezvous.RendezvousError as exc:
         return _fail(str(exc))
     if not launch.hosts_collector:
-        return _run_without_collector(launch, args.deep)
+        return _run_without_collector(launch, args)
     if args.run_dir is not None:
         try:
             rundir.check_not_taken(args.run_dir)
@@ -220,13 +223,9 @@ def run_command(args: argparse.Namespace) -> int:
     child_pids: Set[int] = set()
     sampler = SystemSampler(collector.ingest, lambda: child_pids | collector.training_pids)
 
-    env = dict(os.environ)
+    env = _probe_env(args)
     env[rendezvous.ENV_COLLECTOR] = address
     env[ENV_RUN_DIR] = os.fspath(run_dir)
-    if args.deep:
-        from traceml.probe.step import ENV_DEEP
-
-        env[ENV_DEEP] = "1"
     started = time.time()
     mode = args.mode or ("cli" if sys.stdout.isatty() else "summary")
     live = mode == "cli"
@@ -366,16 +365,24 @@ def _close_dashboard(web: Any, summary: Optional[dict], run_dir: Optional[Path])
         _say(f"traceml: reopen the dashboard with: traceml view {run_dir}")
 
 
-def _run_without_collector(launch: Launch, deep: bool) -> int:
+def _probe_env(args: argparse.Namespace) -> Dict[str, str]:
+    """The training processes' environment: this one, with the probe's options."""
+    from traceml.probe.step import ENV_AUTO_CAPTURE, ENV_DEEP
+
+    env = dict(os.environ)
+    if args.deep:
+        env[ENV_DEEP] = "1"
+    if not args.auto_capture:
+        env[ENV_AUTO_CAPTURE] = "0"
+    return env
+
+
+def _run_without_collector(launch: Launch, args: argparse.Namespace) -> int:
     """A node other than 0: its ranks send to node 0's collector, which prints the card."""
     from traceml import rendezvous
 
-    env = dict(os.environ)
+    env = _probe_env(args)
     env[rendezvous.ENV_COLLECTOR] = f"{launch.master_addr}:{launch.collector_port}"
-    if deep:
-        from traceml.probe.step import ENV_DEEP
-
-        env[ENV_DEEP] = "1"
     try:
         child = subprocess.Popen(launch.command(), env=env)
     except OSError as exc:

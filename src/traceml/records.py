@@ -146,6 +146,26 @@ class LayerReport(msgspec.Struct, tag="layers", array_like=True):
     flops_per_step: Optional[int] = None  # one whole step's, by torch's FlopCounterMode (once)
 
 
+class LayerCapture(msgspec.Struct, tag="capture", array_like=True):
+    """Deep-dive taken on its own when the probe saw a step go wrong: each module's figures in
+    the steps sampled right after (after, summed over after_steps) and in the sample taken
+    before (before, summed over before_steps)."""
+
+    rank: int
+    step: int  # the step that fired the rule
+    reason: str  # CAPTURE_SPIKE, CAPTURE_REGRESSION or CAPTURE_MEMORY
+    detail: str  # the numbers that fired it
+    before_steps: int
+    after_steps: int
+    before: List[LayerStat]
+    after: List[LayerStat]
+
+
+CAPTURE_SPIKE = "spike"  # one step far slower than the run's baseline
+CAPTURE_REGRESSION = "regression"  # the recent steps' median well above the baseline
+CAPTURE_MEMORY = "memory"  # memory held at a step's end jumped
+
+
 class GpuSample(msgspec.Struct):
     index: int
     utilization_percent: float
@@ -212,8 +232,8 @@ class Finding(msgspec.Struct, omit_defaults=False):
     evidence: Dict[str, Union[float, int, str, None]] = {}
 
 
-Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord, LayerReport, SpanRecord,
-               ScalarRecord]
+Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord, LayerReport, LayerCapture,
+               SpanRecord, ScalarRecord]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(List[Record])

@@ -45,7 +45,8 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
                             peak_device_bytes=max_present(s.device_peak_bytes for s in rolled),
                             peak_rss_bytes=max_present(s.host_rss_bytes for s in rolled),
                             steps_found_by=hellos[0].steps_from if hellos else None,
-                            system=[system] if system is not None else [])
+                            system=[system] if system is not None else [],
+                            captures=list(collector.captures))
     seen = {finding.kind for _, finding in alerts}
     for finding in findings:
         if finding.kind not in seen and finding.kind != "INSUFFICIENT_DATA" and finding.severity != "info":

@@ -17,7 +17,7 @@ import msgspec
 
 from traceml.collector.rollup import LiveRollup, roll_up
 from traceml.collector.store import Store
-from traceml.records import (HEADER_BYTES, FrameError, LayerReport, RankEnd, RankHello,
+from traceml.records import (HEADER_BYTES, FrameError, LayerCapture, LayerReport, RankEnd, RankHello,
                              StepRecord, SystemSample, decode_payload, parse_header)
 
 log = logging.getLogger("traceml")
@@ -52,6 +52,7 @@ class Collector:
         self.hellos: Dict[int, RankHello] = {}
         self.latest_system: Optional[SystemSample] = None
         self.latest_layers: Optional[LayerReport] = None
+        self.captures: List[LayerCapture] = []  # deep-dive captured when a rule fired
         # Ranks whose connection dropped with no goodbye while other ranks were still there:
         # they died or were killed, and the summary reports them missing.
         self.lost_ranks: Set[int] = set()
@@ -129,6 +130,8 @@ class Collector:
                 self.latest_system = record
             elif kind is LayerReport:
                 self.latest_layers = record
+            elif kind is LayerCapture:
+                self.captures.append(record)
         if steps:
             self.live.add(steps)
             if self.live.rolled_out:

@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterable, List, Sequence
 import msgspec
 
 from traceml.collector.rollup import RolledStep
-from traceml.records import (Finding, GpuSample, LayerReport, OomRecord, RankEnd, RankHello,
+from traceml.records import (Finding, GpuSample, LayerCapture, LayerReport, OomRecord, RankEnd, RankHello,
                              ScalarRecord, SpanRecord, StepRecord, SystemSample)
 
 STEP_COLUMNS = msgspec.structs.fields(StepRecord)
@@ -41,6 +41,7 @@ CREATE TABLE IF NOT EXISTS findings (kind TEXT, severity TEXT, rank INTEGER, fin
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS ooms (rank INTEGER, step INTEGER, oom TEXT);
 CREATE TABLE IF NOT EXISTS layer_reports (rank INTEGER PRIMARY KEY, report TEXT);
+CREATE TABLE IF NOT EXISTS captures (rank INTEGER, step INTEGER, reason TEXT, capture TEXT);
 CREATE TABLE IF NOT EXISTS spans (rank INTEGER, step INTEGER, name TEXT, start_unix_s REAL,
                                   duration_ms REAL, count INTEGER);
 CREATE TABLE IF NOT EXISTS scalars (rank INTEGER, step INTEGER, name TEXT, value REAL);
@@ -98,6 +99,9 @@ class Store:
                 elif type(record) is LayerReport:  # cumulative: the latest replaces the rest
                     self._db.execute("INSERT OR REPLACE INTO layer_reports VALUES (?, ?)", (
                         record.rank, msgspec.json.encode(record).decode()))
+                elif type(record) is LayerCapture:
+                    self._db.execute("INSERT INTO captures VALUES (?, ?, ?, ?)", (
+                        record.rank, record.step, record.reason, msgspec.json.encode(record).decode()))
                 elif type(record) is OomRecord:
                     self._db.execute("INSERT INTO ooms VALUES (?, ?, ?)", (
                         record.rank, record.step, msgspec.json.encode(record).decode()))
@@ -206,6 +210,11 @@ class Store:
         with self._lock:
             rows = self._db.execute("SELECT report FROM layer_reports ORDER BY rank").fetchall()
         return [msgspec.json.decode(row[0], type=LayerReport) for row in rows]
+
+    def captures(self) -> List[LayerCapture]:
+        with self._lock:
+            rows = self._db.execute("SELECT capture FROM captures ORDER BY step, rank").fetchall()
+        return [msgspec.json.decode(row[0], type=LayerCapture) for row in rows]
 
     def ooms(self) -> List[OomRecord]:
         with self._lock:

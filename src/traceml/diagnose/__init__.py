@@ -19,12 +19,13 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 from traceml.collector.rollup import Window
+from traceml.diagnose.captures import attach_captures
 from traceml.diagnose.memory import MemoryLimits, memory_creep, memory_pressure, out_of_memory
 from traceml.diagnose.spikes import WARN_COST_SHARE, Stalls, periodic, planned_work, step_spikes
 from traceml.diagnose.step_time import (MIN_STEPS, compute_bound, gc_pressure, h2d_bound,
                                         input_bound, insufficient_data, untraced_work)
 from traceml.diagnose.stragglers import straggler
-from traceml.records import Finding, OomRecord, SystemSample
+from traceml.records import Finding, LayerCapture, OomRecord, SystemSample
 
 SEVERITY_ORDER = {"crit": 0, "warn": 1, "info": 2}
 VERDICT_SHARE = 0.10  # a finding worth less than this share of the run is never the verdict
@@ -40,14 +41,15 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[dict]] = None
              peak_rss_bytes: Optional[int] = None, oom: Optional[OomRecord] = None,
              layers_alive: Optional[List[dict]] = None,
              steps_found_by: Optional[str] = None, system: Sequence[SystemSample] = (),
-             stalls: Optional[Stalls] = None) -> List[Finding]:
+             stalls: Optional[Stalls] = None, captures: Sequence[LayerCapture] = ()) -> List[Finding]:
     """Every finding for this window, the primary diagnosis first (see the ranking above).
 
     ranks: per-rank medians (rollup.rank_medians) when there are several; limits and peaks:
     what memory there is and what the run reached; oom: the step that ran out of memory;
     steps_found_by: how steps were found (records.STEPS_FROM_*, or a trainer), for the words;
     system: the node's samples, to tell a machine-wide stall; stalls: the window's slow steps
-    when the caller has them already (the summary reports their warm-up).
+    when the caller has them already (the summary reports their warm-up); captures: deep-dive
+    taken when a rule fired in the probe, named in the evidence of the finding it belongs to.
     """
     limits = limits or MemoryLimits()
     findings: List[Finding] = [out_of_memory(oom, limits)] if oom is not None else []
@@ -66,7 +68,9 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[dict]] = None
         findings += [f for f in (straggler(ranks, window.step_median_ms),) if f]
     if not any(_group(f) <= 3 for f in findings):
         findings.append(compute_bound(window, healthy=True))
-    return rank(findings)
+    findings = rank(findings)
+    attach_captures(findings, captures)
+    return findings
 
 
 def _one_finding_per_cause(shares: List[Finding], stalls: Stalls) -> List[Finding]:

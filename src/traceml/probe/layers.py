@@ -1,9 +1,14 @@
 """Deep-dive: per-module forward and backward time and memory, measured on sampled steps.
 
 On a sampled step, process-wide module hooks (installed for that step only, so other steps
-pay nothing) time each module of the traced model: forward from its pre-hook to its hook,
-backward from the moment the gradient of its output arrives to the moment the gradient of
-its input is produced. A saved_tensors_hooks context around the model's forward attributes
+pay nothing) time each module of the traced model: forward from its pre-hook to its hook;
+backward over the autograd nodes the module's own forward made, from the first of them starting
+to the last of them finishing. Those nodes are told by their sequence number (autograd numbers
+nodes as it makes them; one made at the pre-hook marks where the module's begin), so a module
+that returns its input unchanged (Dropout(p=0), an identity) has none and no backward, and a
+module whose input also feeds another branch ends when its own nodes end, not when that input's
+gradient is complete (which waits for every branch: the reason tensor hooks on inputs and
+outputs over-count). A saved_tensors_hooks context around the model's forward attributes
 every tensor saved for backward to the modules in flight (parameters excluded), which gives
 exact activation memory per module. Figures are inclusive of child modules; leaves are
 marked, and the share of the model's time its leaves account for is the coverage (the rest
@@ -14,31 +19,44 @@ sampled step begins: never a synchronize.
 """
 from __future__ import annotations
 
-import itertools
 import logging
+import statistics
 import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-from traceml.records import LayerReport, LayerStat
+from traceml.records import (CAPTURE_MEMORY, CAPTURE_REGRESSION, CAPTURE_SPIKE, LayerCapture, LayerReport,
+                             LayerStat, StepRecord)
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
 
 DEFAULT_EVERY_N_STEPS = 10
+_ACCUMULATE_GRAD_NR = 2 ** 63  # autograd gives AccumulateGrad nodes UINT64_MAX
 REPORT_EVERY_SAMPLES = 5  # send the cumulative figures after this many sampled steps
 CALLS, FORWARD_NS, BACKWARD_NS, SAVED, OUTPUT, ALLOC_DELTA = range(6)
+MAX_CAPTURES = 3  # automatic captures a run
+CAPTURE_STEPS = 3  # steps each samples
+BASELINE_STEP = 20  # sampling only to capture: the sample before starts here (after warm-up)
+BASELINE_STEPS = 2
 
 
 class LayerProbe:
     """Deep-dive state for one model in one training process."""
 
-    def __init__(self, probe: Any, model: Any, every_n_steps: int = DEFAULT_EVERY_N_STEPS):
+    def __init__(self, probe: Any, model: Any, every_n_steps: int = DEFAULT_EVERY_N_STEPS,
+                 auto_capture: bool = True):
+        """every_n_steps: sample every Nth step; 0 samples only to capture (auto_capture: when
+        the probe sees a step go wrong, the next CAPTURE_STEPS steps are sampled, against a
+        sample taken before: the regular samples, or BASELINE_STEPS steps from BASELINE_STEP)."""
         import torch
 
         self._torch = torch
         self.probe = probe
-        self.every_n_steps = max(1, every_n_steps)
+        self.every_n_steps = max(0, every_n_steps)
+        self.watch = AnomalyWatch() if auto_capture else None
+        self.captures_taken = 0
+        self._capture: Optional[_Capture] = None  # the capture being sampled or resolved
         self.names: Dict[int, str] = {}
         self.kinds: Dict[str, str] = {}
         self.leaves = set()
@@ -54,18 +72,20 @@ class LayerProbe:
         self.stats: Dict[str, List[float]] = {name: [0, 0, 0, 0, 0, 0] for name in self.kinds}
         self.sampled_steps = 0
         self.active = False
-        self._stack: List[Tuple[str, int, Any, set, Optional[int]]] = []
-        self._calls = itertools.count()
-        self._backward_open: Dict[int, Tuple[str, Any]] = {}  # call -> (module, start)
+        self._stack: List[List[Any]] = []  # the modules in flight, outermost first
+        self._backward_spans: List[List[Any]] = []  # [module, start, end] per call of this step
+        # Multiplying it makes one autograd node, whose sequence number says where a module's
+        # forward begins (torch numbers nodes as it makes them, per thread).
+        self._marker = torch.zeros((), requires_grad=True)
         self._handles: List[Any] = []
         self._watched: List[Tuple[str, Any, int]] = []  # weakrefs to outputs and saved tensors
         self._watched_step = 0  # the sampled step they come from
         self.alive: Dict[str, int] = {}
-        self._device_spans: List[Tuple[str, int, Any, Any]] = []  # CUDA: (name, slot, begin, end)
+        self._device_spans: List[Tuple[List[float], int, Any, Any]] = []  # CUDA: (row, slot, begin, end)
         # FLOPs of one whole step, counted once by torch's FlopCounterMode (it slows the step it
         # watches): on the step after the first sampled one, so no layer timing sees it.
         self.flops_per_step: Optional[int] = None
-        self._flop_step = self.every_n_steps + 1
+        self._flop_step = self.every_n_steps + 1 if self.every_n_steps else -1
         self._flop_counter: Any = None
 
     # -- the step, called by the probe ------------------------------------------------------
@@ -75,9 +95,20 @@ class LayerProbe:
         if step_index >= self._watched_step + 2:
             self._check_alive()
         self._resolve_device_spans()
+        if self._capture is not None and self._capture.steps_left == 0:
+            self._send_capture()
         if step_index == self._flop_step and self.flops_per_step is None:
             self._count_flops()
-        if step_index % self.every_n_steps or step_index == 0:
+        if self._capture is None and self.watch is not None and self.watch.request is not None:
+            self._start_capture()
+        if self._capture is not None:
+            if self._capture.steps_left == 0:
+                return  # sampled, waiting for its device times
+        elif self.every_n_steps:
+            if step_index % self.every_n_steps or step_index == 0:
+                return
+        elif not (self.watch is not None and BASELINE_STEP <= step_index < BASELINE_STEP + BASELINE_STEPS
+                  and _capturable()):
             return
         self._check_alive()  # an earlier sampled step's, if not checked yet
         self._watched_step = step_index
@@ -102,9 +133,49 @@ class LayerProbe:
         self.backward_done()
         self._stack.clear()
         self.active = False
+        if self._capture is not None:
+            self._capture.steps_left -= 1
+            return
         self.sampled_steps += 1
-        if self.sampled_steps % REPORT_EVERY_SAMPLES == 0:
+        if self.every_n_steps and self.sampled_steps % REPORT_EVERY_SAMPLES == 0:
             self.report()
+
+    # -- automatic capture ------------------------------------------------------------------
+    def _start_capture(self) -> None:
+        """A rule fired: sample the next steps into figures of their own, beside the ones so
+        far (the sample before)."""
+        reason, detail, step = self.watch.request
+        self.watch.request = None
+        if self.captures_taken >= MAX_CAPTURES or not self.sampled_steps or not _capturable():
+            return
+        self.captures_taken += 1
+        self._capture = _Capture(reason, detail, step, self._layer_stats(self.stats, self.alive),
+                                 self.sampled_steps, self.stats)
+        self.stats = {name: [0, 0, 0, 0, 0, 0] for name in self.kinds}
+
+    def _send_capture(self, finishing: bool = False) -> None:
+        """Once its device times are in (or the run ends): send the capture, and go back to the
+        figures so far."""
+        capture = self._capture
+        rows = {id(row) for row in self.stats.values()}
+        if not finishing and any(id(span[0]) in rows for span in self._device_spans):
+            return
+        self._capture = None
+        captured, self.stats = self.stats, capture.stats_before
+        sampled = CAPTURE_STEPS - capture.steps_left
+        if sampled:
+            self.probe.sender.push(LayerCapture(
+                rank=self.probe.rank, step=capture.step, reason=capture.reason, detail=capture.detail,
+                before_steps=capture.before_steps, after_steps=sampled, before=capture.before,
+                after=self._layer_stats(captured, {})))
+
+    def finish(self) -> None:
+        """At the end of the run: a capture still open is sent with the steps it has, and the
+        figures so far."""
+        self._resolve_device_spans()
+        if self._capture is not None:
+            self._send_capture(finishing=True)
+        self.report()
 
     def _count_flops(self) -> None:
         try:
@@ -132,43 +203,81 @@ class LayerProbe:
 
     # -- forward ------------------------------------------------------------------------------
     def _before_forward(self, module: Any, args: tuple) -> None:
+        entered_ns = _now_ns()
         name = self.names.get(id(module))
         if name is None:
             return
-        call = next(self._calls)
+        first_node = (self._marker * 1.0).grad_fn._sequence_nr() + 1 if self._torch.is_grad_enabled() else None
         timeline = self.probe.timeline
-        start: Any = timeline.record() if timeline is not None else _now_ns()
         allocated = self.probe.device_memory.read()[0] if self.probe.device_memory is not None else None
-        self._stack.append((name, call, start, set(), allocated))
-        grad_input = _graph_tensor(args, self._torch.Tensor)
-        if grad_input is not None:  # its gradient arrives when this module's backward is done
-            grad_input.register_hook(lambda grad, call=call: self._backward_end(call))
+        start: Any = timeline.record() if timeline is not None else _now_ns()
+        if timeline is None:
+            self._charge(start - entered_ns)
+        # [module, first node, start, storages saved, allocated, TraceML's own ns inside it]
+        self._stack.append([name, first_node, start, set(), allocated, 0])
 
     def _after_forward(self, module: Any, args: tuple, output: Any) -> None:
+        ended_ns = _now_ns()
         name = self.names.get(id(module))
         if name is None or not self._stack or self._stack[-1][0] != name:
             return
-        _, call, start, _, allocated = self._stack.pop()
+        _, first_node, start, _, allocated, own_ns = self._stack.pop()
         stats = self.stats[name]
         stats[CALLS] += 1
         timeline = self.probe.timeline
         if timeline is not None:
-            self._device_spans.append((name, FORWARD_NS, start, timeline.record()))
+            self._device_spans.append((stats, FORWARD_NS, start, timeline.record()))
             if allocated is not None:
                 stats[ALLOC_DELTA] += self.probe.device_memory.read()[0] - allocated
         else:
-            stats[FORWARD_NS] += _now_ns() - start
-        tensor_type = self._torch.Tensor
-        for tensor in _tensors(output, tensor_type):
+            stats[FORWARD_NS] += ended_ns - start - own_ns
+        outputs = _tensors(output, self._torch.Tensor)
+        for tensor in outputs:
             size = tensor.numel() * tensor.element_size()
             stats[OUTPUT] += size
             self._watch(name, tensor, size)
-        grad_output = _graph_tensor((output,), tensor_type)
-        if grad_output is not None:  # its gradient arriving starts this module's backward
-            grad_output.register_hook(lambda grad, call=call, name=name: self._backward_start(call, name))
+        if first_node is not None:
+            self._time_backward(name, first_node, outputs)
+        if timeline is None:
+            self._charge(_now_ns() - ended_ns)
+
+    def _charge(self, own_ns: int) -> None:
+        """TraceML's own time (its hooks, counting saved tensors) spent inside the modules in
+        flight: not theirs, so left out of their forward time."""
+        for entry in self._stack:
+            entry[5] += own_ns
+
+    def _time_backward(self, name: str, first_node: int, outputs: List[Any]) -> None:
+        """Hook the nodes this call made: the ones its outputs come from start its backward,
+        the ones that lead out of it (to its inputs, parameters, or nothing) end it. The hooks
+        live on the graph's nodes, which go with the graph."""
+        def made_here(node: Any) -> bool:
+            # AccumulateGrad (a parameter's) is numbered past every other node.
+            return node is not None and first_node <= node._sequence_nr() < _ACCUMULATE_GRAD_NR
+
+        heads = [t.grad_fn for t in outputs if made_here(t.grad_fn)]
+        if not heads:
+            return  # its output is its input, or needs no gradient: no backward of its own
+        span: List[Any] = [name, None, None]
+        self._backward_spans.append(span)
+        seen = set()
+        todo = list(heads)
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            inner = [n for n, _ in node.next_functions if made_here(n)]
+            if inner:
+                todo.extend(inner)
+            else:
+                node.register_hook(lambda grad_inputs, grad_outputs, span=span: self._backward_end(span))
+        for node in set(heads):
+            node.register_prehook(lambda grad_outputs, span=span: self._backward_start(span))
 
     def _pack(self, tensor: Any) -> Any:
         """Every tensor saved for backward counts for each module in flight, once per call."""
+        entered_ns = _now_ns()
         try:
             storage = tensor.data_ptr()
         except Exception:  # a tensor without storage (sparse, nested): not counted
@@ -176,11 +285,12 @@ class LayerProbe:
         if storage in self._param_pointers or not self._stack:
             return tensor
         size = tensor.numel() * tensor.element_size()
-        for name, _, _, seen, _ in self._stack:
+        for name, _, _, seen, _, _ in self._stack:
             if storage not in seen:
                 seen.add(storage)
                 self.stats[name][SAVED] += size
         self._watch(self._stack[-1][0], tensor, size)
+        self._charge(_now_ns() - entered_ns)
         return tensor
 
     def _watch(self, name: str, tensor: Any, size: int) -> None:
@@ -191,28 +301,35 @@ class LayerProbe:
             pass
 
     # -- backward -----------------------------------------------------------------------------
-    def _backward_start(self, call: int, name: str) -> None:
-        timeline = self.probe.timeline
-        self._backward_open[call] = (name, timeline.record() if timeline is not None else _now_ns())
+    def _backward_start(self, span: List[Any]) -> None:
+        if span[1] is None:
+            timeline = self.probe.timeline
+            span[1] = timeline.record() if timeline is not None else _now_ns()
 
-    def _backward_end(self, call: int) -> None:
-        opened = self._backward_open.pop(call, None)
-        if opened is not None:
-            self._close_backward(opened)
+    def _backward_end(self, span: List[Any]) -> None:
+        timeline = self.probe.timeline
+        if timeline is None:
+            span[2] = _now_ns()
+            return
+        if span[2] is not None:
+            timeline.release(span[2])
+        span[2] = timeline.record()
 
     def backward_done(self) -> None:
-        """Backward has returned: modules whose input needs no gradient end here."""
-        for opened in self._backward_open.values():
-            self._close_backward(opened)
-        self._backward_open.clear()
-
-    def _close_backward(self, opened: Tuple[str, Any]) -> None:
-        name, start = opened
+        """Backward has returned: count each call's span from its first node starting to its
+        last node finishing."""
         timeline = self.probe.timeline
-        if timeline is not None:
-            self._device_spans.append((name, BACKWARD_NS, start, timeline.record()))
-        else:
-            self.stats[name][BACKWARD_NS] += _now_ns() - start
+        for name, start, end in self._backward_spans:
+            if start is not None and end is not None:
+                if timeline is not None:
+                    self._device_spans.append((self.stats[name], BACKWARD_NS, start, end))
+                else:
+                    self.stats[name][BACKWARD_NS] += max(0, end - start)
+            elif timeline is not None:
+                for event in (start, end):
+                    if event is not None:
+                        timeline.release(event)
+        self._backward_spans = []  # a call whose backward did not run by now never will
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -229,30 +346,34 @@ class LayerProbe:
 
     def _resolve_device_spans(self) -> None:
         pending = []
-        for name, slot, begin, end in self._device_spans:
+        for row, slot, begin, end in self._device_spans:
             if begin.query() and end.query():
-                self.stats[name][slot] += int(begin.elapsed_time(end) * 1e6)
+                row[slot] += int(begin.elapsed_time(end) * 1e6)
                 self.probe.timeline.release(begin)
                 self.probe.timeline.release(end)
             else:
-                pending.append((name, slot, begin, end))
+                pending.append((row, slot, begin, end))
         self._device_spans = pending
 
+    def _layer_stats(self, stats: Dict[str, List[float]], alive: Dict[str, int]) -> List[LayerStat]:
+        on_device = self.probe.device_memory is not None
+        return [LayerStat(name=name, kind=self.kinds[name], leaf=name in self.leaves,
+                          calls=int(s[CALLS]), forward_ms=s[FORWARD_NS] / 1e6,
+                          backward_ms=s[BACKWARD_NS] / 1e6, saved_bytes=int(s[SAVED]),
+                          output_bytes=int(s[OUTPUT]),
+                          allocated_delta_bytes=int(s[ALLOC_DELTA]) if on_device else None,
+                          alive_bytes=alive.get(name, 0))
+                for name, s in stats.items() if s[CALLS]]
+
     def report(self) -> None:
-        """Send the cumulative figures so far (the collector keeps the latest per rank)."""
-        if not self.sampled_steps:
+        """Send the cumulative figures so far (the collector keeps the latest per rank); none
+        when sampling only to capture."""
+        if not self.sampled_steps or not self.every_n_steps:
             return
         root = self.stats[self.root]
         leaf_forward = sum(self.stats[name][FORWARD_NS] for name in self.leaves if name != self.root)
         leaf_backward = sum(self.stats[name][BACKWARD_NS] for name in self.leaves if name != self.root)
-        on_device = self.probe.device_memory is not None
-        layers = [LayerStat(name=name, kind=self.kinds[name], leaf=name in self.leaves,
-                            calls=int(s[CALLS]), forward_ms=s[FORWARD_NS] / 1e6,
-                            backward_ms=s[BACKWARD_NS] / 1e6, saved_bytes=int(s[SAVED]),
-                            output_bytes=int(s[OUTPUT]),
-                            allocated_delta_bytes=int(s[ALLOC_DELTA]) if on_device else None,
-                            alive_bytes=self.alive.get(name, 0))
-                  for name, s in self.stats.items() if s[CALLS]]
+        layers = self._layer_stats(self.stats, self.alive)
         self.probe.sender.push(LayerReport(
             rank=self.probe.rank, sampled_steps=self.sampled_steps, every_n_steps=self.every_n_steps,
             forward_coverage=min(1.0, leaf_forward / root[FORWARD_NS]) if root[FORWARD_NS] else 0.0,
@@ -274,12 +395,80 @@ def _tensors(value: Any, tensor_type: type) -> List[Any]:
     return []
 
 
-def _graph_tensor(values: tuple, tensor_type: type) -> Optional[Any]:
-    """The first tensor made inside the autograd graph (it has a grad_fn): a hook on it goes
-    when the graph does. Never a leaf: that is the user's own tensor (a parameter, an input
-    with requires_grad), and a hook left on it would stay there, and travel with it."""
-    for value in values:
-        for tensor in _tensors(value, tensor_type):
-            if tensor.grad_fn is not None:
-                return tensor
-    return None
+class _Capture:
+    """A capture in progress: why it fired, the figures before, and the steps still to sample."""
+
+    def __init__(self, reason: str, detail: str, step: int, before: List[LayerStat], before_steps: int,
+                 stats_before: Dict[str, List[float]]):
+        self.reason, self.detail, self.step = reason, detail, step
+        self.before, self.before_steps = before, before_steps
+        self.stats_before = stats_before  # the regular figures, back once the capture is sent
+        self.steps_left = CAPTURE_STEPS
+
+
+class AnomalyWatch:
+    """The rules that ask for a capture, over this rank's closed steps (on the sender's thread,
+    off the training's): one step far slower than the run's baseline, the recent steps' median
+    well above it, or memory held at a step's end jumping. The next step takes `request`."""
+
+    WARMUP_STEPS = 10  # steps before the baseline starts
+    BASELINE_COUNT = 50  # steps whose median is the baseline
+    SPIKE_RATIO = 3.0
+    REGRESSION_RATIO = 1.3
+    REGRESSION_WINDOW = 20  # steps whose median is compared with the baseline, every as many
+    MEMORY_JUMP_SHARE = 0.10  # of the memory held the step before...
+    MEMORY_JUMP_MIN_BYTES = 64 * 2 ** 20  # ... and at least this much
+    QUIET_STEPS = 50  # after a request, none of its kind for this many steps (a stray spike
+                      # does not keep a slowdown right after it from being captured)
+
+    def __init__(self) -> None:
+        self.request: Optional[Tuple[str, str, int]] = None  # (reason, detail, step)
+        self.baseline_ms: Optional[float] = None
+        self._first: List[float] = []
+        self._recent: List[float] = []
+        self._held_bytes: Optional[int] = None
+        self._quiet_until: Dict[str, int] = {}
+
+    def observe(self, record: StepRecord) -> None:
+        if record.instrumented or record.step < self.WARMUP_STEPS:
+            return
+        held = record.device_allocated_bytes if record.device_allocated_bytes is not None else record.host_rss_bytes
+        before, self._held_bytes = self._held_bytes, held
+        if self.baseline_ms is None:
+            self._first.append(record.step_ms)
+            if len(self._first) == self.BASELINE_COUNT:
+                self.baseline_ms = statistics.median(self._first)
+            return
+        fired = []
+        if record.step_ms >= self.SPIKE_RATIO * self.baseline_ms:
+            fired.append((CAPTURE_SPIKE, f"step {record.step} took {record.step_ms:.1f} ms against a "
+                                         f"baseline of {self.baseline_ms:.1f} ms"))
+        self._recent.append(record.step_ms)
+        if len(self._recent) == self.REGRESSION_WINDOW:
+            recent_ms, self._recent = statistics.median(self._recent), []
+            if recent_ms >= self.REGRESSION_RATIO * self.baseline_ms:
+                fired.append((CAPTURE_REGRESSION, f"the median of steps {record.step - self.REGRESSION_WINDOW + 1}"
+                                                  f"-{record.step} is {recent_ms:.1f} ms against a baseline "
+                                                  f"of {self.baseline_ms:.1f} ms"))
+        if (held is not None and before is not None
+                and held - before >= max(self.MEMORY_JUMP_MIN_BYTES, self.MEMORY_JUMP_SHARE * before)):
+            fired.append((CAPTURE_MEMORY, f"memory held at step {record.step}'s end jumped by "
+                                          f"{(held - before) / 2 ** 20:.0f} MiB to {held / 2 ** 20:.0f} MiB"))
+        for reason, detail in fired:
+            if self.request is None and record.step >= self._quiet_until.get(reason, 0):
+                self.request = (reason, detail, record.step)
+                self._quiet_until[reason] = record.step + self.QUIET_STEPS
+
+
+def _capturable() -> bool:
+    """Whether sampling uninvited does no harm: not once torch.compile has compiled something
+    in this process (global module hooks appearing would make it recompile)."""
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    if dynamo is None:
+        return True
+    try:
+        return not dynamo.counters["stats"]["unique_graphs"]
+    except Exception:
+        return False

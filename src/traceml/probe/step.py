@@ -251,7 +251,7 @@ class StepProbe:
         untraced_ns = (end_ns - start_ns - h2d_ns - forward_ns - backward_ns - optimizer_ns
                        - input_wait_inside_ns)
         input_wait_gap_ns = min(input_wait_gap_ns, gap_ns)
-        return StepRecord(
+        record = StepRecord(
             rank=self.rank, step=step, start_unix_s=self.unix_s(start_ns),
             step_ms=(window_end_ns - start_ns) / 1e6,
             input_wait_ms=(input_wait_inside_ns + input_wait_gap_ns) / 1e6,
@@ -266,6 +266,10 @@ class StepProbe:
             gc_max_pause_ms=gc_max_ns / 1e6, gc_full_collections=gc_full,
             gc_gen0_ms=gen0_ns / 1e6, gc_gen1_ms=gen1_ns / 1e6, gc_gen2_ms=gen2_ns / 1e6,
             eval_ms=eval_ns / 1e6, checkpoint_ms=checkpoint_ns / 1e6, instrumented=closed[21])
+        layers = self.layers
+        if layers is not None and layers.watch is not None:
+            layers.watch.observe(record)
+        return record
 
     def unix_s(self, perf_ns: int) -> float:
         """A perf_counter_ns reading as wall-clock seconds since the epoch."""
@@ -277,7 +281,7 @@ class StepProbe:
             # Work after the last update (or a run that never updated): not a step.
             self.exit(failed=_NOT_A_STEP)
         if self.layers is not None:
-            self.layers.report()
+            self.layers.finish()
         self.flush_spans()
         closed, self._closed = self._closed, None
         if closed is not None:
@@ -533,6 +537,7 @@ _create_options: dict = {}  # how infer_steps wants the probe made: web_port, ru
 first_call_ns = 0  # set by traceml.trace_step before it imports this module
 ENV_DEEP = "TRACEML_DEEP"  # set by `traceml run --deep`: deep-dive on the model trace_step sees
 ENV_DEEP_EVERY = "TRACEML_DEEP_EVERY"
+ENV_AUTO_CAPTURE = "TRACEML_AUTO_CAPTURE"  # "0" (traceml run --no-auto-capture): no capture when a rule fires
 
 
 def _disable(where: str) -> None:
@@ -590,11 +595,17 @@ def _hook(model: Any) -> None:
     from traceml.probe.phases import hook_model
 
     _hooked_models[model] = hook_model(_probe, model)
-    if os.environ.get(ENV_DEEP) and _probe.layers is None:  # traceml run --deep
+    if _probe.layers is None and (os.environ.get(ENV_DEEP) or _auto_capture()):
         from traceml.probe.layers import DEFAULT_EVERY_N_STEPS, LayerProbe
 
-        every = int(os.environ.get(ENV_DEEP_EVERY) or DEFAULT_EVERY_N_STEPS)
-        _probe.layers = LayerProbe(_probe, model, every_n_steps=every)
+        # traceml run --deep samples every Nth step; otherwise steps are sampled only to
+        # capture what grew when a rule fires.
+        every = int(os.environ.get(ENV_DEEP_EVERY) or DEFAULT_EVERY_N_STEPS) if os.environ.get(ENV_DEEP) else 0
+        _probe.layers = LayerProbe(_probe, model, every_n_steps=every, auto_capture=_auto_capture())
+
+
+def _auto_capture() -> bool:
+    return os.environ.get(ENV_AUTO_CAPTURE, "1") != "0"
 
 
 def hook_inferred_model(model: Any) -> None:
@@ -682,8 +693,9 @@ def trace_model_instance(model: Any, every_n_steps: Optional[int] = None) -> Any
         from traceml.probe.layers import DEFAULT_EVERY_N_STEPS, LayerProbe
 
         every = every_n_steps or int(os.environ.get(ENV_DEEP_EVERY) or DEFAULT_EVERY_N_STEPS)
-        if _probe is not None and (_probe.layers is None or _probe.layers.names.get(id(model)) is None):
-            _probe.layers = LayerProbe(_probe, model, every_n_steps=every)
+        if _probe is not None and (_probe.layers is None or _probe.layers.names.get(id(model)) is None
+                                   or not _probe.layers.every_n_steps):
+            _probe.layers = LayerProbe(_probe, model, every_n_steps=every, auto_capture=_auto_capture())
     except Exception:
         _disable("deep-dive setup")
     return model

@@ -205,8 +205,9 @@ def _layer_table(summary: Dict[str, Any], limit: int = 25) -> str:
                    f"<td>{row['forward_ms']:.3f}</td><td>{row['backward_ms']:.3f}</td>"
                    f"<td>{row['memory_bytes'] / 2 ** 20:.2f}</td><td>{row['output_bytes'] / 2 ** 20:.2f}</td></tr>"
                    for row in leaves)
-    return (f"<p>Sampled {deep['sampled_steps']} steps (every {deep['every_n_steps']}); leaf modules cover "
-            f"{deep['forward_coverage']:.0%} of forward, {deep['backward_coverage']:.0%} of backward. "
+    coverage = deep.get("coverage_note") or (f"leaf modules cover {deep['forward_coverage']:.0%} of forward, "
+                                             f"{deep['backward_coverage']:.0%} of backward")
+    return (f"<p>Sampled {deep['sampled_steps']} steps (every {deep['every_n_steps']}); {_e(coverage)}. "
             f"Per step, slowest first.</p><table id='layer-table'><tr><th>layer</th><th>calls</th>"
             f"<th>forward ms</th><th>backward ms</th><th>saved MiB</th><th>output MiB</th></tr>{rows}</table>")
 

@@ -14,12 +14,14 @@ from traceml.collector.rollup import (RolledStep, Window, max_present, rank_medi
                                       roll_up, warmup_steps)
 from traceml.collector.store import Store
 from traceml.diagnose import MemoryLimits, Stalls, diagnose
-from traceml.records import (ALL_PHASES, STEP_PHASES, Finding, LayerReport, RankEnd, RankHello,
+from traceml.diagnose.captures import grown_layers
+from traceml.records import (ALL_PHASES, STEP_PHASES, Finding, LayerCapture, LayerReport, RankEnd, RankHello,
                              SystemSample)
 
 SCHEMA_VERSION = 1
 RANK_SAMPLE_STEPS = 10_000  # beyond this many steps, per-rank figures read every k-th step
 CARD_WIDTH = 100
+LOW_COVERAGE = 0.6  # leaf modules holding less of the model's time than this: the card says why
 
 
 class RunFacts(msgspec.Struct):
@@ -79,12 +81,14 @@ class RunData:
         self.limits = MemoryLimits.of_run(self.hellos, self.samples[-1] if self.samples else None)
         self.found_by = _steps_found_by(self)
         self.stalls = Stalls(self.window, self.samples)
+        self.captures: List[LayerCapture] = store.captures()
         self.findings: List[Finding] = diagnose(
             self.window, steps_seen=len(self.rolled), ranks=self.ranks if len(self.ranks) > 1 else None,
             limits=self.limits, peak_device_bytes=max_present(s.device_peak_bytes for s in self.rolled),
             peak_rss_bytes=max_present(s.host_rss_bytes for s in self.rolled),
             oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive(),
-            steps_found_by=self.found_by, system=self.samples, stalls=self.stalls)
+            steps_found_by=self.found_by, system=self.samples, stalls=self.stalls,
+            captures=self.captures)
 
     def _exact_rank_counts(self, store: Store) -> None:
         """Sampled records give the medians; each rank's step count and last step (which say
@@ -108,6 +112,20 @@ class RunData:
         rows = [row for row in self.layers if row["leaf"] and row["alive_bytes"]]
         return [{"name": row["name"], "alive_bytes": row["alive_bytes"]}
                 for row in sorted(rows, key=lambda row: -row["alive_bytes"])]
+
+
+def deep_dive_facts(report: LayerReport) -> Dict[str, Any]:
+    """How the per-layer figures were sampled and how much of the model's time its leaf modules
+    hold, with the words for a low coverage."""
+    note = None
+    if min(report.forward_coverage, report.backward_coverage) < LOW_COVERAGE:
+        note = (f"leaf modules hold {report.forward_coverage:.0%} of forward and "
+                f"{report.backward_coverage:.0%} of backward: the rest runs in the model's own code "
+                "between them (functional calls such as F.scaled_dot_product_attention, residual "
+                "adds, reshapes) and counts in the parent modules' rows")
+    return {"sampled_steps": report.sampled_steps, "every_n_steps": report.every_n_steps,
+            "forward_coverage": report.forward_coverage, "backward_coverage": report.backward_coverage,
+            "coverage_note": note}
 
 
 def device_names(hellos: List[RankHello]) -> List[str]:
@@ -179,11 +197,9 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "rank_spread": rank_spread(data.records, skip_steps=data.warmup),
         "missing_ranks": _missing_ranks(data),
         "layers": data.layers,
-        "deep_dive": ({"sampled_steps": data.layer_report.sampled_steps,
-                       "every_n_steps": data.layer_report.every_n_steps,
-                       "forward_coverage": data.layer_report.forward_coverage,
-                       "backward_coverage": data.layer_report.backward_coverage}
-                      if data.layer_report is not None else None),
+        "deep_dive": deep_dive_facts(data.layer_report) if data.layer_report is not None else None,
+        "captures": [{"rank": c.rank, "step": c.step, "reason": c.reason, "detail": c.detail,
+                      "layers": grown_layers(c)[:10]} for c in data.captures],
         "primary_diagnosis": findings[0] if findings else None,
         "findings": findings,
     })
@@ -399,13 +415,24 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
         # Text, not markup: findings carry brackets and paths that rich must not interpret.
         verdict.add_row("Why", Text(primary["summary"]))
         verdict.add_row("Next", Text(primary["action"]))
+        _captured_row(verdict, primary)
         for other in summary["findings"][1:]:
             verdict.add_row("Also", Text.assemble((f"{other['kind']} ({other['severity']})",
                                                    "bold"), f": {other['summary']}"))
+            _captured_row(verdict, other)
 
     parts.append(verdict)
     return Panel(Group(*parts), title=f"[bold]TraceML[/] · {escape(run['script'])}",
                  title_align="left", width=min(width, CARD_WIDTH), box=box.ROUNDED)
+
+
+def _captured_row(verdict: Any, finding: Dict[str, Any]) -> None:
+    """The layers an automatic capture found grown, right under the finding it belongs to."""
+    from rich.text import Text
+
+    captured = (finding.get("evidence") or {}).get("captured_layers")
+    if captured:
+        verdict.add_row("Captured", Text(captured))
 
 
 def _rank_table(summary: Dict[str, Any]) -> Any:
@@ -450,6 +477,10 @@ def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
                           f"{row['forward_ms']:.2f}", f"{row['backward_ms']:.2f}",
                           f"{row['memory_bytes'] / 2 ** 20:.2f}", f"{row['output_bytes'] / 2 ** 20:.2f}")
         tables.append(table)
+    if deep.get("coverage_note"):
+        from rich.text import Text
+
+        tables.append(Text(f"Coverage: {deep['coverage_note']}."))
     return tables
 
 

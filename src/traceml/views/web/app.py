@@ -21,7 +21,8 @@ from traceml import rundir
 from traceml.collector.live import snapshot
 from traceml.collector.store import Store
 from traceml.records import ALL_PHASES
-from traceml.views.summary import RunData, RunFacts, build_summary, device_names, layer_rows
+from traceml.views.summary import (RunData, RunFacts, build_summary, deep_dive_facts, device_names,
+                                   layer_rows)
 from traceml.views.web import queries
 
 log = logging.getLogger("traceml")
@@ -168,10 +169,7 @@ class RunSource:
         report = self.collector.latest_layers
         if report is None:
             return {"deep_dive": None, "layers": []}
-        return {"deep_dive": {"sampled_steps": report.sampled_steps, "every_n_steps": report.every_n_steps,
-                              "forward_coverage": report.forward_coverage,
-                              "backward_coverage": report.backward_coverage},
-                "layers": layer_rows(report)}
+        return {"deep_dive": deep_dive_facts(report), "layers": layer_rows(report)}
 
     def spans(self) -> Dict[str, Any]:
         with self._lock:

@@ -204,6 +204,7 @@ function renderFindings(findings) {
     card.append(head);
     if (f.action) card.append(make('div', 'action', 'Next: ' + f.action));
     const ev = f.evidence || {};
+    if (ev.captured_layers) card.append(make('div', 'captured', 'Captured ' + ev.captured_layers));
     const keys = Object.keys(ev);
     if (keys.length) {
       const dl = make('dl', 'evidence');
@@ -497,7 +498,8 @@ function renderLayers(data) {
   const rows = (data.layers || []).slice();
   if (!dd && !rows.length) { meta.textContent = ''; setMsg('layers-table', LAYERS_HINT); return; }
   meta.textContent = dd ? 'sampled ' + dd.sampled_steps + ' steps (every ' + dd.every_n_steps + ') · coverage forward ' +
-    fmtPct(dd.forward_coverage) + ', backward ' + fmtPct(dd.backward_coverage) : '';
+    fmtPct(dd.forward_coverage) + ', backward ' + fmtPct(dd.backward_coverage) +
+    (dd.coverage_note ? ' · ' + dd.coverage_note : '') : '';
   setMsg('layers-table', rows.length ? '' : 'no layers recorded yet');
 
   const { key, desc } = state.layerSort;
