@@ -1,6 +1,7 @@
 """Capture on anomaly: when a step goes wrong, the probe samples the next steps in deep-dive on its
 own, and the finding names the layers that grew against a sample taken before."""
-import msgspec
+import os
+from pathlib import Path
 
 from test_records import step
 from traceml.diagnose import diagnose
@@ -145,6 +146,10 @@ def test_a_layer_that_slows_down_mid_run_is_captured_and_named(traceml_run, tmp_
     assert "2 (Slowing)" in owner["evidence"]["captured_layers"]
     card = (run.run_dir / "final_summary.txt").read_text()
     assert "Captured" in card and "2 (Slowing)" in card
+    if Path(CHROMIUM).exists() or os.environ.get("TRACEML_REQUIRE_BROWSER"):
+        shown = captured_on_the_web_page(run.run_dir)
+        assert any("2 (Slowing)" in line for line in shown.values()), shown
+        assert owner["kind"] in shown
     # Sampled: the two steps before (from step 20) and three after the rule fired; no per-layer
     # tables without --deep.
     instrumented = [row["step"] for row in run.step_rows() if row["instrumented"]]
@@ -156,3 +161,31 @@ def test_a_layer_that_slows_down_mid_run_is_captured_and_named(traceml_run, tmp_
     assert off.returncode == 0, off.stderr
     assert off.summary()["captures"] == []
     assert not any(row["instrumented"] for row in off.step_rows())
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def captured_on_the_web_page(run_dir):
+    """The web dashboard of a finished run, in a real browser: each finding card's captured line."""
+    from playwright.sync_api import sync_playwright
+
+    from traceml.views.web.app import RunSource, WebServer
+
+    web = WebServer(RunSource.of_finished_run(run_dir), "127.0.0.1", 0)
+    web.start()
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--no-first-run"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1600})
+            page.goto(web.url)
+            page.wait_for_selector('body[data-rendered="1"]', timeout=30000)
+            shown = page.evaluate("""Object.fromEntries([...document.querySelectorAll('#findings .finding')]
+                .filter(card => card.querySelector('.captured'))
+                .map(card => [card.dataset.kind, card.querySelector('.captured').textContent]))""")
+            browser.close()
+            return shown
+    finally:
+        web.stop()

@@ -433,3 +433,34 @@ def test_the_words_fit_how_the_steps_were_found(found_by, said, not_said):
     assert not_said not in finding.summary + finding.action
     if "Trainer" in found_by or "Lightning" in found_by:
         assert "larger batch" in finding.action and "log less often" in finding.action
+
+
+def test_slow_steps_with_bigger_batches_are_the_loops_not_the_machines():
+    # Every 10th batch 8 times larger: forward and backward both grow, as in a machine-wide
+    # stall, but the slow steps carry 8x the samples.
+    steps = []
+    for index in range(100):
+        step = rolled(index, backward=30.0, optimizer=10.0)
+        if index % 10 == 9:
+            step.forward_ms *= 5
+            step.backward_ms *= 5
+            step.step_ms = step.forward_ms + step.backward_ms + step.optimizer_ms
+            step.samples = 64
+        steps.append(step)
+    findings = diagnose(Window(steps), steps_seen=100)
+    spikes = findings[0]
+    assert spikes.kind == "STEP_SPIKES" and spikes.evidence["machine_wide"] is False
+    assert spikes.evidence["period_steps"] == 10 and spikes.evidence["input_ratio"] == 8.0
+    assert "they carry 8.0x the usual step's samples" in spikes.summary and "bucket" in spikes.action
+
+
+def test_bigger_batches_are_found_by_their_inputs_when_the_machine_jitters():
+    window = jittery_window()
+    for step in window.steps:
+        if step.step % 10 == 9:  # 8x the samples, and the step 2.5x the usual
+            step.samples = 64
+            step.forward_ms += 300.0
+            step.step_ms += 300.0
+    stalls = Stalls(window)
+    assert stalls.period == 10 and stalls.bigger_inputs and not stalls.machine_wide
+    assert diagnose(window, steps_seen=100)[0].kind == "STEP_SPIKES"

@@ -37,6 +37,7 @@ EXPLAINED_SHARE = 0.5  # a cause (one phase, planned work) that accounts for thi
 MACHINE_GROWTH = 0.3  # every part of the step this much longer in the slow steps: the machine
 MACHINE_PART_SHARE = 0.1  # ... every part that is at least this share of the median step
 OTHER_CPU_CORES = 0.5  # other processes using this many cores: the CPU is contended
+BIGGER_INPUT_RATIO = 1.5  # slow steps with this many times the usual samples or tokens: bigger inputs
 EVAL_LINE = 0.15  # evaluation at this share of the run bounds it; below, it is noted
 CHECKPOINT_LINE = 0.05  # checkpoint saves at this share of the run bound it
 PLANNED_NOTE_SHARE = 0.01  # planned work below this share of the run is not worth a line
@@ -55,6 +56,9 @@ ACTIONS = {
 }
 DEFAULT_ACTION = ("Some steps do much more {phase} work than others: look for inputs that vary "
                   "in size (bucket by length) or work that happens only every few steps.")
+BIGGER_INPUT_ACTION = ("Some batches are much larger than the rest (variable-length samples, a "
+                       "last or merged batch, a sampler that groups): bucket samples by length, cap "
+                       "the batch's tokens, or drop_last=True, so every step does similar work.")
 MACHINE_ACTION = ("Something else on this machine competes with the training (another job, "
                   "data preparation, a backup): run it elsewhere or at another time, give the "
                   "training dedicated cores (taskset, the scheduler's CPU binding), and set "
@@ -95,6 +99,8 @@ class Stalls:
         self.phase = ""  # the phase that grows most in the slow steps
         self.machine_wide = False
         self.other_cpu_cores: Optional[float] = None
+        self.input_ratio: Optional[float] = None  # the slow steps' samples (or tokens) over the usual
+        self.input_measure = "samples"
         if len(steps) < 10:
             return
         # Stalls of the whole step first; when they have no period, a part of the step that
@@ -104,6 +110,8 @@ class Stalls:
         if found is None or _period([e.first_step for e in found.episodes]) is None:
             by_part = [_stall_episodes(steps, [getattr(s, f"{part}_ms") for s in steps],
                                        PART_MIN_EXCESS * self.median_ms) for part in SOMETIMES_PARTS]
+            # Steps that carry bigger inputs are marked by them, however much the rest jitter.
+            by_part.append(_bigger_input_episodes(steps, self.median_ms))
             periodic = [f for f in by_part if f is not None and _period([e.first_step for e in f.episodes])]
             if periodic:
                 found = max(periodic, key=lambda f: sum(e.excess_ms for e in f.episodes))
@@ -123,6 +131,7 @@ class Stalls:
         self.phase = max(ALL_PHASES, key=lambda name: self.growth_ms[name])
         self.period = _period([e.first_step for e in self.episodes])
         self.other_cpu_cores = _other_cpu_cores(system, self.slow)
+        self.input_ratio, self.input_measure = _input_ratio(self.slow, normal)
         self.machine_wide = self._machine_wide(normal)
 
     @property
@@ -165,10 +174,18 @@ class Stalls:
         return [{"first_step": e.first_step, "steps": e.steps, "excess_ms": round(e.excess_ms, 3)}
                 for e in self.warmup]
 
+    @property
+    def bigger_inputs(self) -> bool:
+        """The slow steps carry more samples or tokens than the usual ones: more work, not a stall."""
+        return self.input_ratio is not None and self.input_ratio >= BIGGER_INPUT_RATIO
+
     def _machine_wide(self, normal: List[RolledStep]) -> bool:
         """Every part of the step that counts slowed at once (a stall of one cause grows one
         part), or, while other processes took the CPU, stalls that no part explains or that come
-        at no period (a descheduled process stalls in whichever phase it was in)."""
+        at no period (a descheduled process stalls in whichever phase it was in). Never when the
+        slow steps carry bigger inputs: their work grows every phase."""
+        if self.bigger_inputs:
+            return False
         usual = {name: statistics.median(getattr(s, f"{name}_ms") for s in normal) if normal else 0.0
                  for name in STEP_PHASES}
         parts = [name for name in STEP_PHASES if usual[name] >= MACHINE_PART_SHARE * self.median_ms]
@@ -187,6 +204,7 @@ def step_spikes(stalls: Stalls) -> Optional[Finding]:
         return None  # a few irregular hiccups that cost little: noise, not a finding
     slow_ms = stalls.median_ms + stalls.excess_ms
     evidence = {**stalls.evidence(), "share": round(cost, 4), "machine_wide": stalls.machine_wide,
+                "input_ratio": None if stalls.input_ratio is None else round(stalls.input_ratio, 2),
                 "other_cpu_cores": None if stalls.other_cpu_cores is None else round(stalls.other_cpu_cores, 2)}
     if stalls.machine_wide:
         busy = (f"; other processes used {stalls.other_cpu_cores:.1f} CPU cores meanwhile"
@@ -197,10 +215,13 @@ def step_spikes(stalls: Stalls) -> Optional[Finding]:
         action = MACHINE_ACTION
     else:
         phase = stalls.phase
+        inputs = (f"; they carry {stalls.input_ratio:.1f}x the usual step's {stalls.input_measure}"
+                  if stalls.bigger_inputs else "")
         summary = (f"{len(stalls.slow)} steps take {slow_ms:.1f} ms against a median of "
                    f"{stalls.median_ms:.1f} ms, {stalls.when()}; {phase.replace('_', ' ')} grows by "
-                   f"{stalls.growth_ms[phase]:.1f} ms in them; they cost {cost:.0%} of the run's time")
-        action = ACTIONS.get(phase, DEFAULT_ACTION.format(phase=phase))
+                   f"{stalls.growth_ms[phase]:.1f} ms in them{inputs}; they cost {cost:.0%} of the run's time")
+        action = (BIGGER_INPUT_ACTION if stalls.bigger_inputs
+                  else ACTIONS.get(phase, DEFAULT_ACTION.format(phase=phase)))
     return Finding(kind="STEP_SPIKES", severity="warn" if cost >= WARN_COST_SHARE else "info",
                    summary=summary, action=action, evidence=evidence)
 
@@ -296,6 +317,32 @@ def _period(starts: List[int]) -> Optional[int]:
         return None
     gap, count = Counter(gaps).most_common(1)[0]
     return gap if gap >= MIN_GAP and count >= PERIODIC_SHARE * len(gaps) else None
+
+
+def _bigger_input_episodes(steps: List[RolledStep], median_ms: float) -> Optional[_Found]:
+    """The steps carrying BIGGER_INPUT_RATIO times the usual tokens (or samples), when they are
+    slower than the rest by at least the usual step."""
+    for field in ("tokens", "samples"):
+        usual = statistics.median(getattr(s, field) for s in steps)
+        if usual > 0:
+            break
+    else:
+        return None
+    bigger = [s for s in steps if getattr(s, field) >= BIGGER_INPUT_RATIO * usual]
+    if len(bigger) < MIN_REPEATS or statistics.median(s.step_ms for s in bigger) < MIN_RATIO * median_ms:
+        return None
+    episodes = _episodes([(s.step, s.step_ms - median_ms) for s in bigger])
+    return _Found(episodes, [], [])
+
+
+def _input_ratio(slow: List[RolledStep], normal: List[RolledStep]) -> Tuple[Optional[float], str]:
+    """How many times the usual step's tokens (samples, when tokens are not counted) the slow
+    steps carry, and which of the two."""
+    for field in ("tokens", "samples"):
+        usual = statistics.median(getattr(s, field) for s in normal) if normal else 0
+        if usual > 0:
+            return statistics.median(getattr(s, field) for s in slow) / usual, field
+    return None, "samples"
 
 
 def _other_cpu_cores(system: Sequence[SystemSample], slow: List[RolledStep]) -> Optional[float]:
