@@ -54,7 +54,9 @@ def test_a_save_every_20th_step_is_one_checkpoint_finding_with_its_period(tracem
     assert stall["summary"].startswith("every 20 steps, a checkpoint save inside the step takes")
     assert "async_save" in stall["action"]
     # One cause, one finding: neither the spikes nor the untraced time it makes are told again.
-    assert "STEP_SPIKES" not in found and "UNTRACED_WORK" not in found
+    # (A stall of the whole machine, if one happens, is another cause: told under Also.)
+    assert "UNTRACED_WORK" not in found
+    assert "STEP_SPIKES" not in found or found["STEP_SPIKES"]["evidence"]["machine_wide"]
     if stall["evidence"]["share"] >= 0.10:
         assert summary["primary_diagnosis"]["kind"] == "CHECKPOINT_STALL"
     saves = [row for row in run.step_rows() if row["checkpoint_ms"] > 0]
