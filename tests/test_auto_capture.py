@@ -4,7 +4,6 @@ import os
 from pathlib import Path
 
 from test_records import step
-from traceml.diagnose import diagnose
 from traceml.diagnose.captures import attach_captures, capture_text, grown_layers
 from traceml.probe.layers import AnomalyWatch
 from traceml.records import CAPTURE_MEMORY, CAPTURE_REGRESSION, CAPTURE_SPIKE, Finding, LayerCapture, LayerStat

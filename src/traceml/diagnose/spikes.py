@@ -319,14 +319,21 @@ def _period(starts: List[int]) -> Optional[int]:
     return gap if gap >= MIN_GAP and count >= PERIODIC_SHARE * len(gaps) else None
 
 
+def _usual_input(steps: List[RolledStep]) -> Tuple[Optional[str], float]:
+    """What a step's input is counted in (tokens, or samples when tokens are not counted) and
+    its median over these steps; (None, 0) when neither is."""
+    for field in ("tokens", "samples"):
+        usual = statistics.median(getattr(s, field) for s in steps) if steps else 0
+        if usual > 0:
+            return field, usual
+    return None, 0.0
+
+
 def _bigger_input_episodes(steps: List[RolledStep], median_ms: float) -> Optional[_Found]:
     """The steps carrying BIGGER_INPUT_RATIO times the usual tokens (or samples), when they are
     slower than the rest by at least the usual step."""
-    for field in ("tokens", "samples"):
-        usual = statistics.median(getattr(s, field) for s in steps)
-        if usual > 0:
-            break
-    else:
+    field, usual = _usual_input(steps)
+    if field is None:
         return None
     bigger = [s for s in steps if getattr(s, field) >= BIGGER_INPUT_RATIO * usual]
     if len(bigger) < MIN_REPEATS or statistics.median(s.step_ms for s in bigger) < MIN_RATIO * median_ms:
@@ -338,11 +345,10 @@ def _bigger_input_episodes(steps: List[RolledStep], median_ms: float) -> Optiona
 def _input_ratio(slow: List[RolledStep], normal: List[RolledStep]) -> Tuple[Optional[float], str]:
     """How many times the usual step's tokens (samples, when tokens are not counted) the slow
     steps carry, and which of the two."""
-    for field in ("tokens", "samples"):
-        usual = statistics.median(getattr(s, field) for s in normal) if normal else 0
-        if usual > 0:
-            return statistics.median(getattr(s, field) for s in slow) / usual, field
-    return None, "samples"
+    field, usual = _usual_input(normal)
+    if field is None:
+        return None, "samples"
+    return statistics.median(getattr(s, field) for s in slow) / usual, field
 
 
 def _other_cpu_cores(system: Sequence[SystemSample], slow: List[RolledStep]) -> Optional[float]:
