@@ -137,29 +137,66 @@ def test_a_taken_collector_port_is_one_clear_line(tmp_path):
     assert process.stderr.count("\n") == 1 and "Traceback" not in process.stderr
 
 
-TINY = Path("/tmp/traceml-tiny-disk")
-
-
 @pytest.fixture
-def tiny_disk():
-    """A 300 KiB tmpfs: the run dir fills up mid-run."""
-    TINY.mkdir(exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(TINY)],
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs of its own: the run dir fills up mid-run."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    yield TINY
-    subprocess.run(["umount", "-l", str(TINY)], capture_output=True)
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 def test_a_full_disk_costs_telemetry_not_the_training(tiny_disk, tmp_path):
     run_dir = tiny_disk / "run"
     process = subprocess.run([sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir",
-                              str(run_dir), str(TRAIN_LOOP), "--steps", "3000", "--no-loader"],
-                             capture_output=True, text=True, timeout=180, cwd=tmp_path, env=_env())
+                              str(run_dir), str(TRAIN_LOOP), "--steps", "8000", "--no-loader"],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_env())
     assert process.returncode == 0
-    assert "trained 3000 steps" in process.stdout and "TraceML" in process.stdout  # the card still shows
+    assert "trained 8000 steps" in process.stdout and "TraceML" in process.stdout  # the card still shows
     store_lines = [line for line in process.stderr.splitlines() if "could not store" in line]
     assert len(store_lines) == 1, process.stderr  # said once, not once per frame
+    assert "records did not fit" in store_lines[0]
     assert "Traceback" not in process.stderr
-    assert 0 < stored_steps(run_dir) < 3000  # what fit on the disk is kept
+    # What fit is kept: the store filled the disk whatever its commits' sizes, and the room held
+    # back from the start still took the summary files.
+    kept = stored_steps(run_dir)
+    assert kept < 8000
+    summary = json.loads((run_dir / "final_summary.json").read_text())
+    assert summary["steps"]["count"] == kept
+    assert "TraceML" in (run_dir / "final_summary.txt").read_text()
+    assert not (run_dir / ".traceml-reserve").exists()
+    # ~250 bytes a step here: the records, not old copies of pages, fill the disk (about 2400
+    # steps in 600 KiB of the 1 MiB, beside the room held for the summary and the log's fold).
+    assert kept > 1500 and (run_dir / "telemetry.sqlite").stat().st_size > 400 * 1024
+
+
+@pytest.mark.parametrize("commit_every", [1, 50, None])
+def test_a_full_store_keeps_every_chunk_that_fits_whatever_the_commits(tiny_disk, commit_every):
+    """One commit of everything, or many small ones: the same records fit on the same disk."""
+    from test_records import step
+    from traceml.collector.store import Store, StoreFull
+
+    store = Store(str(tiny_disk / "telemetry.sqlite"))
+    failures = 0
+    for index in range(0, 20000, 20):
+        try:
+            store.write([step(n) for n in range(index, index + 20)])
+        except sqlite3.Error:
+            failures += 1
+        if commit_every and (index // 20) % commit_every == 0:
+            try:
+                store.commit()
+            except StoreFull:
+                failures += 1
+    try:
+        store.close()
+    except StoreFull:
+        failures += 1
+    assert failures > 0  # the disk did fill
+    kept = stored_steps(tiny_disk)
+    # ~75 bytes a step: most of the 1 MiB holds records, not copies of pages.
+    assert 7000 < kept < 20000, kept

@@ -13,6 +13,10 @@ SUMMARY_JSON = "final_summary.json"
 SUMMARY_TXT = "final_summary.txt"
 REPORT_HTML = "report.html"
 RUN_JSON = "run.json"
+# Room held on the run's disk from the start, given back at the end: however full the store
+# makes the disk, final_summary.json and final_summary.txt (a few KiB each) still fit.
+RESERVE_NAME = ".traceml-reserve"
+RESERVE_BYTES = 128 * 1024
 
 
 class RunDirError(Exception):
@@ -44,11 +48,23 @@ def prepare(run_dir: Path) -> Tuple[Optional[Path], Optional[str]]:
         probe = run_dir / ".traceml-write-check"
         probe.write_bytes(b"")
         probe.unlink()
-        return run_dir, None
     except OSError as exc:
         reason = exc.strerror or str(exc)
         return None, (f"traceml: cannot write run dir {run_dir} ({reason}); the run goes on and "
                       "the summary is printed but not saved")
+    try:
+        (run_dir / RESERVE_NAME).write_bytes(b"\0" * RESERVE_BYTES)
+    except OSError:  # no room even for that: the store gets what there is
+        release_reserve(run_dir)
+    return run_dir, None
+
+
+def release_reserve(run_dir: Path) -> None:
+    """Give back the room held for the summary files (see RESERVE_BYTES)."""
+    try:
+        (run_dir / RESERVE_NAME).unlink()
+    except OSError:
+        pass
 
 
 def store_path(run_dir: Optional[Path]) -> str:

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import urllib.parse
-from typing import Any, Dict, Iterable, List, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import msgspec
 
@@ -17,6 +18,8 @@ STEP_COLUMNS = msgspec.structs.fields(StepRecord)
 ROLLED_COLUMNS = msgspec.structs.fields(RolledStep)
 _ROLLED_NAMES = [field.name for field in ROLLED_COLUMNS]
 _STEP_NAMES = [field.name for field in STEP_COLUMNS]
+WAL_PAGES = 64
+CHUNK_RECORDS = 64  # after a failed commit, records are written again this many at a time
 _SYSTEM_NAMES = [field.name for field in msgspec.structs.fields(SystemSample) if field.name != "gpus"]
 
 
@@ -51,6 +54,10 @@ CREATE INDEX IF NOT EXISTS scalars_by_name ON scalars (name, step);
 """
 
 
+class StoreFull(Exception):
+    """Some records did not fit in the store (a full disk); the rest were kept."""
+
+
 class Store:
     """A thread-safe wrapper around one SQLite connection; ":memory:" when no file can be written.
 
@@ -63,6 +70,9 @@ class Store:
         self.path = path
         self.readonly = readonly
         self._lock = threading.Lock()
+        self._pending: List[Tuple[Callable[[list], None], list]] = []
+        self._replay_needed = False
+        self._reserve: Optional[str] = None  # room held for folding the log when the disk fills
         if readonly:
             self._db = _connect_readonly(path)
             return
@@ -70,6 +80,17 @@ class Store:
         if path != ":memory:":
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
+            # Each commit appends every page it touched to the log again: fold the log into the
+            # file every WAL_PAGES and keep its file that small, so that a filling disk holds
+            # records, not old copies of pages.
+            self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_PAGES}")
+            self._db.execute(f"PRAGMA journal_size_limit={WAL_PAGES * 4096}")
+            self._reserve = path + "-reserve"
+            try:
+                with open(self._reserve, "wb") as reserve:
+                    reserve.write(b"\0" * WAL_PAGES * 4096)
+            except OSError:
+                self._release_reserve()
         self._db.executescript(_SCHEMA)
         self._db.execute("BEGIN")
         self._step_insert = (f"INSERT OR REPLACE INTO steps ({', '.join(_STEP_NAMES)}) "
@@ -78,90 +99,168 @@ class Store:
                                f"VALUES ({', '.join('?' * (len(_SYSTEM_NAMES) + 1))})")
 
     # -- writing ----------------------------------------------------------------------------
+    # Everything written since the last commit is also kept in memory, in chunks of at most
+    # CHUNK_RECORDS. When a commit fails (a full disk) it is rolled back and the chunks are
+    # written again one transaction each: every chunk that fits is kept, whatever the size of
+    # the one transaction that did not fit.
     def write(self, records: Iterable[Any]) -> None:
-        steps: List[tuple] = []
-        samples: List[list] = []
-        spans: List[tuple] = []
-        scalars: List[tuple] = []
-        with self._lock:
-            for record in records:
-                if type(record) is StepRecord:
-                    steps.append(msgspec.structs.astuple(record))
-                elif type(record) is SystemSample:
-                    values = [getattr(record, name) for name in _SYSTEM_NAMES]
-                    values.append(msgspec.json.encode(record.gpus).decode())
-                    samples.append(values)
-                elif type(record) is RankHello:
-                    self._db.execute(
-                        "INSERT INTO ranks (rank, hello) VALUES (?, ?) "
-                        "ON CONFLICT(rank) DO UPDATE SET hello = excluded.hello",
-                        (record.rank, msgspec.json.encode(record).decode()))
-                elif type(record) is LayerReport:  # cumulative: the latest replaces the rest
-                    self._db.execute("INSERT OR REPLACE INTO layer_reports VALUES (?, ?)", (
-                        record.rank, msgspec.json.encode(record).decode()))
-                elif type(record) is LayerCapture:
-                    self._db.execute("INSERT INTO captures VALUES (?, ?, ?, ?)", (
-                        record.rank, record.step, record.reason, msgspec.json.encode(record).decode()))
-                elif type(record) is OomRecord:
-                    self._db.execute("INSERT INTO ooms VALUES (?, ?, ?)", (
-                        record.rank, record.step, msgspec.json.encode(record).decode()))
-                elif type(record) is RankEnd:
-                    self._db.execute(
-                        "INSERT INTO ranks (rank, end_record) VALUES (?, ?) "
-                        "ON CONFLICT(rank) DO UPDATE SET end_record = excluded.end_record",
-                        (record.rank, msgspec.json.encode(record).decode()))
-                elif type(record) is SpanRecord:
-                    spans.append(msgspec.structs.astuple(record))
-                elif type(record) is ScalarRecord:
-                    scalars.append(msgspec.structs.astuple(record))
-            if spans:
-                self._db.executemany("INSERT INTO spans VALUES (?, ?, ?, ?, ?, ?)", spans)
-            if scalars:
-                self._db.executemany("INSERT INTO scalars VALUES (?, ?, ?, ?)", scalars)
-            if steps:
-                self._db.executemany(self._step_insert, steps)
-            if samples:
-                self._db.executemany(self._system_insert, samples)
+        records = list(records)
+        for start in range(0, len(records), CHUNK_RECORDS):
+            self._apply(self._insert_records, records[start:start + CHUNK_RECORDS])
 
     def write_rolled(self, rolled: List[RolledStep]) -> None:
         """Steps rolled up across ranks (by the collector as they complete); a step rolled
         again replaces its earlier row."""
-        with self._lock:
-            self._db.executemany(
-                f"INSERT OR REPLACE INTO rolled ({', '.join(_ROLLED_NAMES)}) "
-                f"VALUES ({', '.join('?' * len(_ROLLED_NAMES))})",
-                [msgspec.structs.astuple(step) for step in rolled])
+        for start in range(0, len(rolled), CHUNK_RECORDS):
+            self._apply(self._insert_rolled, rolled[start:start + CHUNK_RECORDS])
 
     def write_findings(self, findings: List[Finding]) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM findings")
-            self._db.executemany(
-                "INSERT INTO findings VALUES (?, ?, ?, ?)",
-                [(f.kind, f.severity, f.rank, msgspec.json.encode(f).decode()) for f in findings])
+        self._apply(self._replace_findings, findings)
 
     def set_meta(self, values: Dict[str, Any]) -> None:
-        with self._lock:
-            self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                                 [(key, json.dumps(value)) for key, value in values.items()])
+        self._apply(self._insert_meta, list(values.items()))
 
     def commit(self) -> None:
-        """Make what was written durable. A failed commit (a full disk) may roll the open
-        transaction back or keep it: either way, writing carries on in a transaction."""
+        """Make what was written durable. When that fails, keep every chunk that still fits
+        and raise StoreFull saying how many records were lost; writing carries on either way."""
         with self._lock:
-            try:
-                if self._db.in_transaction:
+            if not self._replay_needed:
+                try:
                     self._db.execute("COMMIT")
-            finally:
-                if not self._db.in_transaction:
+                    self._pending.clear()
+                    return
+                except sqlite3.Error:
+                    pass
+                finally:
+                    if not self._db.in_transaction:
+                        self._db.execute("BEGIN")
+            lost, first_error = self._replay_pending()
+        if lost:
+            raise StoreFull(f"{lost} records did not fit ({first_error})")
+
+    def _apply(self, action: Callable[[list], None], items: list) -> None:
+        with self._lock:
+            self._pending.append((action, items))
+            if self._replay_needed:  # the open transaction is in doubt: the commit rewrites it
+                return
+            try:
+                action(items)
+            except sqlite3.Error:
+                self._replay_needed = True
+                raise
+
+    def _replay_pending(self) -> Tuple[int, Optional[Exception]]:
+        """Roll back, then write each pending chunk in a transaction of its own. Lock held."""
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
+        # The log file keeps the size the failed transaction gave it, and only a fold of its
+        # committed pages into the file lets it shrink: the reserve makes room for that fold.
+        self._release_reserve()
+        self._checkpoint()
+        lost, first_error = 0, None
+        for action, items in self._pending:
+            for attempt in range(2):
+                try:
                     self._db.execute("BEGIN")
+                    action(items)
+                    self._db.execute("COMMIT")
+                    break
+                except sqlite3.Error as exc:
+                    if self._db.in_transaction:
+                        self._db.execute("ROLLBACK")
+                    if attempt == 0:  # fold the log into the file: its pages are free again
+                        self._checkpoint()
+                        continue
+                    lost += len(items)
+                    first_error = first_error or exc
+        self._pending.clear()
+        self._replay_needed = False
+        self._db.execute("BEGIN")
+        return lost, first_error
+
+    def _release_reserve(self) -> None:
+        if self._reserve is not None:
+            try:
+                os.unlink(self._reserve)
+            except OSError:
+                pass
+            self._reserve = None
+
+    def _checkpoint(self) -> None:
+        try:
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error:
+            pass
+
+    def _insert_records(self, records: List[Any]) -> None:
+        steps: List[tuple] = []
+        samples: List[list] = []
+        spans: List[tuple] = []
+        scalars: List[tuple] = []
+        for record in records:
+            if type(record) is StepRecord:
+                steps.append(msgspec.structs.astuple(record))
+            elif type(record) is SystemSample:
+                values = [getattr(record, name) for name in _SYSTEM_NAMES]
+                values.append(msgspec.json.encode(record.gpus).decode())
+                samples.append(values)
+            elif type(record) is RankHello:
+                self._db.execute(
+                    "INSERT INTO ranks (rank, hello) VALUES (?, ?) "
+                    "ON CONFLICT(rank) DO UPDATE SET hello = excluded.hello",
+                    (record.rank, msgspec.json.encode(record).decode()))
+            elif type(record) is LayerReport:  # cumulative: the latest replaces the rest
+                self._db.execute("INSERT OR REPLACE INTO layer_reports VALUES (?, ?)", (
+                    record.rank, msgspec.json.encode(record).decode()))
+            elif type(record) is LayerCapture:
+                self._db.execute("INSERT INTO captures VALUES (?, ?, ?, ?)", (
+                    record.rank, record.step, record.reason, msgspec.json.encode(record).decode()))
+            elif type(record) is OomRecord:
+                self._db.execute("INSERT INTO ooms VALUES (?, ?, ?)", (
+                    record.rank, record.step, msgspec.json.encode(record).decode()))
+            elif type(record) is RankEnd:
+                self._db.execute(
+                    "INSERT INTO ranks (rank, end_record) VALUES (?, ?) "
+                    "ON CONFLICT(rank) DO UPDATE SET end_record = excluded.end_record",
+                    (record.rank, msgspec.json.encode(record).decode()))
+            elif type(record) is SpanRecord:
+                spans.append(msgspec.structs.astuple(record))
+            elif type(record) is ScalarRecord:
+                scalars.append(msgspec.structs.astuple(record))
+        if spans:
+            self._db.executemany("INSERT INTO spans VALUES (?, ?, ?, ?, ?, ?)", spans)
+        if scalars:
+            self._db.executemany("INSERT INTO scalars VALUES (?, ?, ?, ?)", scalars)
+        if steps:
+            self._db.executemany(self._step_insert, steps)
+        if samples:
+            self._db.executemany(self._system_insert, samples)
+
+    def _insert_rolled(self, rolled: List[RolledStep]) -> None:
+        self._db.executemany(
+            f"INSERT OR REPLACE INTO rolled ({', '.join(_ROLLED_NAMES)}) "
+            f"VALUES ({', '.join('?' * len(_ROLLED_NAMES))})",
+            [msgspec.structs.astuple(step) for step in rolled])
+
+    def _replace_findings(self, findings: List[Finding]) -> None:
+        self._db.execute("DELETE FROM findings")
+        self._db.executemany(
+            "INSERT INTO findings VALUES (?, ?, ?, ?)",
+            [(f.kind, f.severity, f.rank, msgspec.json.encode(f).decode()) for f in findings])
+
+    def _insert_meta(self, items: List[Tuple[str, Any]]) -> None:
+        self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                             [(key, json.dumps(value)) for key, value in items])
 
     def close(self) -> None:
-        with self._lock:
-            try:
-                if not self.readonly and self._db.in_transaction:
-                    self._db.execute("COMMIT")
-            finally:
+        """Commit what is left (raising StoreFull for what did not fit) and close."""
+        try:
+            if not self.readonly:
+                self.commit()
+        finally:
+            with self._lock:
                 self._db.close()
+                self._release_reserve()
 
     # -- reading ----------------------------------------------------------------------------
     def query(self, sql: str, params: Sequence[Any] = ()) -> List[tuple]:
