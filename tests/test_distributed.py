@@ -2,9 +2,12 @@
 two nodes on one machine, a rank killed mid-run, and a user's own torchrun launch."""
 import json
 import socket
+import sqlite3
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from conftest import SCRIPTS, Run, _env
@@ -84,30 +87,178 @@ def test_a_killed_rank_is_reported_missing_and_the_rest_is_kept(traceml_run):
     assert "rank 1 from step" in (run.run_dir / "final_summary.txt").read_text()
 
 
-def test_two_nodes_on_one_machine_make_one_run(tmp_path):
-    master_port = _free_port()
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-              "--master-port", str(master_port)]
-    run_dir = tmp_path / "run"
-    node0 = subprocess.Popen([sys.executable, "-m", "traceml", "run", "--run-dir", str(run_dir), *common,
-                              "--node-rank", "0", str(DDP_LOOP), "--steps", "20"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
-    node1 = subprocess.run([sys.executable, "-m", "traceml", "run", *common, "--node-rank", "1",
-                            str(DDP_LOOP), "--steps", "20"],
-                           capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120)
-    out0, err0 = node0.communicate(timeout=120)
-    assert node0.returncode == 0 and node1.returncode == 0, err0 + node1.stderr
-    assert "node 1 done" in node1.stderr and "TraceML ·" not in node1.stdout
+# -- two nodes on this machine, and how their runs end -----------------------------------------
+# Every port is taken by binding to 0: the test holds the rendezvous store (c10d, which both
+# nodes join as clients) and node 0's collector binds port 0, which node 1 reads in run.json.
+ENDING_BOUND_S = 60.0  # README, Reliability: a node's run ends within this of its ranks' end
+
+
+class TwoNodes:
+    def __init__(self, tmp_path, *script_args, rdzv_timeout=120):
+        from torch.distributed import TCPStore
+
+        self.tmp_path, self.script_args = tmp_path, [str(arg) for arg in script_args]
+        self.run_dir = tmp_path / "run"
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.rdzv_timeout = rdzv_timeout
+        self.nodes = {}
+
+    def start(self, node_rank, collector_port, slow=False):
+        command = [sys.executable, "-m", "traceml", "run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"127.0.0.1:{self.store.port}", "--rdzv-conf", "is_host=false",
+                   "--rdzv-timeout", str(self.rdzv_timeout)]
+        if node_rank == 0:
+            command += ["--run-dir", str(self.run_dir)]
+        env = {**_env(), "TRACEML_COLLECTOR_PORT": str(collector_port)}
+        if slow:
+            env["DDP_LOOP_SLOW"] = "1"
+        out = open(self.tmp_path / f"node{node_rank}.out", "w")
+        err = open(self.tmp_path / f"node{node_rank}.err", "w")
+        self.nodes[node_rank] = subprocess.Popen([*command, str(DDP_LOOP), *self.script_args],
+                                                 stdout=out, stderr=err, text=True, env=env,
+                                                 cwd=self.tmp_path, start_new_session=True)
+        out.close(), err.close()
+
+    def start_both(self, slow_node=None):
+        self.start(0, 0, slow=slow_node == 0)
+        self.start(1, self.collector_port(), slow=slow_node == 1)
+
+    def collector_port(self):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                address = json.loads((self.run_dir / "run.json").read_text()).get("collector")
+            except (OSError, ValueError):
+                address = None
+            if address:
+                return int(address.rpartition(":")[2])
+            time.sleep(0.05)
+        raise AssertionError("node 0 never said where its collector listens")
+
+    def wait(self, node_rank, timeout=150):
+        self.nodes[node_rank].wait(timeout=timeout)
+        return self.nodes[node_rank].returncode
+
+    def stored_steps(self):
+        try:
+            with sqlite3.connect(f"file:{self.run_dir / 'telemetry.sqlite'}?mode=ro", uri=True) as db:
+                return db.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
+        except sqlite3.Error:
+            return 0
+
+    def wait_for_steps(self, count, timeout=90):
+        deadline = time.monotonic() + timeout
+        while self.stored_steps() < count:
+            assert time.monotonic() < deadline, self.err(0)
+            time.sleep(0.1)
+
+    def kill(self, node_rank):
+        """The node's machine dies: every process of it at once (torchrun starts each rank in
+        a session of its own, so the process group is not enough)."""
+        launcher = psutil.Process(self.nodes[node_rank].pid)
+        for process in [launcher, *launcher.children(recursive=True)]:
+            process.kill()
+        self.nodes[node_rank].wait()
+
+    def err(self, node_rank):
+        return (self.tmp_path / f"node{node_rank}.err").read_text()
+
+    def out(self, node_rank):
+        return (self.tmp_path / f"node{node_rank}.out").read_text()
+
+    def close(self):
+        for node_rank, process in self.nodes.items():
+            if process.poll() is None:
+                self.kill(node_rank)
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    made = []
+
+    def make(*script_args, **kwargs):
+        made.append(TwoNodes(tmp_path, *script_args, **kwargs))
+        return made[-1]
+
+    yield make
+    for nodes in made:
+        nodes.close()
+
+
+def test_two_nodes_on_one_machine_make_one_run(two_nodes, tmp_path):
+    nodes = two_nodes("--steps", 20)
+    nodes.start_both()
+    assert nodes.wait(1) == 0 and nodes.wait(0) == 0, nodes.err(0) + nodes.err(1)
+    assert "node 1 done (exit code 0)" in nodes.err(1) and "TraceML ·" not in nodes.out(1)
+    assert "TraceML ·" in nodes.out(0)
     assert not (tmp_path / "traceml_runs").exists()  # node 1 keeps no run of its own
-    summary = json.loads((run_dir / "final_summary.json").read_text())
+    summary = json.loads((nodes.run_dir / "final_summary.json").read_text())
     assert summary["run"]["world_size"] == 2
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
     assert all(r["last_step"] == 19 for r in summary["ranks"])
 
 
+def test_a_node_whose_rank_fails_at_the_end_does_not_hold_the_others(two_nodes):
+    # Node 1's rank exits 3 after the last barrier: its torchrun leaves at once, without the
+    # exit barrier in which node 0's torchrun then waits for it (300 s, torch's own bound).
+    nodes = two_nodes("--steps", 20, "--exit-code", 3)
+    nodes.start_both(slow_node=1)
+    assert nodes.wait(1) != 0
+    node1_ended = time.monotonic()
+    assert nodes.wait(0, timeout=ENDING_BOUND_S + 30) == 0, nodes.err(0)  # its own ranks succeeded
+    assert time.monotonic() - node1_ended < ENDING_BOUND_S
+    assert "still waiting for another node to finish" in nodes.err(0)
+    summary = json.loads((nodes.run_dir / "final_summary.json").read_text())
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1] and summary["missing_ranks"] == []
+
+
+def test_node_1_dying_mid_run_ends_node_0_with_the_rank_named_missing(two_nodes):
+    nodes = two_nodes("--steps", 100000)
+    nodes.start_both()
+    nodes.wait_for_steps(40)
+    nodes.kill(1)
+    killed = time.monotonic()
+    assert nodes.wait(0, timeout=ENDING_BOUND_S + 30) != 0
+    assert time.monotonic() - killed < ENDING_BOUND_S
+    summary = json.loads((nodes.run_dir / "final_summary.json").read_text())
+    (missing,) = summary["missing_ranks"]
+    assert missing["from_step"] >= 10
+    assert f"rank {missing['rank']} from step" in nodes.out(0)
+
+
+def test_node_0_dying_mid_run_ends_node_1_with_its_exit_code(two_nodes):
+    nodes = two_nodes("--steps", 100000)
+    nodes.start_both()
+    nodes.wait_for_steps(40)
+    nodes.kill(0)
+    killed = time.monotonic()
+    exit_code = nodes.wait(1, timeout=ENDING_BOUND_S + 30)
+    assert time.monotonic() - killed < ENDING_BOUND_S
+    assert exit_code != 0 and f"node 1 done (exit code {exit_code})" in nodes.err(1)
+    assert "Traceback (most recent call last):\n  File \"" not in nodes.err(1).split("traceml")[-1]
+
+
+def test_a_node_that_never_arrives_is_said_after_the_rendezvous_timeout(tmp_path):
+    # Node 1 alone, static rendezvous: node 0 would host it on a port held here, never listening.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        started = time.monotonic()
+        process = subprocess.run(
+            [sys.executable, "-m", "traceml", "run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(held.getsockname()[1]),
+             "--rdzv-timeout", "5", str(DDP_LOOP)],
+            capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120)
+    assert process.returncode != 0
+    assert time.monotonic() - started < 5 + ENDING_BOUND_S
+    assert ("no rank started on node 1: torch.distributed.run exited with code 1 before its "
+            "rendezvous at 127.0.0.1:") in process.stderr
+    assert "gathered all 2 nodes (they have --rdzv-timeout 5 s to join)" in process.stderr
+
+
 def test_a_users_own_torchrun_launch_is_traced_with_one_card(tmp_path):
     process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                              "--master-port", str(_free_port()), str(DDP_LOOP), "--steps", "20"],
+                              "--standalone", str(DDP_LOOP), "--steps", "20"],
                              capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120)
     assert process.returncode == 0, process.stderr
     assert process.stdout.count("TraceML ·") == 1
@@ -143,9 +294,3 @@ def test_a_collector_with_a_token_drops_ranks_without_it(tmp_path):
         collector.stop()
     assert [s.step for s in collector.store.steps()] == [1]
     assert collector.store.hellos()[0].token == ""  # the secret is never stored
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

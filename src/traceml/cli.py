@@ -18,12 +18,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+from traceml.launcher import DEFAULT_RDZV_TIMEOUT_S, AgentWatch, Launch
+
 log = logging.getLogger("traceml")
 
 ENV_RUN_DIR = "TRACEML_RUN_DIR"
 DEFAULT_WEB_PORT = 8765
-SSE_FAREWELL_S = 1.5
-ZERO_CODE = "traceml.probe.zero_code"  # after the run, how long the page has to receive its last update
+SSE_FAREWELL_S = 1.5  # after the run, how long the page has to receive its last update
+# After a node's ranks exit, how long the collector waits for ranks still to say goodbye
+# (a dead rank never does); across nodes, six times as long.
 RANK_GOODBYE_TIMEOUT_S = 5.0
 
 
@@ -72,7 +75,18 @@ def _parser() -> argparse.ArgumentParser:
     distributed.add_argument("--master-addr", default=None, metavar="A",
                              help="node 0's address (default 127.0.0.1)")
     distributed.add_argument("--master-port", type=int, default=None, metavar="P",
-                             help="the rendezvous port; the collector takes P+1 across nodes")
+                             help="the rendezvous port (default 29500); the collector takes P+1 "
+                                  "across nodes")
+    distributed.add_argument("--rdzv-backend", choices=("static", "c10d"), default="static",
+                             help="static: node ranks as given, node 0 hosts the rendezvous; c10d: "
+                                  "the rendezvous at --rdzv-endpoint (default static)")
+    distributed.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                             help="the rendezvous address (instead of --master-addr/--master-port)")
+    distributed.add_argument("--rdzv-conf", default=None, metavar="K=V,...",
+                             help="more rendezvous settings, passed to torch.distributed.run")
+    distributed.add_argument("--rdzv-timeout", type=int, default=DEFAULT_RDZV_TIMEOUT_S, metavar="S",
+                             help="how long every node has to join the rendezvous before the run "
+                                  f"gives up (default {DEFAULT_RDZV_TIMEOUT_S})")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -138,53 +152,6 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 # -- traceml run --------------------------------------------------------------------------------
-class Launch:
-    """What `traceml run` starts: the script itself, or its ranks through torch.distributed.run,
-    and where this node's ranks find the run's collector."""
-
-    def __init__(self, args: argparse.Namespace):
-        from traceml import rendezvous
-
-        self.script = Path(args.script)
-        self.script_args = list(args.script_args)
-        self.nnodes, self.node_rank = args.nnodes, args.node_rank
-        self.distributed = args.nproc_per_node is not None or args.nnodes > 1
-        self.nproc_per_node = args.nproc_per_node or 1
-        self.master_addr = args.master_addr or rendezvous.LOOPBACK
-        # One node picks a free rendezvous port; several must agree on one, as with torchrun.
-        self.master_port = args.master_port or (
-            29500 if args.nnodes > 1 else _free_port() if self.distributed else 0)
-        self.hosts_collector = self.node_rank == 0
-        if self.nnodes > 1:  # other nodes must know where to send: master address, port P+1
-            self.collector_host = rendezvous.bind_host(self.master_addr)
-            self.collector_port = rendezvous.collector_port(self.master_port)
-        else:
-            self.collector_host, self.collector_port = rendezvous.LOOPBACK, 0
-
-    def command(self) -> List[str]:
-        """Each rank runs the script through probe.zero_code, which traces it even if it
-        never imports traceml (steps inferred from optimizer.step())."""
-        script = [ZERO_CODE, os.fspath(self.script), *self.script_args]
-        if not self.distributed:
-            return [sys.executable, "-m", *script]
-        return [sys.executable, "-m", "torch.distributed.run",
-                "--nproc-per-node", str(self.nproc_per_node), "--nnodes", str(self.nnodes),
-                "--node-rank", str(self.node_rank), "--master-addr", self.master_addr,
-                "--master-port", str(self.master_port), "--module", *script]
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def run_command(args: argparse.Namespace) -> int:
     from traceml import rendezvous, rundir
 
@@ -258,10 +225,12 @@ def run_command(args: argparse.Namespace) -> int:
         "pids": {"launcher": os.getpid(), "script": child.pid},
         "dashboard": web.url if web is not None else None})
     sampler.start()
+    watch = AgentWatch(child) if launch.distributed else None
     if output_fd is not None:
         exit_code = _wait_with_dashboard(child, output_fd, collector, launch.script.name)
     else:
         exit_code = _wait(child)
+    exit_code = _launch_ended(launch, watch, exit_code)
     ended = time.time()
 
     # Ranks on other nodes may still be saying goodbye; a dead rank simply never does.
@@ -387,9 +356,23 @@ def _run_without_collector(launch: Launch, args: argparse.Namespace) -> int:
         child = subprocess.Popen(launch.command(), env=env)
     except OSError as exc:
         return _fail(f"cannot start {launch.script}: {exc}")
-    exit_code = _wait(child)
+    watch = AgentWatch(child)
+    exit_code = _launch_ended(launch, watch, _wait(child))
     print(f"traceml: node {launch.node_rank} done (exit code {exit_code}); node 0 prints the "
           "card and keeps the run", file=sys.stderr)
+    return exit_code
+
+
+def _launch_ended(launch: Launch, watch: Optional[AgentWatch], exit_code: int) -> int:
+    """The node's exit code once torch.distributed.run has gone, on its own or stopped by the
+    watch; a launch whose ranks never started says why."""
+    if watch is None:
+        return exit_code
+    watch.stop()
+    if watch.stopped_after_success:
+        return 0
+    if exit_code != 0 and not watch.ranks_seen:
+        print(launch.never_started_line(exit_code), file=sys.stderr, flush=True)
     return exit_code
 
 
@@ -645,12 +628,11 @@ def collect_command(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: stop_asked.set())
     parent_gone = lambda: not _alive(args.parent_pid)  # noqa: E731
     give_up = lambda: parent_gone() or stop_asked.is_set()  # noqa: E731
-    while not collector.wait_for_ranks(timeout_s=3600.0, until=give_up):
-        if give_up():
-            # Rank 0 is gone without waiting for us, or we are told to stop: give the ranks
-            # a moment to send their last records.
-            collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S)
-            break
+    collector.wait_for_ranks(timeout_s=float("inf"), until=give_up)
+    if give_up():
+        # Rank 0 is gone without waiting for us, or we are told to stop: give the ranks
+        # a moment to send their last records.
+        collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S)
     sampler.stop()
     collector.stop()
     from traceml.views.summary import RunFacts
@@ -689,30 +671,45 @@ def finish_run(store: Any, run_dir: Optional[Path], facts: Any) -> Optional[dict
         print(f"traceml: could not summarize the run: {exc}", file=sys.stderr)
         log.debug("summary failed", exc_info=True)
         return None
-    try:  # the findings and facts also go in the store, where there is room for them
-        store.write_findings(data.findings)
-        store.set_meta({"run": summary["run"], "steps": summary["steps"]})
-        store.close()
-    except Exception as exc:  # a full disk was already reported by the collector
-        log.debug("could not save the summary in the store: %s", exc)
-        try:
-            store.close()
-        except Exception:
-            pass
     try:
         sys.stdout.flush()
         print_card(summary)
     except Exception as exc:  # a closed stdout must not cost the files
         log.debug("could not print the card: %s", exc)
+    if run_dir is not None:  # the summary files first: on a full disk, the reserve is theirs
+        rundir.release_reserve(run_dir)
+        written = _write_files(run_dir, [(rundir.SUMMARY_JSON, lambda: json.dumps(summary, indent=2) + "\n"),
+                                         (rundir.SUMMARY_TXT, lambda: card_text(summary))])
+    try:  # the findings and facts also go in the store, where there is room for them
+        store.write_findings(data.findings)
+        store.set_meta({"run": summary["run"], "steps": summary["steps"]})
+    except Exception as exc:  # a full disk was already reported by the collector
+        log.debug("could not save the summary in the store: %s", exc)
+    try:
+        store.close()
+    except Exception as exc:
+        log.debug("could not close the store: %s", exc)
     if run_dir is not None:
-        try:
-            (run_dir / rundir.SUMMARY_JSON).write_text(json.dumps(summary, indent=2) + "\n")
-            (run_dir / rundir.SUMMARY_TXT).write_text(card_text(summary))
-            (run_dir / rundir.REPORT_HTML).write_text(render_report(summary, data.rolled))
+        written += _write_files(run_dir, [(rundir.REPORT_HTML, lambda: render_report(summary, data.rolled))])
+        if written:
             print(f"traceml: run saved to {run_dir}", file=sys.stderr)
-        except OSError as exc:
-            print(f"traceml: could not write the run dir {run_dir}: {exc}", file=sys.stderr)
     return summary
+
+
+def _write_files(run_dir: Path, files: List[Tuple[str, Callable[[], str]]]) -> int:
+    """Write each file that fits; say once which did not. How many were written."""
+    written = 0
+    for name, text in files:
+        try:
+            (run_dir / name).write_text(text())
+            written += 1
+        except OSError as exc:
+            print(f"traceml: could not write {run_dir / name}: {exc.strerror or exc}", file=sys.stderr)
+            try:
+                (run_dir / name).unlink()  # no half file
+            except OSError:
+                pass
+    return written
 
 
 if __name__ == "__main__":

@@ -1,0 +1,157 @@
+"""What `traceml run` starts (the script, or its ranks through torch.distributed.run) and how it
+sees them end: a node's run ends boundedly once its ranks have exited, whatever other nodes do.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from traceml import rendezvous
+
+log = logging.getLogger("traceml")
+
+ZERO_CODE = "traceml.probe.zero_code"
+# torch.distributed.run's own default wait for every node at the rendezvous.
+DEFAULT_RDZV_TIMEOUT_S = 900
+# Once this node's ranks have exited, how long torch.distributed.run may take to follow. Its
+# agent waits in an exit barrier for the other nodes' agents (up to 300 s); an agent whose
+# ranks failed leaves without reaching that barrier, so the others would wait it out.
+AGENT_EXIT_GRACE_S = 10.0
+AGENT_STOP_GRACE_S = 5.0  # from SIGTERM to SIGKILL
+POLL_S = 0.25
+
+
+class Launch:
+    """The command `traceml run` starts and where this node's ranks find the run's collector."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.script = Path(args.script)
+        self.script_args = list(args.script_args)
+        self.nnodes, self.node_rank = args.nnodes, args.node_rank
+        self.distributed = args.nproc_per_node is not None or args.nnodes > 1
+        self.nproc_per_node = args.nproc_per_node or 1
+        self.rdzv_backend = args.rdzv_backend
+        self.rdzv_conf = args.rdzv_conf
+        self.rdzv_timeout_s = args.rdzv_timeout
+        if args.rdzv_endpoint:
+            self.master_addr, _, port = args.rdzv_endpoint.rpartition(":")
+            self.master_port = int(port)
+        else:
+            self.master_addr = args.master_addr or rendezvous.LOOPBACK
+            self.master_port = args.master_port or 29500
+        self.hosts_collector = self.node_rank == 0
+        if self.nnodes > 1:  # other nodes must know where to send: the rendezvous host, port P+1
+            self.collector_host = rendezvous.bind_host(self.master_addr)
+            self.collector_port = rendezvous.collector_port(self.master_port)
+        else:
+            self.collector_host, self.collector_port = rendezvous.LOOPBACK, 0
+
+    @property
+    def rendezvous_address(self) -> str:
+        return f"{self.master_addr}:{self.master_port}"
+
+    def command(self) -> List[str]:
+        """Each rank runs the script through probe.zero_code, which traces it even if it
+        never imports traceml (steps inferred from optimizer.step())."""
+        script = [ZERO_CODE, os.fspath(self.script), *self.script_args]
+        if not self.distributed:
+            return [sys.executable, "-m", *script]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc_per_node)]
+        if self.nnodes == 1:  # torchrun takes a free rendezvous port itself: no port to race for
+            return [*launcher, "--standalone", "--module", *script]
+        timeout_key = "timeout" if self.rdzv_backend == "static" else "join_timeout"
+        conf = ",".join(filter(None, [f"{timeout_key}={self.rdzv_timeout_s}", self.rdzv_conf]))
+        launcher += ["--nnodes", str(self.nnodes), "--rdzv-backend", self.rdzv_backend, "--rdzv-conf", conf]
+        if self.rdzv_backend == "static":
+            launcher += ["--node-rank", str(self.node_rank), "--master-addr", self.master_addr,
+                         "--master-port", str(self.master_port)]
+        else:
+            launcher += ["--rdzv-endpoint", self.rendezvous_address]
+        return [*launcher, "--module", *script]
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def never_started_line(self, exit_code: int) -> str:
+        return (f"traceml: no rank started on node {self.node_rank}: torch.distributed.run exited "
+                f"with code {exit_code} before its rendezvous at {self.rendezvous_address} gathered "
+                f"all {self.nnodes} nodes (they have --rdzv-timeout {self.rdzv_timeout_s} s to join)")
+
+
+class AgentWatch:
+    """Watch torch.distributed.run's agent from beside it, on a thread of its own.
+
+    `ranks_seen` says whether any rank process ever ran under the agent. Once they have all
+    exited, the agent has AGENT_EXIT_GRACE_S to exit too; an agent still there is waiting in
+    its exit barrier, which it enters only when its own ranks succeeded, for a node that will
+    not come: it is stopped (SIGTERM, then SIGKILL with anything left under it) and
+    `stopped_after_success` is set, so the node's exit code is its ranks' 0.
+    """
+
+    def __init__(self, agent: subprocess.Popen):
+        self._agent_pid = agent.pid
+        self.ranks_seen = False
+        self.stopped_after_success = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="traceml-agent-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        try:
+            import psutil
+
+            agent = psutil.Process(self._agent_pid)
+            ranks_gone_at: Optional[float] = None
+            while not self._done.wait(POLL_S):
+                if not agent.is_running() or agent.status() == psutil.STATUS_ZOMBIE:
+                    return
+                ranks = [child for child in agent.children() if _is_rank(child)]
+                now = time.monotonic()
+                if ranks:
+                    self.ranks_seen, ranks_gone_at = True, None
+                elif self.ranks_seen and ranks_gone_at is None:
+                    ranks_gone_at = now
+                elif ranks_gone_at is not None and now - ranks_gone_at >= AGENT_EXIT_GRACE_S:
+                    self._stop_agent(agent)
+                    return
+        except Exception as exc:  # psutil missing or the process table unreadable: torchrun's own end
+            log.debug("traceml: cannot watch torch.distributed.run: %s", exc)
+
+    def _stop_agent(self, agent) -> None:
+        import psutil
+
+        print(f"traceml: this node's ranks exited {AGENT_EXIT_GRACE_S:.0f} s ago and "
+              "torch.distributed.run is still waiting for another node to finish (its exit "
+              "barrier): stopping it", file=sys.stderr, flush=True)
+        self.stopped_after_success = True
+        left = [agent, *agent.children(recursive=True)]
+        try:
+            agent.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            return
+        _, alive = psutil.wait_procs(left, timeout=AGENT_STOP_GRACE_S)
+        for process in alive:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+
+
+def _is_rank(process) -> bool:
+    try:
+        return ZERO_CODE in process.cmdline()
+    except Exception:  # gone between the listing and the look
+        return False
