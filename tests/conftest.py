@@ -1,11 +1,14 @@
 """Shared helpers: run real training scripts under TraceML and read back what they left."""
+import ctypes
 import json
 import os
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -38,6 +41,55 @@ class Run:
         with sqlite3.connect(self.run_dir / "telemetry.sqlite") as db:
             db.row_factory = sqlite3.Row
             return [dict(row) for row in db.execute("SELECT * FROM steps ORDER BY step")]
+
+
+# Processes orphaned by a test (a launcher that died before its children) are re-parented to
+# this one rather than to init, so that the check below still sees them.
+PR_SET_CHILD_SUBREAPER = 36
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """Fail a test that leaves a process running, and kill what it left."""
+    before = {process.pid for process in psutil.Process().children(recursive=True)}
+    yield
+    deadline = time.monotonic() + 3.0  # a process being reaped right now is not left behind
+    while True:
+        left = [process for process in psutil.Process().children(recursive=True)
+                if process.pid not in before and _running(process)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    names = []
+    for process in left:
+        try:
+            names.append(f"{process.pid} {' '.join(process.cmdline())[:160]}")
+            process.kill()
+        except psutil.Error:
+            pass
+    _reap_orphans(before)
+    if left:
+        pytest.fail("processes left behind:\n" + "\n".join(names), pytrace=False)
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _reap_orphans(before: set) -> None:
+    """Collect the exit status of orphans that ended here (no Popen of the test waits for them)."""
+    time.sleep(0.05)
+    for process in psutil.Process().children():
+        if process.pid not in before and not _running(process):
+            try:
+                os.waitpid(process.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
 
 
 def _env():
