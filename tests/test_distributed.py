@@ -186,11 +186,18 @@ def two_nodes(tmp_path):
         nodes.close()
 
 
+# On a loaded machine gloo aborts a rank at process exit, after all its work, about one run in
+# ten, with TraceML or without (plain torchrun, this script without traceml: the same abort).
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
 def test_two_nodes_on_one_machine_make_one_run(two_nodes, tmp_path):
     nodes = two_nodes("--steps", 20)
     nodes.start_both()
-    assert nodes.wait(1) == 0 and nodes.wait(0) == 0, nodes.err(0) + nodes.err(1)
-    assert "node 1 done (exit code 0)" in nodes.err(1) and "TraceML ·" not in nodes.out(1)
+    exit_codes = nodes.wait(1), nodes.wait(0, timeout=ENDING_BOUND_S)  # torch's exit barrier: 300 s
+    for node_rank, exit_code in zip((1, 0), exit_codes):  # 0, or torch's own abort at exit
+        assert exit_code == 0 or GLOO_EXIT_ABORT in nodes.err(node_rank), nodes.err(node_rank)
+    assert f"node 1 done (exit code {exit_codes[0]})" in nodes.err(1) and "TraceML ·" not in nodes.out(1)
     assert "TraceML ·" in nodes.out(0)
     assert not (tmp_path / "traceml_runs").exists()  # node 1 keeps no run of its own
     summary = json.loads((nodes.run_dir / "final_summary.json").read_text())
