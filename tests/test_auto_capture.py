@@ -149,10 +149,12 @@ def test_a_layer_that_slows_down_mid_run_is_captured_and_named(traceml_run, tmp_
         shown = captured_on_the_web_page(run.run_dir)
         assert any("2 (Slowing)" in line for line in shown.values()), shown
         assert owner["kind"] in shown
-    # Sampled: the two steps before (from step 20) and three after the rule fired; no per-layer
-    # tables without --deep.
+    # Sampled: the two steps before (from step 20) and up to three after each time the rule
+    # fired (fewer when two captures' samples meet, or the run ends); no per-layer tables
+    # without --deep.
     instrumented = [row["step"] for row in run.step_rows() if row["instrumented"]]
-    assert instrumented[:2] == [20, 21] and len(instrumented) == 2 + 3 * len(summary["captures"])
+    captures = len(summary["captures"])
+    assert instrumented[:2] == [20, 21] and 2 + captures <= len(instrumented) <= 2 + 3 * captures
     assert any(step > captured["step"] for step in instrumented)
     assert summary["layers"] == [] and summary["deep_dive"] is None
 

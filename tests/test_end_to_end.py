@@ -179,8 +179,13 @@ def test_ctrl_c_reaches_the_script_and_the_summary_is_written(tmp_path):
     command = [sys.executable, "-m", "traceml", "run", "--run-dir", str(run_dir), str(TRAIN_LOOP),
                "--steps", "100000", "--no-loader", "--outside-ms", "2"]
     # A terminal's Ctrl-C goes to the whole foreground process group: do the same.
+    # With the fault handler on, a process that does not end is asked where it is (SIGABRT).
+    # Ctrl-C as at a terminal: a suite started as a background job of a shell runs with SIGINT
+    # ignored, and a child inherits that (so would a script run without TraceML).
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               cwd=tmp_path, env=_env(), start_new_session=True)
+                               cwd=tmp_path, env={**_env(), "PYTHONFAULTHANDLER": "1"},
+                               start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         db = run_dir / "telemetry.sqlite"
@@ -195,7 +200,12 @@ def test_ctrl_c_reaches_the_script_and_the_summary_is_written(tmp_path):
                 pass
         time.sleep(0.2)
     os.killpg(process.pid, signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=60)
+    try:
+        stdout, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGABRT)
+        stdout, stderr = process.communicate(timeout=30)
+        pytest.fail(f"still running 60 s after Ctrl-C; its threads:\n{stderr[-6000:]}")
     assert process.returncode == 130, stderr  # the script died of KeyboardInterrupt
     assert "KeyboardInterrupt" in stderr
     summary = json.loads((run_dir / "final_summary.json").read_text())
