@@ -153,6 +153,12 @@ def test_missing_script_is_a_one_line_error(traceml_run, tmp_path):
     assert not run.run_dir.exists()
 
 
+def test_a_malformed_rendezvous_endpoint_is_a_one_line_error(traceml_run):
+    run = traceml_run(traceml_args=("--nnodes", "2", "--rdzv-endpoint", "head-node"))
+    assert run.returncode == 2
+    assert run.stderr == "traceml: --rdzv-endpoint must be HOST:PORT, not 'head-node'\n"
+
+
 def test_existing_run_dir_is_never_overwritten(traceml_run, tmp_path):
     run_dir = tmp_path / "taken"
     run_dir.mkdir()

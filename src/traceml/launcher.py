@@ -43,6 +43,9 @@ class Launch:
         self.rdzv_timeout_s = args.rdzv_timeout
         if args.rdzv_endpoint:
             self.master_addr, _, port = args.rdzv_endpoint.rpartition(":")
+            if not self.master_addr or not port.isdigit():
+                raise rendezvous.RendezvousError(
+                    f"--rdzv-endpoint must be HOST:PORT, not {args.rdzv_endpoint!r}")
             self.master_port = int(port)
         else:
             self.master_addr = args.master_addr or rendezvous.LOOPBACK
