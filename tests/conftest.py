@@ -103,12 +103,12 @@ def _env():
 def traceml_run(tmp_path):
     """traceml_run(script_args..., run_dir=None) -> Run, via a real `traceml run` subprocess."""
 
-    def run(*script_args, script=TRAIN_LOOP, run_dir=None, traceml_args=(), timeout=120):
+    def run(*script_args, script=TRAIN_LOOP, run_dir=None, traceml_args=(), timeout=120, env=None):
         run_dir = Path(run_dir) if run_dir is not None else tmp_path / "run"
         command = [sys.executable, "-m", "traceml", "run", "--run-dir", str(run_dir), *traceml_args,
                    str(script), *map(str, script_args)]
         process = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                 cwd=tmp_path, env=_env())
+                                 cwd=tmp_path, env={**_env(), **(env or {})})
         return Run(process, run_dir)
 
     return run

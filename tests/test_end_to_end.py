@@ -15,14 +15,15 @@ PARTS = ("input_wait_ms", "outside_ms", "h2d_ms", "forward_ms", "backward_ms", "
 
 
 def test_slow_dataset_is_input_bound(traceml_run):
-    run = traceml_run("--steps", 30, "--load-ms", 2, "--batch-size", 8)
+    run = traceml_run("--steps", 30, "--load-ms", 5, "--batch-size", 8)
     assert run.returncode == 0, run.stderr
     summary = run.summary()
     primary = summary["primary_diagnosis"]
     assert primary["kind"] == "INPUT_BOUND"
     assert primary["severity"] == "crit"
-    # 8 samples x 2 ms of sleep per step: the input wait share is the bulk of the step.
-    assert summary["phases"]["input_wait"]["median_ms"] >= 16.0
+    # 8 samples x 5 ms of sleep per step: the input wait share is the bulk of the step, even
+    # when another process takes a core from the compute.
+    assert summary["phases"]["input_wait"]["median_ms"] >= 40.0
     assert summary["phases"]["input_wait"]["share"] > 0.5
     assert f"{primary['evidence']['share']:.0%}" in primary["summary"]
     assert "num_workers" in primary["action"]

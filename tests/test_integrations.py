@@ -45,8 +45,9 @@ def test_hf_evaluation_is_outside_the_steps_not_input_wait(traceml_run):
     # After update 10 Trainer evaluates 64 batches at 5 ms a collate: that is outside step 9,
     # and none of it is the training's input wait.
     assert steps[9]["outside_ms"] >= 300.0
-    assert steps[9]["input_wait_ms"] < 60.0  # a 5 ms collate, with room for a loaded machine
-    assert max(s["input_wait_ms"] for s in steps) < 60.0
+    # Misread as input wait, it would land in the step after: that step waits as the others do.
+    usual_wait_ms = sorted(s["input_wait_ms"] for s in steps)[len(steps) // 2]
+    assert steps[10]["input_wait_ms"] < max(3 * usual_wait_ms, 0.25 * steps[9]["outside_ms"])
     assert run.summary()["phases"]["outside"]["share"] > 0.2
 
 
@@ -75,7 +76,7 @@ def test_lightning_fit_steps_are_optimizer_steps_and_validation_is_not_input(tra
     assert all(s["forward_calls"] == accumulate for s in steps)
     assert all(s["forward_ms"] > 0 and s["backward_ms"] > 0 and s["optimizer_ms"] > 0 for s in steps)
     # Validation reads 4 batches of 8 slow samples (2 ms each: 64 ms) every 20 training
-    # batches: outside the steps, never the training's input wait (with room for a loaded machine).
+    # batches: outside the steps, never the training's input wait.
     assert max(s["input_wait_ms"] for s in steps) < 40.0
     validated = [s for s in steps if s["outside_ms"] >= 50.0]
     assert 2 <= len(validated) <= 80 // (20 // accumulate) + 1

@@ -21,6 +21,16 @@ sys.path.insert(0, str(SCRIPTS))
 from gpt_deep import GPT  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a loaded machine two of them wait on each other by turns, and a
+    layer's time then says more about the machine than about the layer."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class _Reports:
     def __init__(self):
         self.sent = []
@@ -41,7 +51,9 @@ class _ProbeOnCpu:
 
 
 def deep_dive(model, batches, loss_of, steps=12):
-    """Train `steps` steps with every step sampled; the per-layer figures a step, by name."""
+    """Train `steps` steps with every step sampled; the per-layer figures a step, by name: the
+    median over the steps (the report after each step minus the one before), as the layers
+    timed alone are medians, so a step the machine took away from the test does not count."""
     probe = _ProbeOnCpu()
     layers = LayerProbe(probe, model, every_n_steps=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -55,12 +67,18 @@ def deep_dive(model, batches, loss_of, steps=12):
         layers.backward_done()
         optimizer.step()
         layers.end_step()
-    layers.report()
-    report = probe.sender.sent[-1]
-    per_step = {layer.name: {"forward_ms": layer.forward_ms / report.sampled_steps,
-                             "backward_ms": layer.backward_ms / report.sampled_steps,
-                             "kind": layer.kind, "leaf": layer.leaf, "calls": layer.calls}
-                for layer in report.layers}
+        layers.report()
+    reports = probe.sender.sent
+    report = reports[-1]
+    per_step = {}
+    for layer in report.layers:
+        totals = [{"forward_ms": 0.0, "backward_ms": 0.0}] + [
+            {"forward_ms": row.forward_ms, "backward_ms": row.backward_ms}
+            for sent in reports for row in sent.layers if row.name == layer.name]
+        per_step[layer.name] = {
+            phase: statistics.median(after[phase] - before[phase] for before, after in zip(totals, totals[1:]))
+            for phase in ("forward_ms", "backward_ms")}
+        per_step[layer.name].update(kind=layer.kind, leaf=layer.leaf, calls=layer.calls)
     return per_step, report
 
 

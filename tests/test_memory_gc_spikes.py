@@ -69,5 +69,8 @@ def test_a_flat_healthy_run_has_none_of_these(traceml_run):
                       "--width", 1024)
     assert run.returncode == 0, run.stderr
     summary = run.summary()
-    assert not LONG_RUN_FINDINGS & set(kinds(summary)), summary["findings"]
+    found = {f["kind"]: f for f in summary["findings"]}
+    if "STEP_SPIKES" in found:  # allowed only as what it is on a busy machine: the machine's
+        assert found["STEP_SPIKES"]["evidence"]["machine_wide"], found["STEP_SPIKES"]
+    assert not (LONG_RUN_FINDINGS - {"STEP_SPIKES"}) & set(found), summary["findings"]
     assert summary["primary_diagnosis"]["kind"] == "COMPUTE_BOUND"
