@@ -53,10 +53,13 @@ def test_a_save_every_20th_step_is_one_checkpoint_finding_with_its_period(tracem
     assert stall["evidence"]["period_steps"] == 20 and stall["evidence"]["where"] == "inside the step"
     assert stall["summary"].startswith("every 20 steps, a checkpoint save inside the step takes")
     assert "async_save" in stall["action"]
-    # One cause, one finding: neither the spikes nor the untraced time it makes are told again.
-    # (A stall of the whole machine, if one happens, is another cause: told under Also.)
+    # One cause, one finding: neither the saves' slow steps nor the untraced time they make are
+    # told again. Other slow steps may be (a stall of the whole machine; after a save this loop
+    # sometimes runs ~20x slower in backward until the next save): another finding, never the
+    # saves' period again.
     assert "UNTRACED_WORK" not in found
-    assert "STEP_SPIKES" not in found or found["STEP_SPIKES"]["evidence"]["machine_wide"]
+    if "STEP_SPIKES" in found:
+        assert found["STEP_SPIKES"]["evidence"].get("period_steps") != 20, found["STEP_SPIKES"]
     if stall["evidence"]["share"] >= 0.10:
         assert summary["primary_diagnosis"]["kind"] == "CHECKPOINT_STALL"
     saves = [row for row in run.step_rows() if row["checkpoint_ms"] > 0]
