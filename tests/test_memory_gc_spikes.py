@@ -54,12 +54,12 @@ def test_a_save_every_20th_step_is_one_checkpoint_finding_with_its_period(tracem
     assert stall["summary"].startswith("every 20 steps, a checkpoint save inside the step takes")
     assert "async_save" in stall["action"]
     # One cause, one finding: neither the saves' slow steps nor the untraced time they make are
-    # told again. Other slow steps may be (a stall of the whole machine; after a save this loop
-    # sometimes runs ~20x slower in backward until the next save): another finding, never the
-    # saves' period again.
+    # told again. Other slow steps may be (after a save this loop sometimes runs ~20x slower in
+    # backward until the next save): another finding, never the saves' period again. A busy
+    # machine stalls all steps, the saves' too: that is told as the machine's, under Also.
     assert "UNTRACED_WORK" not in found
-    if "STEP_SPIKES" in found:
-        assert found["STEP_SPIKES"]["evidence"].get("period_steps") != 20, found["STEP_SPIKES"]
+    spikes = found.get("STEP_SPIKES")
+    assert spikes is None or spikes["evidence"]["machine_wide"] or spikes["evidence"].get("period_steps") != 20, spikes
     if stall["evidence"]["share"] >= 0.10:
         assert summary["primary_diagnosis"]["kind"] == "CHECKPOINT_STALL"
     saves = [row for row in run.step_rows() if row["checkpoint_ms"] > 0]
