@@ -142,8 +142,9 @@ def test_a_module_whose_input_feeds_another_branch_ends_with_its_own_nodes():
     alone_heavy = 2 * alone_ms(model.heavy, torch.randn(1024, 512))[1]
     alone_cheap = alone_ms(model.cheap, torch.randn(1024, 512))[1]
     assert cheap < 0.5 * heavy
-    # Each within a factor of two of the layer timed alone.
-    assert 0.5 * alone_cheap < cheap < 2.0 * alone_cheap, (cheap, alone_cheap)
+    # Each near the layer timed alone: the heavy one within a factor of two; the cheap one, a
+    # few tenths of a millisecond, within three (charged with heavy's backward it would be ten).
+    assert alone_cheap / 3 < cheap < 3.0 * alone_cheap, (cheap, alone_cheap)
     assert 0.5 * alone_heavy < heavy < 2.0 * alone_heavy, (heavy, alone_heavy)
 
 

@@ -570,17 +570,24 @@ def _flush_on_sigterm(probe: StepProbe) -> None:
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return  # the script handles SIGTERM itself: its handler, its exit, our atexit
 
+    def set_sigterm(handler: Any) -> None:
+        # A second SIGTERM arriving as the handler changes (the group's, then the one `traceml
+        # run` forwards) makes Python raise "ignored due to race condition": never the user's.
+        try:
+            signal.signal(signal.SIGTERM, handler)
+        except (OSError, ValueError):
+            pass
+
     def on_sigterm(signum: int, frame: Any) -> None:
-        # A second SIGTERM (sent to the group, and forwarded by `traceml run`) must not cut the
-        # flush short: ignored until it is done.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # A second SIGTERM must not cut the flush short: ignored until it is done.
+        set_sigterm(signal.SIG_IGN)
         try:
             probe.exit_code = 128 + signum
             probe.finish()
             probe.sender.close(exit_code=probe.exit_code, timeout_s=2.0)
         except Exception:
             pass
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        set_sigterm(signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_sigterm)
