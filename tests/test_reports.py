@@ -54,12 +54,16 @@ def test_fixing_the_loader_is_an_improvement(runs):
     assert batch["a"] == batch["b"] == 8 and not batch["differs"]
 
 
-def test_a_run_against_itself_is_equivalent(runs):
+def test_a_run_against_itself_is_never_a_change(runs):
+    # EQUIVALENT when its steps are steady enough for the interval to sit within ±5%; a machine
+    # that jitters widens it (INCONCLUSIVE), and that is all it may do.
     result = json.loads(compare(runs["slow"], runs["slow"], "--json").stdout)
-    assert result["verdict"] == "EQUIVALENT", result["reason"]
+    assert result["verdict"] in ("EQUIVALENT", "INCONCLUSIVE"), result["reason"]
     assert result["step"]["delta_ms"] == 0.0
+    low, high = result["step"]["ci_share"]
+    assert low <= 0.0 <= high
     text = compare(runs["slow"], runs["slow"]).stdout
-    assert "EQUIVALENT" in text and "input wait" in text
+    assert result["verdict"] in text and "input wait" in text
 
 
 def test_summary_files_alone_are_inconclusive_not_guessed(runs, tmp_path):
