@@ -493,10 +493,13 @@ def _tokens_text(throughput: Dict[str, Any]) -> str:
 
 
 def _flops_text(throughput: Dict[str, Any]) -> str:
-    if not throughput.get("achieved_tflops"):
+    # From the exact counts: the summary's achieved_tflops is rounded, and a small model on a
+    # busy CPU does less than the 0.00005 TFLOP/s that survive the rounding.
+    flops, steps_per_s = throughput.get("flops_per_step"), throughput.get("steps_per_s")
+    if not flops or not steps_per_s:
         return ""
     mfu = throughput.get("mfu")
-    return (f"  ·  {throughput['achieved_tflops'] * 1000:,.2f} GFLOP/s"
+    return (f"  ·  {flops * steps_per_s / 1e9:,.2f} GFLOP/s"
             + (f", MFU {mfu:.1%}" if mfu is not None else " (device peak unknown: no MFU)"))
 
 
