@@ -92,6 +92,15 @@ def _reap_orphans(before: set) -> None:
                 pass
 
 
+def stored_steps(run_dir: Path) -> int:
+    """How many step records the run's store holds now (0 before it has any)."""
+    try:
+        with sqlite3.connect(f"file:{run_dir / 'telemetry.sqlite'}?mode=ro", uri=True) as db:
+            return db.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
 def _env():
     env = dict(os.environ)
     env.pop("TRACEML_COLLECTOR", None)

@@ -2,7 +2,6 @@
 two nodes on one machine, a rank killed mid-run, and a user's own torchrun launch."""
 import json
 import socket
-import sqlite3
 import subprocess
 import sys
 import time
@@ -10,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from conftest import SCRIPTS, Run, _env
+from conftest import SCRIPTS, Run, _env, stored_steps
 from traceml import rendezvous
 from traceml.collector.server import Collector
 from traceml.collector.store import Store
@@ -140,18 +139,18 @@ class TwoNodes:
         self.nodes[node_rank].wait(timeout=timeout)
         return self.nodes[node_rank].returncode
 
-    def stored_steps(self):
-        try:
-            with sqlite3.connect(f"file:{self.run_dir / 'telemetry.sqlite'}?mode=ro", uri=True) as db:
-                return db.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
-        except sqlite3.Error:
-            return 0
-
     def wait_for_steps(self, count, timeout=90):
         deadline = time.monotonic() + timeout
-        while self.stored_steps() < count:
+        while stored_steps(self.run_dir) < count:
             assert time.monotonic() < deadline, self.err(0)
             time.sleep(0.1)
+
+    def kill_mid_run(self, node_rank):
+        """Both nodes train; once 40 steps are stored, node_rank's machine dies. When it died."""
+        self.start_both()
+        self.wait_for_steps(40)
+        self.kill(node_rank)
+        return time.monotonic()
 
     def kill(self, node_rank):
         """The node's machine dies: every process of it at once (torchrun starts each rank in
@@ -222,10 +221,7 @@ def test_a_node_whose_rank_fails_at_the_end_does_not_hold_the_others(two_nodes):
 
 def test_node_1_dying_mid_run_ends_node_0_with_the_rank_named_missing(two_nodes):
     nodes = two_nodes("--steps", 100000)
-    nodes.start_both()
-    nodes.wait_for_steps(40)
-    nodes.kill(1)
-    killed = time.monotonic()
+    killed = nodes.kill_mid_run(1)
     assert nodes.wait(0, timeout=ENDING_BOUND_S + 30) != 0
     assert time.monotonic() - killed < ENDING_BOUND_S
     summary = json.loads((nodes.run_dir / "final_summary.json").read_text())
@@ -236,10 +232,7 @@ def test_node_1_dying_mid_run_ends_node_0_with_the_rank_named_missing(two_nodes)
 
 def test_node_0_dying_mid_run_ends_node_1_with_its_exit_code(two_nodes):
     nodes = two_nodes("--steps", 100000)
-    nodes.start_both()
-    nodes.wait_for_steps(40)
-    nodes.kill(0)
-    killed = time.monotonic()
+    killed = nodes.kill_mid_run(0)
     exit_code = nodes.wait(1, timeout=ENDING_BOUND_S + 30)
     assert time.monotonic() - killed < ENDING_BOUND_S
     assert exit_code != 0 and f"node 1 done (exit code {exit_code})" in nodes.err(1)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TRAIN_LOOP, _env
+from conftest import TRAIN_LOOP, _env, stored_steps
 
 
 def wait_for(predicate, timeout_s=60.0, every_s=0.1):
@@ -23,14 +23,6 @@ def wait_for(predicate, timeout_s=60.0, every_s=0.1):
             return value
         time.sleep(every_s)
     raise AssertionError("timed out")
-
-
-def stored_steps(run_dir: Path) -> int:
-    try:
-        with sqlite3.connect(f"file:{run_dir / 'telemetry.sqlite'}?mode=ro", uri=True) as db:
-            return db.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
-    except sqlite3.Error:
-        return 0
 
 
 def run_json(run_dir: Path) -> dict:

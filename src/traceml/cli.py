@@ -697,7 +697,7 @@ def finish_run(store: Any, run_dir: Optional[Path], facts: Any) -> Optional[dict
 
 
 def _write_files(run_dir: Path, files: List[Tuple[str, Callable[[], str]]]) -> int:
-    """Write each file that fits; say once which did not. How many were written."""
+    """Write each file that fits, saying which did not; how many were written."""
     written = 0
     for name, text in files:
         try:

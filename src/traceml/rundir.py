@@ -52,19 +52,31 @@ def prepare(run_dir: Path) -> Tuple[Optional[Path], Optional[str]]:
         reason = exc.strerror or str(exc)
         return None, (f"traceml: cannot write run dir {run_dir} ({reason}); the run goes on and "
                       "the summary is printed but not saved")
-    try:
-        (run_dir / RESERVE_NAME).write_bytes(b"\0" * RESERVE_BYTES)
-    except OSError:  # no room even for that: the store gets what there is
-        release_reserve(run_dir)
+    hold_room(run_dir / RESERVE_NAME, RESERVE_BYTES)
     return run_dir, None
+
+
+def hold_room(path: Path, size_bytes: int) -> bool:
+    """Take size_bytes of the disk now, as a file, to give back when it fills (give_room_back):
+    False when there is not even that room (nothing is held then)."""
+    try:
+        path.write_bytes(b"\0" * size_bytes)
+        return True
+    except OSError:
+        give_room_back(path)
+        return False
+
+
+def give_room_back(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 def release_reserve(run_dir: Path) -> None:
     """Give back the room held for the summary files (see RESERVE_BYTES)."""
-    try:
-        (run_dir / RESERVE_NAME).unlink()
-    except OSError:
-        pass
+    give_room_back(run_dir / RESERVE_NAME)
 
 
 def store_path(run_dir: Optional[Path]) -> str:

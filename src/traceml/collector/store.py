@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import threading
 import urllib.parse
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import msgspec
 
+from traceml import rundir
 from traceml.collector.rollup import RolledStep
 from traceml.records import (Finding, GpuSample, LayerCapture, LayerReport, OomRecord, RankEnd, RankHello,
                              ScalarRecord, SpanRecord, StepRecord, SystemSample)
@@ -72,7 +73,7 @@ class Store:
         self._lock = threading.Lock()
         self._pending: List[Tuple[Callable[[list], None], list]] = []
         self._replay_needed = False
-        self._reserve: Optional[str] = None  # room held for folding the log when the disk fills
+        self._reserve: Optional[Path] = None  # room held for folding the log when the disk fills
         if readonly:
             self._db = _connect_readonly(path)
             return
@@ -85,12 +86,8 @@ class Store:
             # records, not old copies of pages.
             self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_PAGES}")
             self._db.execute(f"PRAGMA journal_size_limit={WAL_PAGES * 4096}")
-            self._reserve = path + "-reserve"
-            try:
-                with open(self._reserve, "wb") as reserve:
-                    reserve.write(b"\0" * WAL_PAGES * 4096)
-            except OSError:
-                self._release_reserve()
+            reserve = Path(path + "-reserve")
+            self._reserve = reserve if rundir.hold_room(reserve, WAL_PAGES * 4096) else None
         self._db.executescript(_SCHEMA)
         self._db.execute("BEGIN")
         self._step_insert = (f"INSERT OR REPLACE INTO steps ({', '.join(_STEP_NAMES)}) "
@@ -180,10 +177,7 @@ class Store:
 
     def _release_reserve(self) -> None:
         if self._reserve is not None:
-            try:
-                os.unlink(self._reserve)
-            except OSError:
-                pass
+            rundir.give_room_back(self._reserve)
             self._reserve = None
 
     def _checkpoint(self) -> None:
