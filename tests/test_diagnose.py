@@ -204,6 +204,15 @@ def test_creep_gives_bytes_per_step_and_the_step_memory_runs_out():
     assert "runs out near step 512" in found.summary
 
 
+def test_a_stalled_rss_reader_does_not_hide_a_leak():
+    # 2 MiB a step; the thread that reads RSS waited through steps 14-29 on a busy machine,
+    # so those steps repeat step 13's reading: 16 flat steps, then a jump of 32 MiB.
+    held = [300 * MIB + min(i, 13 if 14 <= i <= 29 else i) * 2 * MIB for i in range(45)]
+    found = memory_creep(memory_window(held, device=False), MemoryLimits(host_available_bytes=16 * 1024 * MIB))
+    assert found is not None and found.evidence["bytes_per_step"] == pytest.approx(2 * MIB, rel=0.05)
+    assert found.evidence["steps"] == 45
+
+
 @pytest.mark.parametrize("held", [
     [1024 * MIB] * 50,  # flat
     [1024 * MIB + (i % 2) * 64 * MIB for i in range(50)],  # noisy, no trend

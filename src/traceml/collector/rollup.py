@@ -173,10 +173,17 @@ class Window:
         device, host RSS; and its robust slope in bytes per step."""
         device = [(s.step, s.device_allocated_bytes) for s in self.steps
                   if s.device_allocated_bytes is not None]
-        series = device or [(s.step, s.host_rss_bytes) for s in self.steps if s.host_rss_bytes]
+        rss = [(s.step, s.host_rss_bytes) for s in self.steps if s.host_rss_bytes]
+        # Device memory is read at each step's end; host RSS by the sender thread every 20 ms,
+        # and a busy machine can leave that thread waiting for many steps. A repeated RSS
+        # figure is the same reading again, not a new one: each reading counts once, at the
+        # first step that carried it, so a stalled reader makes no flat stretch in the trend.
+        series = device or [(step, held) for index, (step, held) in enumerate(rss)
+                            if index == 0 or held != rss[index - 1][1]]
         steps, held = [x for x, _ in series], [y for _, y in series]
         return MemoryTrend(measured_on="device_allocated" if device else "host_rss", steps=steps,
-                           held_bytes=held, bytes_per_step=robust_slope(steps, held))
+                           held_bytes=held, bytes_per_step=robust_slope(steps, held),
+                           window_steps=len(device or rss))
 
     def share(self, *names: str) -> float:
         return sum(self.phases[name].share for name in names)
@@ -195,6 +202,7 @@ class MemoryTrend(msgspec.Struct):
     steps: List[int]
     held_bytes: List[int]
     bytes_per_step: float
+    window_steps: int = 0  # steps that carried a reading (held_bytes has one per distinct RSS reading)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

@@ -12,7 +12,7 @@ from traceml.collector.rollup import Window
 from traceml.records import Finding, OomRecord, RankHello, SystemSample
 
 MIN_POINTS = 20  # steps of memory readings before a trend can be called
-MIN_READINGS = 6  # distinct readings among them
+MIN_READINGS = 9  # distinct readings among them: three to each third of the window
 MIN_GROWTH_BYTES = 4 * 2 ** 20  # what the trend must add over the window, at least...
 MIN_GROWTH_SHARE = 0.02  # ... and as a share of the memory held
 MIN_CONCORDANCE = 0.75  # share of (earlier, later) pairs where the later holds more
@@ -52,10 +52,10 @@ def _gib(value: float) -> str:
 def memory_creep(window: Window, limits: MemoryLimits,
                  layers_alive: Optional[List[dict]] = None) -> Optional[Finding]:
     trend = window.memory_trend
-    if len(trend.steps) < MIN_POINTS:
+    if trend.window_steps < MIN_POINTS:
         return None
-    # Host RSS is sampled every 100 ms, so steps repeat a reading: a trend needs enough
-    # distinct readings, or an allocator's few warm-up step-ups look like one.
+    # A trend needs enough distinct readings, or an allocator's few warm-up step-ups look
+    # like one.
     readings = sum(1 for before, after in zip(trend.held_bytes, trend.held_bytes[1:]) if after != before) + 1
     if readings < MIN_READINGS:
         return None
@@ -75,7 +75,7 @@ def memory_creep(window: Window, limits: MemoryLimits,
     forecast = (f"at this rate it runs out near step {oom_step:,} ({_gib(headroom)} left)"
                 if oom_step is not None else "the memory limit is not known")
     evidence = {"bytes_per_step": round(slope, 1), "held_bytes": held[-1], "growth_bytes": round(growth),
-                "measured_on": trend.measured_on, "steps": len(steps),
+                "measured_on": trend.measured_on, "steps": trend.window_steps,
                 "projected_oom_step": oom_step, "phase": "held across steps", "headroom_bytes": headroom if headroom > 0 else None,
                 "share": round(min(1.0, growth / held[-1]), 4) if held[-1] else None}
     summary = (f"{where} at step end grows {_gib(slope)} a step ({_gib(growth)} over "
