@@ -156,7 +156,7 @@ def test_a_loop_whose_steps_cannot_be_found_says_so_in_one_line(tmp_path):
     assert primary["summary"].startswith("no training steps found")
     assert "`with traceml.trace_step(model):`" in primary["action"]
     card = (traced.run_dir / "final_summary.txt").read_text()
-    assert "Steps     none found" in card or "Steps   none found" in card
+    assert re.search(r"Steps +none found", card)
     assert "Run longer" not in card and "phase" not in card  # no empty breakdown
 
 

@@ -47,11 +47,16 @@ class RankHello(msgspec.Struct, tag="hello", array_like=True):
     device_capacity_bytes: Optional[int]
     torch_version: str
     argv: List[str]
-    started_at_unix_s: float
+    started_at_unix_s: float  # when the process started
     # The run's shared secret when the collector listens beyond loopback; the collector drops
     # a connection whose hello lacks it, and never stores it.
     token: str = ""
     steps_from: str = ""  # how steps are found: one of STEPS_FROM_*, or a trainer integration
+    # Startup, for goodput (it runs from started_at_unix_s, the process's start, to the first
+    # step): the time the script spent in its import statements before its first step, as
+    # measured under `traceml run` (None: not measured).
+    imports_ms: Optional[float] = None
+    slowest_import: str = ""  # the top-level module whose import took longest
 
 
 class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
@@ -102,6 +107,9 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     eval_ms: float = 0.0
     checkpoint_ms: float = 0.0
     instrumented: bool = False  # TraceML slowed this step on purpose (deep-dive sample, FLOP count)
+    # Overlapping too: torch.compile compiling (first compilations and recompilations) in the
+    # window, wherever it happened (forward, the lazy backward compile, evaluation).
+    compile_ms: float = 0.0
 
 
 class OomRecord(msgspec.Struct, tag="oom", array_like=True):
@@ -196,6 +204,11 @@ class RankEnd(msgspec.Struct, tag="end", array_like=True):
     records_sent: int
     records_dropped: int
     steps_from: str = ""  # how steps were found in the end (an explicit trace_step may win late)
+    # After the last step's window (which ends where that step ended): when the process ended,
+    # and the evaluation and checkpoint saves it ran meanwhile (a final eval, a final save).
+    ended_unix_s: Optional[float] = None
+    tail_eval_ms: float = 0.0
+    tail_checkpoint_ms: float = 0.0
 
 
 class SpanRecord(msgspec.Struct, tag="span", array_like=True, gc=False):
@@ -221,6 +234,23 @@ class ScalarRecord(msgspec.Struct, tag="scalar", array_like=True, gc=False):
     value: float
 
 
+class CompileRecord(msgspec.Struct, tag="compile", array_like=True):
+    """One compilation by torch.compile (dynamo) of one rank, as torch reported it."""
+
+    rank: int
+    step: int  # the step whose window it fell in; -1: before the first step
+    start_unix_s: float
+    duration_ms: float
+    compile_id: str  # torch's "frame/attempt": attempt 0 is a frame's first compilation
+    # What torch compiled: "dynamo" (a frame, forward), "lazy_backward" (its backward, at the
+    # first backward), "triton_autotuning", "cudagraph_recording".
+    trigger: str
+    code: str = ""  # the compiled function: name (file:line)
+    recompile_reason: str = ""  # the guard that failed (attempt > 0), in torch's words
+    graph_breaks: int = 0  # graph breaks torch counted since the previous record
+    graph_break_reasons: List[str] = []
+
+
 class Finding(msgspec.Struct, omit_defaults=False):
     """One diagnosis: what is wrong, by how much, and the next thing to try."""
 
@@ -233,7 +263,7 @@ class Finding(msgspec.Struct, omit_defaults=False):
 
 
 Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord, LayerReport, LayerCapture,
-               SpanRecord, ScalarRecord]
+               SpanRecord, ScalarRecord, CompileRecord]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(List[Record])

@@ -1,5 +1,6 @@
 """A tiny GPT-2 (about 100k parameters, built from a config: no hub) under Hugging Face Trainer."""
 import argparse
+import json
 import time
 
 import torch
@@ -27,6 +28,7 @@ def main():
     parser.add_argument("--collate-ms", type=float, default=0.0, help="sleep per batch in collate")
     parser.add_argument("--eval-every", type=int, default=0, help="evaluate every N updates")
     parser.add_argument("--eval-rows", type=int, default=256, help="rows in the evaluation set")
+    parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N updates")
     parser.add_argument("--output-dir", default="hf_out")
     parser.add_argument("--save", help="save the trained model here (save_model and torch.save)")
     args = parser.parse_args()
@@ -44,7 +46,8 @@ def main():
     training = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=4, per_device_eval_batch_size=4,
         gradient_accumulation_steps=args.accumulate, max_steps=args.max_steps, learning_rate=1e-3,
-        logging_steps=10, save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0,
+        logging_steps=10, save_strategy="steps" if args.save_every else "no",
+        save_steps=args.save_every or 500, report_to=[], use_cpu=True, dataloader_num_workers=0,
         eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every or None,
         disable_tqdm=True)
     kwargs = dict(model=model, args=training, train_dataset=Tokens(4096, 32, 128),
@@ -65,8 +68,22 @@ def main():
         trainer = traceml.hf_decorators.TraceMLTrainer(**kwargs)
     else:
         trainer = Trainer(**kwargs)
+    # The script's own measure of its checkpoints: each save, timed around Trainer's own.
+    save_times = []
+
+    def timed_save_checkpoint(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return type(trainer)._save_checkpoint(trainer, *args, **kwargs)
+        finally:
+            save_times.append(time.perf_counter() - started)
+
+    trainer._save_checkpoint = timed_save_checkpoint
     trainer.train()
     print("trained", trainer.state.global_step, "updates")
+    evaluations = [entry["eval_runtime"] for entry in trainer.state.log_history if "eval_runtime" in entry]
+    print("MEASURED " + json.dumps({"eval_s": sum(evaluations), "evaluations": len(evaluations),
+                                    "save_s": sum(save_times), "saves": len(save_times)}), flush=True)
     if args.save:
         trainer.save_model(args.save)
         torch.save(model, f"{args.save}/model.pt")

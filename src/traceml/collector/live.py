@@ -2,8 +2,10 @@
 the final summary uses, at one moment. The terminal and the web dashboard both read it."""
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from traceml.collector.goodput import Goodput
 from traceml.collector.rollup import Window, max_present, rank_medians, rank_spread, warmup_steps
 from traceml.diagnose import MemoryLimits, diagnose
 from traceml.records import Finding, LayerReport, SystemSample
@@ -22,6 +24,7 @@ class LiveState:
         self.ranks, self.world_size, self.system, self.limits = ranks, world_size, system, limits
         self.layers, self.findings, self.alerts = layers, findings, alerts
         self.spread: Dict[str, dict] = {}  # across ranks, per phase (rollup.rank_spread)
+        self.goodput: Optional[Goodput] = None  # the run's wall time so far, by part
 
 
 def snapshot(collector: Any, script: str, elapsed_s: float,
@@ -39,6 +42,7 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
     system = collector.latest_system
     limits = MemoryLimits.of_run(list(collector.hellos.values()), system)
     findings: List[Finding] = []
+    goodput = collector.run_time.goodput(now_unix_s=time.time())
     if rolled:
         hellos = list(collector.hellos.values())
         findings = diagnose(window, steps_seen=steps_seen, ranks=ranks or None, limits=limits,
@@ -46,13 +50,15 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
                             peak_rss_bytes=max_present(s.host_rss_bytes for s in rolled),
                             steps_found_by=hellos[0].steps_from if hellos else None,
                             system=[system] if system is not None else [],
-                            captures=list(collector.captures))
+                            captures=list(collector.captures), goodput=goodput,
+                            compiles=list(collector.compiles))
     seen = {finding.kind for _, finding in alerts}
     for finding in findings:
         if finding.kind not in seen and finding.kind != "INSUFFICIENT_DATA" and finding.severity != "info":
             alerts.append((elapsed_s, finding))
     state = LiveState(script, elapsed_s, window, steps_seen, ranks, collector.world_size, system,
                       limits, collector.latest_layers, findings, alerts)
+    state.goodput = goodput
     if ranks:
         state.spread = rank_spread(records, skip_steps=warmup)
     return state

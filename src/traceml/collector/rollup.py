@@ -50,6 +50,7 @@ class RolledStep(msgspec.Struct):
     eval_ms: float = 0.0  # overlapping, like gc_ms: evaluation and checkpoint saves in the window
     checkpoint_ms: float = 0.0
     instrumented: bool = False  # TraceML slowed it on purpose on some rank (deep-dive, FLOPs)
+    compile_ms: float = 0.0  # overlapping: torch.compile compiling in the window
 
 
 class PhaseStats(msgspec.Struct):
@@ -103,6 +104,7 @@ def _roll_step(step: int, ranks: List[StepRecord]) -> RolledStep:
         eval_ms=median("eval_ms"),
         checkpoint_ms=median("checkpoint_ms"),
         instrumented=any(r.instrumented for r in ranks),
+        compile_ms=median("compile_ms"),
     )
 
 

@@ -15,9 +15,10 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set
 
 import msgspec
 
+from traceml.collector.goodput import RunTime
 from traceml.collector.rollup import LiveRollup, roll_up
 from traceml.collector.store import Store
-from traceml.records import (HEADER_BYTES, FrameError, LayerCapture, LayerReport, RankEnd, RankHello,
+from traceml.records import (HEADER_BYTES, CompileRecord, FrameError, LayerCapture, LayerReport, RankEnd, RankHello,
                              StepRecord, SystemSample, decode_payload, parse_header)
 
 log = logging.getLogger("traceml")
@@ -53,6 +54,8 @@ class Collector:
         self.latest_system: Optional[SystemSample] = None
         self.latest_layers: Optional[LayerReport] = None
         self.captures: List[LayerCapture] = []  # deep-dive captured when a rule fired
+        self.run_time = RunTime()  # every rank's wall time so far, for goodput
+        self.compiles: List[CompileRecord] = []  # torch.compile's compilations, for RECOMPILATION
         # Ranks whose connection dropped with no goodbye while other ranks were still there:
         # they died or were killed, and the summary reports them missing.
         self.lost_ranks: Set[int] = set()
@@ -132,6 +135,10 @@ class Collector:
                 self.latest_layers = record
             elif kind is LayerCapture:
                 self.captures.append(record)
+            elif kind is CompileRecord:
+                self.compiles.append(record)
+            if kind is StepRecord or kind is CompileRecord or kind is RankHello or kind is RankEnd:
+                self.run_time.add(record)
         if steps:
             self.live.add(steps)
             if self.live.rolled_out:
@@ -260,7 +267,9 @@ class Collector:
             rolled += roll_up(self.store.steps_where(f"step IN ({', '.join('?' * len(chunk))})", chunk))
         if rolled:
             self.store.write_rolled(rolled)
-        self.store.set_meta({"rolled_complete": True})
+        # The wall-time tally of every record, so the summary need not read them all again.
+        self.store.set_meta({"rolled_complete": True,
+                             "run_time": msgspec.to_builtins(list(self.run_time.ranks.values()))})
 
     def _store_failed(self, exc: Exception) -> None:
         if not self._said_store_failed:

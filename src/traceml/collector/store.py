@@ -12,7 +12,7 @@ import msgspec
 
 from traceml import rundir
 from traceml.collector.rollup import RolledStep
-from traceml.records import (Finding, GpuSample, LayerCapture, LayerReport, OomRecord, RankEnd, RankHello,
+from traceml.records import (CompileRecord, Finding, GpuSample, LayerCapture, LayerReport, OomRecord, RankEnd, RankHello,
                              ScalarRecord, SpanRecord, StepRecord, SystemSample)
 
 STEP_COLUMNS = msgspec.structs.fields(StepRecord)
@@ -46,6 +46,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS ooms (rank INTEGER, step INTEGER, oom TEXT);
 CREATE TABLE IF NOT EXISTS layer_reports (rank INTEGER PRIMARY KEY, report TEXT);
 CREATE TABLE IF NOT EXISTS captures (rank INTEGER, step INTEGER, reason TEXT, capture TEXT);
+CREATE TABLE IF NOT EXISTS compiles (rank INTEGER, step INTEGER, compile TEXT);
 CREATE TABLE IF NOT EXISTS spans (rank INTEGER, step INTEGER, name TEXT, start_unix_s REAL,
                                   duration_ms REAL, count INTEGER);
 CREATE TABLE IF NOT EXISTS scalars (rank INTEGER, step INTEGER, name TEXT, value REAL);
@@ -209,6 +210,9 @@ class Store:
             elif type(record) is LayerCapture:
                 self._db.execute("INSERT INTO captures VALUES (?, ?, ?, ?)", (
                     record.rank, record.step, record.reason, msgspec.json.encode(record).decode()))
+            elif type(record) is CompileRecord:
+                self._db.execute("INSERT INTO compiles VALUES (?, ?, ?)", (
+                    record.rank, record.step, msgspec.json.encode(record).decode()))
             elif type(record) is OomRecord:
                 self._db.execute("INSERT INTO ooms VALUES (?, ?, ?)", (
                     record.rank, record.step, msgspec.json.encode(record).decode()))
@@ -308,6 +312,15 @@ class Store:
         with self._lock:
             rows = self._db.execute("SELECT capture FROM captures ORDER BY step, rank").fetchall()
         return [msgspec.json.decode(row[0], type=LayerCapture) for row in rows]
+
+    def compiles(self) -> List[CompileRecord]:
+        """torch.compile's compilations, in the order they happened (an older store: none)."""
+        with self._lock:
+            try:
+                rows = self._db.execute("SELECT compile FROM compiles ORDER BY rowid").fetchall()
+            except sqlite3.OperationalError:
+                return []
+        return [msgspec.json.decode(row[0], type=CompileRecord) for row in rows]
 
     def ooms(self) -> List[OomRecord]:
         with self._lock:

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+from traceml.collector.goodput import Goodput
 from traceml.collector.rollup import Window
 from traceml.diagnose.captures import attach_captures
 from traceml.diagnose.memory import MemoryLimits, memory_creep, memory_pressure, out_of_memory
+from traceml.diagnose.run_time import recompilations, slow_startup
 from traceml.diagnose.spikes import WARN_COST_SHARE, Stalls, periodic, planned_work, step_spikes
 from traceml.diagnose.step_time import (MIN_STEPS, compute_bound, gc_pressure, h2d_bound,
                                         input_bound, insufficient_data, untraced_work)
 from traceml.diagnose.stragglers import straggler
-from traceml.records import Finding, LayerCapture, OomRecord, SystemSample
+from traceml.records import CompileRecord, Finding, LayerCapture, OomRecord, SystemSample
 
 SEVERITY_ORDER = {"crit": 0, "warn": 1, "info": 2}
 VERDICT_SHARE = 0.10  # a finding worth less than this share of the run is never the verdict
@@ -41,7 +43,8 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[dict]] = None
              peak_rss_bytes: Optional[int] = None, oom: Optional[OomRecord] = None,
              layers_alive: Optional[List[dict]] = None,
              steps_found_by: Optional[str] = None, system: Sequence[SystemSample] = (),
-             stalls: Optional[Stalls] = None, captures: Sequence[LayerCapture] = ()) -> List[Finding]:
+             stalls: Optional[Stalls] = None, captures: Sequence[LayerCapture] = (),
+             goodput: Optional[Goodput] = None, compiles: Sequence[CompileRecord] = ()) -> List[Finding]:
     """Every finding for this window, the primary diagnosis first (see the ranking above).
 
     ranks: per-rank medians (rollup.rank_medians) when there are several; limits and peaks:
@@ -49,7 +52,9 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[dict]] = None
     steps_found_by: how steps were found (records.STEPS_FROM_*, or a trainer), for the words;
     system: the node's samples, to tell a machine-wide stall; stalls: the window's slow steps
     when the caller has them already (the summary reports their warm-up); captures: deep-dive
-    taken when a rule fired in the probe, named in the evidence of the finding it belongs to.
+    taken when a rule fired in the probe, named in the evidence of the finding it belongs to;
+    goodput: the run's wall time by part (planned work and startup are measured against it);
+    compiles: torch.compile's compilations, for RECOMPILATION.
     """
     limits = limits or MemoryLimits()
     findings: List[Finding] = [out_of_memory(oom, limits)] if oom is not None else []
@@ -59,7 +64,11 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[dict]] = None
     shares = [finding for finding in (input_bound(window), h2d_bound(window),
                                       untraced_work(window, steps_found_by), gc_pressure(window))
               if finding is not None]
-    findings += _one_finding_per_cause(shares, stalls) + planned_work(window)
+    findings += _one_finding_per_cause(shares, stalls) + planned_work(window, goodput)
+    run_ms = goodput.wall_s * 1e3 if goodput is not None else window.total_ms
+    after_step = window.steps[0].step if len(window) else 0
+    findings += [finding for finding in (recompilations(compiles, after_step, run_ms), slow_startup(goodput))
+                 if finding is not None]
     findings += [finding for finding in (compute_bound(window), memory_creep(window, limits, layers_alive))
                  if finding is not None]
     if oom is None:  # the post-mortem already says how full memory was

@@ -18,6 +18,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import msgspec
 
+from traceml.collector.goodput import Goodput
 from traceml.collector.rollup import RolledStep, Window
 from traceml.records import ALL_PHASES, STEP_PHASES, Finding, SystemSample
 
@@ -88,12 +89,15 @@ class Stalls:
     """
 
     def __init__(self, window: Window, system: Sequence[SystemSample] = ()):
-        steps = [s for s in window.steps if not s.instrumented]
+        # Steps TraceML slowed on purpose, and steps torch.compile compiled in, are left out:
+        # a compilation is told by RECOMPILATION, never as a stall.
+        steps = [s for s in window.steps if not s.instrumented and not s.compile_ms]
         self.total_ms = window.total_ms
         self.median_ms = statistics.median(s.step_ms for s in steps) if steps else 0.0
         self.episodes: List[Episode] = []
         self.warmup: List[Episode] = []
         self.slow: List[RolledStep] = []
+        self._normal: List[RolledStep] = []  # the steps in no stall
         self.period: Optional[int] = None
         self.growth_ms: Dict[str, float] = {}
         self.phase = ""  # the phase that grows most in the slow steps
@@ -124,7 +128,7 @@ class Stalls:
         stalled = {e.first_step + i for e in found.episodes + found.minor + found.warmup
                    for i in range(e.steps)}
         self.slow = [s for s in steps if s.step in in_episode]
-        normal = [s for s in steps if s.step not in stalled]
+        normal = self._normal = [s for s in steps if s.step not in stalled]
         self.growth_ms = {name: statistics.median(getattr(s, f"{name}_ms") for s in self.slow)
                           - (statistics.median(getattr(s, f"{name}_ms") for s in normal) if normal else 0.0)
                           for name in ALL_PHASES + ("eval", "checkpoint")}
@@ -149,8 +153,16 @@ class Stalls:
 
     def explained_by(self, *names: str) -> bool:
         """Whether these figures (phases, eval, checkpoint) account for the slow steps' excess."""
-        return bool(self.slow) and sum(max(0.0, self.growth_ms[name]) for name in names) \
-            >= EXPLAINED_SHARE * self.excess_ms
+        if not self.slow:
+            return False
+        # Together, step by step: slow steps that are some an evaluation and some a save are
+        # explained by the two, though neither is in most of them.
+        def together(step: RolledStep) -> float:
+            return sum(getattr(step, f"{name}_ms") for name in names)
+
+        growth = statistics.median(map(together, self.slow)) - (
+            statistics.median(map(together, self._normal)) if self._normal else 0.0)
+        return growth >= EXPLAINED_SHARE * self.excess_ms
 
     def when(self) -> str:
         """How often: "every 20 steps", or how many times."""
@@ -237,16 +249,21 @@ def periodic(finding: Finding, stalls: Stalls, what: str, phase: str) -> Finding
                    action=ACTIONS.get(phase, finding.action), rank=finding.rank, evidence=evidence)
 
 
-def planned_work(window: Window) -> List[Finding]:
+def planned_work(window: Window, goodput: Optional[Goodput] = None) -> List[Finding]:
     """Evaluation and checkpoint saves, with their share of the run and how often they come.
-    The run's plan, not a fault: a note, unless they take more than their line."""
+    The run's plan, not a fault: a note, unless they take more than their line. The share is
+    of the run's wall time (goodput) when known, else of the window's steps."""
     found = []
-    for kind, name, line, what, action in (
-            ("EVAL_HEAVY", "eval", EVAL_LINE, "evaluation", EVAL_ACTION),
-            ("CHECKPOINT_STALL", "checkpoint", CHECKPOINT_LINE, "a checkpoint save", CHECKPOINT_ACTION)):
+    for kind, name, part, line, what, action in (
+            ("EVAL_HEAVY", "eval", "evaluation", EVAL_LINE, "evaluation", EVAL_ACTION),
+            ("CHECKPOINT_STALL", "checkpoint", "checkpoint", CHECKPOINT_LINE, "a checkpoint save",
+             CHECKPOINT_ACTION)):
         values = [getattr(s, f"{name}_ms") for s in window.steps]
-        share = sum(values) / window.total_ms if window.total_ms else 0.0
-        if share < PLANNED_NOTE_SHARE:
+        if goodput is not None:
+            share = goodput.share(part)
+        else:
+            share = sum(values) / window.total_ms if window.total_ms else 0.0
+        if share < PLANNED_NOTE_SHARE or not any(values):
             continue
         # The windows it happened in (a save's time varies with the disk's mood; a DataLoader
         # wait of an evaluation loop's is not an evaluation).

@@ -43,24 +43,26 @@ def init() -> None:
 
     Trainer.get_batch_samples = get_batch_samples  # type: ignore[method-assign]
     for name in ("evaluate", "predict"):
-        setattr(Trainer, name, not_training(getattr(Trainer, name)))
+        if not getattr(getattr(Trainer, name), "_traceml_not_training", False):
+            setattr(Trainer, name, not_training(getattr(Trainer, name)))
     _installed = True
 
 
 def not_training(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap an evaluation entry point: its loader waits are not the training's input wait."""
+    """Wrap an evaluation entry point: all of it is evaluation (the model's calls, the loader's
+    waits, Trainer's own work around them), none of it the training's input wait."""
 
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         probe = step._probe
-        if probe is None:
+        if probe is None or not probe.evaluation_begin():
             return method(*args, **kwargs)
-        counting, probe.counting_input = probe.counting_input, False
         try:
             return method(*args, **kwargs)
         finally:
-            probe.counting_input = counting
+            probe.evaluation_end()
 
+    wrapper._traceml_not_training = True  # type: ignore[attr-defined]
     return wrapper
 
 

@@ -56,24 +56,29 @@ class TraceMLCallback(*_callback_bases()):  # type: ignore[misc]
         except Exception:
             log.debug("traceml: could not close the last step", exc_info=True)
 
-    # Validation (and the sanity check before training) waits on its own loader: not input.
+    # Validation (and the sanity check before training) is evaluation, timed whole; its loader
+    # waits are not the training's input.
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        _count_input(False)
+        _evaluating(True)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        _count_input(True)
+        _evaluating(False)
 
     def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
-        _count_input(False)
+        _evaluating(True)
 
     def on_sanity_check_end(self, trainer: Any, pl_module: Any) -> None:
-        _count_input(True)
+        _evaluating(False)
 
 
-def _count_input(counting: bool) -> None:
+def _evaluating(starts: bool) -> None:
     probe = step._probe
-    if probe is not None:
-        probe.counting_input = counting
+    if probe is None:
+        return
+    if starts:
+        probe.evaluation_begin()
+    else:
+        probe.evaluation_end()
 
 
 __all__ = ["init", "TraceMLCallback"]

@@ -7,9 +7,9 @@ import logging
 import os
 import sys
 import weakref
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-from traceml.probe.step import (BACKWARD, CHECKPOINT_NS, EVAL_NS, FORWARD, H2D, OPTIMIZER,
+from traceml.probe.step import (BACKWARD, CHECKPOINT_BETWEEN_NS, CHECKPOINT_NS, EVAL_NS, FORWARD, H2D, OPTIMIZER,
                                 StepProbe, _now_ns)
 
 log = logging.getLogger("traceml")
@@ -24,6 +24,8 @@ def install_patches(probe: StepProbe) -> None:
     _patch_backward(probe)
     _hook_optimizers(probe)
     _patch_checkpoint_saves(probe)
+    when_imported("transformers.trainer", _not_training_in_trainer_evaluation)
+    when_imported("torch._dynamo.callback", lambda callbacks: _watch_compilations(probe, callbacks))
     gc.callbacks.append(probe.gc_callback)
     _undo.append(lambda: gc.callbacks.remove(probe.gc_callback))
     _watch_exit_code(probe)
@@ -57,11 +59,11 @@ def _patch_dataloader(probe: StepProbe) -> None:
         finally:  # inline, not a probe method: this runs once per batch
             if probe.in_step:
                 probe.input_wait_inside_ns += _now_ns() - start_ns
-            elif probe.counting_input and grad_enabled():
+            elif not probe.in_evaluation and grad_enabled():
                 probe.input_wait_gap_ns += _now_ns() - start_ns
-            else:
-                # Between steps with gradients off (an evaluation loop), or while an integration
-                # says evaluation runs: not the training's input; `outside`, and evaluation.
+            elif not probe.in_evaluation:
+                # Between steps with gradients off (an evaluation loop): not the training's
+                # input; `outside`, and evaluation. (A trainer's evaluation is timed whole.)
                 probe.window[EVAL_NS] += _now_ns() - start_ns
 
     __next__.__wrapped__ = original_next  # type: ignore[attr-defined]
@@ -140,23 +142,133 @@ def _patch_backward(probe: StepProbe) -> None:
     _replace(torch.autograd, "backward", backward)
 
 
+class _AfterImport:
+    """A sys.meta_path finder that runs patches right after a module's first import: modules a
+    run may never use (torch.distributed.checkpoint, a trainer, torch._dynamo) are patched when
+    the script imports them, and never imported by TraceML."""
+
+    def __init__(self) -> None:
+        self.waiting: Dict[str, List[Callable[[Any], None]]] = {}
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in self.waiting:
+            return None  # every other import: one dict lookup
+        spec = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None) if finder is not self else None
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original_exec = loader.exec_module
+        waiting = self.waiting
+
+        def exec_module(module: Any) -> None:
+            try:
+                original_exec(module)
+            finally:
+                del loader.exec_module  # the loader as it was
+            for patch in waiting.pop(name, ()):
+                _apply_patch(patch, module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_after_import: Optional[_AfterImport] = None
+
+
+def when_imported(module_name: str, patch: Callable[[Any], None]) -> None:
+    """Run patch(module) now if the module is imported, else right after its first import."""
+    global _after_import
+    module = sys.modules.get(module_name)
+    if module is not None:
+        _apply_patch(patch, module)
+        return
+    if _after_import is None:
+        finder = _after_import = _AfterImport()
+        sys.meta_path.insert(0, finder)
+
+        def remove() -> None:
+            global _after_import
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
+            _after_import = None
+
+        _undo.append(remove)
+    _after_import.waiting.setdefault(module_name, []).append(patch)
+
+
+def _apply_patch(patch: Callable[[Any], None], module: Any) -> None:
+    try:
+        patch(module)
+    except Exception:  # a library version we do not know: less telemetry, never the user's run
+        log.debug("traceml: could not patch %s", getattr(module, "__name__", module), exc_info=True)
+
+
 def _patch_checkpoint_saves(probe: StepProbe) -> None:
-    """Time torch.save: a checkpoint is the user's planned work, named as such, not a stall."""
+    """Time checkpoint saves on the training thread: torch.save, torch.distributed.checkpoint's
+    save (and async_save's blocking part), Hugging Face Trainer's and Lightning's save methods.
+    A checkpoint is the user's planned work, named as such, not a stall. Saves call each other
+    (a trainer's save calls torch.save): the outermost call is timed."""
     import functools
+    import threading
 
     import torch
 
-    original_save = torch.save
+    training_thread = threading.get_ident()
+    saving = [False]
 
-    @functools.wraps(original_save)
-    def save(*args: Any, **kwargs: Any) -> Any:
-        start_ns = _now_ns()
-        try:
-            return original_save(*args, **kwargs)
-        finally:
-            probe.window[CHECKPOINT_NS] += _now_ns() - start_ns
+    def timed(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def save(*args: Any, **kwargs: Any) -> Any:
+            # Another thread's save (an asynchronous checkpoint's writer) does not stall training.
+            if saving[0] or threading.get_ident() != training_thread:
+                return original(*args, **kwargs)
+            saving[0] = True
+            start_ns = _now_ns()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                saving[0] = False
+                elapsed_ns = _now_ns() - start_ns
+                probe.window[CHECKPOINT_NS] += elapsed_ns
+                if not probe.in_step:
+                    probe.window[CHECKPOINT_BETWEEN_NS] += elapsed_ns
 
-    _replace(torch, "save", save)
+        return save
+
+    def patch_methods(owner: Any, *names: str) -> None:
+        for name in names:
+            if hasattr(owner, name):
+                _replace(owner, name, timed(getattr(owner, name)))
+
+    patch_methods(torch, "save")
+    when_imported("torch.distributed.checkpoint",
+                  lambda dcp: patch_methods(dcp, "save", "async_save", "save_state_dict"))
+    when_imported("transformers.trainer", lambda module: patch_methods(module.Trainer, "_save_checkpoint"))
+    for lightning in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
+        when_imported(lightning, lambda module: patch_methods(module.Trainer, "save_checkpoint"))
+
+
+def _not_training_in_trainer_evaluation(module: Any) -> None:
+    """Hugging Face Trainer's evaluation fetches its batches with gradients on: its DataLoader
+    waits are evaluation, not the training's input, with or without the integration."""
+    from traceml.integrations.huggingface import not_training
+
+    for name in ("evaluate", "predict"):
+        if not getattr(getattr(module.Trainer, name), "_traceml_not_training", False):
+            _replace(module.Trainer, name, not_training(getattr(module.Trainer, name)))
+
+
+def _watch_compilations(probe: StepProbe, callbacks: Any) -> None:
+    from traceml.probe import compile as compile_watch
+
+    remove = compile_watch.install(probe, callbacks)
+    if remove is not None:
+        _undo.append(remove)
 
 
 def _hook_optimizers(probe: StepProbe) -> None:
@@ -287,7 +399,7 @@ def _timed_call(original: Callable[..., Any], tensor_type: type,
                 traced.token_inputs = _token_ids(args, kwargs, tensor_type) is not None
             if traced.token_inputs:
                 _count_tokens(probe, args, kwargs, tensor_type)
-        elif not probe.in_step and not grad_enabled():  # evaluation, between steps
+        elif not probe.in_step and not grad_enabled() and not probe.in_evaluation:  # evaluation
             start_ns = _now_ns()
             try:
                 return original(self, *args, **kwargs)
@@ -584,7 +696,7 @@ def _flush_on_sigterm(probe: StepProbe) -> None:
         try:
             probe.exit_code = 128 + signum
             probe.finish()
-            probe.sender.close(exit_code=probe.exit_code, timeout_s=2.0)
+            probe.goodbye(exit_code=probe.exit_code, timeout_s=2.0)
         except Exception:
             pass
         set_sigterm(signal.SIG_DFL)

@@ -70,6 +70,7 @@ class Sender:
         self.web_port: Optional[int] = None
         self.run_name: Optional[str] = None
         self.steps_from = hello.steps_from  # the probe updates it; the goodbye carries it
+        self.compile_watch: Any = None  # a probe.compile.CompileWatch once torch compiles
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
 
@@ -98,8 +99,10 @@ class Sender:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self, exit_code: Optional[int] = None, timeout_s: float = 5.0) -> None:
+    def close(self, exit_code: Optional[int] = None, timeout_s: float = 5.0, tail_eval_ms: float = 0.0,
+              tail_checkpoint_ms: float = 0.0) -> None:
         """Ship what is left and say goodbye; bounded in time whatever the collector does."""
+        ended_unix_s = time.time()
         deadline = time.monotonic() + timeout_s
         self._stop.set()
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -114,7 +117,9 @@ class Sender:
         self._collect_device_steps()
         # The goodbye bypasses the capacity check: it is what tells the collector the rank is done.
         self._buffer.append(RankEnd(rank=self.hello.rank, exit_code=exit_code, records_sent=0,
-                                    records_dropped=0, steps_from=self.steps_from))
+                                    records_dropped=0, steps_from=self.steps_from,
+                                    ended_unix_s=ended_unix_s, tail_eval_ms=tail_eval_ms,
+                                    tail_checkpoint_ms=tail_checkpoint_ms))
         # Rank 0's collector may still be starting when a short run's other ranks end: keep
         # trying to reach it, whatever the back-off said, until the deadline.
         while True:
@@ -171,6 +176,9 @@ class Sender:
         scalars whose copies are (in order: one stream finishes its work in order)."""
         while self._deferred and self._deferred[0].ready():
             self.push(self._deferred.popleft().record())
+        if self.compile_watch is not None and self.compile_watch.ended:
+            for record in self.compile_watch.records(final=self._stop.is_set()):
+                self.push(record)
         if self.timeline is None:
             return
         for record in self.timeline.resolve_ready():

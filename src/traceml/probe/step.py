@@ -29,9 +29,11 @@ _now_ns = time.perf_counter_ns
 
 # Accumulators of a step's whole window (the step and the gap after it), in one list updated in
 # place: garbage-collector pauses [pause ns, collections, longest pause ns, full (generation 2)
-# collections, pause ns of generations 0, 1 and 2], then evaluation and checkpoint-save ns.
-_WINDOW_ZEROS = (0, 0, 0, 0, 0, 0, 0, 0, 0)
-EVAL_NS, CHECKPOINT_NS = 7, 8
+# collections, pause ns of generations 0, 1 and 2], then evaluation, checkpoint-save and
+# torch.compile ns, and of the saves the ns between steps (a save after the last step is not
+# that step's: see finish).
+_WINDOW_ZEROS = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+EVAL_NS, CHECKPOINT_NS, COMPILE_NS, CHECKPOINT_BETWEEN_NS = 7, 8, 9, 10
 _NOT_A_STEP = RuntimeError("not a step")  # ends an inferred step without a record
 # Phase slots in the probe's accumulators; the order matches the StepRecord fields.
 H2D, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
@@ -51,8 +53,9 @@ class StepProbe:
                  "_gc_start_ns", "_closed", "comm_timed", "_comm_wait_ns",
                  "_bucket_ready_ns", "_bucket_event", "layers", "failed_phase", "auto_steps",
                  "spans", "_unconfirmed", "_backward_ends_steps", "_step_optimizer", "_last_optimizer",
-                 "_turn_known", "_optimizers_seen", "_model_wait_ends", "counting_input", "steps_from",
-                 "_grad_enabled", "tokens", "real_tokens", "token_copies")
+                 "_turn_known", "_optimizers_seen", "_model_wait_ends", "in_evaluation", "_evaluation_start_ns", "steps_from",
+                 "_grad_enabled", "tokens", "real_tokens", "token_copies", "tail_eval_ns",
+                 "tail_checkpoint_ns")
 
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
                  host_rss: Any = None):
@@ -99,6 +102,7 @@ class StepProbe:
         self._bucket_ready_ns = 0
         self._bucket_event: Any = None
         self.layers: Any = None  # a LayerProbe under deep-dive (trace_model_instance)
+        self.tail_eval_ns = self.tail_checkpoint_ns = 0  # after the last step (see finish)
         self.failed_phase = NO_PHASE  # the phase an exception left through, for an OOM report
         # No trace_step in the loop (zero-code mode, the Trace API): a step starts at its first
         # phase and ends when the optimizer steps, or, in a loop that no torch.optim optimizer
@@ -112,8 +116,10 @@ class StepProbe:
         self._model_wait_ends: Optional[int] = None  # the step after which a model is no longer awaited
         self.steps_from = STEPS_FROM_TRACE_STEP  # how steps are found, for the card
         self._grad_enabled: Any = lambda: True  # torch.is_grad_enabled, once torch is here
-        # False while an integration runs evaluation: loader waits then are not input wait.
-        self.counting_input = True
+        # True while a trainer's evaluation runs (an integration says so): timed as a whole as
+        # evaluation, and its loader waits are not the training's input wait.
+        self.in_evaluation = False
+        self._evaluation_start_ns = 0
         # User spans of the current window, summed by name: name -> [step, first start ns,
         # total ns, calls]; sent as one SpanRecord per name and step.
         self.spans: dict = {}
@@ -201,7 +207,7 @@ class StepProbe:
                 # evaluation with gradients on): that step's window ends where it ended, and
                 # the planned work counted since is not its.
                 closed, _, _, window, _ = unconfirmed
-                self._end_window(closed, closed[2], 0, window[:EVAL_NS] + (0, 0), None)
+                self._end_window(closed, closed[2], 0, window[:EVAL_NS] + (0, 0, 0, 0), None)
             # Its phase events go back to the pool; its start event stays out, since the step
             # before it may still be waiting on that event as the end of its window.
             if self.timeline is not None:
@@ -244,7 +250,8 @@ class StepProbe:
     def record_from(self, raw: tuple) -> StepRecord:
         """The StepRecord of a closed step whose window ends at window_end_ns (sender's thread)."""
         closed, window_end_ns, input_wait_gap_ns, window = raw
-        gc_ns, gc_collections, gc_max_ns, gc_full, gen0_ns, gen1_ns, gen2_ns, eval_ns, checkpoint_ns = window
+        (gc_ns, gc_collections, gc_max_ns, gc_full, gen0_ns, gen1_ns, gen2_ns, eval_ns, checkpoint_ns,
+         compile_ns, _) = window
         (step, start_ns, end_ns, h2d_ns, forward_ns, backward_ns, optimizer_ns, input_wait_inside_ns,
          forward_calls, samples, comm_wait_ns, allocated, peak, reserved) = closed[:14]
         gap_ns = window_end_ns - end_ns
@@ -265,7 +272,8 @@ class StepProbe:
             comm_wait_ms=comm_wait_ns / 1e6 if comm_wait_ns is not None else None,
             gc_max_pause_ms=gc_max_ns / 1e6, gc_full_collections=gc_full,
             gc_gen0_ms=gen0_ns / 1e6, gc_gen1_ms=gen1_ns / 1e6, gc_gen2_ms=gen2_ns / 1e6,
-            eval_ms=eval_ns / 1e6, checkpoint_ms=checkpoint_ns / 1e6, instrumented=closed[21])
+            eval_ms=eval_ns / 1e6, checkpoint_ms=checkpoint_ns / 1e6, instrumented=closed[21],
+            compile_ms=compile_ns / 1e6)
         layers = self.layers
         if layers is not None and layers.watch is not None:
             layers.watch.observe(record)
@@ -285,7 +293,36 @@ class StepProbe:
         self.flush_spans()
         closed, self._closed = self._closed, None
         if closed is not None:
-            self._end_window(closed, closed[2], 0, tuple(self.window), None)
+            # Evaluation (always between steps) and saves since the last step ran after its
+            # window: the goodbye carries them (a final evaluation is not that step's).
+            window = self.window
+            self.tail_eval_ns += window[EVAL_NS]
+            self.tail_checkpoint_ns += window[CHECKPOINT_BETWEEN_NS]
+            window[CHECKPOINT_NS] -= window[CHECKPOINT_BETWEEN_NS]
+            window[EVAL_NS] = window[CHECKPOINT_BETWEEN_NS] = 0
+            self._end_window(closed, closed[2], 0, tuple(window), None)
+
+    def evaluation_begin(self) -> bool:
+        """A trainer's evaluation starts (Trainer.evaluate, Lightning's validation); False when
+        one is already running (nested calls are timed once)."""
+        if self.in_evaluation:
+            return False
+        self.in_evaluation = True
+        self._evaluation_start_ns = _now_ns()
+        return True
+
+    def evaluation_end(self) -> None:
+        if self.in_evaluation:
+            self.in_evaluation = False
+            self.window[EVAL_NS] += _now_ns() - self._evaluation_start_ns
+
+    def goodbye(self, exit_code: Optional[int], timeout_s: float = 5.0) -> None:
+        """Send what is left and the rank's goodbye, with the evaluation and saves that ran
+        after the last step (moved aside by finish, or counted since)."""
+        window = self.window
+        self.sender.close(exit_code=exit_code, timeout_s=timeout_s,
+                          tail_eval_ms=(self.tail_eval_ns + window[EVAL_NS]) / 1e6,
+                          tail_checkpoint_ms=(self.tail_checkpoint_ns + window[CHECKPOINT_BETWEEN_NS]) / 1e6)
 
     # -- phases, called by the patches in probe.phases ----------------------------------------
     def phase_begin(self, phase: int) -> bool:
@@ -801,10 +838,36 @@ def _hello(torch: Any, device: Any, device_memory: Any) -> RankHello:
         started_at_unix_s=_process_start_unix_s(),
         token=os.environ.get("TRACEML_TOKEN", ""),
         steps_from=_create_options.get("steps_from", STEPS_FROM_TRACE_STEP),
+        **_imports_so_far(),
     )
 
 
+import_timer: Any = None  # zero_code's timer of the script's imports, under `traceml run`
+
+
+def _imports_so_far() -> dict:
+    """The script's import time until now (its timer then stops), when `traceml run` timed it."""
+    global import_timer
+    timer, import_timer = import_timer, None
+    if timer is None:
+        return {}
+    import builtins
+
+    if builtins.__import__ is timer:
+        builtins.__import__ = timer.original
+    return {"imports_ms": timer.total_ns / 1e6, "slowest_import": timer.slowest[0]}
+
+
 def _process_start_unix_s() -> float:
+    """When this process started. On Linux from its age on the boot clock (to 10 ms): the
+    start psutil gives adds the boot time, which /proc rounds to the second."""
+    try:
+        with open("/proc/self/stat", "rb") as stat, open("/proc/uptime", "rb") as uptime:
+            started_ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])
+            age_s = float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - max(0.0, age_s)
+    except Exception:
+        pass
     try:
         import psutil
 
@@ -823,6 +886,6 @@ def _at_exit() -> None:
         log.debug("traceml: could not close the last step", exc_info=True)
     try:
         # Neither sys.exit nor an uncaught exception was seen: the interpreter ends normally.
-        probe.sender.close(exit_code=0 if probe.exit_code is None else probe.exit_code)
+        probe.goodbye(exit_code=0 if probe.exit_code is None else probe.exit_code)
     except Exception:
         log.warning("traceml: could not flush telemetry at exit", exc_info=True)

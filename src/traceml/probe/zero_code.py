@@ -10,13 +10,44 @@ method waits for it (phases.on_first_module_call), and that is all there is.
 """
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import runpy
 import sys
-from typing import Any, List
+import threading
+import time
+from typing import Any, List, Tuple
 
 log = logging.getLogger("traceml")
+
+
+class _ImportTimer:
+    """Times the script's import statements (the outermost ones, on the main thread) from its
+    start to its first step, for the startup part of goodput; then it steps aside, so the
+    training's imports cost nothing."""
+
+    def __init__(self) -> None:
+        self.original = builtins.__import__
+        self.thread = threading.get_ident()
+        self.total_ns = 0
+        self.slowest: Tuple[str, int] = ("", 0)
+        self.depth = 0
+
+    def __call__(self, name: str, globals: Any = None, locals: Any = None, fromlist: Any = (),
+                 level: int = 0) -> Any:
+        if self.depth or threading.get_ident() != self.thread:
+            return self.original(name, globals, locals, fromlist, level)
+        self.depth = 1
+        start_ns = time.perf_counter_ns()
+        try:
+            return self.original(name, globals, locals, fromlist, level)
+        finally:
+            self.depth = 0
+            elapsed_ns = time.perf_counter_ns() - start_ns
+            self.total_ns += elapsed_ns
+            if elapsed_ns > self.slowest[1]:
+                self.slowest = (name.partition(".")[0] if level == 0 else name, elapsed_ns)
 
 
 def _start_at_first_module_call() -> None:
@@ -39,6 +70,13 @@ def main(argv: List[str]) -> None:
         _start_at_first_module_call()
     except Exception:  # no torch: the script runs untraced
         log.warning("traceml: zero-code tracing unavailable", exc_info=True)
+    try:
+        from traceml.probe import step
+
+        # The probe's hello takes the import time so far and stops the timer (step.imports_so_far).
+        step.import_timer = builtins.__import__ = _ImportTimer()
+    except Exception:
+        log.debug("traceml: import timing unavailable", exc_info=True)
     try:
         runpy.run_path(script, run_name="__main__")
     except (SystemExit, KeyboardInterrupt):

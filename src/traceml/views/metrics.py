@@ -69,11 +69,20 @@ class LiveMetrics:
             utilization = self._mfu(rank, len(records) * 1000.0 / total_ms if total_ms else 0.0)
             if utilization is not None:
                 mfu.add_metric([label], utilization)
-        for finding in self.live_state().findings:
+        state = self.live_state()
+        for finding in state.findings:
             findings.add_metric([finding.kind, finding.severity,
                                  "" if finding.rank is None else str(finding.rank)], 1.0)
+        goodput_share = GaugeMetricFamily("traceml_goodput_share", "Share of the run's wall time so far "
+                                          "in each part (training is the goodput)", labels=["part"])
+        goodput_seconds = GaugeMetricFamily("traceml_goodput_seconds", "The run's wall time so far in "
+                                            "each part, seconds (mean over ranks)", labels=["part"])
+        if state.goodput is not None:
+            for part, figures in state.goodput.parts.items():
+                goodput_share.add_metric([part], figures["share"])
+                goodput_seconds.add_metric([part], figures["seconds"])
         yield from (step_time, phase_share, memory, steps_per_s, samples_per_s, tokens_per_s, mfu,
-                    steps_total, findings)
+                    steps_total, findings, goodput_share, goodput_seconds)
 
     def _mfu(self, rank: int, steps_per_s: float) -> Any:
         """The deep-dive's FLOPs a step at this rank's pace, against its device's known peak."""

@@ -10,11 +10,13 @@ from typing import Any, Dict, List, Optional
 import msgspec
 
 from traceml import rundir
+from traceml.collector.goodput import RankTime, RunTime, goodput_text
 from traceml.collector.rollup import (RolledStep, Window, max_present, rank_medians, rank_spread,
                                       roll_up, warmup_steps)
 from traceml.collector.store import Store
 from traceml.diagnose import MemoryLimits, Stalls, diagnose
 from traceml.diagnose.captures import grown_layers
+from traceml.diagnose.run_time import compile_summary
 from traceml.records import (ALL_PHASES, STEP_PHASES, Finding, LayerCapture, LayerReport, RankEnd, RankHello,
                              SystemSample)
 
@@ -74,6 +76,9 @@ class RunData:
         if self.rank_sample_every > 1:
             self._exact_rank_counts(store)
         self.ooms = store.ooms()
+        self.compiles = store.compiles()
+        self.run_time = _run_time(store, meta, self.compiles)
+        self.goodput = self.run_time.goodput(now_unix_s=None)
         self.lost_ranks: List[int] = meta.get("lost_ranks", [])
         reports = store.layer_reports()
         self.layer_report = reports[0] if reports else None  # rank 0's, or the first rank's
@@ -88,7 +93,7 @@ class RunData:
             peak_rss_bytes=max_present(s.host_rss_bytes for s in self.rolled),
             oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive(),
             steps_found_by=self.found_by, system=self.samples, stalls=self.stalls,
-            captures=self.captures)
+            captures=self.captures, goodput=self.goodput, compiles=self.compiles)
 
     def _exact_rank_counts(self, store: Store) -> None:
         """Sampled records give the medians; each rank's step count and last step (which say
@@ -112,6 +117,17 @@ class RunData:
         rows = [row for row in self.layers if row["leaf"] and row["alive_bytes"]]
         return [{"name": row["name"], "alive_bytes": row["alive_bytes"]}
                 for row in sorted(rows, key=lambda row: -row["alive_bytes"])]
+
+
+def _run_time(store: Store, meta: Dict[str, Any], compiles: List[Any]) -> RunTime:
+    """Every rank's wall-time tally: the collector's, kept at the run's end, or (a run whose
+    collector did not finish) tallied again from every record in the store."""
+    if meta.get("run_time") is not None:
+        run_time = RunTime()
+        for tally in meta["run_time"]:
+            run_time.ranks[tally["rank"]] = msgspec.convert(tally, RankTime)
+        return run_time
+    return RunTime.of([*store.hellos(), *store.steps(), *compiles, *store.ends()])
 
 
 def deep_dive_facts(report: LayerReport) -> Dict[str, Any]:
@@ -191,6 +207,9 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
             "padding_share": window.padding_share,
             **_model_flops(data),
         },
+        "goodput": data.goodput.parts if data.goodput is not None else None,
+        "startup": data.goodput.startup if data.goodput is not None else None,
+        "compile": compile_summary(data.compiles, after_step=data.warmup),
         "memory": _memory(data),
         "system": _system(data.samples),
         "ranks": data.ranks,
@@ -377,6 +396,11 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
         facts.add_row("Step time", f"median {step['median_ms']:.1f} ms  ·  p90 {step['p90_ms']:.1f} ms")
     else:  # nothing to break down: the verdict below says why and what to add
         facts.add_row("Steps", "none found")
+    goodput = summary.get("goodput")
+    if goodput:
+        facts.add_row("Goodput", goodput_text(goodput))
+    if summary.get("compile"):
+        facts.add_row("Compile", _compile_line(summary["compile"]))
     facts.add_row("System", _system_line(system))
     if steps["count"]:
         facts.add_row("Memory", _memory_line(memory))
@@ -501,6 +525,20 @@ def _flops_text(throughput: Dict[str, Any]) -> str:
     mfu = throughput.get("mfu")
     return (f"  ·  {flops * steps_per_s / 1e9:,.2f} GFLOP/s"
             + (f", MFU {mfu:.1%}" if mfu is not None else " (device peak unknown: no MFU)"))
+
+
+def _compile_line(compiled: Dict[str, Any]) -> str:
+    """torch.compile's work: "1 compilation, 7 recompilations (0.9 s) · 1.7 s in all · 1 graph break"."""
+    def counted(count: int, what: str) -> str:
+        return f"{count} {what}{'s' if count != 1 else ''}"
+
+    line = f"{counted(compiled['compilations'], 'compilation')}, {counted(compiled['recompilations'], 'recompilation')}"
+    if compiled["recompilations"]:
+        line += f" ({compiled['recompile_s']:.1f} s)"
+    line += f"  ·  {compiled['compile_s']:.1f} s compiling in all"
+    if compiled["graph_breaks"]:
+        line += f"  ·  {counted(compiled['graph_breaks'], 'graph break')}"
+    return line
 
 
 def _system_line(system: Dict[str, Any]) -> str:

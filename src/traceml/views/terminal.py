@@ -14,6 +14,7 @@ import statistics
 import time
 from typing import Any, List, Optional, Tuple
 
+from traceml.collector.goodput import goodput_text
 from traceml.collector.live import LiveState, snapshot
 from traceml.records import STEP_PHASES, Finding
 from traceml.views.summary import PHASE_LABELS, SEVERITY_STYLE
@@ -112,7 +113,10 @@ def _step_panel(state: LiveState, width: int) -> Any:
     window = state.window
     times = [s.step_ms for s in window.steps]
     spark_width = max(10, (width // 2 if width >= WIDE_COLUMNS else width) - 8)
-    body = Text(f"median {window.step_median_ms:.1f} ms   p90 {window.step_p90_ms:.1f} ms\n")
+    body = Text(f"median {window.step_median_ms:.1f} ms   p90 {window.step_p90_ms:.1f} ms")
+    if state.goodput is not None:  # the run's wall time so far: how much of it was training
+        body.append(f"   goodput {goodput_text(state.goodput.parts)}")
+    body.append("\n")
     body.append(sparkline(times, spark_width), style="cyan")
     return _panel(f"step time (last {len(window)} steps)", body, 2)
 

@@ -133,6 +133,7 @@ class RunSource:
             "throughput": {"steps_per_s": window.steps_per_s, "samples_per_s": window.samples_per_s},
             "phases": {name: {"median_ms": stats.median_ms, "mean_ms": stats.mean_ms,
                               "share": stats.share} for name, stats in window.phases.items()},
+            "goodput": state.goodput.parts if state.goodput is not None else None,
             "primary": findings[0] if findings else None, "findings": findings, "exit_code": None,
         }
 
@@ -212,6 +213,7 @@ def _overview_of_summary(summary: Dict[str, Any], run_dir: str) -> Dict[str, Any
         "step": {"median_ms": step.get("median_ms", 0.0), "p90_ms": step.get("p90_ms", 0.0)},
         "throughput": summary.get("throughput", {"steps_per_s": 0.0, "samples_per_s": None}),
         "phases": {name: phases[name] for name in ALL_PHASES if name in phases},
+        "goodput": summary.get("goodput"),
         "primary": summary.get("primary_diagnosis"), "findings": summary.get("findings", []),
         "exit_code": run.get("exit_code"),
     }

@@ -179,6 +179,7 @@ function renderOverview(ov) {
   let tpText = isNum(tp.steps_per_s) ? tp.steps_per_s.toFixed(2) + ' steps/s' : '–';
   if (isNum(tp.samples_per_s)) tpText += ' · ' + tp.samples_per_s.toFixed(1) + ' samples/s';
   $('throughput').textContent = tpText;
+  renderGoodput(ov.goodput);
 
   const info = [];
   if (isNum(ov.elapsed_s)) info.push('elapsed ' + ov.elapsed_s.toFixed(0) + ' s');
@@ -189,6 +190,21 @@ function renderOverview(ov) {
 
   renderFindings(ov.findings || []);
   renderBreakdown(ov.phases || {});
+}
+
+// Goodput: the training share of the run's wall time, and the other parts largest first.
+function renderGoodput(goodput) {
+  if (!goodput || !goodput.training) {
+    $('goodput').textContent = '–';
+    $('goodput-rest').textContent = '';
+    return;
+  }
+  $('goodput').textContent = (goodput.training.share * 100).toFixed(0) + '%';
+  const rest = ['startup', 'evaluation', 'checkpoint', 'other']
+    .filter((part) => goodput[part] && goodput[part].share >= 0.005)
+    .sort((a, b) => goodput[b].share - goodput[a].share)
+    .map((part) => part + ' ' + (goodput[part].share * 100).toFixed(0) + '% (' + goodput[part].seconds.toFixed(1) + ' s)');
+  $('goodput-rest').textContent = rest.join(' · ');
 }
 
 function renderFindings(findings) {

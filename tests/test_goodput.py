@@ -1,0 +1,191 @@
+"""Goodput (startup, training, evaluation, checkpoint, other) and torch.compile awareness, on real
+CPU scripts that measure themselves, and the rules over them on made-up figures."""
+import json
+
+import pytest
+
+from conftest import SCRIPTS
+from traceml.collector.goodput import PARTS, RunTime
+from traceml.diagnose.run_time import (STARTUP_MIN_RUN_S, plain_reason, recompilations,
+                                       slow_startup)
+from traceml.records import CompileRecord, RankEnd, RankHello, StepRecord
+
+EVAL_SAVE = SCRIPTS / "eval_save_loop.py"
+COMPILED = SCRIPTS / "compiled_loop.py"
+HF = SCRIPTS / "hf_trainer.py"
+
+
+def measured(run):
+    line = next(line for line in run.stdout.splitlines() if line.startswith("MEASURED "))
+    return json.loads(line[len("MEASURED "):])
+
+
+def kinds(summary):
+    return {f["kind"]: f for f in summary["findings"]}
+
+
+@pytest.mark.parametrize("mode", [[], ["--trace-step"]], ids=["zero-code", "trace_step"])
+def test_evaluation_and_saves_take_the_share_the_script_measures(traceml_run, mode):
+    run = traceml_run("--steps", 100, "--setup-s", 1.0, *mode, script=EVAL_SAVE)
+    assert run.returncode == 0, run.stderr
+    own, summary = measured(run), run.summary()
+    goodput = summary["goodput"]
+    assert set(goodput) == set(PARTS)
+    assert sum(part["share"] for part in goodput.values()) == pytest.approx(1.0, abs=1e-3)
+    wall_s = sum(part["seconds"] for part in goodput.values())
+    assert wall_s == pytest.approx(own["wall_s"], abs=0.1)  # process start to exit, both
+    # 6 evaluations (two after the last step) and 7 saves (one after it): what the script timed.
+    assert goodput["evaluation"]["share"] == pytest.approx(own["eval_s"] / own["wall_s"], abs=0.03)
+    assert goodput["checkpoint"]["share"] == pytest.approx(own["save_s"] / own["wall_s"], abs=0.03)
+    assert goodput["evaluation"]["seconds"] == pytest.approx(own["eval_s"], rel=0.15, abs=0.03)
+    assert goodput["checkpoint"]["seconds"] == pytest.approx(own["save_s"], rel=0.15, abs=0.03)
+    # The second of setup before the first step is startup, and told apart from the imports.
+    startup = summary["startup"]
+    assert goodput["startup"]["seconds"] >= 1.0
+    assert startup["setup_s"] >= 0.95 and startup["imports_s"] > 0.1 and startup["slowest_import"] == "torch"
+    found = kinds(summary)
+    assert found["EVAL_HEAVY"]["evidence"]["period_steps"] == 20
+    assert found["CHECKPOINT_STALL"]["evidence"]["period_steps"] == 15
+    assert "STEP_SPIKES" not in found and "UNTRACED_WORK" not in found  # planned work, told as such
+    training = goodput["training"]["share"]
+    assert f"Goodput    {training:.0%} · startup" in run.stdout
+
+
+def test_hf_trainer_evaluation_and_checkpoints_match_its_own_figures(traceml_run):
+    pytest.importorskip("transformers")
+    run = traceml_run("--how", "none", "--max-steps", 40, "--accumulate", 1, "--eval-every", 10,
+                      "--save-every", 10, script=HF, timeout=240)
+    assert run.returncode == 0, run.stderr
+    own, goodput = measured(run), run.summary()["goodput"]
+    assert own["evaluations"] == 4 and own["saves"] == 4
+    # Trainer's eval_runtime, and the script's clock around Trainer._save_checkpoint.
+    assert goodput["evaluation"]["seconds"] == pytest.approx(own["eval_s"], rel=0.2, abs=0.03)
+    assert goodput["checkpoint"]["seconds"] == pytest.approx(own["save_s"], rel=0.2, abs=0.03)
+    found = kinds(run.summary())
+    assert found["EVAL_HEAVY"]["evidence"]["period_steps"] == 10
+
+
+def test_growing_sequence_lengths_are_recompilations_with_their_reason(traceml_run):
+    pytest.importorskip("torch._dynamo")
+    run = traceml_run("--lengths", "growing", script=COMPILED, timeout=240)
+    assert run.returncode == 0, run.stderr
+    summary = run.summary()
+    compiled = summary["compile"]
+    # From step 10 a new length every 4 steps: 16 -> 17 ... 23, each a recompilation.
+    assert compiled["compilations"] == 1 and compiled["recompilations"] == 7
+    assert compiled["first_recompile_step"] == 10
+    assert compiled["recompile_reasons"] == [{"reason": "the size of dim 1 of tokens changes", "count": 7}]
+    found = kinds(summary)
+    finding = found["RECOMPILATION"]
+    assert finding["summary"].startswith("7 recompilations after step 4 (first at step 10)")
+    assert finding["summary"].endswith("the size of dim 1 of tokens changes")
+    assert "mark_dynamic(tokens, 1)" in finding["action"] and "bucket" in finding["action"]
+    assert finding["evidence"]["seconds"] == pytest.approx(compiled["recompile_s"], abs=0.01)
+    # Compiling is never a spike: the steps that recompiled are told by RECOMPILATION only.
+    assert "STEP_SPIKES" not in found
+
+
+def test_fixed_lengths_compile_once_and_a_graph_break_is_counted(traceml_run):
+    pytest.importorskip("torch._dynamo")
+    run = traceml_run("--lengths", "fixed", "--graph-break", script=COMPILED, timeout=240)
+    assert run.returncode == 0, run.stderr
+    summary = run.summary()
+    compiled = summary["compile"]
+    assert compiled["recompilations"] == 0 and "RECOMPILATION" not in kinds(summary)
+    # The graph break splits forward in two frames, each compiled once, before step 1.
+    assert compiled["compilations"] == 2 and compiled["graph_breaks"] == 1
+    assert compiled["graph_break_reasons"] == ["Call to `torch._dynamo.graph_break()`"]
+    assert summary["startup"]["first_compilation_s"] > 0.05
+    assert "2 compilations, 0 recompilations  ·  " in run.stdout and "  ·  1 graph break" in run.stdout
+
+
+# -- the rules, on made-up figures ----------------------------------------------------------------
+
+def hello(rank=0, started=1000.0, imports_ms=None):
+    return RankHello(rank=rank, local_rank=rank, world_size=1, node_rank=0, host="h", pid=1, device="cpu",
+                     device_name="cpu", device_capacity_bytes=None, torch_version="2", argv=["t.py"],
+                     started_at_unix_s=started, imports_ms=imports_ms, slowest_import="transformers")
+
+
+def step(index, start, step_ms=100.0, outside_ms=0.0, eval_ms=0.0, checkpoint_ms=0.0, input_wait_ms=0.0):
+    return StepRecord(rank=0, step=index, start_unix_s=start, step_ms=step_ms, input_wait_ms=input_wait_ms,
+                      outside_ms=outside_ms, h2d_ms=0.0, forward_ms=step_ms - outside_ms - input_wait_ms,
+                      backward_ms=0.0, optimizer_ms=0.0, untraced_ms=0.0, gc_ms=0.0, gc_collections=0,
+                      forward_calls=1, samples=1, eval_ms=eval_ms, checkpoint_ms=checkpoint_ms)
+
+
+def test_the_parts_add_up_to_the_wall_time_and_put_each_second_in_its_place():
+    # Start at 1000 s; first step at 1010 (10 s startup, 2 of them imports); 10 steps of 100 ms, one
+    # of them with 300 ms of evaluation and 200 ms of a save between steps, one with a save of
+    # 50 ms inside it; then 1 s of a final evaluation and 0.5 s of teardown.
+    records = [hello(imports_ms=2000.0), step(0, 1010.0, input_wait_ms=40.0)]
+    start = 1010.1
+    for index in range(1, 10):
+        if index == 4:
+            records.append(step(index, start, step_ms=600.0, outside_ms=520.0, eval_ms=300.0, checkpoint_ms=200.0))
+            start += 0.6
+        elif index == 6:
+            records.append(step(index, start, checkpoint_ms=50.0))
+            start += 0.1
+        else:
+            records.append(step(index, start))
+            start += 0.1
+    records.append(RankEnd(rank=0, exit_code=0, records_sent=0, records_dropped=0,
+                           ended_unix_s=start + 1.5, tail_eval_ms=1000.0))
+    goodput = RunTime.of(records).goodput(now_unix_s=None)
+    seconds = {part: goodput.seconds(part) for part in PARTS}
+    assert sum(seconds.values()) == pytest.approx(start + 1.5 - 1000.0)
+    assert seconds["startup"] == pytest.approx(10.0 + 0.04)  # the first batch's wait included
+    assert seconds["evaluation"] == pytest.approx(1.3)
+    assert seconds["checkpoint"] == pytest.approx(0.25)
+    # 1.5 s of steps less planned work, the first batch and 20 ms of other work between steps.
+    assert seconds["training"] == pytest.approx(1.5 - 0.3 - 0.25 - 0.04 - 0.02)
+    assert seconds["other"] == pytest.approx(0.02 + 0.5)
+    assert goodput.startup["imports_s"] == pytest.approx(2.0)
+    assert goodput.startup["setup_s"] == pytest.approx(10.04 - 2.0 - 0.04)
+
+
+def goodput_of(startup_s, wall_s, imports_ms=None):
+    records = [hello(imports_ms=imports_ms), step(0, 1000.0 + startup_s, step_ms=(wall_s - startup_s) * 1e3)]
+    return RunTime.of(records).goodput(now_unix_s=1000.0 + wall_s)
+
+
+def test_slow_startup_at_its_lines_and_naming_its_largest_part():
+    assert slow_startup(goodput_of(startup_s=30.0, wall_s=STARTUP_MIN_RUN_S - 1)) is None  # a short run
+    assert slow_startup(goodput_of(startup_s=19.0, wall_s=100.0)) is None  # 19% of the run
+    found = slow_startup(goodput_of(startup_s=25.0, wall_s=100.0, imports_ms=18000.0))
+    assert found.severity == "warn" and found.evidence["largest_part"] == "imports"
+    assert found.summary.startswith("startup takes 25.0 s, 25% of the run, before the first step: "
+                                    "the script's imports 18.0 s (transformers the slowest)")
+    assert "importtime" in found.action
+    crit = slow_startup(goodput_of(startup_s=50.0, wall_s=100.0, imports_ms=1000.0))
+    assert crit.severity == "crit" and crit.evidence["largest_part"] == "setup"
+
+
+@pytest.mark.parametrize("raw, words", [
+    ("0/3: tensor 'args[0]' size mismatch at index 1. expected 11, actual 12", "the size of dim 1 of input 0 changes"),
+    ("1/1: tensor 'x' dtype mismatch. expected Float, actual Half", "the dtype of x changes"),
+    ("0/1: L['n'] == 3", "the Python value n changes"),
+    ("0/1: GLOBAL_STATE changed: grad_mode ", "the gradient mode changes (called in training and under no_grad)"),
+])
+def test_torch_guard_failures_in_a_users_words(raw, words):
+    assert plain_reason(raw)[0] == words
+
+
+def compile_record(step_index, attempt, duration_ms=500.0):
+    return CompileRecord(rank=0, step=step_index, start_unix_s=0.0, duration_ms=duration_ms,
+                         compile_id=f"0/{attempt}", trigger="dynamo",
+                         recompile_reason="" if attempt == 0 else
+                         f"0/{attempt - 1}: tensor 'args[0]' size mismatch at index 1. expected 8, actual 9")
+
+
+def test_recompilation_lines_count_and_share():
+    first = [compile_record(0, 0)]
+    few = first + [compile_record(20 + i, 1 + i, duration_ms=100.0) for i in range(3)]
+    assert recompilations(few, after_step=5, run_ms=100_000.0) is None  # 3, 0.3% of the run
+    many = first + [compile_record(20 + i, 1 + i, duration_ms=100.0) for i in range(4)]
+    assert recompilations(many, after_step=5, run_ms=100_000.0).evidence["recompilations"] == 4
+    costly = first + [compile_record(20, 1, duration_ms=6000.0)]
+    assert recompilations(costly, after_step=5, run_ms=100_000.0).evidence["share"] == 0.06
+    early = first + [compile_record(2 + i, 1 + i) for i in range(5)]  # all within warm-up
+    assert recompilations(early, after_step=5, run_ms=100_000.0) is None
