@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 RANKS_SCRIPT = r'''
 import json, socket, sys, time

@@ -1,7 +1,6 @@
 """The field corpus: training scripts in the shapes real loops take (tests/field/, and the
 trainer scripts), each run plain and under TraceML. TraceML must be invisible in them: the same
 exit code, the same output (times aside), byte-identical files, and one step per update."""
-import os
 import re
 import subprocess
 import sys

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import statistics
-from typing import Callable, List, Optional
+from typing import Optional
 
 from traceml.collector.rollup import Window
 from traceml.records import (COMPUTE_PHASES, STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER,
