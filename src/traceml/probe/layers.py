@@ -86,6 +86,8 @@ class LayerProbe:
         # watches): on the step after the first sampled one, so no layer timing sees it.
         self.flops_per_step: Optional[int] = None
         self._flop_step = self.every_n_steps + 1 if self.every_n_steps else -1
+        self._said_paused = False  # deep-dive paused under torch.compile, said once
+        self._graphs_at_start = _compiled_graphs()  # torch.compile compiling after this: pause
         self._flop_counter: Any = None
 
     # -- the step, called by the probe ------------------------------------------------------
@@ -97,6 +99,9 @@ class LayerProbe:
         self._resolve_device_spans()
         if self._capture is not None and self._capture.steps_left == 0:
             self._send_capture()
+        if (self.every_n_steps or self._capture is not None) and _compiled_graphs() != self._graphs_at_start:
+            self._pause_for_compile()
+            return
         if step_index == self._flop_step and self.flops_per_step is None:
             self._count_flops()
         if self._capture is None and self.watch is not None and self.watch.request is not None:
@@ -116,6 +121,16 @@ class LayerProbe:
         self._handles = [hooks.register_module_forward_pre_hook(self._before_forward),
                          hooks.register_module_forward_hook(self._after_forward)]
         self.active = True
+
+    def _pause_for_compile(self) -> None:
+        """torch.compile has compiled in this process: global module hooks (and the FLOP
+        counter's dispatch mode) inside its graphs would break them and make them recompile, so
+        per-layer sampling stops, said once. Step phases go on as before."""
+        if self.every_n_steps and not self._said_paused:
+            self._said_paused = True
+            log.warning("traceml: deep-dive paused: torch.compile compiled the model, and per-layer "
+                        "hooks inside its graphs would break them and make it recompile; step phases go on")
+        self._capture = None
 
     def end_step(self) -> None:
         if self._flop_counter is not None:
@@ -460,15 +475,21 @@ class AnomalyWatch:
                 self._quiet_until[reason] = record.step + self.QUIET_STEPS
 
 
-def _capturable() -> bool:
-    """Whether sampling uninvited does no harm: not once torch.compile has compiled something
-    in this process (global module hooks appearing would make it recompile)."""
+def _compiled_graphs() -> int:
+    """How many graphs torch.compile has compiled in this process (0 when dynamo is not loaded;
+    -1 when its counters cannot be read, which counts as compiled)."""
     import sys
 
     dynamo = sys.modules.get("torch._dynamo.utils")
     if dynamo is None:
-        return True
+        return 0
     try:
-        return not dynamo.counters["stats"]["unique_graphs"]
+        return int(dynamo.counters["stats"]["unique_graphs"])
     except Exception:
-        return False
+        return -1
+
+
+def _capturable() -> bool:
+    """Whether sampling uninvited does no harm: not once torch.compile has compiled something
+    in this process (global module hooks appearing would make it recompile)."""
+    return _compiled_graphs() == 0

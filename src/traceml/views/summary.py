@@ -501,9 +501,9 @@ def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
                           f"{row['forward_ms']:.2f}", f"{row['backward_ms']:.2f}",
                           f"{row['memory_bytes'] / 2 ** 20:.2f}", f"{row['output_bytes'] / 2 ** 20:.2f}")
         tables.append(table)
-    if deep.get("coverage_note"):
-        from rich.text import Text
+    from rich.text import Text
 
+    if deep.get("coverage_note"):
         tables.append(Text(f"Coverage: {deep['coverage_note']}."))
     return tables
 
@@ -537,7 +537,9 @@ def _compile_line(compiled: Dict[str, Any]) -> str:
         line += f" ({compiled['recompile_s']:.1f} s)"
     line += f"  ·  {compiled['compile_s']:.1f} s compiling in all"
     if compiled["graph_breaks"]:
-        line += f"  ·  {counted(compiled['graph_breaks'], 'graph break')}"
+        # Each break splits the graph: the code around it runs as Python between the pieces.
+        line += (f"  ·  {counted(compiled['graph_breaks'], 'graph break')}: "
+                 + "; ".join(compiled["graph_break_reasons"][:3]))
     return line
 
 
