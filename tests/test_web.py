@@ -86,6 +86,7 @@ def test_overview_of_a_finished_run_is_its_summary(served):
     assert [f["kind"] for f in overview["findings"]] == [f["kind"] for f in summary["findings"]]
     assert overview["step"]["median_ms"] == summary["phases"]["step"]["median_ms"]
     assert overview["phases"]["forward"]["share"] == summary["phases"]["forward"]["share"] > 0
+    assert overview["goodput"] == summary["goodput"] and summary["goodput"]["training"]["share"] > 0
 
 
 def test_step_series_phases_add_up_to_the_step(served):
@@ -391,6 +392,9 @@ def test_browser_renders_the_live_page_mid_run(tmp_path):
             assert 20 <= shown_steps <= overview["steps_seen"] < 600
             assert page.inner_text("#verdict") == "INPUT BOUND" == overview["primary"]["kind"].replace("_", " ")
             assert page.locator('#findings .finding[data-kind="INPUT_BOUND"]').count() == 1
+            # Goodput so far: the training share as a percentage, startup beside it.
+            assert re.fullmatch(r"\d{1,3}%", page.inner_text("#goodput"))
+            assert "startup" in page.inner_text("#goodput-rest") and overview["goodput"]["training"]["share"] > 0
             median = float(page.inner_text("#step-median").split()[0])
             assert median == pytest.approx(overview["step"]["median_ms"], rel=0.5)
             # The stacked phases: one trace per phase, as many points as the API's series.
