@@ -250,6 +250,11 @@ class CompileRecord(msgspec.Struct, tag="compile", array_like=True):
     graph_breaks: int = 0  # graph breaks torch counted since the previous record
     graph_break_reasons: List[str] = []
 
+    @property
+    def recompiled(self) -> bool:
+        """A recompilation: a frame's attempt after its first (its guards failed)."""
+        return not self.compile_id.endswith("/0")
+
 
 class Finding(msgspec.Struct, omit_defaults=False):
     """One diagnosis: what is wrong, by how much, and the next thing to try."""

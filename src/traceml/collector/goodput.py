@@ -26,7 +26,7 @@ FIRST_COMPILE_TRIGGERS = ("dynamo", "lazy_backward")
 
 def is_first_compilation(record: CompileRecord) -> bool:
     """A frame's first compilation (torch's compile id "frame/0"), forward or its backward."""
-    return record.trigger in FIRST_COMPILE_TRIGGERS and record.compile_id.endswith("/0")
+    return record.trigger in FIRST_COMPILE_TRIGGERS and not record.recompiled
 
 
 class RankTime(msgspec.Struct):

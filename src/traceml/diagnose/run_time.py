@@ -87,7 +87,7 @@ def recompilations(compiles: Sequence[CompileRecord], after_step: int, run_ms: f
     """RECOMPILATION: torch.compile compiling again after warm-up (after_step), because a
     guard failed, for more than a few times or a share of the run."""
     late_ids = {(r.rank, r.compile_id) for r in compiles
-                if r.trigger == "dynamo" and not r.compile_id.endswith("/0") and r.step >= after_step}
+                if r.trigger == "dynamo" and r.recompiled and r.step >= after_step}
     if not late_ids:
         return None
     rank0 = min(rank for rank, _ in late_ids)
@@ -148,7 +148,7 @@ def compile_summary(compiles: Sequence[CompileRecord], after_step: int) -> Optio
     rank0 = min(r.rank for r in compiles)
     mine = [r for r in compiles if r.rank == rank0]
     frames = [r for r in mine if r.trigger == "dynamo"]
-    recompiles = [r for r in frames if not r.compile_id.endswith("/0")]
+    recompiles = [r for r in frames if r.recompiled]
     late_ids = {r.compile_id for r in recompiles if r.step >= after_step}
     reasons: List[dict] = []
     for (what, _), count in Counter(plain_reason(r.recompile_reason) for r in recompiles).most_common():
@@ -162,7 +162,7 @@ def compile_summary(compiles: Sequence[CompileRecord], after_step: int) -> Optio
         "recompilations": len(recompiles),
         "recompilations_after_warmup": len(late_ids),
         "compile_s": round(sum(r.duration_ms for r in mine) / 1e3, 3),
-        "recompile_s": round(sum(r.duration_ms for r in mine if not r.compile_id.endswith("/0")) / 1e3, 3),
+        "recompile_s": round(sum(r.duration_ms for r in mine if r.recompiled) / 1e3, 3),
         "first_recompile_step": min((r.step for r in recompiles), default=None),
         "recompile_reasons": reasons,
         "graph_breaks": sum(r.graph_breaks for r in mine),

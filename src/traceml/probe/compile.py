@@ -8,7 +8,6 @@ Nothing here is imported or runs until the script's torch imports `torch._dynamo
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import sys
 import threading
@@ -17,7 +16,6 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from traceml.records import CompileRecord
 
-log = logging.getLogger("traceml")
 METRICS_WAIT_S = 2.0  # how long a compilation waits for torch's metrics before it goes without
 _TORCH_WRAPPER = os.path.join("_dynamo", "external_utils.py")  # where a compiled module's call lives
 
