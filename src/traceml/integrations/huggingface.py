@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from transformers import Trainer, TrainerCallback
 
@@ -42,10 +42,16 @@ def init() -> None:
         return original_fetch(self, *args, **kwargs)
 
     Trainer.get_batch_samples = get_batch_samples  # type: ignore[method-assign]
-    for name in ("evaluate", "predict"):
-        if not getattr(getattr(Trainer, name), "_traceml_not_training", False):
-            setattr(Trainer, name, not_training(getattr(Trainer, name)))
+    for name, wrapped in evaluation_wrapped(Trainer).items():
+        setattr(Trainer, name, wrapped)
     _installed = True
+
+
+def evaluation_wrapped(trainer_class: Any) -> Dict[str, Callable[..., Any]]:
+    """Trainer's evaluation entry points (evaluate, predict) that are not wrapped yet, wrapped
+    (init() sets them for good; zero-code mode for as long as the run is traced)."""
+    return {name: not_training(getattr(trainer_class, name)) for name in ("evaluate", "predict")
+            if not getattr(getattr(trainer_class, name), "_traceml_not_training", False)}
 
 
 def not_training(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -256,11 +256,10 @@ def _patch_checkpoint_saves(probe: StepProbe) -> None:
 def _not_training_in_trainer_evaluation(module: Any) -> None:
     """Hugging Face Trainer's evaluation fetches its batches with gradients on: its DataLoader
     waits are evaluation, not the training's input, with or without the integration."""
-    from traceml.integrations.huggingface import not_training
+    from traceml.integrations.huggingface import evaluation_wrapped
 
-    for name in ("evaluate", "predict"):
-        if not getattr(getattr(module.Trainer, name), "_traceml_not_training", False):
-            _replace(module.Trainer, name, not_training(getattr(module.Trainer, name)))
+    for name, wrapped in evaluation_wrapped(module.Trainer).items():
+        _replace(module.Trainer, name, wrapped)
 
 
 def _watch_compilations(probe: StepProbe, callbacks: Any) -> None:

@@ -849,13 +849,7 @@ def _imports_so_far() -> dict:
     """The script's import time until now (its timer then stops), when `traceml run` timed it."""
     global import_timer
     timer, import_timer = import_timer, None
-    if timer is None:
-        return {}
-    import builtins
-
-    if builtins.__import__ is timer:
-        builtins.__import__ = timer.original
-    return {"imports_ms": timer.total_ns / 1e6, "slowest_import": timer.slowest[0]}
+    return timer.stop() if timer is not None else {}
 
 
 def _process_start_unix_s() -> float:
