@@ -155,6 +155,17 @@ class RunTime:
             run_time.add(record)
         return run_time
 
+    def to_builtins(self) -> List[dict]:
+        """The tallies as the store's meta keeps them (from_builtins reads them back)."""
+        return msgspec.to_builtins(list(self.ranks.values()))
+
+    @classmethod
+    def from_builtins(cls, tallies: List[dict]) -> "RunTime":
+        run_time = cls()
+        for tally in msgspec.convert(tallies, List[RankTime]):
+            run_time.ranks[tally.rank] = tally
+        return run_time
+
     def goodput(self, now_unix_s: Optional[float]) -> Optional[Goodput]:
         """The run's goodput until now_unix_s (None: a finished run, see RankTime.parts_ms);
         None before any rank said hello."""

@@ -269,7 +269,7 @@ class Collector:
             self.store.write_rolled(rolled)
         # The wall-time tally of every record, so the summary need not read them all again.
         self.store.set_meta({"rolled_complete": True,
-                             "run_time": msgspec.to_builtins(list(self.run_time.ranks.values()))})
+                             "run_time": self.run_time.to_builtins()})
 
     def _store_failed(self, exc: Exception) -> None:
         if not self._said_store_failed:

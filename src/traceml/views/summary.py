@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 import msgspec
 
 from traceml import rundir
-from traceml.collector.goodput import RankTime, RunTime, goodput_text
+from traceml.collector.goodput import RunTime, goodput_text
 from traceml.collector.rollup import (RolledStep, Window, max_present, rank_medians, rank_spread,
                                       roll_up, warmup_steps)
 from traceml.collector.store import Store
@@ -77,7 +77,7 @@ class RunData:
             self._exact_rank_counts(store)
         self.ooms = store.ooms()
         self.compiles = store.compiles()
-        self.run_time = _run_time(store, meta, self.compiles)
+        self.run_time = self._run_time(store, meta)
         self.goodput = self.run_time.goodput(now_unix_s=None)
         self.lost_ranks: List[int] = meta.get("lost_ranks", [])
         reports = store.layer_reports()
@@ -113,21 +113,18 @@ class RunData:
                                        (hello.rank, self.warmup))[0][0]
         self.ranks = [rows[rank] for rank in sorted(rows)]
 
+    def _run_time(self, store: Store, meta: Dict[str, Any]) -> RunTime:
+        """Every rank's wall-time tally: the collector's, kept at the run's end, or (a run whose
+        collector did not finish) tallied again from every step record, read once."""
+        if meta.get("run_time") is not None:
+            return RunTime.from_builtins(meta["run_time"])
+        steps = self.records if self.rank_sample_every == 1 else store.steps()
+        return RunTime.of([*self.hellos, *steps, *self.compiles, *self.ends])
+
     def _layers_alive(self) -> List[Dict[str, Any]]:
         rows = [row for row in self.layers if row["leaf"] and row["alive_bytes"]]
         return [{"name": row["name"], "alive_bytes": row["alive_bytes"]}
                 for row in sorted(rows, key=lambda row: -row["alive_bytes"])]
-
-
-def _run_time(store: Store, meta: Dict[str, Any], compiles: List[Any]) -> RunTime:
-    """Every rank's wall-time tally: the collector's, kept at the run's end, or (a run whose
-    collector did not finish) tallied again from every record in the store."""
-    if meta.get("run_time") is not None:
-        run_time = RunTime()
-        for tally in meta["run_time"]:
-            run_time.ranks[tally["rank"]] = msgspec.convert(tally, RankTime)
-        return run_time
-    return RunTime.of([*store.hellos(), *store.steps(), *compiles, *store.ends()])
 
 
 def deep_dive_facts(report: LayerReport) -> Dict[str, Any]:
