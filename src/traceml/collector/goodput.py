@@ -41,19 +41,16 @@ class RankTime(msgspec.Struct):
     first_step_unix_s: Optional[float] = None  # where the first step's window starts
     first_input_wait_ms: float = 0.0
     last_end_unix_s: Optional[float] = None  # where the latest step's window ends
-    steps: int = 0
     step_ms: float = 0.0
     eval_ms: float = 0.0
     checkpoint_ms: float = 0.0
     between_other_ms: float = 0.0  # outside_ms that was neither evaluation nor a save
     first_compile_in_steps_ms: float = 0.0
     first_compile_ms: float = 0.0  # every first compilation, before the steps too
-    compile_ms: float = 0.0  # every compilation
     tail_eval_ms: float = 0.0  # from the goodbye: a final evaluation or save after the last step
     tail_checkpoint_ms: float = 0.0
 
     def add_step(self, record: StepRecord) -> None:
-        self.steps += 1
         self.step_ms += record.step_ms
         self.eval_ms += record.eval_ms
         self.checkpoint_ms += record.checkpoint_ms
@@ -68,7 +65,6 @@ class RankTime(msgspec.Struct):
             self.last_end_unix_s = end_unix_s
 
     def add_compile(self, record: CompileRecord) -> None:
-        self.compile_ms += record.duration_ms
         if is_first_compilation(record):
             self.first_compile_ms += record.duration_ms
             if record.step >= 0:

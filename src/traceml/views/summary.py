@@ -498,9 +498,9 @@ def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
                           f"{row['forward_ms']:.2f}", f"{row['backward_ms']:.2f}",
                           f"{row['memory_bytes'] / 2 ** 20:.2f}", f"{row['output_bytes'] / 2 ** 20:.2f}")
         tables.append(table)
-    from rich.text import Text
-
     if deep.get("coverage_note"):
+        from rich.text import Text
+
         tables.append(Text(f"Coverage: {deep['coverage_note']}."))
     return tables
 
