@@ -42,7 +42,7 @@ def test_balanced_ranks_have_no_straggler(traceml_run):
     assert {row["rank"] for row in run.step_rows()} == {0, 1}
     assert "across ranks" in run.stdout and "worst rank" in run.stdout
     assert run.stdout.count("TraceML ·") == 1  # one card for the run, not one per rank
-    # The comm hook that times collective wait lives in DDP's reducer, not on the wrapper.
+    # Timing the collective wait leaves the DDP model as the script made it.
     assert "rank 0 saved the DDP model, traceml in it: False" in run.stdout
 
 
@@ -294,3 +294,16 @@ def test_a_collector_with_a_token_drops_ranks_without_it(tmp_path):
         collector.stop()
     assert [s.step for s in collector.store.steps()] == [1]
     assert collector.store.hellos()[0].token == ""  # the secret is never stored
+
+
+@pytest.mark.parametrize("own_hook", ["before", "after"])
+def test_the_scripts_own_comm_hook_is_ddps_and_wait_is_still_measured(tmp_path, own_hook):
+    # TraceML registers nothing with DDP (a Python comm hook costs every bucket tens of µs):
+    # the script's hook goes in before or after traced steps, and backward still splits.
+    run = subprocess.run([sys.executable, str(SCRIPTS / "ddp_own_hook.py"), "--own-hook", own_hook],
+                         capture_output=True, text=True, timeout=120,
+                         env={**_env(), "TRACEML_RUN_DIR": str(tmp_path / "run")})
+    assert run.returncode == 0, run.stderr
+    line = next(line for line in run.stdout.splitlines() if line.startswith("steps "))
+    counted, waited = int(line.split()[1]), int(line.split()[-1])
+    assert counted >= 20 and waited == counted

@@ -30,7 +30,7 @@ def straggler(ranks: List[dict], step_ms: float) -> Optional[Finding]:
         loss_ms = _median(others, "comm_wait_median_ms") - slow["comm_wait_median_ms"]
         measured = "collective wait"
     else:
-        # No collective timing (not DDP, or a comm hook of the user's): a rank's own work is its
+        # No collective timing (not DDP): a rank's own work is its
         # step without backward, where the waiting happens.
         own = {r["rank"]: r["step_median_ms"] - r["backward_median_ms"] for r in ranks}
         slow = max(ranks, key=lambda r: own[r["rank"]])

@@ -20,10 +20,11 @@ sampled step begins: never a synchronize.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from traceml.records import (CAPTURE_MEMORY, CAPTURE_REGRESSION, CAPTURE_SPIKE, LayerCapture, LayerReport,
                              LayerStat, StepRecord)
@@ -54,7 +55,7 @@ class LayerProbe:
         self._torch = torch
         self.probe = probe
         self.every_n_steps = max(0, every_n_steps)
-        self.watch = AnomalyWatch() if auto_capture else None
+        self.watch = AnomalyWatch(wake=self._wake) if auto_capture else None
         self.captures_taken = 0
         self._capture: Optional[_Capture] = None  # the capture being sampled or resolved
         self.names: Dict[int, str] = {}
@@ -90,8 +91,40 @@ class LayerProbe:
         self._graphs_at_start = _compiled_graphs()  # torch.compile compiling after this: pause
         self._flop_counter: Any = None
 
+    def _wake(self) -> None:
+        """The watch asked for a capture (sender thread): the next step calls begin_step."""
+        self.probe.layers_due_step = 0
+
     # -- the step, called by the probe ------------------------------------------------------
     def begin_step(self, step_index: int) -> None:
+        """Sample this step if it is due; then tell the probe the next step that needs this
+        call (probe.layers_due_step), so that the steps in between pay nothing for deep-dive."""
+        self._begin_step(step_index)
+        probe = self.probe
+        probe.layers_active = self.instrumenting
+        probe.layers_due_step = self._next_due_step(step_index)
+        # Written before the watch is read: a request the sender thread makes from now on
+        # also wakes the probe (AnomalyWatch.wake), so none is missed between the two.
+        if self.watch is not None and self.watch.request is not None:
+            probe.layers_due_step = step_index + 1
+
+    def _next_due_step(self, step_index: int) -> float:
+        """The next step at which begin_step has work: checking what a sample left alive,
+        reading device times, sending a capture, counting FLOPs, or sampling."""
+        if self.active or self._capture is not None or self._device_spans or self._flop_counter is not None:
+            return step_index + 1
+        due = [math.inf]
+        if self._watched:
+            due.append(self._watched_step + 2)
+        if self.flops_per_step is None and self._flop_step > step_index:
+            due.append(self._flop_step)
+        if self.every_n_steps:
+            due.append((step_index // self.every_n_steps + 1) * self.every_n_steps)
+        elif self.watch is not None and step_index + 1 < BASELINE_STEP + BASELINE_STEPS:
+            due.append(max(step_index + 1, BASELINE_STEP))
+        return max(step_index + 1, min(due))
+
+    def _begin_step(self, step_index: int) -> None:
         # Two steps on, the loop's own variables (`loss`, `outputs`) have moved on: what is
         # still alive then is kept on purpose or by a leak.
         if step_index >= self._watched_step + 2:
@@ -141,6 +174,7 @@ class LayerProbe:
             except Exception:
                 log.debug("traceml: FLOPs not counted", exc_info=True)
         if not self.active:
+            self.probe.layers_active = False
             return
         for handle in self._handles:
             handle.remove()
@@ -148,6 +182,7 @@ class LayerProbe:
         self.backward_done()
         self._stack.clear()
         self.active = False
+        self.probe.layers_active = False
         if self._capture is not None:
             self._capture.steps_left -= 1
             return
@@ -436,8 +471,9 @@ class AnomalyWatch:
     QUIET_STEPS = 50  # after a request, none of its kind for this many steps (a stray spike
                       # does not keep a slowdown right after it from being captured)
 
-    def __init__(self) -> None:
+    def __init__(self, wake: Callable[[], None] = lambda: None) -> None:
         self.request: Optional[Tuple[str, str, int]] = None  # (reason, detail, step)
+        self.wake = wake  # called after a request is made, so the training thread takes it
         self.baseline_ms: Optional[float] = None
         self._first: List[float] = []
         self._recent: List[float] = []
@@ -473,6 +509,7 @@ class AnomalyWatch:
             if self.request is None and record.step >= self._quiet_until.get(reason, 0):
                 self.request = (reason, detail, record.step)
                 self._quiet_until[reason] = record.step + self.QUIET_STEPS
+                self.wake()
 
 
 def _compiled_graphs() -> int:

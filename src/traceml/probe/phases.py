@@ -9,8 +9,8 @@ import sys
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
-from traceml.probe.step import (BACKWARD, CHECKPOINT_BETWEEN_NS, CHECKPOINT_NS, EVAL_NS, FORWARD, H2D, OPTIMIZER,
-                                StepProbe, _now_ns)
+from traceml.probe.step import (BACKWARD, CHECKPOINT_BETWEEN_NS, CHECKPOINT_NS, EVAL_NS, FORWARD, FORWARD_CALLS, H2D,
+                                INPUT_WAIT_NS, NO_PHASE, OPTIMIZER, SAMPLES, TOKENS, StepProbe, _now_ns)
 
 log = logging.getLogger("traceml")
 _undo: List[Callable[[], None]] = []  # how to take back each installed patch, newest last
@@ -58,7 +58,7 @@ def _patch_dataloader(probe: StepProbe) -> None:
             return original_next(self)
         finally:  # inline, not a probe method: this runs once per batch
             if probe.in_step:
-                probe.input_wait_inside_ns += _now_ns() - start_ns
+                probe.sums[INPUT_WAIT_NS] += _now_ns() - start_ns
             elif not probe.in_evaluation and grad_enabled():
                 probe.input_wait_gap_ns += _now_ns() - start_ns
             elif not probe.in_evaluation:
@@ -85,18 +85,19 @@ def _patch_h2d(probe: StepProbe) -> None:
                 return first_copy(self, *args, **kwargs)
             if not probe.in_step or probe.open_phase != -1 or not self.is_cpu:
                 return original(self, *args, **kwargs)
-            if not probe.phase_begin(H2D):
+            start_ns = probe.phase_begin(H2D)
+            if not start_ns:
                 return original(self, *args, **kwargs)
             try:
                 result = original(self, *args, **kwargs)
             except BaseException:
                 probe.note_failure(H2D)
-                probe.phase_end(H2D)
+                probe.phase_end(H2D, start_ns)
                 raise
             if result is self or result.is_cpu:
                 probe.cancel_phase(H2D)
             else:
-                probe.phase_end(H2D)
+                probe.phase_end(H2D, start_ns)
             return result
 
         def first_copy(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -106,7 +107,7 @@ def _patch_h2d(probe: StepProbe) -> None:
             result = original(self, *args, **kwargs)
             if result is not self and not result.is_cpu and not probe.in_step:
                 probe.enter(start_ns)
-                probe.phase_ns[H2D] += _now_ns() - start_ns
+                probe.sums[H2D] += _now_ns() - start_ns
             return result
 
         moved.__wrapped__ = original  # type: ignore[attr-defined]
@@ -125,14 +126,37 @@ def _patch_backward(probe: StepProbe) -> None:
     original_backward = torch.autograd.backward
 
     def backward(*args: Any, **kwargs: Any) -> Any:
-        probe.phase_begin(BACKWARD)
+        if probe.plain and probe.open_phase == NO_PHASE:  # a plain step's backward: timed inline
+            probe.open_phase = BACKWARD
+            start_ns = _now_ns()
+            try:
+                result = original_backward(*args, **kwargs)
+            except BaseException:
+                probe.note_failure(BACKWARD)
+                raise
+            finally:
+                if probe.open_phase == BACKWARD:
+                    probe.sums[BACKWARD] += _now_ns() - start_ns
+                    probe.open_phase = NO_PHASE
+            if probe.auto_steps:
+                probe.backward_returned()
+            return result
+        if not probe.in_step and not probe.auto_steps:  # outside the steps: nothing to time
+            return original_backward(*args, **kwargs)
+        start_ns = probe.phase_begin(BACKWARD)
+        armed = _when_gradients_done(probe, args, kwargs) if start_ns and probe.comm_timed else None
         try:
             result = original_backward(*args, **kwargs)
         except BaseException:
             probe.note_failure(BACKWARD)
-            probe.phase_end(BACKWARD)
+            if start_ns:
+                probe.phase_end(BACKWARD, start_ns)
             raise
-        probe.phase_end(BACKWARD)
+        finally:
+            if armed is not None:
+                armed.remove()
+        if start_ns:
+            probe.phase_end(BACKWARD, start_ns)
         if probe.auto_steps:
             probe.backward_returned()
         return result
@@ -274,30 +298,48 @@ def _hook_optimizers(probe: StepProbe) -> None:
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
 
+    # The update being timed: id() of the optimizer whose step opened it (0: none) and its
+    # start. An optimizer whose step calls another's (ZeroRedundancyOptimizer, a Lookahead
+    # wrapper) is timed once, by the outer one.
+    timed = [0, 0]
+
     def before_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
+        if probe.plain and probe.open_phase == NO_PHASE and len(args) == 1 and not kwargs:
+            probe.open_phase = OPTIMIZER  # a plain step's update, no closure: timed inline
+            timed[0], timed[1] = id(optimizer), _now_ns()
+            return None
+        if not probe.in_step and not probe.auto_steps:  # outside the steps: nothing to time
+            return None
         # args are step()'s own, the optimizer first: step(closure) has it second.
         closure = (args[1] if len(args) > 1 else kwargs.get("closure")) if kwargs or len(args) > 1 else None
         if closure is None:
-            probe.phase_begin(OPTIMIZER)
+            start_ns = probe.phase_begin(OPTIMIZER)
+            if start_ns:
+                timed[0], timed[1] = id(optimizer), start_ns
             return None  # None keeps the arguments as they are
         # optimizer.step(closure) runs forward and backward inside the step (Lightning does
         # this every step): the update is timed from when the closure returns. An optimizer
         # that calls the closure again (LBFGS re-evaluates the loss) stops the update's clock
         # meanwhile: those forwards and backwards are forward and backward.
         def timed_closure() -> Any:
-            if probe.open_phase == OPTIMIZER:
-                probe.phase_end(OPTIMIZER)
+            after_step(optimizer, (), {}, inferring=False)
             result = closure()
-            probe.phase_begin(OPTIMIZER)
+            before_step(optimizer, (optimizer,), {})
             return result
 
         if len(args) > 1:
             return (args[0], timed_closure, *args[2:]), kwargs
         return args, {**kwargs, "closure": timed_closure}
 
-    def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-        probe.phase_end(OPTIMIZER)
-        if probe.auto_steps:
+    def after_step(optimizer: Any, args: Any, kwargs: Any, inferring: bool = True) -> None:
+        if timed[0] == id(optimizer):
+            timed[0] = 0
+            if probe.plain and probe.open_phase == OPTIMIZER:
+                probe.sums[OPTIMIZER] += _now_ns() - timed[1]
+                probe.open_phase = NO_PHASE
+            else:
+                probe.phase_end(OPTIMIZER, timed[1])
+        if inferring and probe.auto_steps:
             probe.optimizer_stepped(optimizer)
 
     _undo.append(register_optimizer_step_pre_hook(before_step).remove)
@@ -391,9 +433,35 @@ def _timed_call(original: Callable[..., Any], tensor_type: type,
         if traced is None or is_compiling():
             return original(self, *args, **kwargs)
         probe = traced.probe
-        if probe.phase_begin(FORWARD):
-            probe.forward_calls += 1
-            probe.samples += _batch_size(args, kwargs, tensor_type)
+        if not probe.plain or probe.open_phase != NO_PHASE or traced.token_inputs is not False:
+            return timed_in_general(traced, probe, self, args, kwargs)
+        # The common case, the outermost call in a plain step: timed inline (see StepProbe.plain).
+        sums = probe.sums
+        sums[FORWARD_CALLS] += 1
+        if args and isinstance(args[0], tensor_type):  # model(inputs)
+            shape = args[0].shape
+            sums[SAMPLES] += shape[0] if shape else 1
+        else:
+            sums[SAMPLES] += _batch_size(args, kwargs, tensor_type)
+        probe.open_phase = FORWARD
+        start_ns = _now_ns()
+        try:
+            return original(self, *args, **kwargs)
+        except BaseException:
+            probe.note_failure(FORWARD)
+            raise
+        finally:
+            if probe.open_phase == FORWARD:
+                sums[FORWARD] += _now_ns() - start_ns
+                probe.open_phase = NO_PHASE
+
+    def timed_in_general(traced: _TracedModel, probe: StepProbe, self: Any, args: tuple, kwargs: dict) -> Any:
+        """Any call: inside another phase, outside the steps (evaluation), the first call,
+        token inputs, on CUDA, or on a deep-dive step."""
+        start_ns = probe.phase_begin(FORWARD)
+        if start_ns:
+            probe.sums[FORWARD_CALLS] += 1
+            probe.sums[SAMPLES] += _batch_size(args, kwargs, tensor_type)
             if traced.token_inputs is None:
                 traced.token_inputs = _token_ids(args, kwargs, tensor_type) is not None
             if traced.token_inputs:
@@ -405,19 +473,20 @@ def _timed_call(original: Callable[..., Any], tensor_type: type,
             finally:
                 probe.window[EVAL_NS] += _now_ns() - start_ns
         try:
-            layers = probe.layers
-            if layers is not None and layers.active:  # a deep-dive step: count saved tensors
-                with layers.saved_tensors_context():
+            if probe.layers_active and probe.layers.active:  # a deep-dive step: count saved tensors
+                with probe.layers.saved_tensors_context():
                     return original(self, *args, **kwargs)
             return original(self, *args, **kwargs)
         except BaseException:
             probe.note_failure(FORWARD)
             raise
         finally:
-            probe.phase_end(FORWARD)
+            if start_ns:
+                probe.phase_end(FORWARD, start_ns)
 
     call.__wrapped__ = original  # type: ignore[attr-defined]
     _run_eagerly_under_dynamo(call)
+    _run_eagerly_under_dynamo(timed_in_general)
     return call
 
 
@@ -568,38 +637,47 @@ def owner_of(parameter_ids: set) -> Callable[[Any], bool]:
     return lambda module: any(id(parameter) in parameter_ids for parameter in module.parameters())
 
 
-def _time_ddp_collectives(probe: StepProbe, model: Any) -> None:
-    """Under DDP, note when each gradient bucket is ready, so backward splits into this rank's
-    own compute and its wait for the others (the straggler is the rank that waits least).
+_ddp_models: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the traced DDP models
 
-    DDP's default all-reduce, run through a comm hook that first notes the time. DDP accepts
-    one comm hook per model and only before its first backward: if the user registered one,
-    or it is too late, collective wait is simply not measured.
+
+def _time_ddp_collectives(probe: StepProbe, model: Any) -> None:
+    """Under DDP, backward splits into this rank's own compute and its wait for the others'
+    all-reduce (the straggler is the rank that waits least): see _when_gradients_done.
+
+    No comm hook: any Python comm hook (torch's own allreduce_hook too) costs each bucket tens
+    of µs (benchmarks/overhead.py), and DDP keeps its C++ all-reduce only without one.
     """
     try:
         from torch.nn.parallel import DistributedDataParallel
     except ImportError:  # a torch built without distributed support
         return
-    if not isinstance(model, DistributedDataParallel):
-        return
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    if isinstance(model, DistributedDataParallel):
+        _ddp_models.add(model)
+        probe.comm_timed = True
 
-    # No annotations: DDP checks the names `state` and `bucket`, and any annotation's type.
-    def timed_allreduce(state, bucket):  # type: ignore[no-untyped-def]
-        probe.note_bucket_ready()
-        return allreduce_hook(state, bucket)
 
-    try:
-        model.register_comm_hook(model.process_group, timed_allreduce)
-    except Exception as exc:
-        log.info("traceml: DDP collective wait not measured (%s)", exc)
-        return
-    # DDP's reducer keeps the hook; the wrapper's own list would carry it into a pickle of the
-    # user's model (and fail there: it is a local function). Left as the user made it.
-    own_hooks = model.__dict__.get("_comm_hooks")
-    if own_hooks and own_hooks[-1][0] is timed_allreduce:
-        own_hooks.pop()
-    probe.comm_timed = True
+def _when_gradients_done(probe: StepProbe, args: tuple, kwargs: dict) -> Any:
+    """Have probe.note_gradients_done run once this backward has computed every gradient: a
+    final callback queued with the autograd engine from a hook on the graph's root, which runs
+    first. Final callbacks run in the order queued once the graph is done, and DDP queues its
+    own (which waits for the all-reduce) when its last bucket is ready, so after this one.
+    Returns the hook's handle, removed after backward (the graph may be kept and run again);
+    None when no DDP model reduces in this backward (no_sync, gradient accumulation)."""
+    import torch
+
+    if not any(model.require_backward_grad_sync for model in _ddp_models):
+        return None
+    tensors = args[0] if args else kwargs.get("tensors")
+    root = tensors if isinstance(tensors, torch.Tensor) else next(iter(tensors or ()), None)
+    node = getattr(root, "grad_fn", None)
+    if node is None:
+        return None
+    queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+    def at_backward_start(grad_outputs: Any) -> None:
+        queue_callback(probe.note_gradients_done)
+
+    return node.register_prehook(at_backward_start)
 
 
 def _token_ids(args: tuple, kwargs: dict, tensor_type: type) -> Any:
@@ -619,7 +697,7 @@ def _count_tokens(probe: StepProbe, args: tuple, kwargs: dict, tensor_type: type
     ids = _token_ids(args, kwargs, tensor_type)
     if ids is None:
         return
-    probe.tokens += ids.numel()
+    probe.sums[TOKENS] += ids.numel()
     mask = kwargs.get("attention_mask")
     if not isinstance(mask, tensor_type):
         return

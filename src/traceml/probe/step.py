@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import socket
 import sys
@@ -27,35 +28,40 @@ from traceml.records import (STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FR
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
 
-# Accumulators of a step's whole window (the step and the gap after it), in one list updated in
-# place: garbage-collector pauses [pause ns, collections, longest pause ns, full (generation 2)
-# collections, pause ns of generations 0, 1 and 2], then evaluation, checkpoint-save and
-# torch.compile ns, and of the saves the ns between steps (a save after the last step is not
-# that step's: see finish).
+# Accumulators of a step's whole window (the step and the gap after it), a new list for each
+# window (the old one goes out with the step): garbage-collector pauses [pause ns, collections,
+# longest pause ns, full (generation 2) collections, pause ns of generations 0, 1 and 2], then
+# evaluation, checkpoint-save and torch.compile ns, and of the saves the ns between steps (a save
+# after the last step is not that step's: see finish).
 _WINDOW_ZEROS = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 EVAL_NS, CHECKPOINT_NS, COMPILE_NS, CHECKPOINT_BETWEEN_NS = 7, 8, 9, 10
 _NOT_A_STEP = RuntimeError("not a step")  # ends an inferred step without a record
-# Phase slots in the probe's accumulators; the order matches the StepRecord fields.
-H2D, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
+# Accumulators of the step in flight, a new list for each step (the old one goes out with the
+# step): the phases' ns (their order matches the StepRecord fields), the input wait inside the
+# block, the traced model's outermost calls, the samples and tokens given to it, and under DDP
+# the collective wait inside backward. One list, so that starting a step is one store.
+H2D, FORWARD, BACKWARD, OPTIMIZER, INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, TOKENS, COMM_WAIT_NS = range(9)
+_STEP_ZEROS = (0, 0, 0, 0, 0, 0, 0, 0, 0)
 PHASE_NAMES = ("h2d", "forward", "backward", "optimizer")
 NO_PHASE = -1
+_END_NS, _EVENTS = 2, 7  # in the closed step's tuple (see exit): its end, its (start, end, phase) events
 
 
 class StepProbe:
     """Per-process probe state: the step in flight, the one before it, and their clocks."""
 
-    # Slots, not a __dict__: every attribute here is touched on every step.
-    __slots__ = ("sender", "timeline", "device_memory", "host_rss", "rank", "exit_code",
-                 "setup_started_ns", "in_step", "_step_depth", "step_index", "_step_start_ns",
-                 "_unix_at_zero_s", "_start_event", "open_phase", "_open_depth",
-                 "_open_start_ns", "_open_event", "phase_ns", "_phase_events",
-                 "input_wait_inside_ns", "forward_calls", "samples", "input_wait_gap_ns", "window",
-                 "_gc_start_ns", "_closed", "comm_timed", "_comm_wait_ns",
-                 "_bucket_ready_ns", "_bucket_event", "layers", "failed_phase", "auto_steps",
-                 "spans", "_unconfirmed", "_backward_ends_steps", "_step_optimizer", "_last_optimizer",
-                 "_turn_known", "_optimizers_seen", "_model_wait_ends", "in_evaluation", "_evaluation_start_ns", "steps_from",
-                 "_grad_enabled", "tokens", "real_tokens", "token_copies", "tail_eval_ns",
-                 "tail_checkpoint_ns")
+    # Slots, not a __dict__. Those a step touches come first, next to each other: a step's
+    # cost is mostly cache misses on state the model's own work pushed out of the cache.
+    __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "_step_depth", "setup_started_ns",
+                 "timeline", "_closed", "sender", "input_wait_gap_ns", "_start_event", "real_tokens",
+                 "token_copies", "failed_phase", "step_index", "layers_due_step", "_step_start_ns",
+                 "layers_active", "_unconfirmed", "host_rss", "_phase_events", "_gradients_done_ns",
+                 "in_evaluation", "comm_timed", "_open_event", "_gc_start_ns",
+                 # the rest: set-up, deep-dive, inferred steps, DDP, spans, the end of the run
+                 "device_memory", "rank", "exit_code", "_unix_at_zero_s", "_gradients_done_event", "_layers",
+                 "spans", "_backward_ends_steps", "_step_optimizer", "_last_optimizer", "_turn_known",
+                 "_optimizers_seen", "_model_wait_ends", "_evaluation_start_ns", "steps_from",
+                 "_grad_enabled", "tail_eval_ns", "tail_checkpoint_ns")
 
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
                  host_rss: Any = None):
@@ -68,6 +74,8 @@ class StepProbe:
         self.setup_started_ns = 0
 
         self.in_step = False
+        # In a step the patches may time inline, without phase_begin and phase_end (see enter).
+        self.plain = False
         self._step_depth = 0
         self.step_index = 0
         self._step_start_ns = 0
@@ -76,32 +84,30 @@ class StepProbe:
         self._start_event: Any = None
         # The open phase: only the outermost traced call of a phase is timed.
         self.open_phase = NO_PHASE
-        self._open_depth = 0
-        self._open_start_ns = 0
         self._open_event: Any = None
-        # Accumulators of the step in flight.
-        self.phase_ns = [0, 0, 0, 0]
+        # Accumulators of the step in flight (see _STEP_ZEROS).
+        self.sums = [*_STEP_ZEROS]
         self._phase_events: List[Tuple[str, Any, Any]] = []
-        self.input_wait_inside_ns = 0
-        self.forward_calls = 0
-        self.samples = 0
-        # Token inputs: tokens given (padding included), and the real ones per attention_mask
-        # (None: no mask seen); a mask on the device is summed there and copied without waiting.
-        self.tokens = 0
+        # Token inputs: tokens given (padding included) are summed in sums[TOKENS], the real
+        # ones per attention_mask here (None: no mask seen); a mask on the device is summed
+        # there and copied without waiting.
         self.real_tokens: Optional[int] = None
         self.token_copies: List[Any] = []
         # Accumulators of the whole window (step plus the gap after it).
         self.input_wait_gap_ns = 0
         # The window's GC pauses, evaluation and checkpoint saves (see _WINDOW_ZEROS), added to
         # in place by gc_callback, the model's calls outside steps and torch.save.
-        self.window = list(_WINDOW_ZEROS)
+        self.window = [*_WINDOW_ZEROS]
         self._gc_start_ns = 0
-        # Under DDP (a timed comm hook): collective wait inside backward, see note_bucket_ready.
+        # Under DDP: collective wait inside backward, see note_gradients_done.
         self.comm_timed = False
-        self._comm_wait_ns = 0
-        self._bucket_ready_ns = 0
-        self._bucket_event: Any = None
-        self.layers: Any = None  # a LayerProbe under deep-dive (trace_model_instance)
+        self._gradients_done_ns = 0
+        self._gradients_done_event: Any = None
+        self._layers: Any = None  # a LayerProbe under deep-dive (trace_model_instance): see layers
+        # The next step whose start calls layers.begin_step (the LayerProbe says, after each
+        # call), and whether this step runs its hooks or FLOP counter: most steps skip both.
+        self.layers_due_step = math.inf
+        self.layers_active = False
         self.tail_eval_ns = self.tail_checkpoint_ns = 0  # after the last step (see finish)
         self.failed_phase = NO_PHASE  # the phase an exception left through, for an OOM report
         # No trace_step in the loop (zero-code mode, the Trace API): a step starts at its first
@@ -123,118 +129,130 @@ class StepProbe:
         # User spans of the current window, summed by name: name -> [step, first start ns,
         # total ns, calls]; sent as one SpanRecord per name and step.
         self.spans: dict = {}
-        # The closed step waiting for the next start to end its window (see exit for its layout).
+        # The closed step waiting for the next start to end its window (see exit for its layout:
+        # _END_NS and _EVENTS name the fields read before the sender's record_from).
         self._closed: Optional[tuple] = None
         # Inferred steps: the step before, its window ended at this step's start, held until
         # this one proves to be a step (see exit).
         self._unconfirmed: Optional[tuple] = None
 
     # -- step boundaries: `with trace_step(model):` enters and exits the probe itself ---------
-    def __enter__(self) -> "StepProbe":
+    def enter(self, now: int = 0) -> "StepProbe":
+        """Start a step (the with block's __enter__; now: when it started, if not now)."""
+        if self._step_depth:
+            self._step_depth += 1  # a nested trace_step (an integration inside a user's block)
+            return self
         try:
-            self.enter()
+            self._step_depth = 1
+            now = now or _now_ns()
+            if self.setup_started_ns:
+                # The first step began when trace_step was first called; the probe's own set-up
+                # (imports, patches) is part of it, so even step 0 adds up to the loop's clock.
+                now, self.setup_started_ns = self.setup_started_ns, 0
+            timeline = self.timeline
+            if timeline is not None:
+                self._start_event = timeline.record()
+                self._phase_events = []
+                self.device_memory.reset_peak()
+            closed = self._closed
+            if closed is not None:
+                # The step before ends its window now. The arithmetic happens on the sender's
+                # thread (record_from): here, one tuple; the window's list goes with it.
+                self._closed = None
+                if timeline is None and not self.auto_steps:
+                    self.sender.push((closed, now, self.input_wait_gap_ns, self.window))
+                elif self.auto_steps:  # sent once this step proves to be one (see exit)
+                    self._unconfirmed = (closed, now, self.input_wait_gap_ns, self.window, self._start_event)
+                else:
+                    self._end_window(closed, now, self.input_wait_gap_ns, self.window, self._start_event)
+            self.window = [*_WINDOW_ZEROS]
+            self.sums = [*_STEP_ZEROS]
+            self.input_wait_gap_ns = 0
+            self.real_tokens = None
+            if self.token_copies:
+                self.token_copies = []
+            self.failed_phase = NO_PHASE
+            if self.step_index >= self.layers_due_step:
+                self.layers.begin_step(self.step_index)
+            self._step_start_ns = now
+            self.in_step = True
+            # The common step: host clock, no deep-dive sample, no DDP. The patches then time a
+            # phase inline (a call of phase_begin and phase_end costs about a µs inside a
+            # training step, whose own work has pushed them out of the cache).
+            self.plain = timeline is None and not self.layers_active and not self.comm_timed
         except Exception:  # the training comes first: a fault here costs telemetry only
             _disable("trace_step enter")
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        try:
-            self.exit(failed=exc if exc_type is not None else None)
-        except Exception:
-            _disable("trace_step exit")
-        return False
+    __enter__ = enter  # one call less a step than a method that calls enter
 
-    def enter(self, now: int = 0) -> None:
-        if self._step_depth:
-            self._step_depth += 1  # a nested trace_step (an integration inside a user's block)
-            return
-        self._step_depth = 1
-        now = now or _now_ns()
-        if self.setup_started_ns:
-            # The first step began when trace_step was first called; the probe's own set-up
-            # (imports, patches) is part of it, so even step 0 adds up to the loop's clock.
-            now, self.setup_started_ns = self.setup_started_ns, 0
-        closed = self._closed
-        if self.timeline is not None:
-            self._start_event = self.timeline.record()
-        if closed is not None:
-            # The arithmetic happens on the sender's thread (record_from): here, one tuple.
-            ending = (closed, now, self.input_wait_gap_ns, tuple(self.window), self._start_event)
-            if self.auto_steps:
-                self._unconfirmed = ending  # sent once this step proves to be one (see exit)
-            else:
-                self._end_window(*ending)
-        if self.timeline is not None:
-            self._phase_events = []
-            self.device_memory.reset_peak()
-        self._closed = None
-        self.window[:] = _WINDOW_ZEROS
-        self.input_wait_gap_ns = self.input_wait_inside_ns = 0
-        phase_ns = self.phase_ns
-        phase_ns[0] = phase_ns[1] = phase_ns[2] = phase_ns[3] = 0
-        self.forward_calls = self.samples = self._comm_wait_ns = self.tokens = 0
-        self.real_tokens = None
-        if self.token_copies:
-            self.token_copies = []
-        self.failed_phase = NO_PHASE
-        if self.layers is not None:
-            self.layers.begin_step(self.step_index)
-        self._step_start_ns = now
-        self.in_step = True
-
-    def exit(self, failed: Optional[BaseException]) -> None:
+    def exit(self, exc_type: Any = None, failed: Optional[BaseException] = None, tb: Any = None) -> None:
+        """End the step (the with block's __exit__; failed: the exception leaving it, if any)."""
         if self._step_depth > 1:
             self._step_depth -= 1
             return
         now = _now_ns()
-        self._step_depth = 0
-        self.in_step = False
-        if failed is not None and _is_out_of_memory(failed):
-            self._report_oom(failed)
-        self.open_phase = NO_PHASE
-        self._open_depth = 0
-        instrumented = False
-        if self.layers is not None:
-            instrumented = self.layers.instrumenting  # a deep-dive sample or the FLOP count
-            self.layers.end_step()
-        unconfirmed, self._unconfirmed = self._unconfirmed, None
-        if failed is not None:
-            # The step did not finish: it is not a step. Its window never closes, so the
-            # previous steps keep their figures and the next step starts afresh.
-            if unconfirmed is not None:
-                # Inferred, the step before was waiting for this one to prove a step before
-                # closing its window at its start. It did not (work after the last update, an
-                # evaluation with gradients on): that step's window ends where it ended, and
-                # the planned work counted since is not its.
-                closed, _, _, window, _ = unconfirmed
-                self._end_window(closed, closed[2], 0, window[:EVAL_NS] + (0, 0, 0, 0), None)
-            # Its phase events go back to the pool; its start event stays out, since the step
-            # before it may still be waiting on that event as the end of its window.
-            if self.timeline is not None:
-                for _, begin, end in self._phase_events:
-                    self.timeline.release(begin)
-                    self.timeline.release(end)
-            return
-        if unconfirmed is not None:
-            self._end_window(*unconfirmed)
-        h2d_ns, forward_ns, backward_ns, optimizer_ns = self.phase_ns
-        if self.timeline is None:
-            end_event = allocated = peak = reserved = None
-        else:
-            end_event = self.timeline.record()
-            allocated, peak, reserved = self.device_memory.read()
-        # The sender thread reads RSS (a /proc read costs the thread that makes it far more
-        # than its few µs on a VM); a step takes the latest reading.
-        rss = self.host_rss.latest_bytes if self.host_rss is not None else None
-        # One flat tuple of scalars (and, on CUDA, events): cheap to build, nothing for gc to track.
-        self._closed = (self.step_index, self._step_start_ns, now, h2d_ns, forward_ns, backward_ns,
-                        optimizer_ns, self.input_wait_inside_ns, self.forward_calls, self.samples,
-                        self._comm_wait_ns if self.comm_timed else None,
-                        allocated, peak, reserved, self._start_event, end_event, self._phase_events,
-                        rss, self.tokens, self.real_tokens, self.token_copies, instrumented)
-        self.step_index += 1
+        try:
+            self._step_depth = 0
+            self.in_step = self.plain = False
+            if failed is not None and _is_out_of_memory(failed):
+                self._report_oom(failed)
+            self.open_phase = NO_PHASE
+            instrumented = self.layers_active  # a deep-dive sample or the FLOP count: not the user's speed
+            if instrumented:
+                self.layers.end_step()
+            timeline = self.timeline
+            unconfirmed = self._unconfirmed
+            if unconfirmed is not None and failed is None and timeline is None:
+                # Inferred: this step proved one, so the step before ends at its start.
+                self._unconfirmed = None
+                self.sender.push(unconfirmed[:4])
+            elif (failed is not None or unconfirmed is not None) and not self._settle_inferred(failed):
+                return
+            if timeline is None:
+                end_event = allocated = peak = reserved = None
+            else:
+                end_event = timeline.record()
+                allocated, peak, reserved = self.device_memory.read()
+            # The sender thread reads RSS (a /proc read costs the thread that makes it far more
+            # than its few µs on a VM); a step takes the latest reading.
+            host_rss = self.host_rss
+            # One flat tuple: the arithmetic happens on the sender's thread (record_from).
+            self._closed = (self.step_index, self._step_start_ns, now, self.sums, allocated, peak, reserved,
+                            self._start_event, end_event, self._phase_events,
+                            host_rss.latest_bytes if host_rss is not None else None,
+                            self.real_tokens, self.token_copies, instrumented)
+            self.step_index += 1
+        except Exception:  # the training comes first: a fault here costs telemetry only
+            _disable("trace_step exit")
 
-    def _end_window(self, closed: tuple, window_end_ns: int, input_wait_gap_ns: int, window: tuple,
+    __exit__ = exit
+
+    def _settle_inferred(self, failed: Optional[BaseException]) -> bool:
+        """A step that failed, or an inferred one whose predecessor waits on it: send that
+        predecessor as it should end. False when this step is not a step."""
+        unconfirmed, self._unconfirmed = self._unconfirmed, None
+        if failed is None:
+            self._end_window(*unconfirmed)  # this step proved one: the step before ends at its start
+            return True
+        # The step did not finish: it is not a step. Its window never closes, so the
+        # previous steps keep their figures and the next step starts afresh.
+        if unconfirmed is not None:
+            # Inferred, the step before was waiting for this one to prove a step before
+            # closing its window at its start. It did not (work after the last update, an
+            # evaluation with gradients on): that step's window ends where it ended, and
+            # the planned work counted since is not its.
+            closed, _, _, window, _ = unconfirmed
+            self._end_window(closed, closed[_END_NS], 0, [*window[:EVAL_NS], 0, 0, 0, 0], None)
+        # Its phase events go back to the pool; its start event stays out, since the step
+        # before it may still be waiting on that event as the end of its window.
+        if self.timeline is not None:
+            for _, begin, end in self._phase_events:
+                self.timeline.release(begin)
+                self.timeline.release(end)
+        return False
+
+    def _end_window(self, closed: tuple, window_end_ns: int, input_wait_gap_ns: int, window: list,
                     next_start_event: Any) -> None:
         """Send a closed step whose window ends now: as it is on the CPU; on CUDA, to the
         timeline, which sends it once its events (and the next step's start) are done."""
@@ -244,16 +262,18 @@ class StepProbe:
             return
         from traceml.probe.clock import PendingDeviceStep
 
-        self.timeline.submit(PendingDeviceStep(raw, closed[14], closed[15], next_start_event,
-                                               closed[16]))
+        start_event, end_event, phase_events = closed[_EVENTS:_EVENTS + 3]
+        self.timeline.submit(PendingDeviceStep(raw, start_event, end_event, next_start_event, phase_events))
 
     def record_from(self, raw: tuple) -> StepRecord:
         """The StepRecord of a closed step whose window ends at window_end_ns (sender's thread)."""
         closed, window_end_ns, input_wait_gap_ns, window = raw
         (gc_ns, gc_collections, gc_max_ns, gc_full, gen0_ns, gen1_ns, gen2_ns, eval_ns, checkpoint_ns,
          compile_ns, _) = window
-        (step, start_ns, end_ns, h2d_ns, forward_ns, backward_ns, optimizer_ns, input_wait_inside_ns,
-         forward_calls, samples, comm_wait_ns, allocated, peak, reserved) = closed[:14]
+        (step, start_ns, end_ns, sums, allocated, peak, reserved, _, _, _, rss, real_tokens, token_copies,
+         instrumented) = closed
+        (h2d_ns, forward_ns, backward_ns, optimizer_ns, input_wait_inside_ns, forward_calls, samples, tokens,
+         comm_wait_ns) = sums
         gap_ns = window_end_ns - end_ns
         untraced_ns = (end_ns - start_ns - h2d_ns - forward_ns - backward_ns - optimizer_ns
                        - input_wait_inside_ns)
@@ -267,12 +287,12 @@ class StepProbe:
             optimizer_ms=optimizer_ns / 1e6, untraced_ms=max(0, untraced_ns) / 1e6,
             gc_ms=gc_ns / 1e6, gc_collections=gc_collections, forward_calls=forward_calls,
             samples=samples, device_allocated_bytes=allocated, device_peak_bytes=peak,
-            device_reserved_bytes=reserved, host_rss_bytes=closed[17],
-            tokens=closed[18], real_tokens=_real_tokens(closed[19], closed[20]),
-            comm_wait_ms=comm_wait_ns / 1e6 if comm_wait_ns is not None else None,
+            device_reserved_bytes=reserved, host_rss_bytes=rss,
+            tokens=tokens, real_tokens=_real_tokens(real_tokens, token_copies),
+            comm_wait_ms=comm_wait_ns / 1e6 if self.comm_timed else None,
             gc_max_pause_ms=gc_max_ns / 1e6, gc_full_collections=gc_full,
             gc_gen0_ms=gen0_ns / 1e6, gc_gen1_ms=gen1_ns / 1e6, gc_gen2_ms=gen2_ns / 1e6,
-            eval_ms=eval_ns / 1e6, checkpoint_ms=checkpoint_ns / 1e6, instrumented=closed[21],
+            eval_ms=eval_ns / 1e6, checkpoint_ms=checkpoint_ns / 1e6, instrumented=instrumented,
             compile_ms=compile_ns / 1e6)
         layers = self.layers
         if layers is not None and layers.watch is not None:
@@ -300,7 +320,7 @@ class StepProbe:
             self.tail_checkpoint_ns += window[CHECKPOINT_BETWEEN_NS]
             window[CHECKPOINT_NS] -= window[CHECKPOINT_BETWEEN_NS]
             window[EVAL_NS] = window[CHECKPOINT_BETWEEN_NS] = 0
-            self._end_window(closed, closed[2], 0, tuple(window), None)
+            self._end_window(closed, closed[_END_NS], 0, tuple(window), None)
 
     def evaluation_begin(self) -> bool:
         """A trainer's evaluation starts (Trainer.evaluate, Lightning's validation); False when
@@ -325,33 +345,28 @@ class StepProbe:
                           tail_checkpoint_ms=(self.tail_checkpoint_ns + window[CHECKPOINT_BETWEEN_NS]) / 1e6)
 
     # -- phases, called by the patches in probe.phases ----------------------------------------
-    def phase_begin(self, phase: int) -> bool:
-        """Open a phase; True when this call is the outermost one and is being timed."""
+    def phase_begin(self, phase: int) -> int:
+        """Open a phase. Returns its start (ns) when this call is the outermost one and is
+        timed, else 0 (inside another phase or outside the steps); only a caller given a start
+        ends the phase, with phase_end(phase, start), so nested calls need no counting."""
         if not self.in_step:
             if not self.auto_steps or (phase == FORWARD and not self._grad_enabled()):
-                return False  # a forward without gradients (evaluation) starts no step
+                return 0  # a forward without gradients (evaluation) starts no step
             self.enter()  # steps inferred from the optimizer: the first phase opens one
         if self.open_phase != NO_PHASE:
-            if self.open_phase == phase:
-                self._open_depth += 1
-            return False
+            return 0
         self.open_phase = phase
-        self._open_depth = 1
         if self.timeline is not None:
             self._open_event = self.timeline.record()
-        self._open_start_ns = _now_ns()
-        return True
+        return _now_ns()
 
-    def phase_end(self, phase: int) -> None:
-        if self.open_phase != phase:
-            return
-        self._open_depth -= 1
-        if self._open_depth:
+    def phase_end(self, phase: int, start_ns: int) -> None:
+        if self.open_phase != phase:  # the step ended meanwhile
             return
         now = _now_ns()
-        self.phase_ns[phase] += now - self._open_start_ns
+        self.sums[phase] += now - start_ns
         self.open_phase = NO_PHASE
-        if self.timeline is not None or self._bucket_ready_ns or self.layers is not None:
+        if self.timeline is not None or self._gradients_done_ns or self.layers_active:
             self._phase_end_extras(phase, now)  # off the plain CPU path, which ends here
 
     def _phase_end_extras(self, phase: int, now: int) -> None:
@@ -359,15 +374,15 @@ class StepProbe:
         end_event = self.timeline.record() if self.timeline is not None else None
         if end_event is not None:
             self._phase_events.append((PHASE_NAMES[phase], self._open_event, end_event))
-        if phase == BACKWARD and self.layers is not None and self.layers.active:
+        if phase == BACKWARD and self.layers_active and self.layers.active:
             self.layers.backward_done()
-        if self._bucket_ready_ns and phase == BACKWARD:
-            # From this rank's last gradient bucket to backward's end: waiting for the others.
-            self._comm_wait_ns += now - self._bucket_ready_ns
-            self._bucket_ready_ns = 0
+        if self._gradients_done_ns and phase == BACKWARD:
+            # From this rank's last gradient to backward's end: waiting for the others.
+            self.sums[COMM_WAIT_NS] += now - self._gradients_done_ns
+            self._gradients_done_ns = 0
             if end_event is not None:
-                self._phase_events.append(("comm_wait", self._bucket_event, end_event))
-                self._bucket_event = None
+                self._phase_events.append(("comm_wait", self._gradients_done_event, end_event))
+                self._gradients_done_event = None
 
     def optimizer_stepped(self, optimizer: Any) -> None:
         """Inferred steps: the update that ends a step. With several optimizers stepping in
@@ -377,6 +392,10 @@ class StepProbe:
         optimizer's model is forward."""
         optimizer_id, last_id = id(optimizer), self._last_optimizer
         self._last_optimizer = optimizer_id
+        if optimizer_id == self._step_optimizer and self._turn_known and self._model_wait_ends is None:
+            if self.in_step and self.open_phase == NO_PHASE:  # every step once the turn is known
+                self.exit()
+            return
         if optimizer_id not in self._optimizers_seen:
             self._optimizers_seen.add(optimizer_id)
             if _time_the_model_of(optimizer):
@@ -401,7 +420,7 @@ class StepProbe:
                 self._step_optimizer = last_id  # another stepped since: it ends the turn
                 return
         if self.in_step and self.open_phase == NO_PHASE:
-            self.exit(None)
+            self.exit()
 
     def backward_returned(self) -> None:
         """Inferred steps in a loop that no torch.optim optimizer updates (manual SGD, a custom
@@ -414,7 +433,7 @@ class StepProbe:
             if self._backward_ends_steps:
                 self.set_steps_from(STEPS_FROM_BACKWARD)
         if self._backward_ends_steps:
-            self.exit(None)
+            self.exit()
 
     def stop_inferring_steps(self) -> None:
         """An explicit trace_step appeared: it decides the steps from now on. A step inferred
@@ -426,6 +445,17 @@ class StepProbe:
         disarm_first_call()
         if self.in_step:
             self.exit(failed=_NOT_A_STEP)
+
+    @property
+    def layers(self) -> Any:
+        """The LayerProbe under deep-dive, or None."""
+        return self._layers
+
+    @layers.setter
+    def layers(self, layers: Any) -> None:
+        # Deep-dive from the next step on; the LayerProbe then says which steps need it.
+        self._layers = layers
+        self.layers_due_step = 0 if layers is not None else math.inf
 
     def set_steps_from(self, how: str) -> None:
         self.steps_from = self.sender.steps_from = how
@@ -484,22 +514,22 @@ class StepProbe:
             host_rss_bytes=self.host_rss.latest_bytes if self.host_rss is not None else None,
             largest_layers=largest))
 
-    def note_bucket_ready(self) -> None:
-        """Called by the DDP comm hook as each gradient bucket is ready; the last one counts."""
+    def note_gradients_done(self) -> None:
+        """DDP: backward has computed this rank's gradients (phases._when_gradients_done); from
+        now to backward's end the rank waits for the others' all-reduce."""
         if self.open_phase != BACKWARD:
             return
-        self._bucket_ready_ns = _now_ns()
+        self._gradients_done_ns = _now_ns()
         if self.timeline is not None:
-            if self._bucket_event is not None:  # an earlier bucket of this backward: not the last
-                self.timeline.release(self._bucket_event)
-            self._bucket_event = self.timeline.record()
+            if self._gradients_done_event is not None:  # an earlier backward's, never ended
+                self.timeline.release(self._gradients_done_event)
+            self._gradients_done_event = self.timeline.record()
 
     def cancel_phase(self, phase: int) -> None:
         """Close a phase that turned out not to be one (a `.to()` that moved nothing)."""
         if self.open_phase != phase:
             return
         self.open_phase = NO_PHASE
-        self._open_depth = 0
         if self.timeline is not None:
             self.timeline.release(self._open_event)
 
@@ -569,6 +599,9 @@ _trace_step: Any = None
 _hooked_models: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _disabled = False
+# The model trace_step was last called with, once set up (a weakref, or _no_model): the same
+# model again returns the probe at once. Cleared by detach and _disable.
+_ready_for: Any = None
 _explicit_steps_seen = False  # a trace_step was used: steps are never inferred in this process
 _create_options: dict = {}  # how infer_steps wants the probe made: web_port, run_name, profile_memory
 first_call_ns = 0  # set by traceml.trace_step before it imports this module
@@ -579,8 +612,9 @@ ENV_AUTO_CAPTURE = "TRACEML_AUTO_CAPTURE"  # "0" (traceml run --no-auto-capture)
 
 def _disable(where: str) -> None:
     """After an internal fault: take the patches out and stay out of the training's way."""
-    global _disabled
+    global _disabled, _ready_for
     _disabled = True
+    _ready_for = None
     log.warning("traceml: disabled after an internal error in %s; training continues untraced",
                 where, exc_info=True)
     try:
@@ -591,6 +625,10 @@ def _disable(where: str) -> None:
 
 def trace_step(model: Any = None) -> Any:
     """Trace one optimizer step: `with traceml.trace_step(model): ...`."""
+    global _ready_for
+    ready = _ready_for
+    if ready is not None and ready() is model:  # every step after the first: nothing to set up
+        return _trace_step
     if _disabled:
         return _NO_TRACE
     if (_trace_step is None or _trace_step.auto_steps
@@ -601,7 +639,16 @@ def trace_step(model: Any = None) -> Any:
         except Exception:
             _disable("setup")
             return _NO_TRACE
+    try:  # a weak reference: the model is the user's to free
+        _ready_for = weakref.ref(model) if model is not None else _no_model
+    except TypeError:  # not weakly referable: this model takes the checks above each step
+        _ready_for = None
     return _trace_step
+
+
+def _no_model() -> None:
+    """What _ready_for returns when trace_step was last set up without a model."""
+    return None
 
 
 def _note_explicit_steps() -> None:
@@ -743,8 +790,10 @@ def detach() -> None:
 
     The last step's window closes at its end. The next trace_step attaches everything again.
     """
-    global _trace_step
+    global _trace_step, _ready_for
     from traceml.probe.phases import remove_patches
+
+    _ready_for = None
 
     with _lock:
         if _probe is None:
