@@ -14,6 +14,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -172,36 +173,34 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         run_dir = rundir.default_run_dir(launch.script.name)
 
-    from traceml.collector.server import Collector
-    from traceml.collector.store import Store
-    from traceml.collector.system import SystemSampler
-
     writable_dir, warning = rundir.prepare(run_dir)
     if warning:
         print(warning, file=sys.stderr)
-    store = Store(rundir.store_path(writable_dir))
-    collector = Collector(store, launch.collector_host, launch.collector_port,
-                          token=os.environ.get(rendezvous.ENV_TOKEN, ""))
     try:
-        address = collector.start()
+        listening = rendezvous.listen(launch.collector_host, launch.collector_port)
     except OSError as exc:
         return _fail(f"cannot listen on {launch.collector_host}:{launch.collector_port} "
                      f"for the collector: {exc.strerror or exc}")
-    child_pids: Set[int] = set()
-    sampler = SystemSampler(collector.ingest, lambda: child_pids | collector.training_pids)
-
+    address = f"{launch.collector_host}:{listening.getsockname()[1]}"  # as Collector.address
     env = _probe_env(args)
     env[rendezvous.ENV_COLLECTOR] = address
     env[ENV_RUN_DIR] = os.fspath(run_dir)
     started = time.time()
     mode = args.mode or ("cli" if sys.stdout.isatty() else "summary")
     live = mode == "cli"
-    try:
-        web, metrics_server = _start_views(args, mode, writable_dir, store, collector,
-                                           launch.script.name, started)
-    except OSError as exc:
-        collector.stop()
-        return _fail(str(exc))
+    # The dashboard's and /metrics' ports are checked before the script starts (one in use
+    # says so and runs nothing), so those views and the collector they read start first.
+    # Otherwise the script starts at once and the collector is set up while it imports: what
+    # `traceml run` adds to a run's wall time is its own start and the end-of-run files.
+    web = metrics_server = None
+    if mode == "dashboard" or args.metrics_port is not None:
+        try:
+            store, collector = _start_collector(writable_dir, listening, address)
+            web, metrics_server = _start_views(args, mode, writable_dir, store, collector,
+                                               launch.script.name, started)
+        except OSError as exc:
+            listening.close()
+            return _fail(str(exc))
     output_fd = terminal_fd = None
     if live:  # the script writes to a terminal of its own; the dashboard shows it above itself
         try:
@@ -215,9 +214,23 @@ def run_command(args: argparse.Namespace) -> int:
         else:
             child = subprocess.Popen(launch.command(), env=env)
     except OSError as exc:
-        collector.stop()
-        _stop_views(web, metrics_server)
+        listening.close()
+        if web is not None or metrics_server is not None:
+            collector.stop()
+            _stop_views(web, metrics_server)
         return _fail(f"cannot start {launch.script}: {exc}")
+    if web is None and metrics_server is None:
+        threading.Thread(target=_import_end_of_run, name="traceml-warm", daemon=True).start()
+        try:
+            store, collector = _start_collector(writable_dir, listening, address)
+        except OSError as exc:  # the script runs on untraced: its probe finds no collector
+            listening.close()
+            print(f"traceml: {exc}; the script runs untraced", file=sys.stderr)
+            return _wait(child)
+    from traceml.collector.system import SystemSampler
+
+    child_pids: Set[int] = set()
+    sampler = SystemSampler(collector.ingest, lambda: child_pids | collector.training_pids)
     child_pids.add(child.pid)
     rundir.update_run_json(writable_dir, {
         "status": "running", "collector": address, "script": os.fspath(launch.script),
@@ -250,6 +263,35 @@ def run_command(args: argparse.Namespace) -> int:
     if web is not None:
         _close_dashboard(web, summary, writable_dir)
     return exit_code
+
+
+def _start_collector(run_dir: Optional[Path], listening: Any, address: str) -> Tuple[Any, Any]:
+    """The run's store and the collector serving the bound socket; OSError with the one line
+    to say when they cannot start."""
+    from traceml import rendezvous, rundir
+    from traceml.collector.server import Collector
+    from traceml.collector.store import Store
+
+    host, _, port = address.rpartition(":")
+    try:
+        store = Store(rundir.store_path(run_dir))
+        collector = Collector(store, host, int(port), token=os.environ.get(rendezvous.ENV_TOKEN, ""))
+        collector.start(listening)
+    except Exception as exc:  # the run dir's database (sqlite3) or the socket
+        raise OSError(f"cannot start the collector on {address}: {getattr(exc, 'strerror', None) or exc}") from None
+    return store, collector
+
+
+def _import_end_of_run() -> None:
+    """Import what finish_run needs while the script runs (the launcher is idle then), so the
+    card and the files follow the script's end by the time they take to compute."""
+    import importlib
+
+    try:
+        for module in ("traceml.views.summary", "traceml.views.report"):
+            importlib.import_module(module)
+    except Exception:  # finish_run imports them again and says what went wrong
+        log.debug("could not import the end-of-run views early", exc_info=True)
 
 
 def _start_views(args: argparse.Namespace, mode: str, run_dir: Optional[Path], store: Any,

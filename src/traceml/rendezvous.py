@@ -56,3 +56,20 @@ def from_launch_env(env: Mapping[str, str] = os.environ) -> Optional[Tuple[str, 
         return None
     master_addr = env.get("MASTER_ADDR") or LOOPBACK
     return master_addr, collector_port(int(env["MASTER_PORT"]), env)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The collector's listening socket, bound now (raises OSError when it cannot be): ranks
+    that connect before the collector serves it wait in its backlog, so `traceml run` starts
+    the script first and sets the collector up while the script imports."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    listening = socket.socket(family, kind, proto)
+    try:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind(address)
+        listening.listen(128)
+    except OSError:
+        listening.close()
+        raise
+    return listening

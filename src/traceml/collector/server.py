@@ -9,6 +9,7 @@ import asyncio
 import collections
 import hmac
 import logging
+import socket
 import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Set
@@ -77,8 +78,9 @@ class Collector:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self) -> str:
-        """Bind and serve on a background thread; raises OSError when the port cannot be bound."""
+    def start(self, listening: Optional[socket.socket] = None) -> str:
+        """Bind and serve on a background thread; raises OSError when the port cannot be bound.
+        listening: a socket already bound and listening (rendezvous.listen), served as it is."""
         started = threading.Event()
         failure: List[BaseException] = []
 
@@ -87,7 +89,8 @@ class Collector:
             self._loop = loop
             try:
                 self._server = loop.run_until_complete(
-                    asyncio.start_server(self._serve, self.host, self.port))
+                    asyncio.start_server(self._serve, sock=listening) if listening is not None
+                    else asyncio.start_server(self._serve, self.host, self.port))
                 self.port = self._server.sockets[0].getsockname()[1]
                 loop.create_task(self._commit_periodically())
                 loop.create_task(self._watch_deadlines())
