@@ -1,16 +1,24 @@
-"""What TraceML costs: µs added per step, and the fixed cost of `traceml run` over plain python.
+"""What TraceML costs: µs added per step in each way of tracing, per DDP bucket, and the fixed
+cost of `traceml run` over plain python.
 
-Per step: one process runs ~3000 traced and ~3000 untraced sub-millisecond steps (a tiny MLP
-fed by a DataLoader), interleaved in a shuffled order so this machine's drifting noise hits both
-sides alike; the untraced steps use an identical model that was never hooked. The patches TraceML
-installs also cost a little on untraced steps: that part is measured on blocks of untraced
-steps with TraceML attached (idle) or detached (torch as it was), in a shuffled order. The sum is what
-tracing adds to a step. The collector TraceML starts stays up throughout, as in a real run.
+Per step, for each way a loop is traced (an explicit `trace_step` with a DataLoader, the same
+loop in zero-code mode, the Trace API), one process runs blocks of 50 sub-millisecond steps (a
+tiny MLP fed by a DataLoader) with TraceML attached and blocks with it detached (torch as it
+was), in a shuffled order, so this machine's drifting noise hits both sides alike. The first
+step after each switch is not counted (attaching rewrites torch's methods, and the interpreter
+refills its caches). A round's figure is the median traced step minus the median untraced one:
+everything TraceML adds, its patches' cost on every call included. The figure printed is the
+median of the rounds, with their range. The collector stays up throughout, as in a real run.
 
-Fixed cost: `traceml run short.py` (traced, card and run directory included) against
-`python short.py` (untraced), alternating, wall-clock from outside.
+Per DDP bucket: a one-rank gloo DDP model with one bucket per parameter, backward timed with
+TraceML's comm hook and with DDP's own all-reduce, against the same with one bucket: what the
+hook adds per bucket.
 
-    python benchmarks/overhead.py [--steps 3000] [--rounds 5]
+Fixed cost: `traceml run --mode summary short.py` (collector, card, summary files and
+report.html included) against `python short.py`, 100 tiny steps, alternating, wall clock from
+outside.
+
+    python benchmarks/overhead.py [--rounds 5] [--blocks 20] [--launches 7]
 """
 from __future__ import annotations
 
@@ -23,149 +31,260 @@ import sys
 import tempfile
 import time
 
-CHILD = r"""
-import contextlib, copy, json, random, statistics, sys, time
+TARGET_STEP_US = 10.0
+TARGET_BUCKET_US = 2.0
+TARGET_FIXED_S = 0.1
+
+LOOP = r"""
+import contextlib, json, os, random, statistics, sys, time
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-mode, steps = sys.argv[1], int(sys.argv[2])
-warmup = 200
+mode, rounds, blocks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+BLOCK = int(os.environ.get("OVERHEAD_BLOCK", "50"))
 torch.manual_seed(0)
 torch.set_num_threads(1)
-class MLP(nn.Sequential):
-    pass
-
-class TwinMLP(nn.Sequential):  # another class: TraceML's timing on MLP's class never runs for it
-    pass
-
-traced_model = MLP(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
-plain_model = TwinMLP(*copy.deepcopy(list(traced_model)))  # never given to trace_step
-optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.01) for m in (traced_model, plain_model)}
-total = 4 * steps + warmup + 2 * (steps // 50) + 10
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+total = rounds * 2 * blocks * (BLOCK + 1) + 400
 data = TensorDataset(torch.randn(total * 8, 32), torch.randint(0, 10, (total * 8,)))
 batches = iter(DataLoader(data, batch_size=8))
-untraced = lambda model: contextlib.nullcontext()
+untraced = contextlib.nullcontext()
+no_span = lambda name: untraced
 
-def one_step(step_context, model):
+import traceml
+from traceml.probe import step as probe_step
+tracer = traceml.Trace()
+
+
+def step_explicit(traced):
     inputs, targets = next(batches)
-    with step_context(model):
+    with traceml.trace_step(model) if traced else untraced:
         loss = nn.functional.cross_entropy(model(inputs), targets)
-        optimizer = optimizers[id(model)]
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
 
-def run_block(step_context, model, count):
-    times_ns = []
-    last = time.perf_counter_ns()
-    for _ in range(count):
-        one_step(step_context, model)
-        now = time.perf_counter_ns()
-        times_ns.append(now - last)
-        last = now
-    return statistics.median(times_ns) / 1e3
 
-if mode == "untraced":  # a short script for the fixed-cost measurement
-    run_block(untraced, plain_model, steps)
-    sys.exit(0)
-import traceml
-from traceml.probe import step as probe_step
-if mode == "traced":
-    run_block(traceml.trace_step, traced_model, steps)
-    sys.exit(0)
-run_block(traceml.trace_step, traced_model, warmup)  # start-up and the collector
+def step_inferred(traced):  # zero-code mode: the loop as written without TraceML
+    inputs, targets = next(batches)
+    loss = nn.functional.cross_entropy(model(inputs), targets)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
 
-# 1. Traced and untraced steps interleaved in a shuffled order, patches installed: what tracing
-#    a step costs beyond the patches' idle cost. Shuffled, not strictly alternating, so that
-#    anything periodic (a gen-0 collection every other step) cannot land on one side only.
-order = [True] * steps + [False] * steps
-random.Random(0).shuffle(order)
-times_ns = {True: [], False: []}
-last = time.perf_counter_ns()
-for traced in order:
-    one_step(traceml.trace_step if traced else untraced, traced_model if traced else plain_model)
-    now = time.perf_counter_ns()
-    times_ns[traced].append(now - last)
-    last = now
-traced_us = statistics.median(times_ns[True]) / 1e3
-untraced_us = statistics.median(times_ns[False]) / 1e3
 
-# 2. The patches' idle cost: untraced steps with TraceML attached (patches in, no model
-#    hooked) or detached (torch as it was), in blocks of 50 in a shuffled order. Blocks, not
-#    single steps: attaching or detaching rewrites torch.Tensor's methods, which empties the
-#    interpreter's type caches, and the step right after pays for refilling them.
-block = 50
-order = [True] * (steps // block) + [False] * (steps // block)
-random.Random(1).shuffle(order)
-idle_ns = {True: [], False: []}
-for attached in order:
-    if attached:
-        with traceml.trace_step(None):  # attaches again when detached
+def step_trace_api(traced):  # a span and a scalar a step, as the Trace API's example does
+    span = tracer.span if traced else no_span
+    inputs, targets = next(batches)
+    with span("forward"):
+        loss = nn.functional.cross_entropy(model(inputs), targets)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    loss_value = loss.item()  # the script's own logging, on both sides
+    if traced:
+        tracer.log_scalar("loss", loss_value)
+
+
+def attach():
+    if mode == "explicit":
+        with traceml.trace_step(model):  # attaches again after a detach
             pass
+    elif mode == "zero-code":
+        probe_step.infer_steps(model=model)
     else:
-        probe_step.detach()
-    one_step(untraced, plain_model)  # the step that refills the caches is not counted
-    for _ in range(block):
-        start = time.perf_counter_ns()
-        one_step(untraced, plain_model)
-        idle_ns[attached].append(time.perf_counter_ns() - start)
-idle_us = (statistics.median(idle_ns[True]) - statistics.median(idle_ns[False])) / 1e3
-print(json.dumps({"traced_us": traced_us, "untraced_us": untraced_us, "idle_us": idle_us}))
+        tracer.trace("overhead").__enter__()
+
+
+one_step = {"explicit": step_explicit, "zero-code": step_inferred, "trace-api": step_trace_api}[mode]
+if mode != "zero-code":  # zero-code: this process runs under python -m traceml.probe.zero_code
+    attach()
+for _ in range(300):  # warm-up, start-up and the collector
+    one_step(True)
+figures = []
+for round_index in range(rounds):
+    order = [True] * blocks + [False] * blocks
+    random.Random(round_index).shuffle(order)
+    step_ns = {True: [], False: []}
+    for traced in order:
+        attach() if traced else probe_step.detach()
+        one_step(traced)  # refills the caches the switch emptied: not counted
+        last = time.perf_counter_ns()
+        for _ in range(BLOCK):
+            one_step(traced)
+            now = time.perf_counter_ns()
+            step_ns[traced].append(now - last)
+            last = now
+    figures.append((statistics.median(step_ns[True]) / 1e3, statistics.median(step_ns[False]) / 1e3))
+attach()
+print(json.dumps({"rounds": figures}))
+"""
+
+DDP = r"""
+import json, os, random, statistics, sys, tempfile, time
+import torch
+import torch.distributed as dist
+from torch import nn
+
+steps = int(sys.argv[1])
+torch.manual_seed(0)
+torch.set_num_threads(1)
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+import traceml
+
+LAYERS = 16
+
+
+def make(bucket_cap_mb):
+    net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(LAYERS)])
+    # A bucket's size counts its parameters' bytes: a tiny cap gives each parameter its own.
+    return nn.parallel.DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
+
+
+models = {("traced", "many"): make(1e-6), ("traced", "one"): make(100.0),
+          ("untraced", "many"): make(1e-6), ("untraced", "one"): make(100.0)}
+inputs = torch.randn(4, 16)
+
+
+def backward_us(key):
+    model = models[key]
+    loss = model(inputs).sum()
+    start = time.perf_counter_ns()
+    loss.backward()
+    return (time.perf_counter_ns() - start) / 1e3
+
+
+def one(key):
+    if key[0] == "traced":
+        with traceml.trace_step(models[key]):
+            return backward_us(key)
+    return backward_us(key)
+
+
+for key in models:
+    for _ in range(50):
+        one(key)
+order = [key for key in models for _ in range(steps)]
+random.Random(0).shuffle(order)
+times = {key: [] for key in models}
+for key in order:
+    times[key].append(one(key))
+median = {key: statistics.median(value) for key, value in times.items()}
+# DDP's own count of the buckets it reduced in the last backward (after its first, it rebuilds them).
+buckets = {size: models[("untraced", size)]._get_ddp_logging_data()["num_buckets_reduced"] for size in ("many", "one")}
+added_many = median[("traced", "many")] - median[("untraced", "many")]
+added_one = median[("traced", "one")] - median[("untraced", "one")]
+print(json.dumps({"buckets": buckets["many"], "added_many_us": added_many, "added_one_us": added_one,
+                  "per_bucket_us": (added_many - added_one) / (buckets["many"] - buckets["one"])}))
+"""
+
+SHORT = r"""
+import torch
+from torch import nn
+torch.set_num_threads(1)
+model = nn.Linear(16, 4)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+inputs, targets = torch.randn(8, 16), torch.randn(8, 4)
+for _ in range(100):
+    loss = nn.functional.mse_loss(model(inputs), targets)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
 """
 
 
-def per_step(steps: int, workdir: str) -> None:
-    script = os.path.join(workdir, "bench_child.py")
-    with open(script, "w") as out:
-        out.write(CHILD)
-    env = dict(os.environ, TRACEML_RUN_DIR=os.path.join(workdir, "per-step-run"))
+def _child_env(workdir: str, name: str) -> dict:
+    env = dict(os.environ, TRACEML_RUN_DIR=os.path.join(workdir, name))
     env.pop("TRACEML_COLLECTOR", None)
-    out = subprocess.run([sys.executable, script, "alternate", str(steps)],
-                         capture_output=True, text=True, env=env, cwd=workdir, check=True).stdout
-    result = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
-    traced_us, untraced_us = result["traced_us"], result["untraced_us"]
-    idle_us = result["idle_us"]
-    added_us = traced_us - untraced_us + idle_us
-    print(f"per step: {steps} traced and {steps} untraced steps, interleaved in a shuffled order")
-    print(f"  untraced step median:              {untraced_us:8.1f} µs")
-    print(f"  traced step median:                {traced_us:8.1f} µs")
-    print(f"  installed patches, on any step:    {idle_us:+8.1f} µs "
-          "(blocks attached vs detached, shuffled)")
-    print(f"  added per step:                    {added_us:+8.1f} µs   target: <= 20 µs")
-    print(f"  ratio traced/untraced:             {(untraced_us + added_us) / untraced_us:8.3f}")
+    return env
 
-def fixed_cost(rounds: int, workdir: str) -> None:
-    script = os.path.join(workdir, "bench_child.py")
+
+def _run_json(command: list, env: dict, cwd: str) -> dict:
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        sys.exit(f"benchmark child failed ({' '.join(command[-4:])}):\n{result.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def per_step(rounds: int, blocks: int, workdir: str) -> None:
+    script = os.path.join(workdir, "loop.py")
+    with open(script, "w") as out:
+        out.write(LOOP)
+    print(f"per step: {rounds} rounds, each {blocks} blocks of 50 steps traced and {blocks} untraced, "
+          "shuffled; median of the rounds [their range]")
+    print(f"  {'traced as':<12} {'untraced µs':>11} {'traced µs':>10} {'added µs':>9}  "
+          f"{'range':>13} {'ratio':>6}  target")
+    for mode in ("explicit", "zero-code", "trace-api"):
+        command = [sys.executable, script, mode, str(rounds), str(blocks)]
+        if mode == "zero-code":
+            command[1:2] = ["-m", "traceml.probe.zero_code", script]
+        figures = _run_json(command, _child_env(workdir, f"run-{mode}"), workdir)["rounds"]
+        added = [traced - untraced for traced, untraced in figures]
+        added_us = statistics.median(added)
+        untraced_us = statistics.median(untraced for _, untraced in figures)
+        traced_us = statistics.median(traced for traced, _ in figures)
+        verdict = "ok" if added_us <= TARGET_STEP_US else "OVER"
+        print(f"  {mode:<12} {untraced_us:11.1f} {traced_us:10.1f} {added_us:+9.1f}  "
+              f"[{min(added):+5.1f}, {max(added):+5.1f}] {(untraced_us + added_us) / untraced_us:6.3f}  "
+              f"<= {TARGET_STEP_US:g} µs {verdict}")
+
+
+def per_bucket(workdir: str) -> None:
+    script = os.path.join(workdir, "ddp.py")
+    with open(script, "w") as out:
+        out.write(DDP)
+    result = _run_json([sys.executable, script, "1500"], _child_env(workdir, "run-ddp"), workdir)
+    verdict = "ok" if result["per_bucket_us"] <= TARGET_BUCKET_US else "OVER"
+    print("DDP, per gradient bucket (gloo, 1 rank): backward traced vs untraced, 32 buckets against 1")
+    print(f"  {result['buckets']} buckets: {result['added_many_us']:+.1f} µs a step; 1 bucket: "
+          f"{result['added_one_us']:+.1f} µs; per bucket: {result['per_bucket_us']:+.2f} µs   "
+          f"target: <= {TARGET_BUCKET_US:g} µs {verdict}")
+
+
+def fixed_cost(launches: int, workdir: str) -> None:
+    script = os.path.join(workdir, "short.py")
+    with open(script, "w") as out:
+        out.write(SHORT)
     env = dict(os.environ)
-    env.pop("TRACEML_COLLECTOR", None)
-    env.pop("TRACEML_RUN_DIR", None)
+    for name in ("TRACEML_COLLECTOR", "TRACEML_RUN_DIR"):
+        env.pop(name, None)
     walls = {"python": [], "traceml run": []}
-    for round_index in range(rounds):
+    for launch in range(launches):
         commands = {
-            "python": [sys.executable, script, "untraced", "20"],
+            "python": [sys.executable, script],
             "traceml run": [sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir",
-                            os.path.join(workdir, f"fixed-{round_index}"), script, "traced", "20"],
+                            os.path.join(workdir, f"fixed-{launch}"), script],
         }
-        order = list(commands) if round_index % 2 == 0 else list(reversed(commands))
+        order = list(commands) if launch % 2 == 0 else list(reversed(commands))
         for name in order:
             start = time.perf_counter()
             subprocess.run(commands[name], capture_output=True, env=env, cwd=workdir, check=True)
             walls[name].append(time.perf_counter() - start)
     plain, traced = statistics.median(walls["python"]), statistics.median(walls["traceml run"])
-    print(f"fixed cost (a 20-step script, {rounds} rounds, alternating)")
-    print(f"  python: {plain:.3f} s   traceml run: {traced:.3f} s   "
-          f"added: {traced - plain:+.3f} s   target: <= 1 s")
+    added = [t - p for t, p in zip(walls["traceml run"], walls["python"])]
+    verdict = "ok" if traced - plain <= TARGET_FIXED_S else "OVER"
+    print(f"fixed cost: a 100-step script, {launches} launches each, alternating")
+    print(f"  python: {plain:.3f} s   traceml run --mode summary: {traced:.3f} s   added: {traced - plain:+.3f} s "
+          f"[{min(added):+.3f}, {max(added):+.3f}]   target: <= {TARGET_FIXED_S:g} s {verdict}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3000, help="steps on each side")
-    parser.add_argument("--rounds", type=int, default=5, help="launches on each side, fixed cost")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per way of tracing")
+    parser.add_argument("--blocks", type=int, default=20, help="blocks of 50 steps on each side, per round")
+    parser.add_argument("--launches", type=int, default=7, help="launches on each side, fixed cost")
+    parser.add_argument("--only", choices=("steps", "ddp", "fixed"), help="run one part")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
-        per_step(args.steps, workdir)
-        fixed_cost(args.rounds, workdir)
+        if args.only in (None, "steps"):
+            per_step(args.rounds, args.blocks, workdir)
+        if args.only in (None, "ddp"):
+            per_bucket(workdir)
+        if args.only in (None, "fixed"):
+            fixed_cost(args.launches, workdir)
 
 
 if __name__ == "__main__":
