@@ -195,7 +195,7 @@ def run_command(args: argparse.Namespace) -> int:
     web = metrics_server = None
     if mode == "dashboard" or args.metrics_port is not None:
         try:
-            store, collector = _start_collector(writable_dir, listening, address)
+            store, collector = _start_collector(writable_dir, launch.collector_host, listening)
             web, metrics_server = _start_views(args, mode, writable_dir, store, collector,
                                                launch.script.name, started)
         except OSError as exc:
@@ -222,7 +222,7 @@ def run_command(args: argparse.Namespace) -> int:
     if web is None and metrics_server is None:
         threading.Thread(target=_import_end_of_run, name="traceml-warm", daemon=True).start()
         try:
-            store, collector = _start_collector(writable_dir, listening, address)
+            store, collector = _start_collector(writable_dir, launch.collector_host, listening)
         except OSError as exc:  # the script runs on untraced: its probe finds no collector
             listening.close()
             print(f"traceml: {exc}; the script runs untraced", file=sys.stderr)
@@ -265,20 +265,21 @@ def run_command(args: argparse.Namespace) -> int:
     return exit_code
 
 
-def _start_collector(run_dir: Optional[Path], listening: Any, address: str) -> Tuple[Any, Any]:
-    """The run's store and the collector serving the bound socket; OSError with the one line
-    to say when they cannot start."""
+def _start_collector(run_dir: Optional[Path], host: str, listening: Any) -> Tuple[Any, Any]:
+    """The run's store and the collector serving the bound socket (rendezvous.listen); OSError
+    with the one line to say when they cannot start."""
     from traceml import rendezvous, rundir
     from traceml.collector.server import Collector
     from traceml.collector.store import Store
 
-    host, _, port = address.rpartition(":")
+    port = listening.getsockname()[1]
     try:
         store = Store(rundir.store_path(run_dir))
-        collector = Collector(store, host, int(port), token=os.environ.get(rendezvous.ENV_TOKEN, ""))
+        collector = Collector(store, host, port, token=os.environ.get(rendezvous.ENV_TOKEN, ""))
         collector.start(listening)
     except Exception as exc:  # the run dir's database (sqlite3) or the socket
-        raise OSError(f"cannot start the collector on {address}: {getattr(exc, 'strerror', None) or exc}") from None
+        raise OSError(f"cannot start the collector on {host}:{port}: "
+                      f"{getattr(exc, 'strerror', None) or exc}") from None
     return store, collector
 
 

@@ -159,12 +159,11 @@ class StepProbe:
                 # The step before ends its window now. The arithmetic happens on the sender's
                 # thread (record_from): here, one tuple; the window's list goes with it.
                 self._closed = None
-                if timeline is None and not self.auto_steps:
-                    self.sender.push((closed, now, self.input_wait_gap_ns, self.window))
-                elif self.auto_steps:  # sent once this step proves to be one (see exit)
-                    self._unconfirmed = (closed, now, self.input_wait_gap_ns, self.window, self._start_event)
+                ending = (closed, now, self.input_wait_gap_ns, self.window, self._start_event)
+                if self.auto_steps:
+                    self._unconfirmed = ending  # sent once this step proves to be one (see exit)
                 else:
-                    self._end_window(closed, now, self.input_wait_gap_ns, self.window, self._start_event)
+                    self._end_window(*ending)
             self.window = [*_WINDOW_ZEROS]
             self.sums = [*_STEP_ZEROS]
             self.input_wait_gap_ns = 0
@@ -201,14 +200,9 @@ class StepProbe:
             instrumented = self.layers_active  # a deep-dive sample or the FLOP count: not the user's speed
             if instrumented:
                 self.layers.end_step()
-            timeline = self.timeline
-            unconfirmed = self._unconfirmed
-            if unconfirmed is not None and failed is None and timeline is None:
-                # Inferred: this step proved one, so the step before ends at its start.
-                self._unconfirmed = None
-                self.sender.push(unconfirmed[:4])
-            elif (failed is not None or unconfirmed is not None) and not self._settle_inferred(failed):
+            if (failed is not None or self._unconfirmed is not None) and not self._settle_inferred(failed):
                 return
+            timeline = self.timeline
             if timeline is None:
                 end_event = allocated = peak = reserved = None
             else:
@@ -392,10 +386,6 @@ class StepProbe:
         optimizer's model is forward."""
         optimizer_id, last_id = id(optimizer), self._last_optimizer
         self._last_optimizer = optimizer_id
-        if optimizer_id == self._step_optimizer and self._turn_known and self._model_wait_ends is None:
-            if self.in_step and self.open_phase == NO_PHASE:  # every step once the turn is known
-                self.exit()
-            return
         if optimizer_id not in self._optimizers_seen:
             self._optimizers_seen.add(optimizer_id)
             if _time_the_model_of(optimizer):
