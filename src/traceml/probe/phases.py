@@ -370,13 +370,29 @@ def _call_attribute() -> str:
     return "__call__" if Module.__dict__["__call__"] is Module.__dict__["_call_impl"] else "_call_impl"
 
 
-def _compiling() -> Callable[[], bool]:
-    """torch.compiler.is_compiling: True while dynamo traces (and while torch.export does), so
-    traced code calls straight through and nothing of TraceML enters a graph."""
+class _AskIsCompiling:
+    """An older torch, whose torch.compiler has no _is_compiling_flag: the same attribute,
+    asked of is_compiling() (or False where torch has no compiler)."""
+
+    def __init__(self, is_compiling: Callable[[], bool]):
+        self._is_compiling = is_compiling
+
+    @property
+    def _is_compiling_flag(self) -> bool:
+        return self._is_compiling()
+
+
+def _compiling() -> Any:
+    """What the call wrappers read `_is_compiling_flag` of: True while dynamo traces or
+    torch.export does, so traced code calls straight through and nothing of TraceML enters a
+    graph. It is the flag torch.compiler.is_compiling() returns, read as an attribute: every
+    model call two Python calls lighter."""
     import torch
 
     compiler = getattr(torch, "compiler", None)
-    return getattr(compiler, "is_compiling", None) or (lambda: False)
+    if hasattr(compiler, "_is_compiling_flag"):
+        return compiler
+    return _AskIsCompiling(getattr(compiler, "is_compiling", None) or (lambda: False))
 
 
 def _run_eagerly_under_dynamo(function: Any, callees_too: bool = False) -> None:
@@ -420,8 +436,7 @@ class _TracedModel:
         self.token_inputs: Optional[bool] = None
 
 
-def _timed_call(original: Callable[..., Any], tensor_type: type,
-                is_compiling: Callable[[], bool]) -> Callable[..., Any]:
+def _timed_call(original: Callable[..., Any], tensor_type: type, compiling: Any) -> Callable[..., Any]:
     """The class's call method, timing the outermost call of a traced model as forward (or,
     between steps with gradients off, as evaluation)."""
     import torch
@@ -430,9 +445,11 @@ def _timed_call(original: Callable[..., Any], tensor_type: type,
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         traced = _models.get(id(self))
-        if traced is None or is_compiling():
+        if traced is None or compiling._is_compiling_flag:
             return original(self, *args, **kwargs)
         probe = traced.probe
+        if not probe.in_step and probe.auto_steps and grad_enabled():
+            probe.__enter__()  # steps inferred: the model's first call with gradients opens one
         if not probe.plain or probe.open_phase != NO_PHASE or traced.token_inputs is not False:
             return timed_in_general(traced, probe, self, args, kwargs)
         # The common case, the outermost call in a plain step: timed inline (see StepProbe.plain).
@@ -578,12 +595,12 @@ def on_first_module_call(start: Callable[[Any], None],
     disarm_first_call()
     attribute = _call_attribute()
     original = Module.__dict__[attribute]
-    is_compiling = _compiling()
+    compiling = _compiling()
     process = os.getpid()
     passed: dict = {}  # id -> weakref of each module `wanted` turned down: asked once, not per call
 
     def first_call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if is_compiling() or Module.__dict__.get(attribute) is not first_call:
+        if compiling._is_compiling_flag or Module.__dict__.get(attribute) is not first_call:
             return original(self, *args, **kwargs)
         known = passed.get(id(self))
         if known is not None and known() is self:

@@ -22,8 +22,9 @@ import time
 import weakref
 from typing import Any, List, Optional, Tuple
 
+from traceml.rendezvous import ENV_AUTO_CAPTURE, ENV_DEEP, ENV_DEEP_EVERY, ENV_TOKEN
 from traceml.records import (STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP,
-                             RankHello, StepRecord)
+                             RankHello, SpanRecord, StepRecord)
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
@@ -137,8 +138,42 @@ class StepProbe:
         self._unconfirmed: Optional[tuple] = None
 
     # -- step boundaries: `with trace_step(model):` enters and exits the probe itself ---------
+    #
+    # __enter__ and __exit__ run every step, so each has a short path for the common step (the
+    # host clock, one level of trace_step, steps from trace_step, no deep-dive sample due) and
+    # leaves everything else to enter and exit. The short paths do the same as the long ones
+    # for that step, with fewer lines: a line costs several times its tight-loop cost there,
+    # the training having pushed TraceML's code out of the caches.
+    def __enter__(self) -> "StepProbe":
+        if (self._step_depth or self.timeline is not None or self.setup_started_ns
+                or self.step_index >= self.layers_due_step):
+            return self.enter()
+        now = _now_ns()
+        try:
+            closed = self._closed
+            if closed is not None:  # see enter
+                self._closed = None
+                if self.auto_steps:
+                    self._unconfirmed = (closed, now, self.input_wait_gap_ns, self.window, None)
+                else:
+                    self.sender.push((closed, now, self.input_wait_gap_ns, self.window, None))
+            self._step_depth = 1
+            self.window = [*_WINDOW_ZEROS]
+            self.sums = [*_STEP_ZEROS]
+            self.input_wait_gap_ns = 0
+            self.real_tokens = None
+            if self.token_copies:
+                self.token_copies = []
+            self.failed_phase = NO_PHASE
+            self._step_start_ns = now
+            self.in_step = True
+            self.plain = not self.layers_active and not self.comm_timed
+        except Exception:  # the training comes first: a fault here costs telemetry only
+            _disable("trace_step enter")
+        return self
+
     def enter(self, now: int = 0) -> "StepProbe":
-        """Start a step (the with block's __enter__; now: when it started, if not now)."""
+        """Start a step (now: when it started, if not now)."""
         if self._step_depth:
             self._step_depth += 1  # a nested trace_step (an integration inside a user's block)
             return self
@@ -156,14 +191,15 @@ class StepProbe:
                 self.device_memory.reset_peak()
             closed = self._closed
             if closed is not None:
-                # The step before ends its window now. The arithmetic happens on the sender's
-                # thread (record_from): here, one tuple; the window's list goes with it.
+                # The step before ends its window now: the window's end, its input wait
+                # between steps, its list and the next step's start event (on CUDA) make up
+                # its "ending". The arithmetic happens on the sender's thread (record_from).
                 self._closed = None
                 ending = (closed, now, self.input_wait_gap_ns, self.window, self._start_event)
                 if self.auto_steps:
                     self._unconfirmed = ending  # sent once this step proves to be one (see exit)
                 else:
-                    self._end_window(*ending)
+                    self._end_window(ending)
             self.window = [*_WINDOW_ZEROS]
             self.sums = [*_STEP_ZEROS]
             self.input_wait_gap_ns = 0
@@ -183,14 +219,33 @@ class StepProbe:
             _disable("trace_step enter")
         return self
 
-    __enter__ = enter  # one call less a step than a method that calls enter
+    def __exit__(self, exc_type: Any, failed: Optional[BaseException], tb: Any) -> None:
+        now = _now_ns()
+        if failed is not None or not self.plain or self._step_depth > 1:
+            return self.exit(failed=failed, now=now)
+        try:
+            unconfirmed = self._unconfirmed
+            if unconfirmed is not None:  # inferred steps: this one proved a step (see _settle_inferred)
+                self._unconfirmed = None
+                self.sender.push(unconfirmed)
+            self._step_depth = 0
+            self.in_step = self.plain = False
+            self.open_phase = NO_PHASE
+            host_rss = self.host_rss
+            self._closed = (self.step_index, self._step_start_ns, now, self.sums, None, None, None, None, None,
+                            None, host_rss.latest_bytes if host_rss is not None else None,
+                            self.real_tokens, self.token_copies, False)
+            self.step_index += 1
+        except Exception:  # the training comes first: a fault here costs telemetry only
+            _disable("trace_step exit")
+        return None
 
-    def exit(self, exc_type: Any = None, failed: Optional[BaseException] = None, tb: Any = None) -> None:
-        """End the step (the with block's __exit__; failed: the exception leaving it, if any)."""
+    def exit(self, failed: Optional[BaseException] = None, now: int = 0) -> None:
+        """End the step (failed: the exception leaving it, if any; now: when it ended, if not now)."""
         if self._step_depth > 1:
             self._step_depth -= 1
             return
-        now = _now_ns()
+        now = now or _now_ns()
         try:
             self._step_depth = 0
             self.in_step = self.plain = False
@@ -220,14 +275,12 @@ class StepProbe:
         except Exception:  # the training comes first: a fault here costs telemetry only
             _disable("trace_step exit")
 
-    __exit__ = exit
-
     def _settle_inferred(self, failed: Optional[BaseException]) -> bool:
         """A step that failed, or an inferred one whose predecessor waits on it: send that
         predecessor as it should end. False when this step is not a step."""
         unconfirmed, self._unconfirmed = self._unconfirmed, None
         if failed is None:
-            self._end_window(*unconfirmed)  # this step proved one: the step before ends at its start
+            self._end_window(unconfirmed)  # this step proved one: the step before ends at its start
             return True
         # The step did not finish: it is not a step. Its window never closes, so the
         # previous steps keep their figures and the next step starts afresh.
@@ -237,7 +290,7 @@ class StepProbe:
             # evaluation with gradients on): that step's window ends where it ended, and
             # the planned work counted since is not its.
             closed, _, _, window, _ = unconfirmed
-            self._end_window(closed, closed[_END_NS], 0, [*window[:EVAL_NS], 0, 0, 0, 0], None)
+            self._end_window((closed, closed[_END_NS], 0, [*window[:EVAL_NS], 0, 0, 0, 0], None))
         # Its phase events go back to the pool; its start event stays out, since the step
         # before it may still be waiting on that event as the end of its window.
         if self.timeline is not None:
@@ -246,22 +299,21 @@ class StepProbe:
                 self.timeline.release(end)
         return False
 
-    def _end_window(self, closed: tuple, window_end_ns: int, input_wait_gap_ns: int, window: list,
-                    next_start_event: Any) -> None:
-        """Send a closed step whose window ends now: as it is on the CPU; on CUDA, to the
-        timeline, which sends it once its events (and the next step's start) are done."""
-        raw = (closed, window_end_ns, input_wait_gap_ns, window)
+    def _end_window(self, ending: tuple) -> None:
+        """Send a closed step whose window has ended (its ending: the closed step, the window's
+        end, its input wait between steps, its list, the next step's start event): as it is on
+        the CPU; on CUDA, to the timeline, which sends it once its events are done."""
         if self.timeline is None:
-            self.sender.push(raw)
+            self.sender.push(ending)
             return
         from traceml.probe.clock import PendingDeviceStep
 
-        start_event, end_event, phase_events = closed[_EVENTS:_EVENTS + 3]
-        self.timeline.submit(PendingDeviceStep(raw, start_event, end_event, next_start_event, phase_events))
+        start_event, end_event, phase_events = ending[0][_EVENTS:_EVENTS + 3]
+        self.timeline.submit(PendingDeviceStep(ending, start_event, end_event, ending[4], phase_events))
 
-    def record_from(self, raw: tuple) -> StepRecord:
-        """The StepRecord of a closed step whose window ends at window_end_ns (sender's thread)."""
-        closed, window_end_ns, input_wait_gap_ns, window = raw
+    def record_from(self, ending: tuple) -> StepRecord:
+        """The StepRecord of a closed step whose window has ended (sender's thread)."""
+        closed, window_end_ns, input_wait_gap_ns, window, _ = ending
         (gc_ns, gc_collections, gc_max_ns, gc_full, gen0_ns, gen1_ns, gen2_ns, eval_ns, checkpoint_ns,
          compile_ns, _) = window
         (step, start_ns, end_ns, sums, allocated, peak, reserved, _, _, _, rss, real_tokens, token_copies,
@@ -314,7 +366,7 @@ class StepProbe:
             self.tail_checkpoint_ns += window[CHECKPOINT_BETWEEN_NS]
             window[CHECKPOINT_NS] -= window[CHECKPOINT_BETWEEN_NS]
             window[EVAL_NS] = window[CHECKPOINT_BETWEEN_NS] = 0
-            self._end_window(closed, closed[_END_NS], 0, tuple(window), None)
+            self._end_window((closed, closed[_END_NS], 0, tuple(window), None))
 
     def evaluation_begin(self) -> bool:
         """A trainer's evaluation starts (Trainer.evaluate, Lightning's validation); False when
@@ -386,6 +438,10 @@ class StepProbe:
         optimizer's model is forward."""
         optimizer_id, last_id = id(optimizer), self._last_optimizer
         self._last_optimizer = optimizer_id
+        if optimizer_id == self._step_optimizer and self._turn_known and self._model_wait_ends is None:
+            if self.in_step and self.open_phase == NO_PHASE:  # the usual update, once all is known
+                self.__exit__(None, None, None)
+            return
         if optimizer_id not in self._optimizers_seen:
             self._optimizers_seen.add(optimizer_id)
             if _time_the_model_of(optimizer):
@@ -410,7 +466,7 @@ class StepProbe:
                 self._step_optimizer = last_id  # another stepped since: it ends the turn
                 return
         if self.in_step and self.open_phase == NO_PHASE:
-            self.exit()
+            self.__exit__(None, None, None)
 
     def backward_returned(self) -> None:
         """Inferred steps in a loop that no torch.optim optimizer updates (manual SGD, a custom
@@ -423,7 +479,7 @@ class StepProbe:
             if self._backward_ends_steps:
                 self.set_steps_from(STEPS_FROM_BACKWARD)
         if self._backward_ends_steps:
-            self.exit()
+            self.__exit__(None, None, None)
 
     def stop_inferring_steps(self) -> None:
         """An explicit trace_step appeared: it decides the steps from now on. A step inferred
@@ -470,8 +526,6 @@ class StepProbe:
             self._send_span(name, entry)
 
     def _send_span(self, name: str, entry: list) -> None:
-        from traceml.records import SpanRecord
-
         step, start_ns, total_ns, calls = entry
         self.sender.push(SpanRecord(rank=self.rank, step=step, name=name,
                                     start_unix_s=self.unix_s(start_ns), duration_ms=total_ns / 1e6,
@@ -595,9 +649,6 @@ _ready_for: Any = None
 _explicit_steps_seen = False  # a trace_step was used: steps are never inferred in this process
 _create_options: dict = {}  # how infer_steps wants the probe made: web_port, run_name, profile_memory
 first_call_ns = 0  # set by traceml.trace_step before it imports this module
-ENV_DEEP = "TRACEML_DEEP"  # set by `traceml run --deep`: deep-dive on the model trace_step sees
-ENV_DEEP_EVERY = "TRACEML_DEEP_EVERY"
-ENV_AUTO_CAPTURE = "TRACEML_AUTO_CAPTURE"  # "0" (traceml run --no-auto-capture): no capture when a rule fires
 
 
 def _disable(where: str) -> None:
@@ -875,7 +926,7 @@ def _hello(torch: Any, device: Any, device_memory: Any) -> RankHello:
         torch_version=str(torch.__version__),
         argv=[os.path.abspath(sys.argv[0])] + sys.argv[1:] if sys.argv and sys.argv[0] else list(sys.argv),
         started_at_unix_s=_process_start_unix_s(),
-        token=os.environ.get("TRACEML_TOKEN", ""),
+        token=os.environ.get(ENV_TOKEN, ""),
         steps_from=_create_options.get("steps_from", STEPS_FROM_TRACE_STEP),
         **_imports_so_far(),
     )

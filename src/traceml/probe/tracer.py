@@ -18,6 +18,7 @@ import time
 from typing import Any, Optional
 
 from traceml import rendezvous
+from traceml.records import ScalarRecord
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
@@ -121,8 +122,6 @@ class _Span:
 
 
 def _scalar(rank: int, step: int, name: str, value: float) -> Any:
-    from traceml.records import ScalarRecord
-
     return ScalarRecord(rank=rank, step=step, name=name, value=value)
 
 
