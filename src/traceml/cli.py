@@ -23,7 +23,6 @@ from traceml.launcher import DEFAULT_RDZV_TIMEOUT_S, AgentWatch, Launch
 
 log = logging.getLogger("traceml")
 
-ENV_RUN_DIR = "TRACEML_RUN_DIR"
 DEFAULT_WEB_PORT = 8765
 SSE_FAREWELL_S = 1.5  # after the run, how long the page has to receive its last update
 # After a node's ranks exit, how long the collector waits for ranks still to say goodbye
@@ -184,7 +183,7 @@ def run_command(args: argparse.Namespace) -> int:
     address = f"{launch.collector_host}:{listening.getsockname()[1]}"  # as Collector.address
     env = _probe_env(args)
     env[rendezvous.ENV_COLLECTOR] = address
-    env[ENV_RUN_DIR] = os.fspath(run_dir)
+    env[rendezvous.ENV_RUN_DIR] = os.fspath(run_dir)
     started = time.time()
     mode = args.mode or ("cli" if sys.stdout.isatty() else "summary")
     live = mode == "cli"
@@ -289,8 +288,8 @@ def _import_end_of_run() -> None:
     import importlib
 
     try:
-        for module in ("traceml.views.summary", "traceml.views.report"):
-            importlib.import_module(module)
+        importlib.import_module("traceml.views.report")
+        importlib.import_module("traceml.views.summary").prepare_card()
     except Exception:  # finish_run imports them again and says what went wrong
         log.debug("could not import the end-of-run views early", exc_info=True)
 
@@ -379,13 +378,13 @@ def _close_dashboard(web: Any, summary: Optional[dict], run_dir: Optional[Path])
 
 def _probe_env(args: argparse.Namespace) -> Dict[str, str]:
     """The training processes' environment: this one, with the probe's options."""
-    from traceml.probe.step import ENV_AUTO_CAPTURE, ENV_DEEP
+    from traceml import rendezvous
 
     env = dict(os.environ)
     if args.deep:
-        env[ENV_DEEP] = "1"
+        env[rendezvous.ENV_DEEP] = "1"
     if not args.auto_capture:
-        env[ENV_AUTO_CAPTURE] = "0"
+        env[rendezvous.ENV_AUTO_CAPTURE] = "0"
     return env
 
 
@@ -594,13 +593,13 @@ def spawn_collector_process(hello: Any, host: str, port: int, web_port: Optional
     """Start `python -m traceml _collect` for this run and return it with its address and the
     run dir it keeps; with web_port, it serves the web dashboard too (the Trace API), never in
     the training process."""
-    from traceml import rundir
+    from traceml import rendezvous, rundir
 
     read_fd, write_fd = os.pipe()
     script = run_name or (hello.argv[0] if hello.argv else "python")
     # Chosen here, so that rank 0 knows where its run goes even if the collector dies.
-    run_dir = Path(os.environ.get(ENV_RUN_DIR) or rundir.default_run_dir(script))
-    env = {**os.environ, ENV_RUN_DIR: os.fspath(run_dir)}
+    run_dir = Path(os.environ.get(rendezvous.ENV_RUN_DIR) or rundir.default_run_dir(script))
+    env = {**os.environ, rendezvous.ENV_RUN_DIR: os.fspath(run_dir)}
     command = [sys.executable, "-m", "traceml", "_collect", "--ready-fd", str(write_fd),
                "--parent-pid", str(os.getpid()), "--script", script, "--host", host,
                "--port", str(port)]
@@ -632,7 +631,7 @@ def collect_command(args: argparse.Namespace) -> int:
     except rendezvous.RendezvousError as exc:
         os.write(args.ready_fd, f"error: {exc}\n".encode())
         return 2
-    run_dir = Path(os.environ.get(ENV_RUN_DIR) or rundir.default_run_dir(args.script))
+    run_dir = Path(os.environ.get(rendezvous.ENV_RUN_DIR) or rundir.default_run_dir(args.script))
     writable_dir, warning = rundir.prepare(run_dir)
     if warning:
         print(warning, file=sys.stderr)

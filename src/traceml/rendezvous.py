@@ -1,4 +1,5 @@
-"""How the ranks of a run find its one collector, and who may talk to it.
+"""How the ranks of a run find its one collector, and who may talk to it; the environment
+`traceml run` hands its training processes (every TRACEML_* name is here).
 
 One collector per run, on node 0. Under `traceml run` its address reaches the ranks in
 TRACEML_COLLECTOR. Under a launch of the user's own (torchrun, srun) every rank derives the
@@ -16,6 +17,10 @@ from typing import Mapping, Optional, Tuple
 ENV_COLLECTOR = "TRACEML_COLLECTOR"  # host:port, set by `traceml run` for its ranks
 ENV_COLLECTOR_PORT = "TRACEML_COLLECTOR_PORT"
 ENV_TOKEN = "TRACEML_TOKEN"
+ENV_RUN_DIR = "TRACEML_RUN_DIR"  # where the run's directory goes (`traceml run` sets it)
+ENV_DEEP = "TRACEML_DEEP"  # set by `traceml run --deep`: deep-dive on the model trace_step sees
+ENV_DEEP_EVERY = "TRACEML_DEEP_EVERY"
+ENV_AUTO_CAPTURE = "TRACEML_AUTO_CAPTURE"  # "0" (traceml run --no-auto-capture): no capture when a rule fires
 LOOPBACK = "127.0.0.1"
 
 

@@ -62,7 +62,7 @@ class Sender:
         self._last_sent_at = time.monotonic()
         self.lost_collector = False  # a connection broke: at exit, this rank keeps its own summary
         # Where the run's files go, when this process knows (traceml run says; rank 0 chooses).
-        env_run_dir = os.environ.get("TRACEML_RUN_DIR")
+        env_run_dir = os.environ.get(rendezvous.ENV_RUN_DIR)
         self.run_dir: Optional[Path] = Path(env_run_dir) if env_run_dir else None
         self._collector_process: Optional[subprocess.Popen] = None
         # Rank 0 under the Trace API: the collector it starts serves the web page on web_port,
