@@ -10,7 +10,8 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 from traceml.probe.step import (BACKWARD, CHECKPOINT_BETWEEN_NS, CHECKPOINT_NS, EVAL_NS, FORWARD, FORWARD_CALLS, H2D,
-                                INPUT_WAIT_NS, NO_PHASE, OPTIMIZER, SAMPLES, TOKENS, StepProbe, _now_ns)
+                                INPUT_WAIT_GAP_NS, INPUT_WAIT_NS, NO_PHASE, OPTIMIZER, REAL_TOKENS, SAMPLES,
+                                TOKEN_COPIES, TOKENS, StepProbe, _now_ns)
 
 log = logging.getLogger("traceml")
 _undo: List[Callable[[], None]] = []  # how to take back each installed patch, newest last
@@ -60,7 +61,7 @@ def _patch_dataloader(probe: StepProbe) -> None:
             if probe.in_step:
                 probe.sums[INPUT_WAIT_NS] += _now_ns() - start_ns
             elif not probe.in_evaluation and grad_enabled():
-                probe.input_wait_gap_ns += _now_ns() - start_ns
+                probe.window[INPUT_WAIT_GAP_NS] += _now_ns() - start_ns
             elif not probe.in_evaluation:
                 # Between steps with gradients off (an evaluation loop): not the training's
                 # input; `outside`, and evaluation. (A trainer's evaluation is timed whole.)
@@ -718,12 +719,15 @@ def _count_tokens(probe: StepProbe, args: tuple, kwargs: dict, tensor_type: type
     mask = kwargs.get("attention_mask")
     if not isinstance(mask, tensor_type):
         return
+    sums = probe.sums
     if mask.is_cpu:
-        probe.real_tokens = (probe.real_tokens or 0) + int(mask.sum())
+        sums[REAL_TOKENS] = (sums[REAL_TOKENS] or 0) + int(mask.sum())
     else:
-        probe.token_copies.append(mask.sum().to("cpu", non_blocking=True))
-        if probe.real_tokens is None:
-            probe.real_tokens = 0
+        if sums[TOKEN_COPIES] is None:
+            sums[TOKEN_COPIES] = []
+        sums[TOKEN_COPIES].append(mask.sum().to("cpu", non_blocking=True))
+        if sums[REAL_TOKENS] is None:
+            sums[REAL_TOKENS] = 0
 
 
 def _batch_size(args: tuple, kwargs: dict, tensor_type: type) -> int:

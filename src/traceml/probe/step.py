@@ -32,19 +32,22 @@ _now_ns = time.perf_counter_ns
 # Accumulators of a step's whole window (the step and the gap after it), a new list for each
 # window (the old one goes out with the step): garbage-collector pauses [pause ns, collections,
 # longest pause ns, full (generation 2) collections, pause ns of generations 0, 1 and 2], then
-# evaluation, checkpoint-save and torch.compile ns, and of the saves the ns between steps (a save
-# after the last step is not that step's: see finish).
-_WINDOW_ZEROS = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-EVAL_NS, CHECKPOINT_NS, COMPILE_NS, CHECKPOINT_BETWEEN_NS = 7, 8, 9, 10
+# evaluation, checkpoint-save and torch.compile ns, of the saves the ns between steps (a save
+# after the last step is not that step's: see finish), and the DataLoader's wait between steps.
+_WINDOW_ZEROS = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+EVAL_NS, CHECKPOINT_NS, COMPILE_NS, CHECKPOINT_BETWEEN_NS, INPUT_WAIT_GAP_NS = 7, 8, 9, 10, 11
 _NOT_A_STEP = RuntimeError("not a step")  # ends an inferred step without a record
-# Accumulators of the step in flight, a new list for each step (the old one goes out with the
-# step): the phases' ns (their order matches the StepRecord fields), the input wait inside the
-# block, the traced model's outermost calls, the samples and tokens given to it, and under DDP
-# the collective wait inside backward. One list, so that starting a step is one store.
-H2D, FORWARD, BACKWARD, OPTIMIZER, INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, TOKENS, COMM_WAIT_NS = range(9)
-_STEP_ZEROS = (0, 0, 0, 0, 0, 0, 0, 0, 0)
-PHASE_NAMES = ("h2d", "forward", "backward", "optimizer")
+# The step in flight, a new list for each step (the old one goes out with the step): the
+# phases' ns (their order matches the StepRecord fields), the input wait inside the block, the
+# traced model's outermost calls, the samples and tokens given to it, under DDP the collective
+# wait inside backward; then the real tokens per attention_mask (None: no mask seen), the
+# device copies of masks' sums still in flight (None: none), and the phase an exception left
+# through (for an OOM report). One list, so that starting a step is one store.
+(H2D, FORWARD, BACKWARD, OPTIMIZER, INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, TOKENS, COMM_WAIT_NS, REAL_TOKENS,
+ TOKEN_COPIES, FAILED_PHASE) = range(12)
 NO_PHASE = -1
+_STEP_ZEROS = (0, 0, 0, 0, 0, 0, 0, 0, 0, None, None, NO_PHASE)
+PHASE_NAMES = ("h2d", "forward", "backward", "optimizer")
 _END_NS, _EVENTS = 2, 7  # in the closed step's tuple (see exit): its end, its (start, end, phase) events
 
 
@@ -53,9 +56,8 @@ class StepProbe:
 
     # Slots, not a __dict__. Those a step touches come first, next to each other: a step's
     # cost is mostly cache misses on state the model's own work pushed out of the cache.
-    __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "_step_depth", "setup_started_ns",
-                 "timeline", "_closed", "sender", "input_wait_gap_ns", "_start_event", "real_tokens",
-                 "token_copies", "failed_phase", "step_index", "layers_due_step", "_step_start_ns",
+    __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "setup_started_ns",
+                 "timeline", "_closed", "sender", "_start_event", "step_index", "layers_due_step", "_step_start_ns",
                  "layers_active", "_unconfirmed", "host_rss", "_phase_events", "_gradients_done_ns",
                  "in_evaluation", "comm_timed", "_open_event", "_gc_start_ns",
                  # the rest: set-up, deep-dive, inferred steps, DDP, spans, the end of the run
@@ -74,10 +76,11 @@ class StepProbe:
         self.exit_code: Optional[int] = None
         self.setup_started_ns = 0
 
-        self.in_step = False
+        # The step in flight: 0 between steps, else how deep trace_step blocks are nested (an
+        # integration's inside a user's); the step ends when the outermost one exits.
+        self.in_step = 0
         # In a step the patches may time inline, without phase_begin and phase_end (see enter).
         self.plain = False
-        self._step_depth = 0
         self.step_index = 0
         self._step_start_ns = 0
         # Wall clock = this offset + perf_counter: one reading, not a time.time() per step.
@@ -86,16 +89,9 @@ class StepProbe:
         # The open phase: only the outermost traced call of a phase is timed.
         self.open_phase = NO_PHASE
         self._open_event: Any = None
-        # Accumulators of the step in flight (see _STEP_ZEROS).
+        # The step in flight (see _STEP_ZEROS).
         self.sums = [*_STEP_ZEROS]
         self._phase_events: List[Tuple[str, Any, Any]] = []
-        # Token inputs: tokens given (padding included) are summed in sums[TOKENS], the real
-        # ones per attention_mask here (None: no mask seen); a mask on the device is summed
-        # there and copied without waiting.
-        self.real_tokens: Optional[int] = None
-        self.token_copies: List[Any] = []
-        # Accumulators of the whole window (step plus the gap after it).
-        self.input_wait_gap_ns = 0
         # The window's GC pauses, evaluation and checkpoint saves (see _WINDOW_ZEROS), added to
         # in place by gc_callback, the model's calls outside steps and torch.save.
         self.window = [*_WINDOW_ZEROS]
@@ -110,7 +106,6 @@ class StepProbe:
         self.layers_due_step = math.inf
         self.layers_active = False
         self.tail_eval_ns = self.tail_checkpoint_ns = 0  # after the last step (see finish)
-        self.failed_phase = NO_PHASE  # the phase an exception left through, for an OOM report
         # No trace_step in the loop (zero-code mode, the Trace API): a step starts at its first
         # phase and ends when the optimizer steps, or, in a loop that no torch.optim optimizer
         # updates, when backward returns. An explicit trace_step turns this off for good.
@@ -145,7 +140,7 @@ class StepProbe:
     # for that step, with fewer lines: a line costs several times its tight-loop cost there,
     # the training having pushed TraceML's code out of the caches.
     def __enter__(self) -> "StepProbe":
-        if (self._step_depth or self.timeline is not None or self.setup_started_ns
+        if (self.in_step or self.timeline is not None or self.setup_started_ns
                 or self.step_index >= self.layers_due_step):
             return self.enter()
         now = _now_ns()
@@ -154,19 +149,13 @@ class StepProbe:
             if closed is not None:  # see enter
                 self._closed = None
                 if self.auto_steps:
-                    self._unconfirmed = (closed, now, self.input_wait_gap_ns, self.window, None)
+                    self._unconfirmed = (closed, now, self.window, None)
                 else:
-                    self.sender.push((closed, now, self.input_wait_gap_ns, self.window, None))
-            self._step_depth = 1
+                    self.sender.push((closed, now, self.window, None))
             self.window = [*_WINDOW_ZEROS]
             self.sums = [*_STEP_ZEROS]
-            self.input_wait_gap_ns = 0
-            self.real_tokens = None
-            if self.token_copies:
-                self.token_copies = []
-            self.failed_phase = NO_PHASE
             self._step_start_ns = now
-            self.in_step = True
+            self.in_step = 1
             self.plain = not self.layers_active and not self.comm_timed
         except Exception:  # the training comes first: a fault here costs telemetry only
             _disable("trace_step enter")
@@ -174,11 +163,10 @@ class StepProbe:
 
     def enter(self, now: int = 0) -> "StepProbe":
         """Start a step (now: when it started, if not now)."""
-        if self._step_depth:
-            self._step_depth += 1  # a nested trace_step (an integration inside a user's block)
+        if self.in_step:
+            self.in_step += 1  # a nested trace_step (an integration inside a user's block)
             return self
         try:
-            self._step_depth = 1
             now = now or _now_ns()
             if self.setup_started_ns:
                 # The first step began when trace_step was first called; the probe's own set-up
@@ -191,26 +179,21 @@ class StepProbe:
                 self.device_memory.reset_peak()
             closed = self._closed
             if closed is not None:
-                # The step before ends its window now: the window's end, its input wait
-                # between steps, its list and the next step's start event (on CUDA) make up
-                # its "ending". The arithmetic happens on the sender's thread (record_from).
+                # The step before ends its window now: the window's end, its list and the
+                # next step's start event (on CUDA) make up its "ending". The arithmetic
+                # happens on the sender's thread (record_from).
                 self._closed = None
-                ending = (closed, now, self.input_wait_gap_ns, self.window, self._start_event)
+                ending = (closed, now, self.window, self._start_event)
                 if self.auto_steps:
                     self._unconfirmed = ending  # sent once this step proves to be one (see exit)
                 else:
                     self._end_window(ending)
             self.window = [*_WINDOW_ZEROS]
             self.sums = [*_STEP_ZEROS]
-            self.input_wait_gap_ns = 0
-            self.real_tokens = None
-            if self.token_copies:
-                self.token_copies = []
-            self.failed_phase = NO_PHASE
             if self.step_index >= self.layers_due_step:
                 self.layers.begin_step(self.step_index)
             self._step_start_ns = now
-            self.in_step = True
+            self.in_step = 1
             # The common step: host clock, no deep-dive sample, no DDP. The patches then time a
             # phase inline (a call of phase_begin and phase_end costs about a µs inside a
             # training step, whose own work has pushed them out of the cache).
@@ -221,20 +204,19 @@ class StepProbe:
 
     def __exit__(self, exc_type: Any, failed: Optional[BaseException], tb: Any) -> None:
         now = _now_ns()
-        if failed is not None or not self.plain or self._step_depth > 1:
+        if failed is not None or not self.plain or self.in_step > 1:
             return self.exit(failed=failed, now=now)
         try:
             unconfirmed = self._unconfirmed
             if unconfirmed is not None:  # inferred steps: this one proved a step (see _settle_inferred)
                 self._unconfirmed = None
                 self.sender.push(unconfirmed)
-            self._step_depth = 0
-            self.in_step = self.plain = False
+            self.in_step = 0
+            self.plain = False
             self.open_phase = NO_PHASE
             host_rss = self.host_rss
             self._closed = (self.step_index, self._step_start_ns, now, self.sums, None, None, None, None, None,
-                            None, host_rss.latest_bytes if host_rss is not None else None,
-                            self.real_tokens, self.token_copies, False)
+                            None, host_rss.latest_bytes if host_rss is not None else None, False)
             self.step_index += 1
         except Exception:  # the training comes first: a fault here costs telemetry only
             _disable("trace_step exit")
@@ -242,13 +224,13 @@ class StepProbe:
 
     def exit(self, failed: Optional[BaseException] = None, now: int = 0) -> None:
         """End the step (failed: the exception leaving it, if any; now: when it ended, if not now)."""
-        if self._step_depth > 1:
-            self._step_depth -= 1
+        if self.in_step > 1:
+            self.in_step -= 1
             return
         now = now or _now_ns()
         try:
-            self._step_depth = 0
-            self.in_step = self.plain = False
+            self.in_step = 0
+            self.plain = False
             if failed is not None and _is_out_of_memory(failed):
                 self._report_oom(failed)
             self.open_phase = NO_PHASE
@@ -269,8 +251,7 @@ class StepProbe:
             # One flat tuple: the arithmetic happens on the sender's thread (record_from).
             self._closed = (self.step_index, self._step_start_ns, now, self.sums, allocated, peak, reserved,
                             self._start_event, end_event, self._phase_events,
-                            host_rss.latest_bytes if host_rss is not None else None,
-                            self.real_tokens, self.token_copies, instrumented)
+                            host_rss.latest_bytes if host_rss is not None else None, instrumented)
             self.step_index += 1
         except Exception:  # the training comes first: a fault here costs telemetry only
             _disable("trace_step exit")
@@ -289,8 +270,8 @@ class StepProbe:
             # closing its window at its start. It did not (work after the last update, an
             # evaluation with gradients on): that step's window ends where it ended, and
             # the planned work counted since is not its.
-            closed, _, _, window, _ = unconfirmed
-            self._end_window((closed, closed[_END_NS], 0, [*window[:EVAL_NS], 0, 0, 0, 0], None))
+            closed, _, window, _ = unconfirmed
+            self._end_window((closed, closed[_END_NS], [*window[:EVAL_NS], 0, 0, 0, 0, 0], None))
         # Its phase events go back to the pool; its start event stays out, since the step
         # before it may still be waiting on that event as the end of its window.
         if self.timeline is not None:
@@ -301,25 +282,24 @@ class StepProbe:
 
     def _end_window(self, ending: tuple) -> None:
         """Send a closed step whose window has ended (its ending: the closed step, the window's
-        end, its input wait between steps, its list, the next step's start event): as it is on
-        the CPU; on CUDA, to the timeline, which sends it once its events are done."""
+        end, its list, the next step's start event): as it is on the CPU; on CUDA, to the
+        timeline, which sends it once its events are done."""
         if self.timeline is None:
             self.sender.push(ending)
             return
         from traceml.probe.clock import PendingDeviceStep
 
         start_event, end_event, phase_events = ending[0][_EVENTS:_EVENTS + 3]
-        self.timeline.submit(PendingDeviceStep(ending, start_event, end_event, ending[4], phase_events))
+        self.timeline.submit(PendingDeviceStep(ending, start_event, end_event, ending[3], phase_events))
 
     def record_from(self, ending: tuple) -> StepRecord:
         """The StepRecord of a closed step whose window has ended (sender's thread)."""
-        closed, window_end_ns, input_wait_gap_ns, window, _ = ending
+        closed, window_end_ns, window, _ = ending
         (gc_ns, gc_collections, gc_max_ns, gc_full, gen0_ns, gen1_ns, gen2_ns, eval_ns, checkpoint_ns,
-         compile_ns, _) = window
-        (step, start_ns, end_ns, sums, allocated, peak, reserved, _, _, _, rss, real_tokens, token_copies,
-         instrumented) = closed
+         compile_ns, _, input_wait_gap_ns) = window
+        step, start_ns, end_ns, sums, allocated, peak, reserved, _, _, _, rss, instrumented = closed
         (h2d_ns, forward_ns, backward_ns, optimizer_ns, input_wait_inside_ns, forward_calls, samples, tokens,
-         comm_wait_ns) = sums
+         comm_wait_ns, real_tokens, token_copies, _) = sums
         gap_ns = window_end_ns - end_ns
         untraced_ns = (end_ns - start_ns - h2d_ns - forward_ns - backward_ns - optimizer_ns
                        - input_wait_inside_ns)
@@ -365,8 +345,8 @@ class StepProbe:
             self.tail_eval_ns += window[EVAL_NS]
             self.tail_checkpoint_ns += window[CHECKPOINT_BETWEEN_NS]
             window[CHECKPOINT_NS] -= window[CHECKPOINT_BETWEEN_NS]
-            window[EVAL_NS] = window[CHECKPOINT_BETWEEN_NS] = 0
-            self._end_window((closed, closed[_END_NS], 0, tuple(window), None))
+            window[EVAL_NS] = window[CHECKPOINT_BETWEEN_NS] = window[INPUT_WAIT_GAP_NS] = 0
+            self._end_window((closed, closed[_END_NS], tuple(window), None))
 
     def evaluation_begin(self) -> bool:
         """A trainer's evaluation starts (Trainer.evaluate, Lightning's validation); False when
@@ -533,14 +513,14 @@ class StepProbe:
 
     def note_failure(self, phase: int) -> None:
         """An exception is leaving this phase: remember where, in case it ends the step."""
-        if self.failed_phase == NO_PHASE:
-            self.failed_phase = phase
+        if self.sums[FAILED_PHASE] == NO_PHASE:
+            self.sums[FAILED_PHASE] = phase
 
     def _report_oom(self, error: BaseException) -> None:
         """Out of memory: where the step was, how full memory was, then let the error go on."""
         from traceml.records import OomRecord
 
-        phase = self.failed_phase if self.failed_phase != NO_PHASE else self.open_phase
+        phase = self.sums[FAILED_PHASE] if self.sums[FAILED_PHASE] != NO_PHASE else self.open_phase
         layer = _layer_in_flight(error, self.layers)
         largest: List[Tuple[str, int]] = []
         if self.layers is not None:
@@ -594,7 +574,7 @@ class StepProbe:
                 stats[3] += 1
 
 
-def _real_tokens(counted: Optional[int], copies: List[Any]) -> Optional[int]:
+def _real_tokens(counted: Optional[int], copies: Optional[List[Any]]) -> Optional[int]:
     """Real tokens of a step: counted on the host, plus device masks' sums copied to the host.
     Read once the step is resolved: on CUDA its end event is done, so the copies made before
     it are too, and reading them waits for nothing."""
