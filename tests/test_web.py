@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from traceml.collector.store import Store
-from traceml.records import STEP_PHASES, RankHello, ScalarRecord, StepRecord
+from traceml.records import STEP_PHASES, GpuSample, RankHello, ScalarRecord, StepRecord, SystemSample
 from traceml.views.web.app import RunSource, WebServer
 from traceml.views.web import queries
 from traceml.views.web.queries import MAX_POINTS
@@ -262,6 +262,27 @@ def test_a_long_run_is_downsampled_and_refreshed_incrementally(tmp_path):
     fresh.refresh()
     assert buckets.bucket == fresh.bucket == 128
     assert queries.step_series(buckets, {}) == queries.step_series(fresh, {})
+    store.close()
+
+
+def test_a_downsampled_system_bucket_takes_its_gpus_from_its_last_reading(tmp_path):
+    # Four readings a bucket whose GPU figures disagree: the series shows each bucket's last,
+    # as a bare column beside MAX() aggregates would not (SQLite picks any row of the group).
+    store = Store(str(tmp_path / "telemetry.sqlite"))
+    readings = 4000
+    store.write([SystemSample(unix_s=1000.0 + second, cpu_percent=float(second % 4), ram_used_bytes=100 + second,
+                              ram_total_bytes=10_000, training_cpu_percent=50.0, training_rss_bytes=second,
+                              gpus=[GpuSample(index=0, utilization_percent=float(second % 4) * 10,
+                                              memory_used_bytes=second, memory_total_bytes=1 << 30)])
+                 for second in range(readings)])
+    store.commit()
+    series = queries.system_series(Store(store.path, readonly=True), points=1000)
+    assert len(series["unix_s"]) == 1000  # 4 readings a bucket
+    gpu = series["gpus"][0]
+    assert gpu["utilization_percent"] == [30.0] * 1000  # the last of 0, 10, 20, 30
+    assert gpu["memory_used_bytes"] == list(range(3, readings, 4))
+    assert series["cpu_percent"] == [1.5] * 1000  # the mean of 0, 1, 2, 3
+    assert series["training_rss_bytes"] == list(range(3, readings, 4))  # the bucket's maximum
     store.close()
 
 

@@ -267,7 +267,7 @@ class Collector:
         late = sorted(self.live.late_steps)
         for first in range(0, len(late), 500):
             chunk = late[first:first + 500]
-            rolled += roll_up(self.store.steps_where(f"step IN ({', '.join('?' * len(chunk))})", chunk))
+            rolled += roll_up(self.store.steps_at(chunk))
         if rolled:
             self.store.write_rolled(rolled)
         # The wall-time tally of every record, so the summary need not read them all again.

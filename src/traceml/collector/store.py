@@ -12,13 +12,26 @@ import msgspec
 
 from traceml import rundir
 from traceml.collector.rollup import RolledStep
-from traceml.records import (CompileRecord, Finding, GpuSample, LayerCapture, LayerReport, OomRecord, RankEnd, RankHello,
+from traceml.records import (ALL_PHASES, CompileRecord, Finding, GpuSample, LayerCapture, LayerReport, OomRecord, RankEnd, RankHello,
                              ScalarRecord, SpanRecord, StepRecord, SystemSample)
 
 STEP_COLUMNS = msgspec.structs.fields(StepRecord)
 ROLLED_COLUMNS = msgspec.structs.fields(RolledStep)
 _ROLLED_NAMES = [field.name for field in ROLLED_COLUMNS]
 _STEP_NAMES = [field.name for field in STEP_COLUMNS]
+# The series each table's rows belong to, indexed with the step: a rank's steps, a span's or a
+# scalar's name.
+SERIES = {"steps": "rank", "spans": "name", "scalars": "name"}
+# What a bucket of a series' rows holds (Store.bucketed): (SQL aggregate, how two buckets'
+# figures merge: "sum", "max" (of the present ones) or "min").
+_MEMORY_FIELDS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes", "host_rss_bytes")
+BUCKET_FIGURES: Dict[str, List[Tuple[str, str]]] = {
+    "steps": ([("COUNT(*)", "sum"), ("SUM(step_ms)", "sum"), ("MAX(step_ms)", "max")]
+              + [(f"SUM({name}_ms)", "sum") for name in ALL_PHASES]
+              + [(f"MAX({name})", "max") for name in _MEMORY_FIELDS]),
+    "spans": [("SUM(count)", "sum"), ("COUNT(*)", "sum"), ("SUM(duration_ms)", "sum")],
+    "scalars": [("MIN(step)", "min"), ("COUNT(*)", "sum"), ("SUM(value)", "sum")],
+}
 WAL_PAGES = 64
 CHUNK_RECORDS = 64  # after a failed commit, records are written again this many at a time
 _SYSTEM_NAMES = [field.name for field in msgspec.structs.fields(SystemSample) if field.name != "gpus"]
@@ -260,29 +273,125 @@ class Store:
                 self._db.close()
                 self._release_reserve()
 
-    # -- reading ----------------------------------------------------------------------------
-    def query(self, sql: str, params: Sequence[Any] = ()) -> List[tuple]:
-        """Rows of one read-only statement (the web views' downsampling queries)."""
+    # -- reading: typed queries; no SQL of the schema leaves this module ----------------------
+    def _rows(self, sql: str, params: Sequence[Any] = ()) -> List[tuple]:
         with self._lock:
             return self._db.execute(sql, params).fetchall()
 
     def steps(self) -> List[StepRecord]:
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {', '.join(_STEP_NAMES)} FROM steps ORDER BY step, rank").fetchall()
-        return [StepRecord(*row) for row in rows]
+        return [StepRecord(*row) for row in self._rows(
+            f"SELECT {', '.join(_STEP_NAMES)} FROM steps ORDER BY step, rank")]
 
     def rolled_steps(self) -> List[RolledStep]:
-        with self._lock:
-            rows = self._db.execute(f"SELECT {', '.join(_ROLLED_NAMES)} FROM rolled ORDER BY step").fetchall()
-        return [RolledStep(*row) for row in rows]
+        return [RolledStep(*row) for row in self._rows(
+            f"SELECT {', '.join(_ROLLED_NAMES)} FROM rolled ORDER BY step")]
 
-    def steps_where(self, condition: str, params: Sequence[Any] = ()) -> List[StepRecord]:
-        """Step records matching an SQL condition on the steps table, in step then rank order."""
-        with self._lock:
-            rows = self._db.execute(f"SELECT {', '.join(_STEP_NAMES)} FROM steps WHERE {condition} "
-                                    f"ORDER BY step, rank", params).fetchall()
-        return [StepRecord(*row) for row in rows]
+    def steps_at(self, steps: Sequence[int]) -> List[StepRecord]:
+        """Every rank's records of these steps, in step then rank order."""
+        return [StepRecord(*row) for row in self._rows(
+            f"SELECT {', '.join(_STEP_NAMES)} FROM steps WHERE step IN ({', '.join('?' * len(steps))}) "
+            f"ORDER BY step, rank", list(steps))]
+
+    def steps_every(self, every: int) -> List[StepRecord]:
+        """The records of every `every`-th step (a sample of a long run), in step then rank order."""
+        return [StepRecord(*row) for row in self._rows(
+            f"SELECT {', '.join(_STEP_NAMES)} FROM steps WHERE step % ? = 0 ORDER BY step, rank", (every,))]
+
+    def steps_between(self, first: int, last: int) -> List[StepRecord]:
+        """The records of steps first to last, in rank then step order."""
+        return [StepRecord(*row) for row in self._rows(
+            f"SELECT {', '.join(_STEP_NAMES)} FROM steps WHERE step BETWEEN ? AND ? ORDER BY rank, step",
+            (first, last))]
+
+    def step_fields(self, rank: int, since_step: int, fields: Sequence[str]) -> List[tuple]:
+        """(step, *fields) of one rank's records from since_step on, in step order; fields are
+        StepRecord's field names."""
+        unknown = set(fields) - set(_STEP_NAMES)
+        if unknown:
+            raise ValueError(f"not step fields: {sorted(unknown)}")
+        return self._rows(f"SELECT step, {', '.join(fields)} FROM steps WHERE rank = ? AND step >= ? "
+                          f"ORDER BY step", (rank, since_step))
+
+    def ranks(self) -> List[int]:
+        """The ranks that said hello."""
+        return [row[0] for row in self._rows("SELECT rank FROM ranks ORDER BY rank")]
+
+    def step_count(self, rank: Optional[int] = None, since_step: int = 0) -> int:
+        """How many step records (of one rank, if given) from since_step on."""
+        if rank is None:
+            return self._rows("SELECT COUNT(*) FROM steps WHERE step >= ?", (since_step,))[0][0]
+        return self._rows("SELECT COUNT(*) FROM steps WHERE rank = ? AND step >= ?", (rank, since_step))[0][0]
+
+    def series_keys(self, table: str) -> List[Any]:
+        """The series a table's rows belong to (see SERIES): the steps' ranks, the spans' and
+        scalars' names; found by walking the (series, step) index, not by reading every row."""
+        if table == "steps":
+            return self.ranks()
+        column = SERIES[table]
+        keys: List[Any] = []
+        key = self._rows(f"SELECT MIN({column}) FROM {table}")[0][0]
+        while key is not None:
+            keys.append(key)
+            key = self._rows(f"SELECT MIN({column}) FROM {table} WHERE {column} > ?", (key,))[0][0]
+        return keys
+
+    def step_bounds(self, table: str, key: Any) -> Tuple[Optional[int], Optional[int]]:
+        """The first and last step of one series (a rank's steps, a span's or scalar's name)."""
+        # Two statements: SQLite answers a lone MIN or MAX from the index, not both at once.
+        where = f"FROM {table} WHERE {SERIES[table]} = ?"
+        low = self._rows(f"SELECT MIN(step) {where}", (key,))[0][0]
+        return low, (self._rows(f"SELECT MAX(step) {where}", (key,))[0][0] if low is not None else None)
+
+    def bucketed(self, table: str, key: Any, first: int, bucket: int, low: int,
+                 high: int = 2 ** 62) -> List[tuple]:
+        """One series' rows from step low to high summed into buckets of `bucket` steps counted
+        from step `first`: (slot, *figures) per bucket, the figures of BUCKET_FIGURES[table]."""
+        figures = ", ".join(sql for sql, _ in BUCKET_FIGURES[table])
+        return self._rows(f"SELECT (step - ?) / ?, {figures} FROM {table} "
+                          f"WHERE {SERIES[table]} = ? AND step BETWEEN ? AND ? GROUP BY 1",
+                          (first, bucket, key, low, high))
+
+    def spans_between(self, first: int, last: int, limit: int = -1) -> List[SpanRecord]:
+        """User spans of steps first to last, in rank, step and start order."""
+        return [SpanRecord(*row) for row in self._rows(
+            "SELECT rank, step, name, start_unix_s, duration_ms, count FROM spans WHERE step BETWEEN ? AND ? "
+            "ORDER BY rank, step, start_unix_s LIMIT ?", (first, last, limit))]
+
+    def scalars_between(self, first: int, last: int) -> List[ScalarRecord]:
+        return [ScalarRecord(*row) for row in self._rows(
+            "SELECT rank, step, name, value FROM scalars WHERE step BETWEEN ? AND ? ORDER BY rank, step",
+            (first, last))]
+
+    def latest_system(self) -> Optional[SystemSample]:
+        rows = self._rows(f"SELECT {', '.join(_SYSTEM_NAMES)}, gpus FROM system ORDER BY rowid DESC LIMIT 1")
+        return _system_sample(rows[0]) if rows else None
+
+    def system_buckets(self, per_bucket: int) -> List[Tuple[SystemSample, int]]:
+        """The node sampler's readings, `per_bucket` consecutive readings a bucket: per bucket a
+        SystemSample of the readings' means (RAM total and training RSS: their maximum; GPUs:
+        the bucket's last reading), with how many readings it holds."""
+        low = self._rows("SELECT MIN(rowid) FROM system")[0][0]
+        if low is None:
+            return []
+        rows = self._rows(
+            "SELECT AVG(unix_s), AVG(cpu_percent), AVG(training_cpu_percent), AVG(ram_used_bytes), "
+            "MAX(ram_total_bytes), MAX(training_rss_bytes), MAX(rowid), COUNT(*) FROM system "
+            "GROUP BY (rowid - ?) / ? ORDER BY 1", (low, per_bucket))
+        # A bare `gpus` beside these aggregates would come from any row of its bucket: the GPUs
+        # are read from each bucket's last row, by its rowid.
+        last_ids = [row[6] for row in rows]
+        gpus = dict(self._rows(f"SELECT rowid, gpus FROM system WHERE rowid IN ({', '.join('?' * len(last_ids))})",
+                               last_ids))
+        return [(SystemSample(unix_s=unix_s, cpu_percent=cpu, training_cpu_percent=training_cpu,
+                              ram_used_bytes=round(ram_used), ram_total_bytes=ram_total,
+                              training_rss_bytes=training_rss,
+                              gpus=msgspec.json.decode(gpus[last_id] or "[]", type=List[GpuSample])), readings)
+                for unix_s, cpu, training_cpu, ram_used, ram_total, training_rss, last_id, readings in rows]
+
+    def system_extent(self) -> Tuple[int, int]:
+        """The first and last reading's row number (0, -1 when none), for sizing buckets."""
+        low, high = self._rows("SELECT MIN(rowid), MAX(rowid) FROM system")[0]
+        return (low, high) if low is not None else (0, -1)
 
     def hellos(self) -> List[RankHello]:
         return [msgspec.json.decode(text, type=RankHello) for text in self._column("hello")]
@@ -296,12 +405,8 @@ class Store:
             return [row[0] for row in rows.fetchall()]
 
     def system_samples(self) -> List[SystemSample]:
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {', '.join(_SYSTEM_NAMES)}, gpus FROM system ORDER BY unix_s").fetchall()
-        return [SystemSample(**dict(zip(_SYSTEM_NAMES, row[:-1])),
-                             gpus=msgspec.json.decode(row[-1], type=List[GpuSample]))
-                for row in rows]
+        return [_system_sample(row) for row in self._rows(
+            f"SELECT {', '.join(_SYSTEM_NAMES)}, gpus FROM system ORDER BY unix_s")]
 
     def layer_reports(self) -> List[LayerReport]:
         with self._lock:
@@ -337,6 +442,10 @@ class Store:
             rows = self._db.execute("SELECT key, value FROM meta").fetchall()
         return {key: json.loads(value) for key, value in rows}
 
+
+
+def _system_sample(row: tuple) -> SystemSample:
+    return SystemSample(**dict(zip(_SYSTEM_NAMES, row[:-1])), gpus=msgspec.json.decode(row[-1], type=List[GpuSample]))
 
 
 def _connect_readonly(path: str) -> sqlite3.Connection:

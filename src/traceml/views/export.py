@@ -15,6 +15,8 @@ import csv
 import json
 from typing import IO, Any, Dict, Iterator, List, Optional, Tuple
 
+import msgspec
+
 from traceml.collector.store import STEP_COLUMNS, Store
 
 FORMATS = ("chrome", "jsonl", "csv")
@@ -40,15 +42,12 @@ def parse_steps(text: Optional[str]) -> Tuple[int, int]:
 
 
 def _steps(store: Store, first: int, last: int) -> Iterator[Dict[str, Any]]:
-    for row in store.query(f"SELECT {', '.join(STEP_NAMES)} FROM steps WHERE step BETWEEN ? AND ? "
-                           f"ORDER BY rank, step", (first, last)):
-        yield dict(zip(STEP_NAMES, row))
+    for step in store.steps_between(first, last):
+        yield msgspec.structs.asdict(step)
 
 
-def _rows(store: Store, table: str, columns: str, first: int, last: int) -> List[Dict[str, Any]]:
-    names = [name.strip() for name in columns.split(",")]
-    return [dict(zip(names, row)) for row in store.query(
-        f"SELECT {columns} FROM {table} WHERE step BETWEEN ? AND ? ORDER BY rank, step", (first, last))]
+def _rows(records: List[Any]) -> List[Dict[str, Any]]:
+    return [msgspec.structs.asdict(record) for record in records]
 
 
 def export(store: Store, fmt: str, first: int, last: int, out: IO[str]) -> int:
@@ -66,9 +65,9 @@ def export(store: Store, fmt: str, first: int, last: int, out: IO[str]) -> int:
         for step in _steps(store, first, last):
             out.write(json.dumps({"type": "step", **step}) + "\n")
             count += 1
-        for span in _rows(store, "spans", "rank, step, name, start_unix_s, duration_ms, count", first, last):
+        for span in _rows(store.spans_between(first, last)):
             out.write(json.dumps({"type": "span", **span}) + "\n")
-        for scalar in _rows(store, "scalars", "rank, step, name, value", first, last):
+        for scalar in _rows(store.scalars_between(first, last)):
             out.write(json.dumps({"type": "scalar", **scalar}) + "\n")
         return count
     if fmt == "chrome":
@@ -122,7 +121,7 @@ def chrome_events(store: Store, first: int, last: int) -> Tuple[List[Dict[str, A
                                     for name, value in counters.items()}})
     span_tids: Dict[Tuple[int, str], int] = {}
     span_end: Dict[Tuple[int, str], int] = {}
-    for span in _rows(store, "spans", "rank, step, name, start_unix_s, duration_ms, count", first, last):
+    for span in _rows(store.spans_between(first, last)):
         key = (span["rank"], span["name"])
         if key not in span_tids:
             span_tids[key] = FIRST_SPAN_TID + len([k for k in span_tids if k[0] == span["rank"]])

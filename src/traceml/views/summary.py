@@ -63,7 +63,7 @@ class RunData:
             # every k-th step of a longer one (medians need no million records).
             self.rank_sample_every = max(1, len(self.rolled) // RANK_SAMPLE_STEPS)
             self.records = (store.steps() if self.rank_sample_every == 1 else
-                            store.steps_where("step % ? = 0", (self.rank_sample_every,)))
+                            store.steps_every(self.rank_sample_every))
         else:
             self.records = store.steps()
             self.rolled = roll_up(self.records)
@@ -100,7 +100,7 @@ class RunData:
         whether it went missing) come exactly from the store's (rank, step) key."""
         rows = {row["rank"]: row for row in self.ranks}
         for hello in self.hellos:
-            last = store.query("SELECT MAX(step) FROM steps WHERE rank = ?", (hello.rank,))[0][0]
+            last = store.step_bounds("steps", hello.rank)[1]
             if last is None:
                 continue
             row = rows.get(hello.rank)
@@ -109,8 +109,7 @@ class RunData:
                                           **{f"{name}_median_ms": None
                                              for name in STEP_PHASES + ("gc", "comm_wait")}}
             row["last_step"] = last
-            row["steps"] = store.query("SELECT COUNT(*) FROM steps WHERE rank = ? AND step >= ?",
-                                       (hello.rank, self.warmup))[0][0]
+            row["steps"] = store.step_count(hello.rank, since_step=self.warmup)
         self.ranks = [rows[rank] for rank in sorted(rows)]
 
     def _run_time(self, store: Store, meta: Dict[str, Any]) -> RunTime:

@@ -191,8 +191,8 @@ class RunSource:
             host = system.ram_total_bytes if system is not None else None
         else:
             hellos = self.store.hellos()
-            host = next(iter(self.store.query(
-                "SELECT ram_total_bytes FROM system ORDER BY rowid DESC LIMIT 1")), (None,))[0]
+            latest = self.store.latest_system()
+            host = latest.ram_total_bytes if latest is not None else None
         device = max((h.device_capacity_bytes for h in hellos if h.device_capacity_bytes), default=None)
         return {"device_bytes": device, "host_bytes": host}
 

@@ -7,12 +7,13 @@ so a peak is never averaged away. Every function takes a read-only Store.
 """
 from __future__ import annotations
 
-import json
 import math
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import msgspec
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from traceml.collector.rollup import max_present
-from traceml.collector.store import Store
+from traceml.collector.store import BUCKET_FIGURES, Store
 from traceml.records import ALL_PHASES
 
 MAX_POINTS = 2000
@@ -22,16 +23,9 @@ MAX_TIMELINE_STEPS = 200
 TIMELINE_ORDER = ("h2d", "forward", "backward", "optimizer", "untraced", "input_wait", "outside")
 MEMORY_COLUMNS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes",
                   "host_rss_bytes")
-# What a bucket holds: (SQL aggregate, how two buckets' figures merge into one).
-Figures = Sequence[Tuple[str, Callable[[Iterable[Any]], Any]]]
-STEP_FIGURES: Figures = ([("COUNT(*)", sum), ("SUM(step_ms)", sum), ("MAX(step_ms)", max)]
-                         + [(f"SUM({name}_ms)", sum) for name in ALL_PHASES]
-                         + [(f"MAX({name})", max_present) for name in MEMORY_COLUMNS])
-_PHASES_AT, _MEMORY_AT = 3, 3 + len(ALL_PHASES)  # where STEP_FIGURES put them
-
-
-def ranks_of(store: Store) -> List[int]:
-    return [row[0] for row in store.query("SELECT rank FROM ranks ORDER BY rank")]
+# How two buckets' figures merge into one (the store's BUCKET_FIGURES say which each takes).
+MERGES: Dict[str, Callable[[Iterable[Any]], Any]] = {"sum": sum, "max": max_present, "min": min}
+_PHASES_AT, _MEMORY_AT = 3, 3 + len(ALL_PHASES)  # where the steps' bucket figures put them
 
 
 def bucket_steps(first: int, last: int, points: int) -> int:
@@ -51,28 +45,17 @@ class Buckets:
     again only from the bucket of the slowest rank's newest step.
     """
 
-    def __init__(self, store: Store, table: str, series_column: str, figures: Figures):
-        self.store, self.table, self.column, self.figures = store, table, series_column, figures
-        self.figures_sql = ", ".join(sql for sql, _ in figures)
+    def __init__(self, store: Store, table: str):
+        self.store, self.table = store, table
+        self.merges = [MERGES[merge] for _, merge in BUCKET_FIGURES[table]]
         self.first_step: Optional[int] = None
         self.last_step: Optional[int] = None
         self.bucket = 1
         self.rows: Dict[Tuple[Any, int], tuple] = {}  # (series, slot) -> figures
 
-    def series_keys(self) -> Iterator[Any]:
-        """The distinct series, one index lookup each (a DISTINCT would read every row)."""
-        if self.table == "steps":
-            yield from ranks_of(self.store)
-            return
-        key = self.store.query(f"SELECT MIN({self.column}) FROM {self.table}")[0][0]
-        while key is not None:
-            yield key
-            key = self.store.query(f"SELECT MIN({self.column}) FROM {self.table} "
-                                   f"WHERE {self.column} > ?", (key,))[0][0]
-
     def refresh(self, points: int = MAX_POINTS) -> None:
         """Bring the whole run's buckets up to date."""
-        ranges = {key: key_range(self.store, self.table, self.column, key) for key in self.series_keys()}
+        ranges = {key: self.store.step_bounds(self.table, key) for key in self.store.series_keys(self.table)}
         ranges = {key: span for key, span in ranges.items() if span[0] is not None}
         if not ranges:
             return
@@ -94,10 +77,7 @@ class Buckets:
             settled_slot = (settled - first) // bucket if settled is not None else 0
             since_slot = max(0, min(settled_slot, max(slot for _, slot in self.rows)))
         for key in ranges:
-            for slot, *figures in self.store.query(
-                    f"SELECT (step - ?) / ?, {self.figures_sql} FROM {self.table} "
-                    f"WHERE {self.column} = ? AND step >= ? GROUP BY 1",
-                    (first, bucket, key, first + since_slot * bucket)):
+            for slot, *figures in self.store.bucketed(self.table, key, first, bucket, first + since_slot * bucket):
                 self.rows[(key, slot)] = tuple(figures)
 
     def read_range(self, first: int, last: int, points: int) -> "Buckets":
@@ -105,11 +85,8 @@ class Buckets:
         self.first_step, self.last_step = first, last
         self.bucket = bucket = bucket_steps(first, last, points)
         self.rows.clear()
-        for key in self.series_keys():
-            for slot, *figures in self.store.query(
-                    f"SELECT (step - ?) / ?, {self.figures_sql} FROM {self.table} "
-                    f"WHERE {self.column} = ? AND step BETWEEN ? AND ? GROUP BY 1",
-                    (first, bucket, key, first, last)):
+        for key in self.store.series_keys(self.table):
+            for slot, *figures in self.store.bucketed(self.table, key, first, bucket, first, last):
                 self.rows[(key, slot)] = tuple(figures)
         return self
 
@@ -121,7 +98,7 @@ class Buckets:
         bucket = bucket_steps(self.first_step, self.last_step, points)
         if bucket <= self.bucket:
             return self
-        coarse = Buckets(self.store, self.table, self.column, self.figures)
+        coarse = Buckets(self.store, self.table)
         coarse.first_step, coarse.last_step, coarse.bucket = self.first_step, self.last_step, bucket
         coarse.rows = self._merged(bucket // self.bucket)
         return coarse
@@ -131,7 +108,7 @@ class Buckets:
         groups: Dict[Tuple[Any, int], List[tuple]] = {}
         for (key, slot), figures in self.rows.items():
             groups.setdefault((key, slot // factor), []).append(figures)
-        return {slot: tuple(merge(column) for (_, merge), column in zip(self.figures, zip(*group)))
+        return {slot: tuple(merge(column) for merge, column in zip(self.merges, zip(*group)))
                 for slot, group in groups.items()}
 
     def by_slot(self) -> Dict[int, List[tuple]]:
@@ -144,29 +121,21 @@ class Buckets:
         return (self.first_step or 0) + slot * self.bucket
 
 
-def key_range(store: Store, table: str, column: str, key: Any) -> Tuple[Optional[int], Optional[int]]:
-    """The first and last step of one series, from the (series, step) index."""
-    # Two statements: SQLite answers a lone MIN or MAX from the index, not both at once.
-    where = f"FROM {table} WHERE {column} = ?"
-    low = store.query(f"SELECT MIN(step) {where}", (key,))[0][0]
-    return low, (store.query(f"SELECT MAX(step) {where}", (key,))[0][0] if low is not None else None)
-
-
 # -- steps ----------------------------------------------------------------------------------------
 def step_buckets(store: Store) -> Buckets:
-    return Buckets(store, "steps", "rank", STEP_FIGURES)
+    return Buckets(store, "steps")
 
 
 def step_range(store: Store) -> Optional[Tuple[int, int]]:
     """The first and last step any rank reported."""
-    ranges = [key_range(store, "steps", "rank", rank) for rank in ranks_of(store)]
+    ranges = [store.step_bounds("steps", rank) for rank in store.ranks()]
     ranges = [span for span in ranges if span[0] is not None]
     return (min(low for low, _ in ranges), max(high for _, high in ranges)) if ranges else None
 
 
 def settled_step(store: Store) -> Optional[int]:
     """The newest step every rank has reported: what comes later may still change."""
-    newest = [key_range(store, "steps", "rank", rank)[1] for rank in ranks_of(store)]
+    newest = [store.step_bounds("steps", rank)[1] for rank in store.ranks()]
     newest = [step for step in newest if step is not None]
     return min(newest) if newest else None
 
@@ -211,35 +180,28 @@ def training_ms(buckets: Buckets) -> float:
 def timeline(store: Store, steps: int) -> Dict[str, Any]:
     """Each rank's last `steps` steps with their phases, and the user spans in them."""
     steps = max(1, min(steps, MAX_TIMELINE_STEPS))
-    columns = ", ".join(f"{name}_ms" for name in TIMELINE_ORDER)
+    fields = ["start_unix_s", "step_ms", *(f"{name}_ms" for name in TIMELINE_ORDER)]
     ranks, rows = [], []
     first_step: Optional[int] = None
-    for rank in ranks_of(store):
-        newest = store.query("SELECT MAX(step) FROM steps WHERE rank = ?", (rank,))[0][0]
+    for rank in store.ranks():
+        newest = store.step_bounds("steps", rank)[1]
         if newest is None:
             continue
         ranks.append(rank)
         since = newest - steps + 1
         first_step = since if first_step is None else min(first_step, since)
-        for step, start_unix_s, step_ms, *phases in store.query(
-                f"SELECT step, start_unix_s, step_ms, {columns} FROM steps "
-                f"WHERE rank = ? AND step >= ? ORDER BY step", (rank, since)):
+        for step, start_unix_s, step_ms, *phases in store.step_fields(rank, since, fields):
             rows.append({"rank": rank, "step": step, "start_unix_s": start_unix_s, "step_ms": step_ms,
                          "phases": dict(zip(TIMELINE_ORDER, phases))})
     spans = []
     if first_step is not None:
-        spans = [{"rank": rank, "step": step, "name": name, "start_unix_s": start_unix_s,
-                  "duration_ms": duration_ms, "count": count}
-                 for rank, step, name, start_unix_s, duration_ms, count in store.query(
-                     "SELECT rank, step, name, start_unix_s, duration_ms, count FROM spans "
-                     "WHERE step >= ? ORDER BY rank, step, start_unix_s LIMIT 20000", (first_step,))]
+        spans = [msgspec.structs.asdict(span) for span in store.spans_between(first_step, 2 ** 62, limit=20000)]
     return {"ranks": ranks, "order": list(TIMELINE_ORDER), "steps": rows, "spans": spans}
 
 
 # -- user spans and scalars ------------------------------------------------------------------------
 def span_buckets(store: Store) -> Buckets:
-    return Buckets(store, "spans", "name", [("SUM(count)", sum), ("COUNT(*)", sum),
-                                            ("SUM(duration_ms)", sum)])
+    return Buckets(store, "spans")
 
 
 def span_table(buckets: Buckets, training_ms: float) -> Dict[str, Any]:
@@ -259,7 +221,7 @@ def span_table(buckets: Buckets, training_ms: float) -> Dict[str, Any]:
 
 
 def scalar_buckets(store: Store) -> Buckets:
-    return Buckets(store, "scalars", "name", [("MIN(step)", min), ("COUNT(*)", sum), ("SUM(value)", sum)])
+    return Buckets(store, "scalars")
 
 
 def scalar_series(buckets: Buckets) -> Dict[str, Any]:
@@ -275,32 +237,24 @@ def scalar_series(buckets: Buckets) -> Dict[str, Any]:
 # -- the node ------------------------------------------------------------------------------------
 def system_series(store: Store, points: int) -> Dict[str, Any]:
     """The node sampler's readings over time, averaged per bucket; GPUs from each bucket's last."""
-    low, high, count = store.query("SELECT MIN(rowid), MAX(rowid), COUNT(*) FROM system")[0]
     series: Dict[str, Any] = {"unix_s": [], "cpu_percent": [], "training_cpu_percent": [],
                               "ram_used_bytes": [], "ram_total_bytes": None,
                               "training_rss_bytes": [], "gpus": []}
-    if not count:
-        return series
-    bucket = bucket_steps(low, high, points)
-    rows = store.query(
-        "SELECT AVG(unix_s), AVG(cpu_percent), AVG(training_cpu_percent), AVG(ram_used_bytes), "
-        "MAX(ram_total_bytes), MAX(training_rss_bytes), gpus, MAX(rowid) FROM system "
-        "GROUP BY (rowid - ?) / ? ORDER BY 1", (low, bucket))
+    low, high = store.system_extent()
     gpu_fields = ("utilization_percent", "memory_used_bytes", "temperature_c", "power_w")
     gpus: Dict[int, Dict[str, Any]] = {}
-    for index, (unix_s, cpu, training_cpu, ram_used, ram_total, training_rss, gpu_json, _) in enumerate(rows):
-        series["unix_s"].append(unix_s)
-        series["cpu_percent"].append(cpu)
-        series["training_cpu_percent"].append(training_cpu)
-        series["ram_used_bytes"].append(round(ram_used))
-        series["training_rss_bytes"].append(training_rss)
-        series["ram_total_bytes"] = ram_total
-        for gpu in json.loads(gpu_json or "[]"):
-            line = gpus.setdefault(gpu["index"], {"index": gpu["index"],
-                                                  "memory_total_bytes": gpu["memory_total_bytes"],
-                                                  **{name: [None] * index for name in gpu_fields}})
+    for index, (sample, _) in enumerate(store.system_buckets(bucket_steps(low, high, points))):
+        series["unix_s"].append(sample.unix_s)
+        series["cpu_percent"].append(sample.cpu_percent)
+        series["training_cpu_percent"].append(sample.training_cpu_percent)
+        series["ram_used_bytes"].append(sample.ram_used_bytes)
+        series["training_rss_bytes"].append(sample.training_rss_bytes)
+        series["ram_total_bytes"] = sample.ram_total_bytes
+        for gpu in sample.gpus:
+            line = gpus.setdefault(gpu.index, {"index": gpu.index, "memory_total_bytes": gpu.memory_total_bytes,
+                                               **{name: [None] * index for name in gpu_fields}})
             for name in gpu_fields:
-                line[name].append(gpu.get(name))
+                line[name].append(getattr(gpu, name))
         for line in gpus.values():  # a GPU missing from this reading: a gap, not a shift
             for name in gpu_fields:
                 if len(line[name]) <= index:
