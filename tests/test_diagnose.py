@@ -1,7 +1,8 @@
 """The step-time rules, on synthetic rolled-up steps, at and around every threshold."""
 import pytest
 
-from traceml.collector.rollup import RolledStep, Window, roll_up, warmup_steps
+from traceml.analysis.rollup import Window, roll_up, warmup_steps
+from traceml.records import RolledStep
 from traceml.diagnose import diagnose
 from traceml.diagnose.step_time import (COMPUTE_SHARE, MIN_STEPS, UNTRACED_CRIT_SHARE,
                                         UNTRACED_WARN_SHARE, WAIT_CRIT_SHARE, WAIT_WARN_SHARE)

@@ -587,37 +587,7 @@ def export_command(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- python train.py: the collector process rank 0 starts -------------------------------------
-def spawn_collector_process(hello: Any, host: str, port: int, web_port: Optional[int] = None,
-                            run_name: Optional[str] = None) -> Tuple[subprocess.Popen, str, Path]:
-    """Start `python -m traceml _collect` for this run and return it with its address and the
-    run dir it keeps; with web_port, it serves the web dashboard too (the Trace API), never in
-    the training process."""
-    from traceml import rendezvous, rundir
-
-    read_fd, write_fd = os.pipe()
-    script = run_name or (hello.argv[0] if hello.argv else "python")
-    # Chosen here, so that rank 0 knows where its run goes even if the collector dies.
-    run_dir = Path(os.environ.get(rendezvous.ENV_RUN_DIR) or rundir.default_run_dir(script))
-    env = {**os.environ, rendezvous.ENV_RUN_DIR: os.fspath(run_dir)}
-    command = [sys.executable, "-m", "traceml", "_collect", "--ready-fd", str(write_fd),
-               "--parent-pid", str(os.getpid()), "--script", script, "--host", host,
-               "--port", str(port)]
-    if web_port is not None:
-        command += ["--web-port", str(web_port)]
-    try:
-        process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, env=env)
-    finally:
-        os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as ready:
-        readable, _, _ = select.select([ready], [], [], 20.0)
-        line = ready.readline().decode().strip() if readable else ""
-    if not line or line.startswith("error:"):
-        process.kill()
-        raise RuntimeError(line[len("error:"):].strip() or "the collector did not start")
-    return process, line, run_dir
-
-
+# -- python train.py: the collector process rank 0 starts (rendezvous.spawn_collector_process) --
 def collect_command(args: argparse.Namespace) -> int:
     # Ctrl-C reaches the whole process group: the collector must outlive it to write the summary.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

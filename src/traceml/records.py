@@ -112,6 +112,42 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     compile_ms: float = 0.0
 
 
+
+class RolledStep(msgspec.Struct):
+    """One step across all ranks that reported it: per-phase medians, and the slowest rank.
+    Made by the rollup (analysis.rollup.roll_up) and kept in the store's `rolled` table."""
+
+    step: int
+    ranks: int
+    start_unix_s: float
+    step_ms: float
+    worst_rank: int
+    worst_step_ms: float
+    input_wait_ms: float
+    outside_ms: float
+    h2d_ms: float
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    untraced_ms: float
+    gc_ms: float
+    gc_collections: float
+    gc_max_pause_ms: float  # the longest pause on any rank
+    gc_gen2_ms: float  # of gc_ms, full collections
+    samples: int  # summed over ranks: the global batch
+    device_timed: bool
+    gpu_idle_ms: Optional[float]
+    device_allocated_bytes: Optional[int]  # the largest rank's
+    device_peak_bytes: Optional[int]
+    device_reserved_bytes: Optional[int]
+    host_rss_bytes: Optional[int]
+    tokens: int = 0  # summed over ranks, padding included
+    real_tokens: Optional[int] = None  # summed over the ranks that had an attention mask
+    eval_ms: float = 0.0  # overlapping, like gc_ms: evaluation and checkpoint saves in the window
+    checkpoint_ms: float = 0.0
+    instrumented: bool = False  # TraceML slowed it on purpose on some rank (deep-dive, FLOPs)
+    compile_ms: float = 0.0  # overlapping: torch.compile compiling in the window
+
 class OomRecord(msgspec.Struct, tag="oom", array_like=True):
     """A step that raised an out-of-memory error: where it was and how full memory was."""
 

@@ -1,5 +1,6 @@
-"""How the ranks of a run find its one collector, and who may talk to it; the environment
-`traceml run` hands its training processes (every TRACEML_* name is here).
+"""How the ranks of a run find its one collector (rank 0 of a plain `python` run starts it), and
+who may talk to it; the environment `traceml run` hands its training processes (every TRACEML_*
+name is here).
 
 One collector per run, on node 0. Under `traceml run` its address reaches the ranks in
 TRACEML_COLLECTOR. Under a launch of the user's own (torchrun, srun) every rank derives the
@@ -11,8 +12,12 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import select
 import socket
-from typing import Mapping, Optional, Tuple
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Optional, Tuple
 
 ENV_COLLECTOR = "TRACEML_COLLECTOR"  # host:port, set by `traceml run` for its ranks
 ENV_COLLECTOR_PORT = "TRACEML_COLLECTOR_PORT"
@@ -78,3 +83,34 @@ def listen(host: str, port: int) -> socket.socket:
         listening.close()
         raise
     return listening
+
+
+# -- python train.py: rank 0 starts the run's collector as a process of its own ---------------
+def spawn_collector_process(hello: Any, host: str, port: int, web_port: Optional[int] = None,
+                            run_name: Optional[str] = None) -> Tuple[subprocess.Popen, str, Path]:
+    """Start `python -m traceml _collect` for this run and return it with its address and the
+    run dir it keeps; with web_port, it serves the web dashboard too (the Trace API), never in
+    the training process."""
+    from traceml import rundir
+
+    read_fd, write_fd = os.pipe()
+    script = run_name or (hello.argv[0] if hello.argv else "python")
+    # Chosen here, so that rank 0 knows where its run goes even if the collector dies.
+    run_dir = Path(os.environ.get(ENV_RUN_DIR) or rundir.default_run_dir(script))
+    env = {**os.environ, ENV_RUN_DIR: os.fspath(run_dir)}
+    command = [sys.executable, "-m", "traceml", "_collect", "--ready-fd", str(write_fd),
+               "--parent-pid", str(os.getpid()), "--script", script, "--host", host,
+               "--port", str(port)]
+    if web_port is not None:
+        command += ["--web-port", str(web_port)]
+    try:
+        process = subprocess.Popen(command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, env=env)
+    finally:
+        os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as ready:
+        readable, _, _ = select.select([ready], [], [], 20.0)
+        line = ready.readline().decode().strip() if readable else ""
+    if not line or line.startswith("error:"):
+        process.kill()
+        raise RuntimeError(line[len("error:"):].strip() or "the collector did not start")
+    return process, line, run_dir

@@ -16,8 +16,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set
 
 import msgspec
 
-from traceml.collector.goodput import RunTime
-from traceml.collector.rollup import LiveRollup, roll_up
+from traceml.analysis.goodput import RunTime
+from traceml.analysis.rollup import LiveRollup, roll_up
 from traceml.collector.store import Store
 from traceml.records import (HEADER_BYTES, CompileRecord, FrameError, LayerCapture, LayerReport, RankEnd, RankHello,
                              StepRecord, SystemSample, decode_payload, parse_header)

@@ -11,8 +11,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import msgspec
 
 from traceml import rundir
-from traceml.collector.rollup import RolledStep
-from traceml.records import (ALL_PHASES, CompileRecord, Finding, GpuSample, LayerCapture, LayerReport, OomRecord, RankEnd, RankHello,
+from traceml.records import (ALL_PHASES, CompileRecord, Finding, RolledStep, GpuSample, LayerCapture, LayerReport, OomRecord, RankEnd, RankHello,
                              ScalarRecord, SpanRecord, StepRecord, SystemSample)
 
 STEP_COLUMNS = msgspec.structs.fields(StepRecord)

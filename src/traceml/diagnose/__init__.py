@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from traceml.collector.goodput import Goodput
-from traceml.collector.rollup import Window
+from traceml.analysis.goodput import Goodput
+from traceml.analysis.rollup import Window
 from traceml.diagnose.captures import attach_captures
 from traceml.diagnose.memory import MemoryLimits, memory_creep, memory_pressure, out_of_memory
 from traceml.diagnose.run_time import recompilations, slow_startup

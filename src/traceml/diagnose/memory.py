@@ -8,7 +8,7 @@ from typing import Iterable, List, Optional
 
 import msgspec
 
-from traceml.collector.rollup import Window
+from traceml.analysis.rollup import Window
 from traceml.records import Finding, OomRecord, RankHello, SystemSample
 
 MIN_POINTS = 20  # steps of memory readings before a trend can be called

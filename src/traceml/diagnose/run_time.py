@@ -6,7 +6,7 @@ import re
 from collections import Counter
 from typing import List, Optional, Sequence, Tuple
 
-from traceml.collector.goodput import Goodput
+from traceml.analysis.goodput import Goodput
 from traceml.records import CompileRecord, Finding
 
 STARTUP_LINE = 0.20  # startup at this share of a run ...

@@ -18,9 +18,9 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import msgspec
 
-from traceml.collector.goodput import Goodput
-from traceml.collector.rollup import RolledStep, Window
-from traceml.records import ALL_PHASES, STEP_PHASES, Finding, SystemSample
+from traceml.analysis.goodput import Goodput
+from traceml.analysis.rollup import Window
+from traceml.records import ALL_PHASES, STEP_PHASES, Finding, RolledStep, SystemSample
 
 MIN_Z = 6.0  # robust z-score (median and MAD) a step must pass to be slow
 MIN_RATIO = 2.0  # ... and it must take this many times the median step (a busy machine's

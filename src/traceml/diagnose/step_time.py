@@ -4,7 +4,7 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from traceml.collector.rollup import Window
+from traceml.analysis.rollup import Window
 from traceml.records import (COMPUTE_PHASES, STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER,
                              STEPS_FROM_TRACE_STEP, Finding)
 

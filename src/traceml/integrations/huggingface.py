@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, List, Optional
 
 from transformers import Trainer, TrainerCallback
 
 from traceml.probe import step
+from traceml.probe.phases import evaluation_wrapped
 
 log = logging.getLogger("traceml")
 STEPS_FROM = "Hugging Face Trainer (optimizer updates)"
@@ -45,31 +46,6 @@ def init() -> None:
     for name, wrapped in evaluation_wrapped(Trainer).items():
         setattr(Trainer, name, wrapped)
     _installed = True
-
-
-def evaluation_wrapped(trainer_class: Any) -> Dict[str, Callable[..., Any]]:
-    """Trainer's evaluation entry points (evaluate, predict) that are not wrapped yet, wrapped
-    (init() sets them for good; zero-code mode for as long as the run is traced)."""
-    return {name: not_training(getattr(trainer_class, name)) for name in ("evaluate", "predict")
-            if not getattr(getattr(trainer_class, name), "_traceml_not_training", False)}
-
-
-def not_training(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap an evaluation entry point: all of it is evaluation (the model's calls, the loader's
-    waits, Trainer's own work around them), none of it the training's input wait."""
-
-    @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        probe = step._probe
-        if probe is None or not probe.evaluation_begin():
-            return method(*args, **kwargs)
-        try:
-            return method(*args, **kwargs)
-        finally:
-            probe.evaluation_end()
-
-    wrapper._traceml_not_training = True  # type: ignore[attr-defined]
-    return wrapper
 
 
 class TraceMLTrainerCallback(TrainerCallback):

@@ -2,6 +2,7 @@
 backward, optimizer step, and the garbage collector. Each is installed once per process."""
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -238,7 +239,6 @@ def _patch_checkpoint_saves(probe: StepProbe) -> None:
     save (and async_save's blocking part), Hugging Face Trainer's and Lightning's save methods.
     A checkpoint is the user's planned work, named as such, not a stall. Saves call each other
     (a trainer's save calls torch.save): the outermost call is timed."""
-    import functools
     import threading
 
     import torch
@@ -281,10 +281,35 @@ def _patch_checkpoint_saves(probe: StepProbe) -> None:
 def _not_training_in_trainer_evaluation(module: Any) -> None:
     """Hugging Face Trainer's evaluation fetches its batches with gradients on: its DataLoader
     waits are evaluation, not the training's input, with or without the integration."""
-    from traceml.integrations.huggingface import evaluation_wrapped
-
     for name, wrapped in evaluation_wrapped(module.Trainer).items():
         _replace(module.Trainer, name, wrapped)
+
+
+def evaluation_wrapped(trainer_class: Any) -> Dict[str, Callable[..., Any]]:
+    """Trainer's evaluation entry points (evaluate, predict) that are not wrapped yet, wrapped
+    (init() sets them for good; zero-code mode for as long as the run is traced)."""
+    return {name: not_training(getattr(trainer_class, name)) for name in ("evaluate", "predict")
+            if not getattr(getattr(trainer_class, name), "_traceml_not_training", False)}
+
+
+def not_training(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap an evaluation entry point: all of it is evaluation (the model's calls, the loader's
+    waits, Trainer's own work around them), none of it the training's input wait."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from traceml.probe import step
+
+        probe = step._probe
+        if probe is None or not probe.evaluation_begin():
+            return method(*args, **kwargs)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            probe.evaluation_end()
+
+    wrapper._traceml_not_training = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 def _watch_compilations(probe: StepProbe, callbacks: Any) -> None:

@@ -287,9 +287,7 @@ class Sender:
             return None
         host, port = endpoint if endpoint is not None else (rendezvous.LOOPBACK, 0)
         try:
-            from traceml.cli import spawn_collector_process
-
-            self._collector_process, address, self.run_dir = spawn_collector_process(
+            self._collector_process, address, self.run_dir = rendezvous.spawn_collector_process(
                 self.hello, host, port, web_port=self.web_port, run_name=self.run_name)
             return address
         except Exception as exc:

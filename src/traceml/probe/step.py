@@ -1,6 +1,6 @@
 """The step probe: `trace_step` splits each optimizer step into its phases on the training thread.
 
-A step's window runs from its start to the start of the next step (DESIGN: the parts add up to
+A step's window runs from its start to the start of the next step (the parts add up to
 that wall time). So step N is closed, and its record emitted, when step N+1 starts, or when the
 run ends, in which case its window closes at its own end. Inside the `with` block the probe
 sums the phases the patches report (h2d, forward, backward, optimizer, input wait); the rest

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterator, List
 
-from traceml.collector.rollup import percentile
+from traceml.analysis.rollup import percentile
 from traceml.records import STEP_PHASES, StepRecord
 
 QUANTILES = (0.5, 0.9, 0.99)

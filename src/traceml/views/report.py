@@ -4,8 +4,7 @@ from __future__ import annotations
 import html
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from traceml.collector.rollup import RolledStep
-from traceml.records import STEP_PHASES
+from traceml.records import STEP_PHASES, RolledStep
 from traceml.views.summary import PHASE_LABELS
 
 PHASE_COLOURS = {"input_wait": "#e45756", "outside": "#9d9da1", "h2d": "#f58518", "forward": "#4c78a8",

@@ -1,4 +1,4 @@
-"""The end-of-run summary: final_summary.json (DESIGN's contract) and the card printed from it."""
+"""The end-of-run summary: final_summary.json (its schema in the README) and the card printed from it."""
 from __future__ import annotations
 
 import io
@@ -10,15 +10,15 @@ from typing import Any, Dict, List, Optional
 import msgspec
 
 from traceml import rundir
-from traceml.collector.goodput import RunTime, goodput_text
-from traceml.collector.rollup import (RolledStep, Window, max_present, rank_medians, rank_spread,
+from traceml.analysis.goodput import RunTime, goodput_text
+from traceml.analysis.rollup import (Window, max_present, rank_medians, rank_spread,
                                       roll_up, warmup_steps)
 from traceml.collector.store import Store
 from traceml.diagnose import MemoryLimits, Stalls, diagnose
 from traceml.diagnose.captures import grown_layers
 from traceml.diagnose.run_time import compile_summary
 from traceml.records import (ALL_PHASES, STEP_PHASES, Finding, LayerCapture, LayerReport, RankEnd, RankHello,
-                             SystemSample)
+                             RolledStep, SystemSample)
 
 SCHEMA_VERSION = 1
 RANK_SAMPLE_STEPS = 10_000  # beyond this many steps, per-rank figures read every k-th step

@@ -14,8 +14,8 @@ import statistics
 import time
 from typing import Any, List, Optional, Tuple
 
-from traceml.collector.goodput import goodput_text
-from traceml.collector.live import LiveState, snapshot
+from traceml.analysis.goodput import goodput_text
+from traceml.analysis.live import LiveState, snapshot
 from traceml.records import STEP_PHASES, Finding
 from traceml.views.summary import PHASE_LABELS, SEVERITY_STYLE
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from traceml import rundir
-from traceml.collector.live import snapshot
+from traceml.analysis.live import snapshot
 from traceml.collector.store import Store
 from traceml.records import ALL_PHASES
 from traceml.views.summary import (RunData, RunFacts, build_summary, deep_dive_facts, device_names,

@@ -12,7 +12,7 @@ import math
 import msgspec
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
-from traceml.collector.rollup import max_present
+from traceml.analysis.rollup import max_present
 from traceml.collector.store import BUCKET_FIGURES, Store
 from traceml.records import ALL_PHASES
 

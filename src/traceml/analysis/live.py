@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from traceml.collector.goodput import Goodput
-from traceml.collector.rollup import Window, max_present, rank_medians, rank_spread, warmup_steps
+from traceml.analysis.goodput import Goodput
+from traceml.analysis.rollup import Window, max_present, rank_medians, rank_spread, warmup_steps
 from traceml.diagnose import MemoryLimits, diagnose
 from traceml.records import Finding, LayerReport, SystemSample
 
