@@ -72,7 +72,7 @@ def main() -> None:
 
     import psutil
 
-    from traceml.collector.rollup import LiveRollup
+    from traceml.analysis.rollup import LiveRollup
     from traceml.collector.server import Collector
     from traceml.collector.store import Store
 

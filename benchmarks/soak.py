@@ -54,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     source_dir = str(Path(__file__).resolve().parent.parent / "src")
     sys.path.insert(0, source_dir)
-    from traceml.collector.live import snapshot
+    from traceml.analysis.live import snapshot
     from traceml.collector.server import Collector
     from traceml.collector.store import Store
     from traceml.cli import finish_run

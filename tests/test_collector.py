@@ -121,7 +121,7 @@ def test_rolled_steps_in_the_store_match_rolling_every_record_again(tmp_path):
     steps are rolled again at the end: the store's rolled steps equal a fresh roll-up."""
     import msgspec
 
-    from traceml.collector.rollup import roll_up
+    from traceml.analysis.rollup import roll_up
 
     store = Store(str(tmp_path / "telemetry.sqlite"))
     collector = Collector(store)

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from conftest import SCRIPTS
-from traceml.collector.goodput import PARTS, RunTime
+from traceml.analysis.goodput import PARTS, RunTime
 from traceml.diagnose.run_time import (STARTUP_MIN_RUN_S, plain_reason, recompilations,
                                        slow_startup)
 from traceml.records import CompileRecord, RankEnd, RankHello, StepRecord

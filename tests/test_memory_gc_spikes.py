@@ -1,5 +1,5 @@
 """Memory creep, GC pressure and step spikes on real CPU loops, and a healthy run free of them."""
-from traceml.collector.rollup import Window, roll_up, warmup_steps
+from traceml.analysis.rollup import Window, roll_up, warmup_steps
 from traceml.collector.store import Store
 from traceml.diagnose.memory import MemoryLimits, memory_creep
 

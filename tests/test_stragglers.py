@@ -1,7 +1,7 @@
 """The straggler rule on synthetic per-rank medians, and the live rollup across ranks."""
 import pytest
 
-from traceml.collector.rollup import LiveRollup, rank_medians
+from traceml.analysis.rollup import LiveRollup, rank_medians
 from traceml.diagnose.stragglers import BEHIND_SHARE, LOSS_CRIT_SHARE, LOSS_WARN_SHARE, straggler
 from test_records import step
 

@@ -103,7 +103,7 @@ def test_import_traceml_is_light():
 def test_a_long_run_reads_rolled_steps_and_samples_records_for_rank_figures(tmp_path):
     """Past 10k steps the summary reads the collector's rolled steps and every k-th step's
     records for the per-rank medians; counts and last steps stay exact."""
-    from traceml.collector.rollup import roll_up
+    from traceml.analysis.rollup import roll_up
 
     store = Store(str(tmp_path / "telemetry.sqlite"))
     store.write([msgspec.structs.replace(hello(), rank=rank, world_size=2) for rank in (0, 1)])
