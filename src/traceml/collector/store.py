@@ -365,19 +365,19 @@ class Store:
         rows = self._rows(f"SELECT {', '.join(_SYSTEM_NAMES)}, gpus FROM system ORDER BY rowid DESC LIMIT 1")
         return _system_sample(rows[0]) if rows else None
 
-    def system_buckets(self, per_bucket: int) -> List[Tuple[SystemSample, int]]:
-        """The node sampler's readings, `per_bucket` consecutive readings a bucket: per bucket a
-        SystemSample of the readings' means (RAM total and training RSS: their maximum; GPUs:
-        the bucket's last reading), with how many readings it holds."""
-        low = self._rows("SELECT MIN(rowid) FROM system")[0][0]
-        if low is None:
-            return []
+    def system_buckets(self, first_row: int, per_bucket: int) -> List[Tuple[SystemSample, int]]:
+        """The node sampler's readings, `per_bucket` consecutive readings a bucket counted from
+        row first_row (see system_extent): per bucket a SystemSample of the readings' means (RAM
+        total and training RSS: their maximum; GPUs: the bucket's last reading), with how many
+        readings it holds."""
         rows = self._rows(
             "SELECT AVG(unix_s), AVG(cpu_percent), AVG(training_cpu_percent), AVG(ram_used_bytes), "
             "MAX(ram_total_bytes), MAX(training_rss_bytes), MAX(rowid), COUNT(*) FROM system "
-            "GROUP BY (rowid - ?) / ? ORDER BY 1", (low, per_bucket))
+            "GROUP BY (rowid - ?) / ? ORDER BY 1", (first_row, per_bucket))
         # A bare `gpus` beside these aggregates would come from any row of its bucket: the GPUs
         # are read from each bucket's last row, by its rowid.
+        if not rows:
+            return []
         last_ids = [row[6] for row in rows]
         gpus = dict(self._rows(f"SELECT rowid, gpus FROM system WHERE rowid IN ({', '.join('?' * len(last_ids))})",
                                last_ids))

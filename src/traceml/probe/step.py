@@ -418,10 +418,16 @@ class StepProbe:
         optimizer's model is forward."""
         optimizer_id, last_id = id(optimizer), self._last_optimizer
         self._last_optimizer = optimizer_id
-        if optimizer_id == self._step_optimizer and self._turn_known and self._model_wait_ends is None:
-            if self.in_step and self.open_phase == NO_PHASE:  # the usual update, once all is known
-                self.__exit__(None, None, None)
+        # Once the turn is known and no model is awaited, the bookkeeping has nothing to do.
+        settled = optimizer_id == self._step_optimizer and self._turn_known and self._model_wait_ends is None
+        if not settled and not self._learn_turn(optimizer, optimizer_id, last_id):
             return
+        if self.in_step and self.open_phase == NO_PHASE:
+            self.__exit__(None, None, None)
+
+    def _learn_turn(self, optimizer: Any, optimizer_id: int, last_id: Optional[int]) -> bool:
+        """optimizer_stepped's bookkeeping until the turn is known: which optimizer ends the
+        steps, and the model each one trains. False when this update does not end a step."""
         if optimizer_id not in self._optimizers_seen:
             self._optimizers_seen.add(optimizer_id)
             if _time_the_model_of(optimizer):
@@ -439,14 +445,13 @@ class StepProbe:
                 self.set_steps_from(STEPS_FROM_OPTIMIZER)
             self._backward_ends_steps = False
         elif optimizer_id != self._step_optimizer:
-            return
+            return False
         elif not self._turn_known:  # the first optimizer comes round again: the turn is known
             self._turn_known = True
             if last_id != optimizer_id:
                 self._step_optimizer = last_id  # another stepped since: it ends the turn
-                return
-        if self.in_step and self.open_phase == NO_PHASE:
-            self.__exit__(None, None, None)
+                return False
+        return True
 
     def backward_returned(self) -> None:
         """Inferred steps in a loop that no torch.optim optimizer updates (manual SGD, a custom

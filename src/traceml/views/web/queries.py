@@ -243,7 +243,7 @@ def system_series(store: Store, points: int) -> Dict[str, Any]:
     low, high = store.system_extent()
     gpu_fields = ("utilization_percent", "memory_used_bytes", "temperature_c", "power_w")
     gpus: Dict[int, Dict[str, Any]] = {}
-    for index, (sample, _) in enumerate(store.system_buckets(bucket_steps(low, high, points))):
+    for index, (sample, _) in enumerate(store.system_buckets(low, bucket_steps(low, high, points))):
         series["unix_s"].append(sample.unix_s)
         series["cpu_percent"].append(sample.cpu_percent)
         series["training_cpu_percent"].append(sample.training_cpu_percent)
