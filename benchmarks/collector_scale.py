@@ -72,13 +72,14 @@ def main() -> None:
 
     import psutil
 
+    from traceml.analysis.goodput import RunTime
     from traceml.analysis.rollup import LiveRollup
     from traceml.collector.server import Collector
     from traceml.collector.store import Store
 
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
     with tempfile.TemporaryDirectory() as workdir:
-        collector = Collector(Store(os.path.join(workdir, "telemetry.sqlite")))
+        collector = Collector(Store(os.path.join(workdir, "telemetry.sqlite")), live=LiveRollup(), run_time=RunTime())
         # Keep every rolled step's time for the lag figures (a live view keeps the last 4096).
         collector.live = LiveRollup(keep_steps=1_000_000)
         collector.start()

@@ -55,16 +55,18 @@ def main() -> None:
     source_dir = str(Path(__file__).resolve().parent.parent / "src")
     sys.path.insert(0, source_dir)
     from traceml.analysis.live import snapshot
+    from traceml.analysis.goodput import RunTime
+    from traceml.analysis.rollup import LiveRollup
     from traceml.collector.server import Collector
     from traceml.collector.store import Store
-    from traceml.cli import finish_run
+    from traceml.lifecycle import finish_run
     from traceml.views.summary import RunFacts
     from traceml.views.web.app import RunSource
 
     me = psutil.Process()
     with tempfile.TemporaryDirectory() as folder:
         store = Store(os.path.join(folder, "telemetry.sqlite"))
-        collector = Collector(store)
+        collector = Collector(store, live=LiveRollup(), run_time=RunTime())
         collector.start()
         source = RunSource.of_live_run(Path(folder), store, collector, "soak", time.time())
         rss_start = peak_rss = me.memory_info().rss

@@ -5,6 +5,8 @@ import time
 
 import pytest
 
+from traceml.analysis.goodput import RunTime
+from traceml.analysis.rollup import LiveRollup
 from traceml.collector.server import Collector
 from traceml.collector.store import Store
 from traceml.probe.sender import Sender
@@ -15,7 +17,7 @@ from test_records import hello, step
 @pytest.fixture
 def collector(tmp_path):
     store = Store(str(tmp_path / "telemetry.sqlite"))
-    collector = Collector(store)
+    collector = Collector(store, live=LiveRollup(), run_time=RunTime())
     collector.start()
     yield collector
     collector.stop()
@@ -124,7 +126,7 @@ def test_rolled_steps_in_the_store_match_rolling_every_record_again(tmp_path):
     from traceml.analysis.rollup import roll_up
 
     store = Store(str(tmp_path / "telemetry.sqlite"))
-    collector = Collector(store)
+    collector = Collector(store, live=LiveRollup(), run_time=RunTime())
     collector.live.stale_s = 0.0  # rank 0's steps roll as soon as they are 64 steps behind
     collector.start()
     senders = [Sender(msgspec.structs.replace(hello(), rank=rank, world_size=2), address=collector.address)

@@ -11,6 +11,8 @@ import pytest
 
 from conftest import SCRIPTS, Run, _env, stored_steps
 from traceml import rendezvous
+from traceml.analysis.goodput import RunTime
+from traceml.analysis.rollup import LiveRollup
 from traceml.collector.server import Collector
 from traceml.collector.store import Store
 from traceml.records import encode_frame
@@ -277,7 +279,8 @@ def test_a_routable_collector_needs_a_token():
 
 
 def test_a_collector_with_a_token_drops_ranks_without_it(tmp_path):
-    collector = Collector(Store(str(tmp_path / "t.sqlite")), token="s3cret")
+    collector = Collector(Store(str(tmp_path / "t.sqlite")), token="s3cret",
+                          live=LiveRollup(), run_time=RunTime())
     collector.start()
     try:
         stranger = socket.create_connection(("127.0.0.1", collector.port))

@@ -59,7 +59,7 @@ def test_summary_figures_come_from_the_records(tmp_path):
 
 
 def test_findings_are_stored_with_the_run(tmp_path, capsys):
-    from traceml.cli import finish_run
+    from traceml.lifecycle import finish_run
 
     store = filled_store(tmp_path)
     summary = finish_run(store, tmp_path, FACTS)

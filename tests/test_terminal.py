@@ -13,6 +13,8 @@ import pytest
 from rich.console import Console
 
 from conftest import TRAIN_LOOP, _env
+from traceml.analysis.goodput import RunTime
+from traceml.analysis.rollup import LiveRollup
 from traceml.collector.server import Collector
 from traceml.collector.store import Store
 from traceml.records import GpuSample, SystemSample
@@ -21,7 +23,7 @@ from test_records import hello, step
 
 
 def collector_with(steps=60, ranks=1, slow_rank=None, gpu=False):
-    collector = Collector(Store(":memory:"))
+    collector = Collector(Store(":memory:"), live=LiveRollup(), run_time=RunTime())
     records = []
     for rank in range(ranks):
         greeting = hello()

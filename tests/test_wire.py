@@ -10,6 +10,8 @@ import msgspec
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from traceml.analysis.goodput import RunTime
+from traceml.analysis.rollup import LiveRollup
 from traceml.collector.server import Collector
 from traceml.collector.store import Store
 from traceml.probe.sender import Sender
@@ -79,7 +81,8 @@ def test_every_step_record_survives_the_wire(records):
 @pytest.fixture
 def collector(tmp_path):
     store = Store(str(tmp_path / "telemetry.sqlite"))
-    collector = Collector(store, token=TOKEN, hello_timeout_s=0.5, frame_timeout_s=0.5, idle_timeout_s=2.0)
+    collector = Collector(store, token=TOKEN, hello_timeout_s=0.5, frame_timeout_s=0.5, idle_timeout_s=2.0,
+                          live=LiveRollup(), run_time=RunTime())
     collector.start()
     yield collector
     collector.stop()
@@ -143,7 +146,7 @@ def mutated_frames(rng: random.Random, valid: list):
 def patient_collector(tmp_path):
     """Default idle timeout: real ranks stay connected however long the attack takes."""
     collector = Collector(Store(str(tmp_path / "telemetry.sqlite")), token=TOKEN, hello_timeout_s=0.5,
-                          frame_timeout_s=0.5)
+                          frame_timeout_s=0.5, live=LiveRollup(), run_time=RunTime())
     collector.start()
     yield collector
     collector.stop()

@@ -1,18 +1,20 @@
 """What `traceml run` starts (the script, or its ranks through torch.distributed.run) and how it
-sees them end: a node's run ends boundedly once its ranks have exited, whatever other nodes do.
+waits for them to end: signals passed on, the script's output under the live dashboard, and a
+node's run ended boundedly once its ranks have exited, whatever other nodes do.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from traceml import rendezvous
 
@@ -158,3 +160,166 @@ def _is_rank(process) -> bool:
         return ZERO_CODE in process.cmdline()
     except Exception:  # gone between the listing and the look
         return False
+
+
+# -- starting the script and waiting for it -------------------------------------------------------
+def probe_env(options: argparse.Namespace) -> Dict[str, str]:
+    """The training processes' environment: this one, with the probe's options."""
+    env = dict(os.environ)
+    if options.deep:
+        env[rendezvous.ENV_DEEP] = "1"
+    if not options.auto_capture:
+        env[rendezvous.ENV_AUTO_CAPTURE] = "0"
+    return env
+
+
+def start_script(launch: Launch, env: Dict[str, str], with_terminal: bool) -> Tuple[subprocess.Popen, Optional[int]]:
+    """Start the launch's command; (the process, the fd its output comes from when it writes to
+    a terminal of its own for the live dashboard, else None). OSError when it cannot start."""
+    output_fd = terminal_fd = None
+    if with_terminal:  # the script writes to a terminal of its own; the dashboard shows it above itself
+        try:
+            output_fd, terminal_fd = _open_terminal()
+        except OSError as exc:
+            print(f"traceml: no live dashboard ({exc}); the card comes at the end", file=sys.stderr)
+    if terminal_fd is None:
+        return subprocess.Popen(launch.command(), env=env), None
+    try:
+        child = subprocess.Popen(launch.command(), env=env, stdout=terminal_fd, stderr=terminal_fd)
+    except OSError:
+        os.close(output_fd)
+        raise
+    finally:
+        os.close(terminal_fd)
+    return child, output_fd
+
+
+def wait_for_launch(launch: Launch, child: subprocess.Popen, output_fd: Optional[int], collector: Any) -> int:
+    """Wait for the script (or torch.distributed.run) with the live dashboard when it writes to
+    `output_fd`, forwarding signals; the node's exit code."""
+    watch = AgentWatch(child) if launch.distributed else None
+    if output_fd is not None:
+        exit_code = _wait_with_dashboard(child, output_fd, collector, launch.script.name)
+    else:
+        exit_code = wait(child)
+    return _launch_ended(launch, watch, exit_code)
+
+
+def run_without_collector(launch: Launch, options: argparse.Namespace) -> int:
+    """A node other than 0: its ranks send to node 0's collector, which prints the card."""
+    env = probe_env(options)
+    env[rendezvous.ENV_COLLECTOR] = f"{launch.master_addr}:{launch.collector_port}"
+    try:
+        child = subprocess.Popen(launch.command(), env=env)
+    except OSError as exc:
+        print(f"traceml: cannot start {launch.script}: {exc}", file=sys.stderr)
+        return 2
+    exit_code = _launch_ended(launch, AgentWatch(child), wait(child))
+    print(f"traceml: node {launch.node_rank} done (exit code {exit_code}); node 0 prints the "
+          "card and keeps the run", file=sys.stderr)
+    return exit_code
+
+
+def _launch_ended(launch: Launch, watch: Optional[AgentWatch], exit_code: int) -> int:
+    """The node's exit code once torch.distributed.run has gone, on its own or stopped by the
+    watch; a launch whose ranks never started says why."""
+    if watch is None:
+        return exit_code
+    watch.stop()
+    if watch.stopped_after_success:
+        return 0
+    if exit_code != 0 and not watch.ranks_seen:
+        print(launch.never_started_line(exit_code), file=sys.stderr, flush=True)
+    return exit_code
+
+
+def _open_terminal() -> Tuple[int, int]:
+    """A pseudo-terminal the size of ours: the script still sees a terminal (line-buffered
+    output, progress bars) while its output reaches us to print above the dashboard."""
+    import fcntl
+    import pty
+    import termios
+
+    main_fd, terminal_fd = pty.openpty()
+    try:
+        size = fcntl.ioctl(sys.stdout.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
+        fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, size)
+    except OSError:
+        pass
+    return main_fd, terminal_fd
+
+
+def _wait_with_dashboard(child: subprocess.Popen, output_fd: int, collector: Any, script: str) -> int:
+    from traceml.views.terminal import Dashboard
+
+    restore = _forward_signals(child)
+    try:
+        try:
+            Dashboard(collector, script).run(child, output_fd)
+        except Exception as exc:  # the dashboard is a view: if it fails, the run goes on
+            log.warning("traceml: live dashboard stopped (%s); the card comes at the end", exc)
+            _drain(output_fd, child)
+        returncode = child.wait()
+    finally:
+        restore()
+        os.close(output_fd)
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _drain(output_fd: int, child: subprocess.Popen) -> None:
+    """Copy the script's output to ours until it ends, as if no dashboard were there."""
+    while True:
+        readable, _, _ = select.select([output_fd], [], [], 0.5)
+        if readable:
+            try:
+                chunk = os.read(output_fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                return
+            os.write(sys.stdout.fileno(), chunk)
+        elif child.poll() is not None:
+            return
+
+
+def wait(child: subprocess.Popen) -> int:
+    """Wait for the script, forwarding signals; its exit code, 128+N if signal N killed it."""
+    restore = _forward_signals(child)
+    try:
+        returncode = child.wait()
+    finally:
+        restore()
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _forward_signals(child: subprocess.Popen) -> Callable[[], None]:
+    """Pass Ctrl-C and SIGTERM on to the script, and outlive them to write the summary.
+
+    A Ctrl-C typed at the terminal already reaches the script, which shares our process group;
+    forwarding it too would interrupt the script's own clean-up. So SIGINT is forwarded only
+    when it cannot have come from our terminal (no terminal, or we are not in the foreground).
+    """
+
+    def from_terminal() -> bool:
+        try:
+            return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if child.poll() is not None:
+            return
+        if signum == signal.SIGINT and from_terminal():
+            return
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore

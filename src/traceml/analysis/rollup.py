@@ -9,7 +9,7 @@ import collections
 import functools
 import statistics
 import time
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import msgspec
 
@@ -349,6 +349,17 @@ class LiveRollup:
 
     def take_rolled(self) -> List[RolledStep]:
         rolled, self.rolled_out = self.rolled_out, []
+        return rolled
+
+    def finish(self, steps_at: Callable[[List[int]], List[StepRecord]]) -> List[RolledStep]:
+        """The run is over: what still waits, rolled, and every step a late record reached after
+        it was rolled, rolled again from every rank's records (`steps_at`, the store's), so the
+        rolled steps kept are every step's, across every rank that sent it."""
+        self.flush()
+        rolled = self.take_rolled()
+        late = sorted(self.late_steps)
+        for first in range(0, len(late), 500):
+            rolled += roll_up(steps_at(late[first:first + 500]))
         return rolled
 
     @property

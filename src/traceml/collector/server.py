@@ -16,8 +16,6 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set
 
 import msgspec
 
-from traceml.analysis.goodput import RunTime
-from traceml.analysis.rollup import LiveRollup, roll_up
 from traceml.collector.store import Store
 from traceml.records import (HEADER_BYTES, CompileRecord, FrameError, LayerCapture, LayerReport, RankEnd, RankHello,
                              StepRecord, SystemSample, decode_payload, parse_header)
@@ -34,11 +32,16 @@ IDLE_TIMEOUT_S = 120.0
 
 
 class Collector:
-    """Receives every rank's records for one run and keeps them in the store."""
+    """Receives every rank's records for one run and keeps them in the store.
+
+    The analysis that follows the records as they come is handed in by the run (lifecycle.py):
+    `live`, the rollup across ranks (analysis.rollup.LiveRollup), and `run_time`, the wall-time
+    tally (analysis.goodput.RunTime). Without them the collector only stores.
+    """
 
     def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, token: str = "",
                  hello_timeout_s: float = HELLO_TIMEOUT_S, frame_timeout_s: float = FRAME_TIMEOUT_S,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S):
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, live: Any = None, run_time: Any = None):
         self.store = store
         self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -49,13 +52,13 @@ class Collector:
         self.ranks_seen: Set[int] = set()
         self.world_size = 1  # the largest a rank's hello announced
         # What the live views read (they never touch the sockets or the store's writer):
-        self.live = LiveRollup()  # recent steps across ranks
+        self.live = live  # recent steps across ranks
         self.recent_by_rank: Dict[int, Deque[StepRecord]] = {}  # each rank's recent steps
         self.hellos: Dict[int, RankHello] = {}
         self.latest_system: Optional[SystemSample] = None
         self.latest_layers: Optional[LayerReport] = None
         self.captures: List[LayerCapture] = []  # deep-dive captured when a rule fired
-        self.run_time = RunTime()  # every rank's wall time so far, for goodput
+        self.run_time = run_time  # every rank's wall time so far, for goodput
         self.compiles: List[CompileRecord] = []  # torch.compile's compilations, for RECOMPILATION
         # Ranks whose connection dropped with no goodbye while other ranks were still there:
         # they died or were killed, and the summary reports them missing.
@@ -140,9 +143,10 @@ class Collector:
                 self.captures.append(record)
             elif kind is CompileRecord:
                 self.compiles.append(record)
-            if kind is StepRecord or kind is CompileRecord or kind is RankHello or kind is RankEnd:
+            if self.run_time is not None and (kind is StepRecord or kind is CompileRecord
+                                              or kind is RankHello or kind is RankEnd):
                 self.run_time.add(record)
-        if steps:
+        if steps and self.live is not None:
             self.live.add(steps)
             if self.live.rolled_out:
                 self._store_rolled(self.live.take_rolled())
@@ -260,19 +264,15 @@ class Collector:
             self._store_failed(exc)
 
     def _finish_rollup(self) -> None:
-        """Roll what still waits, and again every step a late record reached after it was
-        rolled, so the store's rolled steps are every step's, across every rank that sent it."""
-        self.live.flush()
-        rolled = self.live.take_rolled()
-        late = sorted(self.live.late_steps)
-        for first in range(0, len(late), 500):
-            chunk = late[first:first + 500]
-            rolled += roll_up(self.store.steps_at(chunk))
-        if rolled:
-            self.store.write_rolled(rolled)
-        # The wall-time tally of every record, so the summary need not read them all again.
-        self.store.set_meta({"rolled_complete": True,
-                             "run_time": self.run_time.to_builtins()})
+        """Keep the last rolled steps and the wall-time tally of every record, so the summary
+        need not roll or read them all again."""
+        if self.live is not None:
+            rolled = self.live.finish(self.store.steps_at)
+            if rolled:
+                self.store.write_rolled(rolled)
+            self.store.set_meta({"rolled_complete": True})
+        if self.run_time is not None:
+            self.store.set_meta({"run_time": self.run_time.to_builtins()})
 
     def _store_failed(self, exc: Exception) -> None:
         if not self._said_store_failed:
@@ -286,7 +286,8 @@ class Collector:
             self.ranks_seen.add(hello.rank)
             self.hellos[hello.rank] = hello
             self.world_size = max(self.world_size, hello.world_size)
-            self.live.world_size = self.world_size
+            if self.live is not None:
+                self.live.world_size = self.world_size
             self._changed.notify_all()
 
     def _count_connection(self, delta: int) -> None:
