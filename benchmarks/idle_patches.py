@@ -30,7 +30,7 @@ def main() -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     import traceml
-    from traceml.probe import step as probe_step
+    from traceml.probe import process as probe_process
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -81,7 +81,7 @@ def main() -> None:
             with traceml.trace_step(model):  # attaches again after a detach
                 pass
         else:
-            probe_step.detach()
+            probe_process.detach()
 
     print(f"{args.blocks} blocks of {args.calls} calls on each side, shuffled; µs per call (median of blocks)")
     print(f"  {'operation':28s} {'detached':>9s} {'attached':>9s} {'added':>8s} {'ratio':>7s}")

@@ -54,7 +54,7 @@ untraced = contextlib.nullcontext()
 no_span = lambda name: untraced
 
 import traceml
-from traceml.probe import step as probe_step
+from traceml.probe import process as probe_process
 tracer = traceml.Trace()
 
 
@@ -93,7 +93,7 @@ def attach():
         with traceml.trace_step(model):  # attaches again after a detach
             pass
     elif mode == "zero-code":
-        probe_step.infer_steps(model=model)
+        probe_process.infer_steps(model=model)
     else:
         tracer.trace("overhead").__enter__()
 
@@ -109,7 +109,7 @@ for round_index in range(rounds):
     random.Random(round_index).shuffle(order)
     step_ns = {True: [], False: []}
     for traced in order:
-        attach() if traced else probe_step.detach()
+        attach() if traced else probe_process.detach()
         one_step(traced)  # refills the caches the switch emptied: not counted
         last = time.perf_counter_ns()
         for _ in range(BLOCK):

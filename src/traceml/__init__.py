@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, List, Optional
+
+from traceml import probe as _probe_package
 
 __version__ = "0.1.0"
 __all__ = ["trace_step", "trace_model_instance", "Trace", "summary", "__version__"]
@@ -22,11 +24,11 @@ def trace_step(model: Any = None) -> Any:
     global _trace_step
     if _trace_step is None:
         first_call_ns = time.perf_counter_ns()
-        from traceml.probe import step
+        from traceml.probe import process
 
         # TraceML's own start-up belongs to the first step, so step 0 matches the loop's clock.
-        step.first_call_ns = first_call_ns
-        _trace_step = step.trace_step
+        process.first_call_ns = first_call_ns
+        _trace_step = process.trace_step
         # Later `traceml.trace_step(...)` calls go straight to the probe's: one frame less a step.
         globals()["trace_step"] = _trace_step
     return _trace_step(model)
@@ -35,7 +37,7 @@ def trace_step(model: Any = None) -> Any:
 def trace_model_instance(model: Any, every_n_steps: Optional[int] = None) -> Any:
     """Deep-dive on `model`: per-module forward and backward time, saved-activation and output
     memory, measured on every Nth step that trace_step traces (default 10). Returns the model."""
-    from traceml.probe.step import trace_model_instance as _trace_model_instance
+    from traceml.probe.process import trace_model_instance as _trace_model_instance
 
     return _trace_model_instance(model, every_n_steps)
 
@@ -52,9 +54,17 @@ def summary() -> dict:
     probe = step._probe
     if probe is None:
         return {}
+    return _summarize_steps(probe.sender.local_steps())
+
+
+def _summarize_steps(steps: List[Any]) -> Dict[str, Any]:
     from traceml.views.summary import flat_summary
 
-    return flat_summary(probe.sender.local_steps())
+    return flat_summary(steps)
+
+
+# A rank that loses its collector keeps its own summary, summed up as traceml.summary() is.
+_probe_package.summarize_steps = _summarize_steps
 
 
 def __getattr__(name: str) -> Any:

@@ -20,7 +20,7 @@ from typing import Any, List, Optional
 
 from transformers import Trainer, TrainerCallback
 
-from traceml.probe import step
+from traceml.probe import process, step
 from traceml.probe.phases import evaluation_wrapped
 
 log = logging.getLogger("traceml")
@@ -55,11 +55,11 @@ class TraceMLTrainerCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        **kwargs: Any) -> None:
         init()
-        step.infer_steps(steps_from=STEPS_FROM, model=model, device_of=model)
+        process.infer_steps(steps_from=STEPS_FROM, model=model, device_of=model)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         try:
-            step.detach()  # the last update's window ends where it ended
+            process.detach()  # the last update's window ends where it ended
         except Exception:
             log.debug("traceml: could not close the last step", exc_info=True)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Tuple
 
-from traceml.probe import step
+from traceml.probe import process, step
 
 log = logging.getLogger("traceml")
 STEPS_FROM = "Lightning (optimizer steps)"
@@ -48,11 +48,11 @@ class TraceMLCallback(*_callback_bases()):  # type: ignore[misc]
     """Traces fit(): steps inferred from the optimizer, validation apart from training."""
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        step.infer_steps(steps_from=STEPS_FROM, device_of=pl_module)
+        process.infer_steps(steps_from=STEPS_FROM, device_of=pl_module)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         try:
-            step.detach()  # the last step's window ends where it ended
+            process.detach()  # the last step's window ends where it ended
         except Exception:
             log.debug("traceml: could not close the last step", exc_info=True)
 

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
+from traceml.probe.step import COMPILE_NS
 from traceml.records import CompileRecord
 
 METRICS_WAIT_S = 2.0  # how long a compilation waits for torch's metrics before it goes without
@@ -44,8 +45,6 @@ class CompileWatch:
         started, self._started = self._started, None
         if started is None or threading.get_ident() != self.training_thread:
             return
-        from traceml.probe.step import COMPILE_NS
-
         compile_id, trigger, start_ns = started
         probe = self.probe
         elapsed_ns = time.perf_counter_ns() - start_ns

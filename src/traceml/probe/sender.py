@@ -251,16 +251,16 @@ class Sender:
         """The collector is gone: write this rank's own summary beside the run (or in the
         current directory), so the run is not lost with it. One line says where."""
         try:
-            from traceml import rundir
-            from traceml.views.summary import flat_summary
+            from traceml import probe, rundir
 
             folder = self.run_dir or Path(rundir.RUNS_ROOT)
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"rank{self.hello.rank}-local-summary.json"
             summary = {"rank": self.hello.rank, "exit_code": exit_code, "argv": self.hello.argv,
                        "reason": "the collector was lost during the run",
-                       "records_sent": self.records_sent, "records_dropped": self.records_dropped,
-                       **flat_summary(self.local_steps())}
+                       "records_sent": self.records_sent, "records_dropped": self.records_dropped}
+            if probe.summarize_steps is not None:
+                summary.update(probe.summarize_steps(self.local_steps()))
             path.write_text(json.dumps(summary, indent=2) + "\n")
             print(f"traceml: the collector was lost; rank {self.hello.rank}'s summary is in {path}",
                   file=sys.stderr)

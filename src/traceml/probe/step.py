@@ -8,23 +8,17 @@ of the block is `untraced`. Between blocks, DataLoader time is `input_wait`, the
 
 Everything here runs on the training thread and stays small: read a clock, add to an int,
 record a pooled CUDA event. Encoding, event resolution and sending happen in the sender.
+The process's one probe is made, hooked in and taken out by process.py.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import os
-import socket
-import sys
-import threading
 import time
-import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
-from traceml.rendezvous import ENV_AUTO_CAPTURE, ENV_DEEP, ENV_DEEP_EVERY, ENV_TOKEN
-from traceml.records import (STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP,
-                             RankHello, SpanRecord, StepRecord)
+from traceml.records import STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, SpanRecord, StepRecord
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
@@ -64,7 +58,8 @@ class StepProbe:
                  "device_memory", "rank", "exit_code", "_unix_at_zero_s", "_gradients_done_event", "_layers",
                  "spans", "_backward_ends_steps", "_step_optimizer", "_last_optimizer", "_turn_known",
                  "_optimizers_seen", "_model_wait_ends", "_evaluation_start_ns", "steps_from",
-                 "_grad_enabled", "tail_eval_ns", "tail_checkpoint_ns")
+                 "_grad_enabled", "tail_eval_ns", "tail_checkpoint_ns",
+                 "on_fault", "time_the_model_of", "stop_awaiting_models")
 
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
                  host_rss: Any = None):
@@ -106,17 +101,7 @@ class StepProbe:
         self.layers_due_step = math.inf
         self.layers_active = False
         self.tail_eval_ns = self.tail_checkpoint_ns = 0  # after the last step (see finish)
-        # No trace_step in the loop (zero-code mode, the Trace API): a step starts at its first
-        # phase and ends when the optimizer steps, or, in a loop that no torch.optim optimizer
-        # updates, when backward returns. An explicit trace_step turns this off for good.
-        self.auto_steps = False
-        self._step_optimizer: Optional[int] = None  # id() of the optimizer whose step ends a step
-        self._last_optimizer: Optional[int] = None  # id() of the optimizer that stepped last
-        self._turn_known = False  # whether the optimizer ending steps is the last of a turn
-        self._backward_ends_steps: Optional[bool] = None  # decided at the first backward
-        self._optimizers_seen: set = set()  # id() of each optimizer whose model is timed
-        self._model_wait_ends: Optional[int] = None  # the step after which a model is no longer awaited
-        self.steps_from = STEPS_FROM_TRACE_STEP  # how steps are found, for the card
+        self._init_inferred_steps()
         self._grad_enabled: Any = lambda: True  # torch.is_grad_enabled, once torch is here
         # True while a trainer's evaluation runs (an integration says so): timed as a whole as
         # evaluation, and its loader waits are not the training's input wait.
@@ -131,6 +116,25 @@ class StepProbe:
         # Inferred steps: the step before, its window ended at this step's start, held until
         # this one proves to be a step (see exit).
         self._unconfirmed: Optional[tuple] = None
+        # What the process around the probe does for it (process.py hands these in): after an
+        # internal fault, take TraceML out of the training; at an optimizer's first step, time
+        # the model it trains; once no model is awaited, stop looking at each module call.
+        self.on_fault: Callable[[str], None] = _log_fault
+        self.time_the_model_of: Callable[[Any], bool] = lambda optimizer: False
+        self.stop_awaiting_models: Callable[[], None] = lambda: None
+
+    def _init_inferred_steps(self) -> None:
+        # No trace_step in the loop (zero-code mode, the Trace API): a step starts at its first
+        # phase and ends when the optimizer steps, or, in a loop that no torch.optim optimizer
+        # updates, when backward returns. An explicit trace_step turns this off for good.
+        self.auto_steps = False
+        self._step_optimizer: Optional[int] = None  # id() of the optimizer whose step ends a step
+        self._last_optimizer: Optional[int] = None  # id() of the optimizer that stepped last
+        self._turn_known = False  # whether the optimizer ending steps is the last of a turn
+        self._backward_ends_steps: Optional[bool] = None  # decided at the first backward
+        self._optimizers_seen: set = set()  # id() of each optimizer whose model is timed
+        self._model_wait_ends: Optional[int] = None  # the step after which a model is no longer awaited
+        self.steps_from = STEPS_FROM_TRACE_STEP  # how steps are found, for the card
 
     # -- step boundaries: `with trace_step(model):` enters and exits the probe itself ---------
     #
@@ -158,7 +162,7 @@ class StepProbe:
             self.in_step = 1
             self.plain = not self.layers_active and not self.comm_timed
         except Exception:  # the training comes first: a fault here costs telemetry only
-            _disable("trace_step enter")
+            self.on_fault("trace_step enter")
         return self
 
     def enter(self, now: int = 0) -> "StepProbe":
@@ -199,7 +203,7 @@ class StepProbe:
             # training step, whose own work has pushed them out of the cache).
             self.plain = timeline is None and not self.layers_active and not self.comm_timed
         except Exception:  # the training comes first: a fault here costs telemetry only
-            _disable("trace_step enter")
+            self.on_fault("trace_step enter")
         return self
 
     def __exit__(self, exc_type: Any, failed: Optional[BaseException], tb: Any) -> None:
@@ -219,7 +223,7 @@ class StepProbe:
                             None, host_rss.latest_bytes if host_rss is not None else None, False)
             self.step_index += 1
         except Exception:  # the training comes first: a fault here costs telemetry only
-            _disable("trace_step exit")
+            self.on_fault("trace_step exit")
         return None
 
     def exit(self, failed: Optional[BaseException] = None, now: int = 0) -> None:
@@ -254,7 +258,7 @@ class StepProbe:
                             host_rss.latest_bytes if host_rss is not None else None, instrumented)
             self.step_index += 1
         except Exception:  # the training comes first: a fault here costs telemetry only
-            _disable("trace_step exit")
+            self.on_fault("trace_step exit")
 
     def _settle_inferred(self, failed: Optional[BaseException]) -> bool:
         """A step that failed, or an inferred one whose predecessor waits on it: send that
@@ -430,14 +434,12 @@ class StepProbe:
         steps, and the model each one trains. False when this update does not end a step."""
         if optimizer_id not in self._optimizers_seen:
             self._optimizers_seen.add(optimizer_id)
-            if _time_the_model_of(optimizer):
+            if self.time_the_model_of(optimizer):
                 self._model_wait_ends = self.step_index + 2
         elif self._model_wait_ends is not None and self.step_index > self._model_wait_ends:
             # Parameters no module called holds (a free-standing nn.Parameter): stop waiting,
             # since the wait costs every module call a little.
-            from traceml.probe.phases import disarm_first_call
-
-            disarm_first_call()
+            self.stop_awaiting_models()
             self._model_wait_ends = None
         if self._step_optimizer is None:
             self._step_optimizer = optimizer_id
@@ -471,9 +473,7 @@ class StepProbe:
         so far, not yet ended by an optimizer step (a forward before the loop), is dropped."""
         self.auto_steps = False
         self.set_steps_from(STEPS_FROM_TRACE_STEP)
-        from traceml.probe.phases import disarm_first_call
-
-        disarm_first_call()
+        self.stop_awaiting_models()
         if self.in_step:
             self.exit(failed=_NOT_A_STEP)
 
@@ -579,6 +579,16 @@ class StepProbe:
                 stats[3] += 1
 
 
+# The process's one probe, made by process.py at the first trace_step or inferred step; the
+# patches, the integrations and traceml.summary() find it here.
+_probe: Optional[StepProbe] = None
+
+
+def _log_fault(where: str) -> None:
+    """A probe made on its own (no process.py around it) only says what went wrong."""
+    log.warning("traceml: internal error in %s", where, exc_info=True)
+
+
 def _real_tokens(counted: Optional[int], copies: Optional[List[Any]]) -> Optional[int]:
     """Real tokens of a step: counted on the host, plus device masks' sums copied to the host.
     Read once the step is resolved: on CUDA its end event is done, so the copies made before
@@ -612,270 +622,6 @@ def _layer_in_flight(error: BaseException, layers: Any) -> Optional[str]:
     return found
 
 
-class _NoTrace:
-    """What trace_step returns once TraceML has disabled itself."""
-
-    def __enter__(self) -> "_NoTrace":
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        return False
-
-
-_NO_TRACE = _NoTrace()
-_probe: Optional[StepProbe] = None
-_trace_step: Any = None
-_hooked_models: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
-_disabled = False
-# The model trace_step was last called with, once set up (a weakref, or _no_model): the same
-# model again returns the probe at once. Cleared by detach and _disable.
-_ready_for: Any = None
-_explicit_steps_seen = False  # a trace_step was used: steps are never inferred in this process
-_create_options: dict = {}  # how infer_steps wants the probe made: web_port, run_name, profile_memory
-first_call_ns = 0  # set by traceml.trace_step before it imports this module
-
-
-def _disable(where: str) -> None:
-    """After an internal fault: take the patches out and stay out of the training's way."""
-    global _disabled, _ready_for
-    _disabled = True
-    _ready_for = None
-    log.warning("traceml: disabled after an internal error in %s; training continues untraced",
-                where, exc_info=True)
-    try:
-        detach()
-    except Exception:
-        log.debug("traceml: could not take the patches out", exc_info=True)
-
-
-def trace_step(model: Any = None) -> Any:
-    """Trace one optimizer step: `with traceml.trace_step(model): ...`."""
-    global _ready_for
-    ready = _ready_for
-    if ready is not None and ready() is model:  # every step after the first: nothing to set up
-        return _trace_step
-    if _disabled:
-        return _NO_TRACE
-    if (_trace_step is None or _trace_step.auto_steps
-            or (model is not None and model not in _hooked_models)):
-        try:
-            _setup(model)
-            _note_explicit_steps()
-        except Exception:
-            _disable("setup")
-            return _NO_TRACE
-    try:  # a weak reference: the model is the user's to free
-        _ready_for = weakref.ref(model) if model is not None else _no_model
-    except TypeError:  # not weakly referable: this model takes the checks above each step
-        _ready_for = None
-    return _trace_step
-
-
-def _no_model() -> None:
-    """What _ready_for returns when trace_step was last set up without a model."""
-    return None
-
-
-def _note_explicit_steps() -> None:
-    global _explicit_steps_seen
-    _explicit_steps_seen = True
-    if _probe is not None and _probe.auto_steps:
-        _probe.stop_inferring_steps()
-
-
-def _setup(model: Any) -> None:
-    global _probe, _trace_step
-    setup_started_ns = first_call_ns or _now_ns()
-    with _lock:
-        if _probe is None:
-            _probe = _create_probe(model)
-            _probe.setup_started_ns = setup_started_ns
-        if _trace_step is None:  # first use, or after detach()
-            from traceml.probe.phases import install_patches
-
-            install_patches(_probe)
-            _trace_step = _probe
-        if model is not None and model not in _hooked_models:
-            _hook(model)
-
-
-def _hook(model: Any) -> None:
-    """Time this model's forward (and, under `traceml run --deep`, deep-dive on it)."""
-    from traceml.probe.phases import hook_model
-
-    _hooked_models[model] = hook_model(_probe, model)
-    if _probe.layers is None and (os.environ.get(ENV_DEEP) or _auto_capture()):
-        from traceml.probe.layers import DEFAULT_EVERY_N_STEPS, LayerProbe
-
-        # traceml run --deep samples every Nth step; otherwise steps are sampled only to
-        # capture what grew when a rule fires.
-        every = int(os.environ.get(ENV_DEEP_EVERY) or DEFAULT_EVERY_N_STEPS) if os.environ.get(ENV_DEEP) else 0
-        _probe.layers = LayerProbe(_probe, model, every_n_steps=every, auto_capture=_auto_capture())
-
-
-def _auto_capture() -> bool:
-    return os.environ.get(ENV_AUTO_CAPTURE, "1") != "0"
-
-
-def hook_inferred_model(model: Any) -> None:
-    """Steps inferred: time this model, found at its first call (phases.on_first_module_call)."""
-    with _lock:
-        if _probe is not None and model not in _hooked_models:
-            _hook(model)
-
-
-def _time_the_model_of(optimizer: Any) -> bool:
-    """At an optimizer's first step: when traced models do not hold all its parameters (the
-    first module called was another one: a GAN's discriminator, say, for the generator's
-    optimizer, or an encoder beside its decoder), the next module called that holds the others
-    is timed as forward too. True when such a module is now awaited."""
-    try:
-        untraced = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
-        for model in list(_hooked_models):
-            untraced.difference_update(id(parameter) for parameter in model.parameters())
-        if not untraced:
-            return False
-        from traceml.probe.phases import on_first_module_call, owner_of
-
-        on_first_module_call(hook_inferred_model, wanted=owner_of(untraced))
-        return True
-    except Exception:  # inside the user's optimizer.step(): a fault costs this model's forward only
-        log.debug("traceml: the model of an optimizer is not timed", exc_info=True)
-        return False
-
-
-def _any_optimizer_made() -> bool:
-    """Whether this process has made a torch.optim optimizer: making one marks its class's
-    step() as hooked (torch's own profiling wrapper), so no instance needs to be found."""
-    from torch.optim import Optimizer
-
-    classes = [Optimizer]
-    while classes:
-        cls = classes.pop()
-        if getattr(cls.step, "hooked", False):
-            return True
-        classes.extend(cls.__subclasses__())
-    return False
-
-
-def infer_steps(web_port: Optional[int] = None, run_name: Optional[str] = None,
-                profile_memory: bool = True, steps_from: str = STEPS_FROM_OPTIMIZER,
-                device_of: Any = None, model: Any = None) -> Optional[StepProbe]:
-    """Trace without trace_step: each step ends at optimizer.step() (the Trace API, zero-code
-    mode, the trainer integrations; steps_from says which, for the card).
-
-    Rank 0 not under `traceml run` starts the run's collector, serving the web dashboard on
-    web_port when given. model: the model to time, when the caller knows it (a trainer does);
-    otherwise it is found at the first optimizer step. device_of: a module whose parameters
-    say the device. An explicit trace_step, before or after, decides steps instead.
-    """
-    if _disabled:
-        return None
-    try:
-        with _lock:
-            if _probe is None:
-                _create_options.update(web_port=web_port, run_name=run_name, steps_from=steps_from,
-                                       profile_memory=profile_memory, device_of=device_of)
-        _setup(model)
-        with _lock:
-            if _probe is not None and not _explicit_steps_seen:
-                _probe.set_steps_from(steps_from)
-                if not _probe.auto_steps:
-                    _probe.auto_steps = True
-                    if not _hooked_models:  # the model is the first one called with parameters to train
-                        from traceml.probe.phases import on_first_module_call, trainable
-
-                        on_first_module_call(hook_inferred_model, wanted=trainable)
-        return _probe
-    except Exception:
-        _disable("step inference setup")
-        return None
-
-
-def trace_model_instance(model: Any, every_n_steps: Optional[int] = None) -> Any:
-    """Deep-dive on this model: per-module forward and backward time and memory, measured on
-    every Nth step traced by trace_step (every_n_steps, default 10). Returns the model."""
-    if _disabled:
-        return model
-    try:
-        _setup(model)
-        from traceml.probe.layers import DEFAULT_EVERY_N_STEPS, LayerProbe
-
-        every = every_n_steps or int(os.environ.get(ENV_DEEP_EVERY) or DEFAULT_EVERY_N_STEPS)
-        if _probe is not None and (_probe.layers is None or _probe.layers.names.get(id(model)) is None
-                                   or not _probe.layers.every_n_steps):
-            _probe.layers = LayerProbe(_probe, model, every_n_steps=every, auto_capture=_auto_capture())
-    except Exception:
-        _disable("deep-dive setup")
-    return model
-
-
-def detach() -> None:
-    """Take every patch and model hook back out, leaving torch as it was; the probe stays.
-
-    The last step's window closes at its end. The next trace_step attaches everything again.
-    """
-    global _trace_step, _ready_for
-    from traceml.probe.phases import remove_patches
-
-    _ready_for = None
-
-    with _lock:
-        if _probe is None:
-            return
-        try:
-            _probe.finish()
-        finally:
-            remove_patches()
-        for handles in _hooked_models.values():
-            for handle in handles:
-                handle.remove()
-        _hooked_models.clear()
-        _trace_step = None
-
-
-def _create_probe(model: Any) -> StepProbe:
-    import torch
-
-    from traceml.probe.memory import DeviceMemory, HostRss
-    from traceml.probe.sender import Sender
-
-    device = _model_device(torch, model if model is not None else _create_options.get("device_of"))
-    timeline = device_memory = None
-    if device.type == "cuda":
-        from traceml.probe.clock import DeviceTimeline
-
-        timeline = DeviceTimeline(lambda: torch.cuda.Event(enable_timing=True))
-        device_memory = DeviceMemory(torch, device)
-    profile_memory = _create_options.get("profile_memory", True)
-    if device_memory is not None:
-        device_memory.counting = profile_memory
-    host_rss = HostRss() if profile_memory else None
-    sender = Sender(_hello(torch, device, device_memory), timeline=timeline, host_rss=host_rss)
-    sender.web_port = _create_options.get("web_port")
-    sender.run_name = _create_options.get("run_name")
-    probe = StepProbe(sender, timeline=timeline, device_memory=device_memory, host_rss=host_rss)
-    probe._grad_enabled = torch.is_grad_enabled
-    sender.record_from = probe.record_from
-    if timeline is not None:
-        timeline.record_from = probe.record_from
-    sender.start()
-    atexit.register(_at_exit)
-    return probe
-
-
-def _model_device(torch: Any, model: Any) -> Any:
-    if model is not None:
-        try:
-            return next(model.parameters()).device
-        except (StopIteration, AttributeError, TypeError):
-            pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def rank_env() -> Tuple[int, int, int, int]:
     """(rank, local rank, world size, node rank) as torchrun or SLURM's srun set them."""
     env = os.environ
@@ -896,65 +642,15 @@ def rank_env() -> Tuple[int, int, int, int]:
             first("GROUP_RANK", "NODE_RANK", "SLURM_NODEID", default=0))
 
 
-def _hello(torch: Any, device: Any, device_memory: Any) -> RankHello:
-    rank, local_rank, world_size, node_rank = rank_env()
-    return RankHello(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        node_rank=node_rank,
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        device=str(device),
-        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        device_capacity_bytes=device_memory.capacity_bytes if device_memory is not None else None,
-        torch_version=str(torch.__version__),
-        argv=[os.path.abspath(sys.argv[0])] + sys.argv[1:] if sys.argv and sys.argv[0] else list(sys.argv),
-        started_at_unix_s=_process_start_unix_s(),
-        token=os.environ.get(ENV_TOKEN, ""),
-        steps_from=_create_options.get("steps_from", STEPS_FROM_TRACE_STEP),
-        **_imports_so_far(),
-    )
+def _any_optimizer_made() -> bool:
+    """Whether this process has made a torch.optim optimizer: making one marks its class's
+    step() as hooked (torch's own profiling wrapper), so no instance needs to be found."""
+    from torch.optim import Optimizer
 
-
-import_timer: Any = None  # zero_code's timer of the script's imports, under `traceml run`
-
-
-def _imports_so_far() -> dict:
-    """The script's import time until now (its timer then stops), when `traceml run` timed it."""
-    global import_timer
-    timer, import_timer = import_timer, None
-    return timer.stop() if timer is not None else {}
-
-
-def _process_start_unix_s() -> float:
-    """When this process started. On Linux from its age on the boot clock (to 10 ms): the
-    start psutil gives adds the boot time, which /proc rounds to the second."""
-    try:
-        with open("/proc/self/stat", "rb") as stat, open("/proc/uptime", "rb") as uptime:
-            started_ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])
-            age_s = float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
-        return time.time() - max(0.0, age_s)
-    except Exception:
-        pass
-    try:
-        import psutil
-
-        return float(psutil.Process().create_time())
-    except Exception:
-        return time.time()
-
-
-def _at_exit() -> None:
-    probe = _probe
-    if probe is None:
-        return
-    try:
-        probe.finish()
-    except Exception:  # the last step is lost; what came before it still goes out below
-        log.debug("traceml: could not close the last step", exc_info=True)
-    try:
-        # Neither sys.exit nor an uncaught exception was seen: the interpreter ends normally.
-        probe.goodbye(exit_code=0 if probe.exit_code is None else probe.exit_code)
-    except Exception:
-        log.warning("traceml: could not flush telemetry at exit", exc_info=True)
+    classes = [Optimizer]
+    while classes:
+        cls = classes.pop()
+        if getattr(cls.step, "hooked", False):
+            return True
+        classes.extend(cls.__subclasses__())
+    return False

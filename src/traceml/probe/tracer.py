@@ -45,17 +45,17 @@ class Trace:
         return _TracedRegion(self, name)
 
     def _start(self, name: str) -> None:
-        from traceml.probe import step
+        from traceml.probe import process
 
         launched = bool(os.environ.get(rendezvous.ENV_COLLECTOR))  # under `traceml run`
-        self._probe = step.infer_steps(web_port=None if launched else self.port, run_name=name,
+        self._probe = process.infer_steps(web_port=None if launched else self.port, run_name=name,
                                        profile_memory=self.profile_memory)
 
     def _stop(self) -> None:
-        from traceml.probe import step
+        from traceml.probe import process
 
         try:
-            step.detach()  # closes the last step, sends the spans, takes the patches out
+            process.detach()  # closes the last step, sends the spans, takes the patches out
         except Exception:
             log.warning("traceml: could not close the traced region", exc_info=True)
 

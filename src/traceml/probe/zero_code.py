@@ -58,11 +58,11 @@ class _ImportTimer:
 
 
 def _start_at_first_module_call() -> None:
-    from traceml.probe import phases, step
+    from traceml.probe import phases, process, step
 
     def start(module: Any) -> None:
         if step._probe is None:  # else trace_step came first: the script traces itself
-            step.infer_steps(device_of=module, model=module)
+            process.infer_steps(device_of=module, model=module)
 
     phases.on_first_module_call(start, wanted=phases.trainable)
 
@@ -78,10 +78,10 @@ def main(argv: List[str]) -> None:
     except Exception:  # no torch: the script runs untraced
         log.warning("traceml: zero-code tracing unavailable", exc_info=True)
     try:
-        from traceml.probe import step
+        from traceml.probe import process
 
-        # The probe's hello takes the import time so far and stops the timer (step._imports_so_far).
-        step.import_timer = builtins.__import__ = _ImportTimer()
+        # The probe's hello takes the import time so far and stops the timer (process._imports_so_far).
+        process.import_timer = builtins.__import__ = _ImportTimer()
     except Exception:
         log.debug("traceml: import timing unavailable", exc_info=True)
     try:
