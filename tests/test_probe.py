@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, dataloader
 
 from traceml.probe import phases
-from traceml.probe.step import StepProbe
+from traceml.probe.step import EndedWindow, StepProbe
 
 
 class ListSender:
@@ -53,7 +53,7 @@ def probe():
 
 def records(probe):
     probe.finish()
-    return [probe.record_from(raw) for raw in probe.sender.raw if type(raw) is tuple]
+    return [probe.record_from(raw) for raw in probe.sender.raw if type(raw) is EndedWindow]
 
 
 def test_phases_land_where_the_time_went(probe):

@@ -6,7 +6,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from traceml.analysis.goodput import Goodput
-from traceml.analysis.rollup import Window, max_present, rank_medians, rank_spread, warmup_steps
+from traceml.analysis.rollup import RankRow, Window, max_present, rank_medians, rank_spread, warmup_steps
 from traceml.diagnose import MemoryLimits, diagnose
 from traceml.records import Finding, LayerReport, SystemSample
 
@@ -17,7 +17,7 @@ class LiveState:
     """What the dashboard shows, read from the collector at one moment."""
 
     def __init__(self, script: str, elapsed_s: float, window: Window, steps_seen: int,
-                 ranks: List[dict], world_size: int, system: Optional[SystemSample],
+                 ranks: List[RankRow], world_size: int, system: Optional[SystemSample],
                  limits: MemoryLimits, layers: Optional[LayerReport], findings: List[Finding],
                  alerts: List[Tuple[float, Finding]]):
         self.script, self.elapsed_s, self.window, self.steps_seen = script, elapsed_s, window, steps_seen

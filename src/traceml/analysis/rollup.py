@@ -9,7 +9,7 @@ import collections
 import functools
 import statistics
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, TypedDict
 
 import msgspec
 
@@ -182,7 +182,37 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
-def rank_medians(records: Iterable[StepRecord], skip_steps: int) -> List[dict]:
+class RankRow(TypedDict):
+    """One rank's own figures, warm-up left out: what the straggler rule, the card's and the
+    report's rank tables and the dashboards' rank panels read (a dict: it goes into
+    final_summary.json as it is)."""
+
+    rank: int
+    steps: int  # after warm-up
+    last_step: int
+    step_median_ms: Optional[float]
+    behind_share: float  # of the steps in which the others waited for this rank
+    input_wait_median_ms: Optional[float]
+    outside_median_ms: Optional[float]
+    h2d_median_ms: Optional[float]
+    forward_median_ms: Optional[float]
+    backward_median_ms: Optional[float]
+    optimizer_median_ms: Optional[float]
+    untraced_median_ms: Optional[float]
+    gc_median_ms: Optional[float]
+    comm_wait_median_ms: Optional[float]  # None unless DDP's comm hook timed it
+
+
+def rank_row(rank: int, records: Sequence[StepRecord], last_step: int, behind_share: float = 0.0) -> RankRow:
+    """A rank's row from its records after warm-up (none: its medians are None)."""
+    row = RankRow(rank=rank, steps=len(records), last_step=last_step,  # type: ignore[typeddict-item]
+                  step_median_ms=_median_of(records, "step_ms"), behind_share=behind_share)
+    for name in STEP_PHASES + ("gc", "comm_wait"):
+        row[f"{name}_median_ms"] = _median_of(records, f"{name}_ms")  # type: ignore[literal-required]
+    return row
+
+
+def rank_medians(records: Iterable[StepRecord], skip_steps: int) -> List[RankRow]:
     """Each rank's own median step and phase times, warm-up left out, and its last step."""
     by_rank: Dict[int, List[StepRecord]] = {}
     last_step: Dict[int, int] = {}
@@ -191,16 +221,8 @@ def rank_medians(records: Iterable[StepRecord], skip_steps: int) -> List[dict]:
         if record.step >= skip_steps:
             by_rank.setdefault(record.rank, []).append(record)
     behind = _times_behind(by_rank)
-    rows = []
-    for rank in sorted(last_step):
-        mine = by_rank.get(rank, [])
-        row: dict = {"rank": rank, "steps": len(mine), "last_step": last_step[rank],
-                     "step_median_ms": _median_of(mine, "step_ms"),
-                     "behind_share": behind.get(rank, 0.0)}
-        for name in STEP_PHASES + ("gc", "comm_wait"):
-            row[f"{name}_median_ms"] = _median_of(mine, f"{name}_ms")
-        rows.append(row)
-    return rows
+    return [rank_row(rank, by_rank.get(rank, []), last_step[rank], behind.get(rank, 0.0))
+            for rank in sorted(last_step)]
 
 
 def _times_behind(by_rank: Dict[int, List[StepRecord]]) -> Dict[int, float]:

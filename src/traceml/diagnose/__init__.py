@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 from traceml.analysis.goodput import Goodput
-from traceml.analysis.rollup import Window
+from traceml.analysis.rollup import RankRow, Window
 from traceml.diagnose.captures import attach_captures
 from traceml.diagnose.memory import MemoryLimits, memory_creep, memory_pressure, out_of_memory
 from traceml.diagnose.run_time import recompilations, slow_startup
@@ -38,7 +38,7 @@ STALL_WORDS = {"outside": "work between steps", "untraced": "untraced work insid
                "input_wait": "waiting for the DataLoader", "gc": "garbage collection"}
 
 
-def diagnose(window: Window, steps_seen: int, ranks: Optional[List[dict]] = None,
+def diagnose(window: Window, steps_seen: int, ranks: Optional[List[RankRow]] = None,
              limits: Optional[MemoryLimits] = None, peak_device_bytes: Optional[int] = None,
              peak_rss_bytes: Optional[int] = None, oom: Optional[OomRecord] = None,
              layers_alive: Optional[List[dict]] = None,

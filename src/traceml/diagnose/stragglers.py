@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 from typing import List, Optional
 
+from traceml.analysis.rollup import RankRow
 from traceml.records import Finding
 
 LOSS_WARN_SHARE = 0.05  # the others lose this share of the step waiting: warn
@@ -19,7 +20,7 @@ CAUSE_SHARE = 0.5  # an excess that explains at least half the loss names the ca
 BEHIND_SHARE = 0.75  # behind in this share of steps: a pattern, not the noise of a balanced run
 
 
-def straggler(ranks: List[dict], step_ms: float) -> Optional[Finding]:
+def straggler(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
     """A straggler finding from per-rank medians (rollup.rank_medians), or None when balanced."""
     ranks = [r for r in ranks if r["steps"] and r["step_median_ms"] is not None]
     if len(ranks) < 2 or step_ms <= 0:
@@ -73,5 +74,5 @@ def straggler(ranks: List[dict], step_ms: float) -> Optional[Finding]:
                              "measured_by": measured, "ranks": len(ranks)})
 
 
-def _median(ranks: List[dict], key: str) -> float:
+def _median(ranks: List[RankRow], key: str) -> float:
     return statistics.median(r[key] for r in ranks)

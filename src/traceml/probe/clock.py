@@ -25,7 +25,7 @@ class PendingDeviceStep:
 
     def __init__(self, host: Any, start_event: Any, end_event: Any,
                  next_start_event: Optional[Any], phase_events: List[Tuple[str, Any, Any]]):
-        self.host = host  # the host-timed step: a StepRecord, or the probe's raw tuple for one
+        self.host = host  # the host-timed step: a StepRecord, or the probe's EndedWindow for one
         self.start_event = start_event
         self.end_event = end_event
         # The first event of the next step; None when the run ended after this step.

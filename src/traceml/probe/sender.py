@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Deque, List, Optional
 
 from traceml import rendezvous
+from traceml.probe.step import EndedWindow
 from traceml.records import RankEnd, RankHello, Record, StepRecord, encode_frame
 
 log = logging.getLogger("traceml")
@@ -42,14 +43,14 @@ class Sender:
     def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None,
                  capacity: int = BUFFER_CAPACITY, address: Optional[str] = None):
         self.hello = hello
-        # Turns the probe's raw step tuples into StepRecords, here, off the training thread.
-        self.record_from: Callable[[tuple], Record] = lambda raw: raw  # type: ignore[assignment,return-value]
+        # Turns the probe's ended windows into StepRecords, here, off the training thread.
+        self.record_from: Callable[[EndedWindow], Record] = lambda raw: raw  # type: ignore[assignment,return-value]
         self.timeline = timeline
         self.host_rss = host_rss  # refreshed here, each round, off the training thread
         self.capacity = capacity
         self.records_sent = 0
         self.records_dropped = 0
-        self._buffer: Deque[Any] = collections.deque()  # Records, and raw step tuples
+        self._buffer: Deque[Any] = collections.deque()  # Records, and the probe's EndedWindows
         # This rank's latest step records, for traceml.summary() inside the training process.
         self.sent_steps: Deque[Any] = collections.deque(maxlen=RECENT_STEPS_KEPT)
         # Values still on the device (Trace.log_scalar): each has ready() and record().
@@ -92,7 +93,7 @@ class Sender:
     def local_steps(self) -> List[StepRecord]:
         """This rank's step records so far: those sent (the latest RECENT_STEPS_KEPT) and those
         still waiting in the buffer; read from the training thread, the buffer left as it is."""
-        pending = [self.record_from(r) if type(r) is tuple else r for r in list(self._buffer)]
+        pending = [self.record_from(r) if type(r) is EndedWindow else r for r in list(self._buffer)]
         return list(self.sent_steps) + [r for r in pending if type(r) is StepRecord]
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -195,7 +196,7 @@ class Sender:
             batch: List[Record] = []
             while self._buffer and len(batch) < RECORDS_PER_FRAME:
                 record = self._buffer.popleft()
-                if type(record) is tuple:
+                if type(record) is EndedWindow:
                     record = self.record_from(record)
                 if type(record) is StepRecord:
                     self.sent_steps.append(record)

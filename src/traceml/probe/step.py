@@ -18,6 +18,8 @@ import os
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
+import msgspec
+
 from traceml.records import STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, SpanRecord, StepRecord
 
 log = logging.getLogger("traceml")
@@ -42,7 +44,35 @@ _NOT_A_STEP = RuntimeError("not a step")  # ends an inferred step without a reco
 NO_PHASE = -1
 _STEP_ZEROS = (0, 0, 0, 0, 0, 0, 0, 0, 0, None, None, NO_PHASE)
 PHASE_NAMES = ("h2d", "forward", "backward", "optimizer")
-_END_NS, _EVENTS = 2, 7  # in the closed step's tuple (see exit): its end, its (start, end, phase) events
+
+
+class ClosedStep(msgspec.Struct, gc=False):
+    """A step as it ended on the training thread: clock readings and the list its phases were
+    summed in. Not a StepRecord yet: that arithmetic happens on the sender's thread once the
+    step's window has ended (StepProbe.record_from). gc=False: it holds no cycle."""
+
+    step: int
+    start_ns: int
+    end_ns: int
+    sums: list  # see _STEP_ZEROS
+    device_allocated_bytes: Optional[int]
+    device_peak_bytes: Optional[int]
+    device_reserved_bytes: Optional[int]
+    start_event: Any  # on CUDA the step's events (else None), resolved by the DeviceTimeline
+    end_event: Any
+    phase_events: Any  # on CUDA [(phase, begin event, end event)]
+    host_rss_bytes: Optional[int]
+    instrumented: bool  # a deep-dive sample or the FLOP count ran: not the user's speed
+
+
+class EndedWindow(msgspec.Struct, gc=False):
+    """A closed step whose window has ended at the next step's start (or at its own end, the
+    last): what the sender turns into the step's StepRecord."""
+
+    closed: ClosedStep
+    window_end_ns: int
+    window: Any  # see _WINDOW_ZEROS
+    next_start_event: Any  # on CUDA the next step's start event, the window's end (else None)
 
 
 class StepProbe:
@@ -110,12 +140,11 @@ class StepProbe:
         # User spans of the current window, summed by name: name -> [step, first start ns,
         # total ns, calls]; sent as one SpanRecord per name and step.
         self.spans: dict = {}
-        # The closed step waiting for the next start to end its window (see exit for its layout:
-        # _END_NS and _EVENTS name the fields read before the sender's record_from).
-        self._closed: Optional[tuple] = None
+        # The closed step waiting for the next start to end its window.
+        self._closed: Optional[ClosedStep] = None
         # Inferred steps: the step before, its window ended at this step's start, held until
         # this one proves to be a step (see exit).
-        self._unconfirmed: Optional[tuple] = None
+        self._unconfirmed: Optional[EndedWindow] = None
         # What the process around the probe does for it (process.py hands these in): after an
         # internal fault, take TraceML out of the training; at an optimizer's first step, time
         # the model it trains; once no model is awaited, stop looking at each module call.
@@ -153,9 +182,9 @@ class StepProbe:
             if closed is not None:  # see enter
                 self._closed = None
                 if self.auto_steps:
-                    self._unconfirmed = (closed, now, self.window, None)
+                    self._unconfirmed = EndedWindow(closed, now, self.window, None)
                 else:
-                    self.sender.push((closed, now, self.window, None))
+                    self.sender.push(EndedWindow(closed, now, self.window, None))
             self.window = [*_WINDOW_ZEROS]
             self.sums = [*_STEP_ZEROS]
             self._step_start_ns = now
@@ -183,11 +212,10 @@ class StepProbe:
                 self.device_memory.reset_peak()
             closed = self._closed
             if closed is not None:
-                # The step before ends its window now: the window's end, its list and the
-                # next step's start event (on CUDA) make up its "ending". The arithmetic
-                # happens on the sender's thread (record_from).
+                # The step before ends its window now. The arithmetic happens on the sender's
+                # thread (record_from).
                 self._closed = None
-                ending = (closed, now, self.window, self._start_event)
+                ending = EndedWindow(closed, now, self.window, self._start_event)
                 if self.auto_steps:
                     self._unconfirmed = ending  # sent once this step proves to be one (see exit)
                 else:
@@ -219,8 +247,8 @@ class StepProbe:
             self.plain = False
             self.open_phase = NO_PHASE
             host_rss = self.host_rss
-            self._closed = (self.step_index, self._step_start_ns, now, self.sums, None, None, None, None, None,
-                            None, host_rss.latest_bytes if host_rss is not None else None, False)
+            self._closed = ClosedStep(self.step_index, self._step_start_ns, now, self.sums, None, None, None, None,
+                                      None, None, host_rss.latest_bytes if host_rss is not None else None, False)
             self.step_index += 1
         except Exception:  # the training comes first: a fault here costs telemetry only
             self.on_fault("trace_step exit")
@@ -252,10 +280,9 @@ class StepProbe:
             # The sender thread reads RSS (a /proc read costs the thread that makes it far more
             # than its few µs on a VM); a step takes the latest reading.
             host_rss = self.host_rss
-            # One flat tuple: the arithmetic happens on the sender's thread (record_from).
-            self._closed = (self.step_index, self._step_start_ns, now, self.sums, allocated, peak, reserved,
-                            self._start_event, end_event, self._phase_events,
-                            host_rss.latest_bytes if host_rss is not None else None, instrumented)
+            self._closed = ClosedStep(self.step_index, self._step_start_ns, now, self.sums, allocated, peak,
+                                      reserved, self._start_event, end_event, self._phase_events,
+                                      host_rss.latest_bytes if host_rss is not None else None, instrumented)
             self.step_index += 1
         except Exception:  # the training comes first: a fault here costs telemetry only
             self.on_fault("trace_step exit")
@@ -274,8 +301,9 @@ class StepProbe:
             # closing its window at its start. It did not (work after the last update, an
             # evaluation with gradients on): that step's window ends where it ended, and
             # the planned work counted since is not its.
-            closed, _, window, _ = unconfirmed
-            self._end_window((closed, closed[_END_NS], [*window[:EVAL_NS], 0, 0, 0, 0, 0], None))
+            closed = unconfirmed.closed
+            self._end_window(EndedWindow(closed, closed.end_ns, [*unconfirmed.window[:EVAL_NS], 0, 0, 0, 0, 0],
+                                         None))
         # Its phase events go back to the pool; its start event stays out, since the step
         # before it may still be waiting on that event as the end of its window.
         if self.timeline is not None:
@@ -284,24 +312,24 @@ class StepProbe:
                 self.timeline.release(end)
         return False
 
-    def _end_window(self, ending: tuple) -> None:
-        """Send a closed step whose window has ended (its ending: the closed step, the window's
-        end, its list, the next step's start event): as it is on the CPU; on CUDA, to the
+    def _end_window(self, ending: EndedWindow) -> None:
+        """Send a closed step whose window has ended: as it is on the CPU; on CUDA, to the
         timeline, which sends it once its events are done."""
         if self.timeline is None:
             self.sender.push(ending)
             return
         from traceml.probe.clock import PendingDeviceStep
 
-        start_event, end_event, phase_events = ending[0][_EVENTS:_EVENTS + 3]
-        self.timeline.submit(PendingDeviceStep(ending, start_event, end_event, ending[3], phase_events))
+        closed = ending.closed
+        self.timeline.submit(PendingDeviceStep(ending, closed.start_event, closed.end_event,
+                                               ending.next_start_event, closed.phase_events))
 
-    def record_from(self, ending: tuple) -> StepRecord:
+    def record_from(self, ending: EndedWindow) -> StepRecord:
         """The StepRecord of a closed step whose window has ended (sender's thread)."""
-        closed, window_end_ns, window, _ = ending
+        closed, window_end_ns = ending.closed, ending.window_end_ns
         (gc_ns, gc_collections, gc_max_ns, gc_full, gen0_ns, gen1_ns, gen2_ns, eval_ns, checkpoint_ns,
-         compile_ns, _, input_wait_gap_ns) = window
-        step, start_ns, end_ns, sums, allocated, peak, reserved, _, _, _, rss, instrumented = closed
+         compile_ns, _, input_wait_gap_ns) = ending.window
+        step, start_ns, end_ns, sums = closed.step, closed.start_ns, closed.end_ns, closed.sums
         (h2d_ns, forward_ns, backward_ns, optimizer_ns, input_wait_inside_ns, forward_calls, samples, tokens,
          comm_wait_ns, real_tokens, token_copies, _) = sums
         gap_ns = window_end_ns - end_ns
@@ -316,13 +344,14 @@ class StepProbe:
             h2d_ms=h2d_ns / 1e6, forward_ms=forward_ns / 1e6, backward_ms=backward_ns / 1e6,
             optimizer_ms=optimizer_ns / 1e6, untraced_ms=max(0, untraced_ns) / 1e6,
             gc_ms=gc_ns / 1e6, gc_collections=gc_collections, forward_calls=forward_calls,
-            samples=samples, device_allocated_bytes=allocated, device_peak_bytes=peak,
-            device_reserved_bytes=reserved, host_rss_bytes=rss,
+            samples=samples, device_allocated_bytes=closed.device_allocated_bytes,
+            device_peak_bytes=closed.device_peak_bytes, device_reserved_bytes=closed.device_reserved_bytes,
+            host_rss_bytes=closed.host_rss_bytes,
             tokens=tokens, real_tokens=_real_tokens(real_tokens, token_copies),
             comm_wait_ms=comm_wait_ns / 1e6 if self.comm_timed else None,
             gc_max_pause_ms=gc_max_ns / 1e6, gc_full_collections=gc_full,
             gc_gen0_ms=gen0_ns / 1e6, gc_gen1_ms=gen1_ns / 1e6, gc_gen2_ms=gen2_ns / 1e6,
-            eval_ms=eval_ns / 1e6, checkpoint_ms=checkpoint_ns / 1e6, instrumented=instrumented,
+            eval_ms=eval_ns / 1e6, checkpoint_ms=checkpoint_ns / 1e6, instrumented=closed.instrumented,
             compile_ms=compile_ns / 1e6)
         layers = self.layers
         if layers is not None and layers.watch is not None:
@@ -350,7 +379,7 @@ class StepProbe:
             self.tail_checkpoint_ns += window[CHECKPOINT_BETWEEN_NS]
             window[CHECKPOINT_NS] -= window[CHECKPOINT_BETWEEN_NS]
             window[EVAL_NS] = window[CHECKPOINT_BETWEEN_NS] = window[INPUT_WAIT_GAP_NS] = 0
-            self._end_window((closed, closed[_END_NS], tuple(window), None))
+            self._end_window(EndedWindow(closed, closed.end_ns, tuple(window), None))
 
     def evaluation_begin(self) -> bool:
         """A trainer's evaluation starts (Trainer.evaluate, Lightning's validation); False when
