@@ -477,7 +477,8 @@ def _timed_call(original: Callable[..., Any], tensor_type: type, compiling: Any)
         if not probe.in_step and probe.auto_steps and grad_enabled():
             probe.__enter__()  # steps inferred: the model's first call with gradients opens one
         if not probe.plain or probe.open_phase != NO_PHASE or traced.token_inputs is not False:
-            return timed_in_general(traced, probe, self, args, kwargs)
+            return _call_timed_in_general(original, traced, probe, self, args, kwargs, tensor_type,
+                                          grad_enabled)
         # The common case, the outermost call in a plain step: timed inline (see StepProbe.plain).
         sums = probe.sums
         sums[FORWARD_CALLS] += 1
@@ -498,39 +499,41 @@ def _timed_call(original: Callable[..., Any], tensor_type: type, compiling: Any)
                 sums[FORWARD] += _now_ns() - start_ns
                 probe.open_phase = NO_PHASE
 
-    def timed_in_general(traced: _TracedModel, probe: StepProbe, self: Any, args: tuple, kwargs: dict) -> Any:
-        """Any call: inside another phase, outside the steps (evaluation), the first call,
-        token inputs, on CUDA, or on a deep-dive step."""
-        start_ns = probe.phase_begin(FORWARD)
-        if start_ns:
-            probe.sums[FORWARD_CALLS] += 1
-            probe.sums[SAMPLES] += _batch_size(args, kwargs, tensor_type)
-            if traced.token_inputs is None:
-                traced.token_inputs = _token_ids(args, kwargs, tensor_type) is not None
-            if traced.token_inputs:
-                _count_tokens(probe, args, kwargs, tensor_type)
-        elif not probe.in_step and not grad_enabled() and not probe.in_evaluation:  # evaluation
-            start_ns = _now_ns()
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                probe.window[EVAL_NS] += _now_ns() - start_ns
-        try:
-            if probe.layers_active and probe.layers.active:  # a deep-dive step: count saved tensors
-                with probe.layers.saved_tensors_context():
-                    return original(self, *args, **kwargs)
-            return original(self, *args, **kwargs)
-        except BaseException:
-            probe.note_failure(FORWARD)
-            raise
-        finally:
-            if start_ns:
-                probe.phase_end(FORWARD, start_ns)
-
     call.__wrapped__ = original  # type: ignore[attr-defined]
     _run_eagerly_under_dynamo(call)
-    _run_eagerly_under_dynamo(timed_in_general)
+    _run_eagerly_under_dynamo(_call_timed_in_general)
     return call
+
+
+def _call_timed_in_general(original: Callable[..., Any], traced: _TracedModel, probe: StepProbe, model: Any,
+                           args: tuple, kwargs: dict, tensor_type: type, grad_enabled: Callable[[], bool]) -> Any:
+    """_timed_call's call, for any call but the common one: inside another phase, outside the
+    steps (evaluation), the first call, token inputs, on CUDA, or on a deep-dive step."""
+    start_ns = probe.phase_begin(FORWARD)
+    if start_ns:
+        probe.sums[FORWARD_CALLS] += 1
+        probe.sums[SAMPLES] += _batch_size(args, kwargs, tensor_type)
+        if traced.token_inputs is None:
+            traced.token_inputs = _token_ids(args, kwargs, tensor_type) is not None
+        if traced.token_inputs:
+            _count_tokens(probe, args, kwargs, tensor_type)
+    elif not probe.in_step and not grad_enabled() and not probe.in_evaluation:  # evaluation
+        start_ns = _now_ns()
+        try:
+            return original(model, *args, **kwargs)
+        finally:
+            probe.window[EVAL_NS] += _now_ns() - start_ns
+    try:
+        if probe.layers_active and probe.layers.active:  # a deep-dive step: count saved tensors
+            with probe.layers.saved_tensors_context():
+                return original(model, *args, **kwargs)
+        return original(model, *args, **kwargs)
+    except BaseException:
+        probe.note_failure(FORWARD)
+        raise
+    finally:
+        if start_ns:
+            probe.phase_end(FORWARD, start_ns)
 
 
 class _ModelHandle:
