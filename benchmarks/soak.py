@@ -60,7 +60,7 @@ def main() -> None:
     from traceml.collector.server import Collector
     from traceml.collector.store import Store
     from traceml.lifecycle import finish_run
-    from traceml.views.summary import RunFacts
+    from traceml.analysis.summary import RunFacts
     from traceml.views.web.app import RunSource
 
     me = psutil.Process()

@@ -135,3 +135,22 @@ def test_no_modules_import_each_other():
     assert all(group in KNOWN_CYCLES for group in found), f"import cycles: {found}"
     assert all(group in found for group in KNOWN_CYCLES), "a known cycle is gone: take it out of KNOWN_CYCLES"
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]  # the finder finds
+
+
+MAX_FUNCTION_LINES = 60  # outside views/, whose render functions lay out whole tables
+
+
+def long_functions(tree: ast.AST, where: str):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                yield f"{where}:{node.lineno} {node.name} ({lines} lines)"
+
+
+def test_no_function_outside_the_views_is_over_60_lines():
+    found = [long for path in sorted((SRC / "traceml").rglob("*.py")) if "views" not in path.parts
+             for long in long_functions(ast.parse(path.read_text()), str(path.relative_to(SRC)))]
+    assert found == []
+    planted = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    assert len(list(long_functions(ast.parse(planted), "planted"))) == 1  # the check sees one

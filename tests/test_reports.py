@@ -227,7 +227,7 @@ def test_flops_per_step_are_counted_once_under_deep_dive(traceml_run):
 
 
 def test_device_peaks_for_mfu():
-    from traceml.views.summary import device_peak_tflops
+    from traceml.analysis.hardware import device_peak_tflops
 
     assert device_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert device_peak_tflops("NVIDIA H100 PCIe") == 756.0

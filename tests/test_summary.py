@@ -9,7 +9,8 @@ import pytest
 from traceml.collector.store import Store
 from traceml.records import GpuSample, RankEnd, SystemSample
 from traceml.views.report import render_report
-from traceml.views.summary import CARD_WIDTH, RunData, RunFacts, build_summary, card_text
+from traceml.analysis.summary import RunData, RunFacts, build_summary
+from traceml.views.summary import CARD_WIDTH, card_text
 from test_records import hello, step
 
 GIB = 1024 ** 3

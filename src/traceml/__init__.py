@@ -58,7 +58,7 @@ def summary() -> dict:
 
 
 def _summarize_steps(steps: List[Any]) -> Dict[str, Any]:
-    from traceml.views.summary import flat_summary
+    from traceml.analysis.summary import flat_summary
 
     return flat_summary(steps)
 

@@ -199,7 +199,8 @@ def view_command(args: argparse.Namespace) -> int:
 
 # -- traceml compare / export -----------------------------------------------------------------
 def compare_command(args: argparse.Namespace) -> int:
-    from traceml.views.compare import ComparedRun, compare, render
+    from traceml.analysis.compare import ComparedRun, compare
+    from traceml.views.compare import render
 
     try:
         runs = [ComparedRun.load(path) for path in (args.run_a, args.run_b)]

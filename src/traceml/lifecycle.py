@@ -142,7 +142,7 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
 
     # Ranks on other nodes may still be saying goodbye; a dead rank simply never does.
     run.collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S * (6 if launch.nnodes > 1 else 1))
-    from traceml.views.summary import RunFacts
+    from traceml.analysis.summary import RunFacts
 
     summary = run.finish(lambda store: RunFacts(
         script=launch.script.name, argv=[os.fspath(launch.script), *launch.script_args],
@@ -162,6 +162,7 @@ def _import_end_of_run() -> None:
     import importlib
 
     try:
+        importlib.import_module("traceml.analysis.summary")
         importlib.import_module("traceml.views.report")
         importlib.import_module("traceml.views.summary").prepare_card()
     except Exception:  # finish_run imports them again and says what went wrong
@@ -208,7 +209,7 @@ def host_collector(script: str, parent_pid: int, host: str, port: int, ready_fd:
         # Rank 0 is gone without waiting for us, or we are told to stop: give the ranks
         # a moment to send their last records.
         run.collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S)
-    from traceml.views.summary import RunFacts
+    from traceml.analysis.summary import RunFacts
 
     summary = run.finish(lambda store: RunFacts.from_store(store, script=script))
     views.close(summary, run.run_dir)
@@ -303,7 +304,8 @@ class LiveViews:
 def finish_run(store: Any, run_dir: Optional[Path], facts: Any) -> Optional[dict]:
     """Summarize the store, write the run directory, print the card. Never raises."""
     from traceml.views.report import render_report
-    from traceml.views.summary import RunData, build_summary, card_text, print_card
+    from traceml.analysis.summary import RunData, build_summary
+    from traceml.views.summary import card_text, print_card
 
     try:
         data = RunData(store)

@@ -1,1 +1,1 @@
-"""Pure analysis of stored records: steps rolled up across ranks and windows of them (rollup), each rank's wall time by part (goodput), the live views' state (live)."""
+"""Pure analysis of stored records: steps rolled up across ranks and windows of them (rollup), each rank's wall time by part (goodput), the end-of-run summary (summary), the live views' state (live), two runs compared (compare), devices' peak FLOP/s (hardware)."""

@@ -9,7 +9,7 @@ import collections
 import functools
 import statistics
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, TypedDict
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, TypedDict, Union
 
 import msgspec
 
@@ -79,9 +79,10 @@ def warmup_steps(step_count: int) -> int:
 
 
 class Window:
-    """A run of rolled-up steps and their statistics, computed once for every reader."""
+    """A run of rolled-up steps and their statistics, computed once for every reader. One
+    rank's own StepRecords make a window too (they carry every field read here)."""
 
-    def __init__(self, steps: Sequence[RolledStep]):
+    def __init__(self, steps: Sequence[Union[RolledStep, StepRecord]]):
         self.steps = steps
         self.step_times_ms = sorted(s.step_ms for s in steps)
         self.total_ms = sum(self.step_times_ms)

@@ -18,11 +18,10 @@ from typing import IO, Any, Dict, Iterator, List, Optional, Tuple
 import msgspec
 
 from traceml.collector.store import STEP_COLUMNS, Store
+from traceml.views.summary import TIMELINE_ORDER
 
 FORMATS = ("chrome", "jsonl", "csv")
 SUFFIX = {"chrome": "trace.json", "jsonl": "records.jsonl", "csv": "steps.csv"}
-# Inside a step slice: the step's own phases, then the time after it until the next step.
-CHROME_ORDER = ("h2d", "forward", "backward", "optimizer", "untraced", "input_wait", "outside")
 STEP_NAMES = [field.name for field in STEP_COLUMNS]
 STEPS_TID, GC_TID, FIRST_SPAN_TID = 1, 2, 10
 
@@ -98,8 +97,9 @@ def chrome_events(store: Store, first: int, last: int) -> Tuple[List[Dict[str, A
                        "tid": STEPS_TID, "ts": start_us, "dur": duration_us,
                        "args": {"step": step["step"], "step_ms": step["step_ms"],
                                 "samples": step["samples"], "forward_calls": step["forward_calls"]}})
+        # Inside the step slice: the step's own phases, then the time after it until the next step.
         at = start_us
-        for name in CHROME_ORDER:
+        for name in TIMELINE_ORDER:
             phase_us = min(round(step[f"{name}_ms"] * 1000), end_us - at)
             if phase_us <= 0:
                 continue

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterator, List
 
-from traceml.analysis.rollup import percentile
-from traceml.records import STEP_PHASES, StepRecord
+from traceml.analysis.hardware import device_peak_tflops
+from traceml.analysis.rollup import Window, percentile
+from traceml.records import ALL_PHASES, StepRecord
 
 QUANTILES = (0.5, 0.9, 0.99)
 MEMORY_FIELDS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes", "host_rss_bytes")
@@ -47,26 +48,23 @@ class LiveMetrics:
             if not records:
                 continue
             label = str(rank)
-            times = sorted(r.step_ms for r in records)
-            total_ms = sum(times)
+            # One rank's own steps make a Window: the statistics every view reads.
+            window = Window(records)
             for q in QUANTILES:
-                step_time.add_metric([label, str(q)], percentile(times, q))
-            for name in STEP_PHASES + ("gc",):
-                share = sum(getattr(r, f"{name}_ms") for r in records) / total_ms if total_ms else 0.0
-                phase_share.add_metric([label, name], share)
+                step_time.add_metric([label, str(q)], percentile(window.step_times_ms, q))
+            for name in ALL_PHASES:
+                phase_share.add_metric([label, name], window.phases[name].share)
             latest = records[-1]
             for name in MEMORY_FIELDS:
                 value = getattr(latest, name)
                 if value is not None:
                     memory.add_metric([label, name[:-len("_bytes")]], value)
-            steps_per_s.add_metric([label], len(records) * 1000.0 / total_ms if total_ms else 0.0)
-            samples = sum(r.samples for r in records)
-            samples_per_s.add_metric([label], samples * 1000.0 / total_ms if total_ms else 0.0)
-            tokens = sum(r.tokens if r.real_tokens is None else r.real_tokens for r in records)
-            if tokens:
-                tokens_per_s.add_metric([label], tokens * 1000.0 / total_ms if total_ms else 0.0)
+            steps_per_s.add_metric([label], window.steps_per_s)
+            samples_per_s.add_metric([label], window.samples_per_s or 0.0)
+            if window.tokens_per_s is not None:
+                tokens_per_s.add_metric([label], window.tokens_per_s)
             steps_total.add_metric([label], latest.step + 1)
-            utilization = self._mfu(rank, len(records) * 1000.0 / total_ms if total_ms else 0.0)
+            utilization = self._mfu(rank, window.steps_per_s)
             if utilization is not None:
                 mfu.add_metric([label], utilization)
         state = self.live_state()
@@ -86,8 +84,6 @@ class LiveMetrics:
 
     def _mfu(self, rank: int, steps_per_s: float) -> Any:
         """The deep-dive's FLOPs a step at this rank's pace, against its device's known peak."""
-        from traceml.views.summary import device_peak_tflops
-
         report, hello = self.collector.latest_layers, self.collector.hellos.get(rank)
         if report is None or not report.flops_per_step or hello is None or hello.device == "cpu":
             return None

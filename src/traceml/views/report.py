@@ -4,11 +4,9 @@ from __future__ import annotations
 import html
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from traceml.records import STEP_PHASES, RolledStep
-from traceml.views.summary import PHASE_LABELS
+from traceml.records import ALL_PHASES, STEP_PHASES, RolledStep
+from traceml.views.summary import PHASE_COLOURS, PHASE_LABELS
 
-PHASE_COLOURS = {"input_wait": "#e45756", "outside": "#9d9da1", "h2d": "#f58518", "forward": "#4c78a8",
-                 "backward": "#72b7b2", "optimizer": "#54a24b", "untraced": "#b279a2", "gc": "#eeca3b"}
 MAX_CHART_POINTS = 2000
 
 _STYLE = """
@@ -168,12 +166,12 @@ def _memory_chart(summary: Dict[str, Any], steps: Sequence[RolledStep]) -> str:
 
 def _rank_chart(summary: Dict[str, Any], width: int = 900, row: int = 18) -> str:
     """Per phase, the median rank's time against the worst rank's, as paired bars."""
-    spread = {name: value for name, value in summary["rank_spread"].items() if name in PHASE_LABELS or name == "step"}
+    spread = {name: value for name, value in summary["rank_spread"].items() if name in ("step",) + ALL_PHASES}
     top = max((value["worst"] for value in spread.values()), default=0.0) or 1.0
     bars = []
     for index, (name, value) in enumerate(spread.items()):
         y = index * (2 * row + 6)
-        label = PHASE_LABELS.get(name, name)
+        label = PHASE_LABELS[name]
         for offset, (kind, colour) in enumerate((("median", "#4c78a8"), ("worst", "#e45756"))):
             length = value[kind] / top * (width - 260)
             bars.append(f"<rect x='200' y='{y + offset * row}' width='{length:.1f}' height='{row - 3}' "

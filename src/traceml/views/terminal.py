@@ -17,7 +17,8 @@ from typing import Any, List, Optional, Tuple
 from traceml.analysis.goodput import goodput_text
 from traceml.analysis.live import LiveState, snapshot
 from traceml.records import STEP_PHASES, Finding
-from traceml.views.summary import PHASE_LABELS, SEVERITY_STYLE
+from traceml.analysis.summary import layer_rows
+from traceml.views.summary import PHASE_LABELS, SEVERITY_STYLE, straggler_rank
 
 REFRESH_S = 0.5
 WIDE_COLUMNS = 100  # at this width and above, panels sit two by two
@@ -178,37 +179,33 @@ def _system_panel(state: LiveState) -> Any:
 def _rank_panel(state: LiveState) -> Any:
     from rich.table import Table
 
-    straggler = next((f.rank for f in state.findings if f.kind.endswith("STRAGGLER")), None)
+    straggler = straggler_rank(state.findings)
     ranks = state.ranks
     table = Table.grid(padding=(0, 1))
     for _ in range(4):
         table.add_column()
-    for label, key in (("step", "step_median_ms"), ("input wait", "input_wait_median_ms"),
-                       ("forward", "forward_median_ms"), ("comm wait", "comm_wait_median_ms")):
+    for name in ("step", "input_wait", "forward", "comm_wait"):
+        key = f"{name}_median_ms"
         values = [(r[key], r["rank"]) for r in ranks if r[key] is not None]
         if not values:
             continue
         worst, worst_rank = max(values)
         median = statistics.median(v for v, _ in values)
         who = f"[bold red]rank {worst_rank}[/]" if worst_rank == straggler else f"rank {worst_rank}"
-        table.add_row(label, f"median {median:.2f} ms", f"worst {worst:.2f} ms", who)
+        table.add_row(PHASE_LABELS[name], f"median {median:.2f} ms", f"worst {worst:.2f} ms", who)
     return _panel(f"ranks ({len(ranks)})", table, 4)
 
 
 def _layer_panel(state: LiveState) -> Any:
     from rich.table import Table
 
-    report = state.layers
-    per_step = 1.0 / max(1, report.sampled_steps)
-    leaves = sorted((layer for layer in report.layers if layer.leaf),
-                    key=lambda layer: -(layer.forward_ms + layer.backward_ms))[:5]
+    leaves = [row for row in layer_rows(state.layers) if row["leaf"]][:5]  # the slowest first
     table = Table.grid(padding=(0, 1))
     for _ in range(4):
         table.add_column()
-    for layer in leaves:
-        table.add_row(layer.name[:30], f"fwd {layer.forward_ms * per_step:.2f} ms",
-                      f"bwd {layer.backward_ms * per_step:.2f} ms",
-                      f"saved {layer.saved_bytes * per_step / 2 ** 20:.1f} MiB")
+    for row in leaves:
+        table.add_row(row["name"][:30], f"fwd {row['forward_ms']:.2f} ms", f"bwd {row['backward_ms']:.2f} ms",
+                      f"saved {row['memory_bytes'] / 2 ** 20:.1f} MiB")
     return _panel("top layers (deep-dive)", table, max(1, len(leaves)))
 
 

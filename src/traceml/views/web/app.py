@@ -21,8 +21,8 @@ from traceml import rundir
 from traceml.analysis.live import snapshot
 from traceml.collector.store import Store
 from traceml.records import ALL_PHASES
-from traceml.views.summary import (RunData, RunFacts, build_summary, deep_dive_facts, device_names,
-                                   layer_rows)
+from traceml.analysis.summary import RunData, RunFacts, build_summary, deep_dive_figures, device_names
+from traceml.views.summary import phase_display, straggler_rank
 from traceml.views.web import queries
 
 log = logging.getLogger("traceml")
@@ -152,12 +152,12 @@ class RunSource:
     def ranks(self, points: int) -> Dict[str, Any]:
         if self.live:
             state = self.live_state()
-            rows, spread, findings = state.ranks, state.spread, [_finding(f) for f in state.findings]
+            rows, spread, findings = state.ranks, state.spread, state.findings
         else:
             summary = self.summary or {}
             rows, spread = summary.get("ranks", []), summary.get("rank_spread", {})
             findings = summary.get("findings", [])
-        straggler = next((f["rank"] for f in findings if f["kind"].endswith("STRAGGLER")), None)
+        straggler = straggler_rank(findings)
         with self._lock:
             self._steps.refresh()
             heatmap = queries.rank_heatmap(self._steps.coarsen(points))
@@ -167,10 +167,7 @@ class RunSource:
         if not self.live:
             summary = self.summary or {}
             return {"deep_dive": summary.get("deep_dive"), "layers": summary.get("layers", [])}
-        report = self.collector.latest_layers
-        if report is None:
-            return {"deep_dive": None, "layers": []}
-        return {"deep_dive": deep_dive_facts(report), "layers": layer_rows(report)}
+        return deep_dive_figures(self.collector.latest_layers)
 
     def spans(self) -> Dict[str, Any]:
         with self._lock:
@@ -301,6 +298,7 @@ def create_app(source: RunSource) -> Any:
     routes = [
         Route("/", page),
         Route("/assets/{name}", asset),
+        Route("/api/phases", api(lambda request: phase_display())),
         Route("/api/overview", api(lambda request: source.overview())),
         Route("/api/steps", api(lambda request: source.steps(
             _int_param(request, "start", None, 0, max_step), _int_param(request, "end", None, 0, max_step),

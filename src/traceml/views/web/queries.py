@@ -15,12 +15,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 from traceml.analysis.rollup import max_present
 from traceml.collector.store import BUCKET_FIGURES, Store
 from traceml.records import ALL_PHASES
+from traceml.views.summary import TIMELINE_ORDER
 
 MAX_POINTS = 2000
 MAX_TIMELINE_STEPS = 200
-# The order the timeline lays a step's phases out in: the probe measures how long each phase
-# took, not when inside the step; the window after the step is input wait, then the rest.
-TIMELINE_ORDER = ("h2d", "forward", "backward", "optimizer", "untraced", "input_wait", "outside")
 MEMORY_COLUMNS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes",
                   "host_rss_bytes")
 # How two buckets' figures merge into one (the store's BUCKET_FIGURES say which each takes).

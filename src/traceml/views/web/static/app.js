@@ -1,18 +1,7 @@
 // TraceML dashboard: reads the local /api/* JSON, renders overview, charts and tables, and follows a live run.
 'use strict';
 
-const STEP_PHASES = ['input_wait', 'outside', 'h2d', 'forward', 'backward', 'optimizer', 'untraced'];
-const LABELS = {
-  input_wait: 'input wait', outside: 'outside step', h2d: 'host→device', forward: 'forward',
-  backward: 'backward', optimizer: 'optimizer', untraced: 'untraced (in step)', gc: 'gc (overlaps)',
-  comm_wait: 'comm wait', step: 'step',
-};
-const COLORS = {
-  input_wait: '#e45756', outside: '#9d9da1', h2d: '#f58518', forward: '#4c78a8',
-  backward: '#72b7b2', optimizer: '#54a24b', untraced: '#b279a2', gc: '#eeca3b', comm_wait: '#ff9da6',
-};
 const PALETTE = ['#4c78a8', '#f58518', '#54a24b', '#e45756', '#72b7b2', '#b279a2', '#eeca3b', '#9d755d', '#ff9da6'];
-const DEFAULT_ORDER = ['h2d', 'forward', 'backward', 'optimizer', 'untraced', 'input_wait', 'outside'];
 const WAITING = 'waiting for steps…';
 const LAYERS_HINT = 'Run with `traceml run --deep` or call traceml.trace_model_instance(model) for per-layer figures.';
 const CHART_EVERY_MS = 2000;
@@ -21,6 +10,9 @@ const POLL_EVERY_MS = 2000;
 const PLOT_CONFIG = { responsive: true, displaylogo: false };
 
 const state = {
+  // How the phases are named, coloured and ordered: the server's one table (/api/phases), read
+  // before anything is drawn. Without it a phase shows by its own name, in grey.
+  phases: { labels: {}, colours: {}, order: [], step_phases: [], overlapping_phases: [] },
   overview: null,
   layers: null,
   layerSort: { key: '_total', desc: true },
@@ -37,7 +29,8 @@ const isNum = (v) => typeof v === 'number' && isFinite(v);
 const fmtMs = (v) => (isNum(v) ? v.toFixed(1) + ' ms' : '–');
 const fmtPct = (v) => (isNum(v) ? (v * 100).toFixed(1) + '%' : '–');
 const mib = (b) => (isNum(b) ? (b / 1048576).toFixed(1) : '–');
-const label = (p) => LABELS[p] || p.replace(/_/g, ' ');
+const label = (p) => state.phases.labels[p] || p.replace(/_/g, ' ');
+const colour = (p) => state.phases.colours[p] || '#999';
 const hasData = (arr) => Array.isArray(arr) && arr.some(isNum);
 
 function fmtBytes(b) {
@@ -238,18 +231,18 @@ function renderFindings(findings) {
 function renderBreakdown(phases) {
   const box = $('phase-breakdown');
   box.textContent = '';
-  const names = STEP_PHASES.concat(['gc']).concat(
-    Object.keys(phases).filter((p) => p !== 'gc' && !STEP_PHASES.includes(p)));
+  const order = state.phases.order;
+  const names = order.concat(Object.keys(phases).filter((p) => !order.includes(p)));
   const present = names.filter((p) => phases[p]);
   if (!present.length) { box.append(make('p', 'msg', WAITING)); return; }
   // gc overlaps the other phases, so only the step phases make up the 100% bar.
   const bar = make('div', 'stackbar');
-  for (const p of STEP_PHASES) {
+  for (const p of state.phases.step_phases) {
     const share = phases[p] && phases[p].share;
     if (!isNum(share) || share <= 0) continue;
     const seg = make('span');
     seg.style.width = (share * 100) + '%';
-    seg.style.background = COLORS[p];
+    seg.style.background = colour(p);
     seg.title = label(p) + ' ' + fmtPct(share);
     bar.append(seg);
   }
@@ -264,7 +257,7 @@ function renderBreakdown(phases) {
     tr.dataset.phase = p;
     const name = make('td', 'text');
     const sw = make('span', 'swatch');
-    sw.style.background = COLORS[p] || '#999';
+    sw.style.background = colour(p);
     name.append(sw, label(p));
     tr.append(name, make('td', null, isNum(ph.median_ms) ? ph.median_ms.toFixed(1) : '–'),
       make('td', null, isNum(ph.mean_ms) ? ph.mean_ms.toFixed(1) : '–'), make('td', null, fmtPct(ph.share)));
@@ -287,14 +280,15 @@ function renderSteps(s) {
 function phaseChart(s) {
   const x = s.step;
   const ph = s.phases || {};
-  const traces = STEP_PHASES.filter((p) => Array.isArray(ph[p])).map((p) => ({
+  const traces = state.phases.step_phases.filter((p) => Array.isArray(ph[p])).map((p) => ({
     type: 'scatter', mode: 'lines', name: label(p), x, y: ph[p], stackgroup: 'step',
-    line: { width: 0.5, color: COLORS[p] }, fillcolor: COLORS[p],
+    line: { width: 0.5, color: colour(p) }, fillcolor: colour(p),
     hovertemplate: '%{y:.2f} ms',
   }));
-  if (Array.isArray(ph.gc)) {
-    traces.push({ type: 'scatter', mode: 'lines', name: label('gc'), x, y: ph.gc,
-      line: { color: COLORS.gc, dash: 'dash', width: 1.5 }, hovertemplate: '%{y:.2f} ms' });
+  // Overlapping phases (gc) happen inside the others: a dashed line over the stack, not a layer of it.
+  for (const p of state.phases.overlapping_phases.filter((p) => Array.isArray(ph[p]))) {
+    traces.push({ type: 'scatter', mode: 'lines', name: label(p), x, y: ph[p],
+      line: { color: colour(p), dash: 'dash', width: 1.5 }, hovertemplate: '%{y:.2f} ms' });
   }
   if (Array.isArray(s.step_max_ms)) {
     traces.push({ type: 'scatter', mode: 'lines', name: 'step max', x, y: s.step_max_ms, visible: 'legendonly',
@@ -373,7 +367,7 @@ function renderTimeline(tl) {
     rows.push('rank ' + r);
     if (spans.length) rows.push('rank ' + r + ' spans');
   }
-  const order = tl.order && tl.order.length ? tl.order : DEFAULT_ORDER;
+  const order = tl.order || [];
   const byPhase = {};
   for (const p of order) byPhase[p] = { x: [], base: [], y: [], customdata: [] };
   for (const st of steps) {
@@ -387,7 +381,7 @@ function renderTimeline(tl) {
     }
   }
   const traces = order.filter((p) => byPhase[p].x.length).map((p) => Object.assign({
-    type: 'bar', orientation: 'h', name: label(p), marker: { color: COLORS[p] || '#999' },
+    type: 'bar', orientation: 'h', name: label(p), marker: { color: colour(p) },
     hovertemplate: 'step %{customdata[0]}<br>' + label(p) + ': %{customdata[1]:.2f} ms<extra>%{y}</extra>',
   }, byPhase[p]));
 
@@ -465,7 +459,7 @@ function renderRanks(r) {
     return;
   }
   const spread = r.spread || {};
-  const known = STEP_PHASES.concat(['gc', 'comm_wait']);
+  const known = state.phases.order.filter((k) => k !== 'step');
   const keys = known.filter((k) => spread[k]).concat(
     Object.keys(spread).filter((k) => k !== 'step' && !known.includes(k)));
   const xs = keys.map(label);
@@ -663,6 +657,7 @@ function startStream() {
 
 async function main() {
   $('layers-table').tHead.addEventListener('click', onLayerHeaderClick);
+  await load('/api/phases', (phases) => { state.phases = phases; }, ['conn']);
   await Promise.all([refreshOverview(), refreshCharts(), refreshLayers()]);
   state.initialFinal = Boolean(state.overview) && state.overview.live === false;
   startStream();

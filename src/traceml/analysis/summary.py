@@ -1,0 +1,343 @@
+"""The end-of-run summary built from the store: final_summary.json (its schema in the README),
+and traceml.summary()'s flat figures. The card and the other views print it (views/)."""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any, Dict, List, Optional
+
+import msgspec
+
+from traceml import rundir
+from traceml.analysis.goodput import RunTime
+from traceml.analysis.hardware import device_peak_tflops
+from traceml.analysis.rollup import (Window, max_present, rank_medians, rank_row, rank_spread,
+                                      roll_up, warmup_steps)
+from traceml.collector.store import Store
+from traceml.diagnose import MemoryLimits, Stalls, diagnose
+from traceml.diagnose.captures import grown_layers
+from traceml.diagnose.run_time import compile_summary
+from traceml.records import Finding, LayerCapture, LayerReport, RankEnd, RankHello, RolledStep, SystemSample
+
+SCHEMA_VERSION = 1
+RANK_SAMPLE_STEPS = 10_000  # beyond this many steps, per-rank figures read every k-th step
+LOW_COVERAGE = 0.6  # leaf modules holding less of the model's time than this: the card says why
+
+
+class RunFacts(msgspec.Struct):
+    """What the launcher (or, without one, rank 0's hello and goodbye) knows about the run."""
+
+    script: str
+    argv: List[str]
+    exit_code: Optional[int]
+    started_at_unix_s: float
+    ended_at_unix_s: float
+
+    @classmethod
+    def from_store(cls, store: Store, script: Optional[str] = None,
+                   ended_at_unix_s: Optional[float] = None) -> "RunFacts":
+        """With no launcher to ask: rank 0's hello (its argv, its start) and goodbye (its exit code)."""
+        hellos, ends = store.hellos(), store.ends()
+        rank0 = next((h for h in hellos if h.rank == 0), hellos[0] if hellos else None)
+        end0 = next((e for e in ends if e.rank == 0), None)
+        argv = rank0.argv if rank0 is not None else [script or "python"]
+        return cls(script=os.path.basename(argv[0]) if argv else (script or ""), argv=argv,
+                   exit_code=end0.exit_code if end0 is not None else None,
+                   started_at_unix_s=rank0.started_at_unix_s if rank0 is not None else time.time(),
+                   ended_at_unix_s=ended_at_unix_s or time.time())
+
+
+class RunData:
+    """Everything the summary and the report read, taken from the store and rolled up once."""
+
+    def __init__(self, store: Store):
+        meta = store.meta()
+        # The collector rolled each step up as it completed and kept it in the store; a store
+        # without them (an older run, a collector that died) is rolled up here.
+        self.rank_sample_every = 1
+        if meta.get("rolled_complete"):
+            self.rolled: List[RolledStep] = store.rolled_steps()
+            # Per-rank figures read every record of a run up to RANK_SAMPLE_STEPS steps, and
+            # every k-th step of a longer one (medians need no million records).
+            self.rank_sample_every = max(1, len(self.rolled) // RANK_SAMPLE_STEPS)
+            self.records = (store.steps() if self.rank_sample_every == 1 else
+                            store.steps_every(self.rank_sample_every))
+        else:
+            self.records = store.steps()
+            self.rolled = roll_up(self.records)
+        self.warmup = warmup_steps(len(self.rolled))
+        self.window = Window(self.rolled[self.warmup:])
+        self.hellos: List[RankHello] = store.hellos()
+        self.ends: List[RankEnd] = store.ends()
+        self.samples: List[SystemSample] = store.system_samples()
+        self.ranks = rank_medians(self.records, skip_steps=self.warmup)
+        if self.rank_sample_every > 1:
+            self._exact_rank_counts(store)
+        self.ooms = store.ooms()
+        self.compiles = store.compiles()
+        self.run_time = self._run_time(store, meta)
+        self.goodput = self.run_time.goodput(now_unix_s=None)
+        self.lost_ranks: List[int] = meta.get("lost_ranks", [])
+        reports = store.layer_reports()
+        self.layer_report = reports[0] if reports else None  # rank 0's, or the first rank's
+        self.deep_dive = deep_dive_figures(self.layer_report)
+        self.limits = MemoryLimits.of_run(self.hellos, self.samples[-1] if self.samples else None)
+        self.found_by = _steps_found_by(self)
+        self.stalls = Stalls(self.window, self.samples)
+        self.captures: List[LayerCapture] = store.captures()
+        self.findings: List[Finding] = diagnose(
+            self.window, steps_seen=len(self.rolled), ranks=self.ranks if len(self.ranks) > 1 else None,
+            limits=self.limits, peak_device_bytes=max_present(s.device_peak_bytes for s in self.rolled),
+            peak_rss_bytes=max_present(s.host_rss_bytes for s in self.rolled),
+            oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive(),
+            steps_found_by=self.found_by, system=self.samples, stalls=self.stalls,
+            captures=self.captures, goodput=self.goodput, compiles=self.compiles)
+
+    def _exact_rank_counts(self, store: Store) -> None:
+        """Sampled records give the medians; each rank's step count and last step (which say
+        whether it went missing) come exactly from the store's (rank, step) key."""
+        rows = {row["rank"]: row for row in self.ranks}
+        for hello in self.hellos:
+            last = store.step_bounds("steps", hello.rank)[1]
+            if last is None:
+                continue
+            row = rows.get(hello.rank)
+            if row is None:  # all its records fell between the sampled steps
+                row = rows[hello.rank] = rank_row(hello.rank, [], last)
+            row["last_step"] = last
+            row["steps"] = store.step_count(hello.rank, since_step=self.warmup)
+        self.ranks = [rows[rank] for rank in sorted(rows)]
+
+    def _run_time(self, store: Store, meta: Dict[str, Any]) -> RunTime:
+        """Every rank's wall-time tally: the collector's, kept at the run's end, or (a run whose
+        collector did not finish) tallied again from every step record, read once."""
+        if meta.get("run_time") is not None:
+            return RunTime.from_builtins(meta["run_time"])
+        steps = self.records if self.rank_sample_every == 1 else store.steps()
+        return RunTime.of([*self.hellos, *steps, *self.compiles, *self.ends])
+
+    def _layers_alive(self) -> List[Dict[str, Any]]:
+        rows = [row for row in self.deep_dive["layers"] if row["leaf"] and row["alive_bytes"]]
+        return [{"name": row["name"], "alive_bytes": row["alive_bytes"]}
+                for row in sorted(rows, key=lambda row: -row["alive_bytes"])]
+
+
+def deep_dive_figures(report: Optional[LayerReport]) -> Dict[str, Any]:
+    """The deep-dive as the summary and the web page give it: its per-layer rows ("layers"), and
+    ("deep_dive") how they were sampled and how much of the model's time its leaf modules hold,
+    with the words for a low coverage. No rows and None without a deep-dive."""
+    if report is None:
+        return {"layers": [], "deep_dive": None}
+    note = None
+    if min(report.forward_coverage, report.backward_coverage) < LOW_COVERAGE:
+        note = (f"leaf modules hold {report.forward_coverage:.0%} of forward and "
+                f"{report.backward_coverage:.0%} of backward: the rest runs in the model's own code "
+                "between them (functional calls such as F.scaled_dot_product_attention, residual "
+                "adds, reshapes) and counts in the parent modules' rows")
+    return {"layers": layer_rows(report),
+            "deep_dive": {"sampled_steps": report.sampled_steps, "every_n_steps": report.every_n_steps,
+                          "forward_coverage": report.forward_coverage,
+                          "backward_coverage": report.backward_coverage, "coverage_note": note}}
+
+
+def device_names(hellos: List[RankHello]) -> List[str]:
+    """The run's devices as the card names them: "cpu", "cuda:0 (NVIDIA H100 80GB HBM3)"."""
+    return sorted({h.device_name if h.device == "cpu" else f"{h.device} ({h.device_name})"
+                   for h in hellos})
+
+
+def layer_rows(report: LayerReport) -> List[Dict[str, Any]]:
+    """Deep-dive figures per step (the sums over sampled steps, divided by their count), slowest first."""
+    per_step = 1.0 / report.sampled_steps
+    rows = [{"name": layer.name, "type": layer.kind, "leaf": layer.leaf,
+             "calls_per_step": layer.calls * per_step, "forward_ms": layer.forward_ms * per_step,
+             "backward_ms": layer.backward_ms * per_step,
+             "memory_bytes": round(layer.saved_bytes * per_step),
+             "output_bytes": round(layer.output_bytes * per_step),
+             "allocated_delta_bytes": (round(layer.allocated_delta_bytes * per_step)
+                                       if layer.allocated_delta_bytes is not None else None),
+             "alive_bytes": layer.alive_bytes} for layer in report.layers]
+    return sorted(rows, key=lambda row: -(row["forward_ms"] + row["backward_ms"]))
+
+
+def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
+    window = data.window
+    phases: Dict[str, Any] = {name: msgspec.to_builtins(stats) for name, stats in window.phases.items()}
+    phases["step"] = {"median_ms": window.step_median_ms, "mean_ms": window.step_mean_ms,
+                      "p90_ms": window.step_p90_ms, "share": 1.0 if len(window) else 0.0}
+    world_size = max([h.world_size for h in data.hellos] + [len({r.rank for r in data.records}), 1])
+    findings = [msgspec.to_builtins(f) for f in data.findings]
+    return _rounded({
+        "schema_version": SCHEMA_VERSION,
+        "run": {
+            "script": facts.script,
+            "argv": facts.argv,
+            "exit_code": facts.exit_code,
+            "started_at": rundir.iso_time(facts.started_at_unix_s),
+            "duration_s": round(facts.ended_at_unix_s - facts.started_at_unix_s, 3),
+            "world_size": world_size,
+            "devices": device_names(data.hellos),
+            "torch_version": data.hellos[0].torch_version if data.hellos else None,
+        },
+        "steps": {
+            "count": len(data.rolled),
+            "warmup_excluded": data.warmup,
+            "measured": len(window),
+            "records_dropped": sum(end.records_dropped for end in data.ends),
+            "device_timed": any(s.device_timed for s in window.steps),
+            "found_by": data.found_by,
+            # Slow steps early in the run that never came back (allocator, optimizer state,
+            # caches warming up): noted here, never a finding.
+            "warmup_transients": data.stalls.warmup_note(),
+            "rank_figures_every_n_steps": data.rank_sample_every,
+        },
+        "phases": phases,
+        "throughput": {
+            "steps_per_s": window.steps_per_s,
+            "samples_per_s": window.samples_per_s,
+            # The global batch: samples a step, summed over ranks (the median step's).
+            "samples_per_step": statistics.median(s.samples for s in window.steps) if len(window) else None,
+            "tokens_per_s": window.tokens_per_s,  # real tokens (attention_mask), summed over ranks
+            "padding_share": window.padding_share,
+            **_model_flops(data),
+        },
+        "goodput": data.goodput.parts if data.goodput is not None else None,
+        "startup": data.goodput.startup if data.goodput is not None else None,
+        "compile": compile_summary(data.compiles, after_step=data.warmup),
+        "memory": _memory(data),
+        "system": _system(data.samples),
+        "ranks": data.ranks,
+        "rank_spread": rank_spread(data.records, skip_steps=data.warmup),
+        "missing_ranks": _missing_ranks(data),
+        **data.deep_dive,  # "layers", "deep_dive"
+        "captures": [{"rank": c.rank, "step": c.step, "reason": c.reason, "detail": c.detail,
+                      "layers": grown_layers(c)[:10]} for c in data.captures],
+        "primary_diagnosis": findings[0] if findings else None,
+        "findings": findings,
+    })
+
+
+def flat_summary(records: List[Any]) -> Dict[str, Any]:
+    """One rank's figures so far as a flat dict (traceml.summary()), for W&B or MLflow: the
+    same rollup, warm-up and rules as the card, over the records this process sent."""
+    rolled = roll_up(records)
+    window = Window(rolled[warmup_steps(len(rolled)):])
+    findings = diagnose(window, steps_seen=len(rolled),
+                        peak_device_bytes=max_present(s.device_peak_bytes for s in rolled),
+                        peak_rss_bytes=max_present(s.host_rss_bytes for s in rolled)) if rolled else []
+    flat: Dict[str, Any] = {
+        "traceml/steps": len(rolled),
+        "traceml/step/median_ms": window.step_median_ms,
+        "traceml/step/p90_ms": window.step_p90_ms,
+        "traceml/step/mean_ms": window.step_mean_ms,
+        "traceml/throughput/steps_per_s": window.steps_per_s,
+        "traceml/throughput/samples_per_s": window.samples_per_s,
+        "traceml/throughput/tokens_per_s": window.tokens_per_s,
+        "traceml/throughput/padding_share": window.padding_share,
+        "traceml/memory/device_peak_bytes": max_present(s.device_peak_bytes for s in rolled),
+        "traceml/memory/host_rss_peak_bytes": max_present(s.host_rss_bytes for s in rolled),
+        "traceml/diagnosis/primary": findings[0].kind if findings else None,
+        "traceml/diagnosis/severity": findings[0].severity if findings else None,
+    }
+    for name, stats in window.phases.items():
+        flat[f"traceml/phase/{name}/share"] = stats.share
+        flat[f"traceml/phase/{name}/median_ms"] = stats.median_ms
+        flat[f"traceml/phase/{name}/mean_ms"] = stats.mean_ms
+    for finding in findings:
+        flat[f"traceml/finding/{finding.kind}"] = finding.severity
+    return flat
+
+
+def _model_flops(data: RunData) -> Dict[str, Any]:
+    """Under deep-dive: FLOPs of a step (rank 0's, counted once), what the device achieves, and
+    MFU where the device's peak is known (not for CPUs)."""
+    report = data.layer_report
+    flops = report.flops_per_step if report is not None else None
+    if not flops:
+        return {"flops_per_step": None, "achieved_tflops": None, "mfu": None}
+    achieved = flops * data.window.steps_per_s / 1e12
+    names = [h.device_name for h in data.hellos if h.device != "cpu"]
+    peak = device_peak_tflops(names[0]) if names else None
+    return {"flops_per_step": flops, "achieved_tflops": achieved,
+            "mfu": achieved / peak if peak else None, "device_peak_tflops": peak}
+
+
+def _steps_found_by(data: RunData) -> Optional[str]:
+    """How rank 0 found its steps: its goodbye knows best (an explicit trace_step may have
+    replaced inference late); a rank that died only said so in its hello."""
+    for records in (data.ends, data.hellos):
+        said = [r.steps_from for r in sorted(records, key=lambda r: r.rank) if r.steps_from]
+        if said:
+            return said[0]
+    return None
+
+
+def _rounded(value: Any) -> Any:
+    """Floats to 4 decimals (0.1 µs in ms), so the JSON reads as figures, not noise."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {key: _rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_rounded(item) for item in value]
+    return value
+
+
+def _missing_ranks(data: RunData) -> List[Dict[str, int]]:
+    """Ranks that stopped reporting before the others and never said goodbye (died, killed),
+    or that the run's world size promised and never reported at all."""
+    world_size = max([h.world_size for h in data.hellos] + [1])
+    if world_size < 2 or not data.ranks:
+        return []
+    said_goodbye = {end.rank for end in data.ends}
+    last_step = {rank: -1 for rank in range(world_size)}  # -1: no step from that rank
+    last_step.update({row["rank"]: row["last_step"] for row in data.ranks})
+    last = max(last_step.values())
+    # Lost: its connection dropped without a goodbye while others were still connected (the
+    # collector saw it go first; the survivors a launcher then stops are not the cause).
+    # Without that record: no goodbye and fewer steps than the others sent.
+    lost = set(data.lost_ranks)
+    return [{"rank": rank, "from_step": step + 1} for rank, step in sorted(last_step.items())
+            if rank not in said_goodbye and (rank in lost if lost else step < last)]
+
+
+def _memory(data: RunData) -> Dict[str, Any]:
+    trend = data.window.memory_trend
+    return {
+        "device_peak_bytes": max_present(s.device_peak_bytes for s in data.rolled),
+        "device_capacity_bytes": data.limits.device_capacity_bytes,
+        "host_rss_peak_bytes": max_present(s.host_rss_bytes for s in data.rolled),
+        "creep_bytes_per_step": round(trend.bytes_per_step, 1),
+        "creep_measured_on": trend.measured_on,
+    }
+
+
+def _system(samples: List[SystemSample]) -> Dict[str, Any]:
+    if not samples:
+        return {"samples": 0}
+
+    def avg_peak(values: List[float]) -> Dict[str, float]:
+        return {"avg": round(statistics.fmean(values), 2), "peak": round(max(values), 2)}
+
+    system: Dict[str, Any] = {
+        "samples": len(samples),
+        "cpu_percent": avg_peak([s.cpu_percent for s in samples]),
+        "training_cpu_percent": avg_peak([s.training_cpu_percent for s in samples]),
+        "ram_used_bytes": avg_peak([float(s.ram_used_bytes) for s in samples]),
+        "ram_total_bytes": samples[-1].ram_total_bytes,
+        "training_rss_bytes": avg_peak([float(s.training_rss_bytes) for s in samples]),
+        "gpus": [],
+    }
+    by_gpu: Dict[int, list] = {}
+    for sample in samples:
+        for gpu in sample.gpus:
+            by_gpu.setdefault(gpu.index, []).append(gpu)
+    for index, readings in sorted(by_gpu.items()):
+        system["gpus"].append({
+            "index": index,
+            "utilization_percent": avg_peak([g.utilization_percent for g in readings]),
+            "memory_used_bytes": avg_peak([float(g.memory_used_bytes) for g in readings]),
+            "memory_total_bytes": readings[-1].memory_total_bytes,
+        })
+    return system
