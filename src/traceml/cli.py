@@ -9,10 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import List, Optional
 
@@ -171,29 +168,12 @@ def run_command(args: argparse.Namespace) -> int:
 
 # -- traceml view ------------------------------------------------------------------------------
 def view_command(args: argparse.Namespace) -> int:
-    from traceml.views.web.app import PortInUse, RunSource, serve_run
+    from traceml.views.web.app import view_finished_run
 
     try:
-        source = RunSource.of_finished_run(args.run_dir)
-    except (OSError, ValueError) as exc:
-        return _fail(f"cannot open {args.run_dir}: {exc}")
-    except Exception as exc:  # a store SQLite cannot read
-        return _fail(f"cannot read the run in {args.run_dir}: {exc}")
-    try:
-        web = serve_run(source, args.host, args.port, _say)
-    except (PortInUse, OSError) as exc:
-        return _fail(f"cannot serve the dashboard: {exc}")
-    _say("traceml: serving until Ctrl-C")
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set())
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not stop.wait(0.5):
-            pass
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        web.stop()
+        view_finished_run(args.run_dir, args.host, args.port, _say)
+    except OSError as exc:
+        return _fail(str(exc))
     return 0
 
 
@@ -217,29 +197,12 @@ def compare_command(args: argparse.Namespace) -> int:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from traceml import rundir
-    from traceml.collector.store import Store
-    from traceml.views.export import SUFFIX, export, parse_steps
+    from traceml.views.export import export_run
 
     try:
-        first, last = parse_steps(args.steps)
-    except ValueError as exc:
+        count, target = export_run(args.run_dir, args.format, args.steps, args.out)
+    except (ValueError, OSError) as exc:
         return _fail(str(exc))
-    store_path = args.run_dir / rundir.STORE_NAME
-    if not store_path.is_file():
-        return _fail(f"{args.run_dir} holds no {rundir.STORE_NAME}: not a TraceML run directory")
-    store = Store(os.fspath(store_path), readonly=True)
-    target = args.out or os.fspath(args.run_dir / SUFFIX[args.format])
-    try:
-        if target == "-":
-            count = export(store, args.format, first, last, sys.stdout)
-        else:
-            with open(target, "w", newline="") as out:
-                count = export(store, args.format, first, last, out)
-    except OSError as exc:
-        return _fail(f"cannot write {target}: {exc.strerror or exc}")
-    finally:
-        store.close()
     if target != "-":
         _say(f"traceml: {count} step records written to {target}")
     return 0

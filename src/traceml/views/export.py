@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import sys
+from pathlib import Path
 from typing import IO, Any, Dict, Iterator, List, Optional, Tuple
 
 import msgspec
 
+from traceml import rundir
 from traceml.collector.store import STEP_COLUMNS, Store
 from traceml.views.summary import TIMELINE_ORDER
 
@@ -38,6 +42,27 @@ def parse_steps(text: Optional[str]) -> Tuple[int, int]:
     if first < 0 or last < first:
         raise ValueError(f"--steps {text}: the range is empty or negative")
     return first, last
+
+
+def export_run(run_dir: Path, fmt: str, steps: Optional[str], out: Optional[str]) -> Tuple[int, str]:
+    """`traceml export`: write the run's records (steps "A:B" only, when given) to `out` ("-":
+    stdout; None: a file in the run dir); (how many step records, where). Raises ValueError or
+    OSError with the one line to say what is wrong."""
+    first, last = parse_steps(steps)
+    store_path = run_dir / rundir.STORE_NAME
+    if not store_path.is_file():
+        raise ValueError(f"{run_dir} holds no {rundir.STORE_NAME}: not a TraceML run directory")
+    store = Store(os.fspath(store_path), readonly=True)
+    target = out or os.fspath(run_dir / SUFFIX[fmt])
+    try:
+        if target == "-":
+            return export(store, fmt, first, last, sys.stdout), target
+        with open(target, "w", newline="") as stream:
+            return export(store, fmt, first, last, stream), target
+    except OSError as exc:
+        raise OSError(f"cannot write {target}: {exc.strerror or exc}") from None
+    finally:
+        store.close()
 
 
 def _steps(store: Store, first: int, last: int) -> Iterator[Dict[str, Any]]:

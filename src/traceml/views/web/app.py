@@ -19,9 +19,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from traceml import rundir
 from traceml.analysis.live import snapshot
+from traceml.analysis.summary import RunData, RunFacts, build_summary, deep_dive_figures, device_names
 from traceml.collector.store import Store
 from traceml.records import ALL_PHASES
-from traceml.analysis.summary import RunData, RunFacts, build_summary, deep_dive_figures, device_names
 from traceml.views.summary import phase_display, straggler_rank
 from traceml.views.web import queries
 
@@ -397,3 +397,31 @@ def serve_run(source: RunSource, host: str, port: int, announce: Callable[[str],
         announce(f"traceml: {note}")
     announce(f"traceml: dashboard at {server.url}")
     return server
+
+
+def view_finished_run(run_dir: Path, host: str, port: int, announce: Callable[[str], None]) -> None:
+    """`traceml view`: serve a finished run's directory, read-only, until Ctrl-C or SIGTERM;
+    raises OSError with the one line to say when it cannot."""
+    import signal
+
+    try:
+        source = RunSource.of_finished_run(run_dir)
+    except (OSError, ValueError) as exc:
+        raise OSError(f"cannot open {run_dir}: {exc}") from None
+    except Exception as exc:  # a store SQLite cannot read
+        raise OSError(f"cannot read the run in {run_dir}: {exc}") from None
+    try:
+        web = serve_run(source, host, port, announce)
+    except (PortInUse, OSError) as exc:
+        raise OSError(f"cannot serve the dashboard: {exc}") from None
+    announce("traceml: serving until Ctrl-C")
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        web.stop()
