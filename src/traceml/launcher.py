@@ -263,7 +263,7 @@ def _wait_with_dashboard(child: subprocess.Popen, output_fd: int, collector: Any
     finally:
         restore()
         os.close(output_fd)
-    return 128 - returncode if returncode < 0 else returncode
+    return _exit_code(returncode)
 
 
 def _drain(output_fd: int, child: subprocess.Popen) -> None:
@@ -289,6 +289,11 @@ def wait(child: subprocess.Popen) -> int:
         returncode = child.wait()
     finally:
         restore()
+    return _exit_code(returncode)
+
+
+def _exit_code(returncode: int) -> int:
+    """A child's exit code as a shell gives it: 128+N if signal N killed it."""
     return 128 - returncode if returncode < 0 else returncode
 
 

@@ -74,16 +74,17 @@ class Run:
                                               "started_at": rundir.iso_time(self.started_unix_s), **run_json})
         self.sampler.start()
 
-    def finish(self, facts_of: Callable[[Any], Any], ended_unix_s: Optional[float] = None) -> Optional[dict]:
+    def finish(self, facts_of: Callable[[Any], Any]) -> Optional[dict]:
         """Stop sampling and collecting, then summarize the store, print the card and write the
-        run directory; the summary (None when it failed). `facts_of(store)`: the RunFacts."""
+        run directory; the summary (None when it failed). `facts_of(store)`: the RunFacts, whose
+        end run.json gives."""
         self.sampler.stop()
         self.collector.stop()
         facts = facts_of(self.store)
         summary = finish_run(self.store, self.run_dir, facts)
         rundir.update_run_json(self.run_dir, {
             "status": "finished", "exit_code": facts.exit_code,
-            "ended_at": rundir.iso_time(ended_unix_s or time.time()),
+            "ended_at": rundir.iso_time(facts.ended_at_unix_s),
             "rank_pids": sorted(self.collector.training_pids)})
         return summary
 
@@ -133,8 +134,9 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
             listening.close()
             print(f"traceml: {exc}; the script runs untraced", file=sys.stderr)
             return launcher.wait(child)
+    argv = [os.fspath(launch.script), *launch.script_args]
     run.start_sampling(lambda: {child.pid}, {
-        "script": os.fspath(launch.script), "argv": [os.fspath(launch.script), *launch.script_args],
+        "script": os.fspath(launch.script), "argv": argv,
         "pids": {"launcher": os.getpid(), "script": child.pid},
         "dashboard": views.web.url if views.web is not None else None})
     exit_code = launcher.wait_for_launch(launch, child, output_fd, run.collector)
@@ -144,9 +146,8 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
     run.collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S * (6 if launch.nnodes > 1 else 1))
     from traceml.analysis.summary import RunFacts
 
-    summary = run.finish(lambda store: RunFacts(
-        script=launch.script.name, argv=[os.fspath(launch.script), *launch.script_args],
-        exit_code=exit_code, started_at_unix_s=run.started_unix_s, ended_at_unix_s=ended), ended)
+    summary = run.finish(lambda store: RunFacts(script=launch.script.name, argv=argv, exit_code=exit_code,
+                                                started_at_unix_s=run.started_unix_s, ended_at_unix_s=ended))
     views.close(summary, run.run_dir)
     return exit_code
 
