@@ -292,6 +292,27 @@ class CompileRecord(msgspec.Struct, tag="compile", array_like=True):
         return not self.compile_id.endswith("/0")
 
 
+class SyncSite(msgspec.Struct, array_like=True, gc=False):
+    """One line of code that made the host wait for the device, over a sample of steps."""
+
+    site: str  # "train.py:57": the first frame outside torch and TraceML (the user's line)
+    code: str  # that line's source, stripped ("loss.item()"); "" when it cannot be read
+    call: str  # what synchronized: "Tensor.item", "Tensor.__bool__", "torch.cuda.synchronize", ...
+    calls: int  # over the sample's steps
+    wait_ms: float  # host time inside those calls, summed: mostly waiting for the device
+
+
+class HostSyncSample(msgspec.Struct, tag="sync", array_like=True):
+    """The host syncs one rank's process made during a sample of consecutive steps (on CUDA
+    only: elsewhere the host never waits for a device). Every sample is sent, one without
+    syncs too: `steps` is the denominator of the sites' per-step figures."""
+
+    rank: int
+    first_step: int
+    steps: int
+    sites: List[SyncSite] = []
+
+
 class Finding(msgspec.Struct, omit_defaults=False):
     """One diagnosis: what is wrong, by how much, and the next thing to try."""
 
@@ -304,7 +325,7 @@ class Finding(msgspec.Struct, omit_defaults=False):
 
 
 Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord, LayerReport, LayerCapture,
-               SpanRecord, ScalarRecord, CompileRecord]
+               SpanRecord, ScalarRecord, CompileRecord, HostSyncSample]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(List[Record])

@@ -51,7 +51,7 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
                             steps_found_by=hellos[0].steps_from if hellos else None,
                             system=[system] if system is not None else [],
                             captures=list(collector.captures), goodput=goodput,
-                            compiles=list(collector.compiles))
+                            compiles=list(collector.compiles), host_syncs=list(collector.host_syncs))
     seen = {finding.kind for _, finding in alerts}
     for finding in findings:
         if finding.kind not in seen and finding.kind != "INSUFFICIENT_DATA" and finding.severity != "info":

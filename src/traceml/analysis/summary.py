@@ -17,6 +17,7 @@ from traceml.analysis.rollup import (Window, max_present, rank_medians, rank_row
 from traceml.collector.store import Store
 from traceml.diagnose import MemoryLimits, Stalls, diagnose
 from traceml.diagnose.captures import grown_layers
+from traceml.diagnose.host_sync import sync_sites
 from traceml.diagnose.run_time import compile_summary
 from traceml.records import Finding, LayerCapture, LayerReport, RankEnd, RankHello, RolledStep, SystemSample
 
@@ -76,6 +77,7 @@ class RunData:
             self._exact_rank_counts(store)
         self.ooms = store.ooms()
         self.compiles = store.compiles()
+        self.host_syncs = store.host_syncs()
         self.run_time = self._run_time(store, meta)
         self.goodput = self.run_time.goodput(now_unix_s=None)
         self.lost_ranks: List[int] = meta.get("lost_ranks", [])
@@ -92,7 +94,7 @@ class RunData:
             peak_rss_bytes=max_present(s.host_rss_bytes for s in self.rolled),
             oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive(),
             steps_found_by=self.found_by, system=self.samples, stalls=self.stalls,
-            captures=self.captures, goodput=self.goodput, compiles=self.compiles)
+            captures=self.captures, goodput=self.goodput, compiles=self.compiles, host_syncs=self.host_syncs)
 
     def _exact_rank_counts(self, store: Store) -> None:
         """Sampled records give the medians; each rank's step count and last step (which say
@@ -205,6 +207,8 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "goodput": data.goodput.parts if data.goodput is not None else None,
         "startup": data.goodput.startup if data.goodput is not None else None,
         "compile": compile_summary(data.compiles, after_step=data.warmup),
+        # CUDA only: each line that made the host wait for the GPU in the sampled steps.
+        "host_syncs": sync_sites(data.host_syncs),
         "memory": _memory(data),
         "system": _system(data.samples),
         "ranks": data.ranks,

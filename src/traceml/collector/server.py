@@ -17,8 +17,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set
 import msgspec
 
 from traceml.collector.store import Store
-from traceml.records import (HEADER_BYTES, CompileRecord, FrameError, LayerCapture, LayerReport, RankEnd, RankHello,
-                             StepRecord, SystemSample, decode_payload, parse_header)
+from traceml.records import (HEADER_BYTES, CompileRecord, FrameError, HostSyncSample, LayerCapture, LayerReport,
+                             RankEnd, RankHello, StepRecord, SystemSample, decode_payload, parse_header)
 
 log = logging.getLogger("traceml")
 COMMIT_INTERVAL_S = 0.5
@@ -60,6 +60,7 @@ class Collector:
         self.captures: List[LayerCapture] = []  # deep-dive captured when a rule fired
         self.run_time = run_time  # every rank's wall time so far, for goodput
         self.compiles: List[CompileRecord] = []  # torch.compile's compilations, for RECOMPILATION
+        self.host_syncs: List[HostSyncSample] = []  # the sampled steps' host syncs, for HOST_SYNC
         # Ranks whose connection dropped with no goodbye while other ranks were still there:
         # they died or were killed, and the summary reports them missing.
         self.lost_ranks: Set[int] = set()
@@ -143,6 +144,8 @@ class Collector:
                 self.captures.append(record)
             elif kind is CompileRecord:
                 self.compiles.append(record)
+            elif kind is HostSyncSample:
+                self.host_syncs.append(record)
             if self.run_time is not None and (kind is StepRecord or kind is CompileRecord
                                               or kind is RankHello or kind is RankEnd):
                 self.run_time.add(record)

@@ -11,8 +11,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import msgspec
 
 from traceml import rundir
-from traceml.records import (ALL_PHASES, CompileRecord, Finding, RolledStep, GpuSample, LayerCapture, LayerReport, OomRecord, RankEnd, RankHello,
-                             ScalarRecord, SpanRecord, StepRecord, SystemSample)
+from traceml.records import (ALL_PHASES, CompileRecord, Finding, GpuSample, HostSyncSample, LayerCapture, LayerReport,
+                             OomRecord, RankEnd, RankHello, RolledStep, ScalarRecord, SpanRecord, StepRecord,
+                             SystemSample)
 
 STEP_COLUMNS = msgspec.structs.fields(StepRecord)
 ROLLED_COLUMNS = msgspec.structs.fields(RolledStep)
@@ -59,6 +60,7 @@ CREATE TABLE IF NOT EXISTS ooms (rank INTEGER, step INTEGER, oom TEXT);
 CREATE TABLE IF NOT EXISTS layer_reports (rank INTEGER PRIMARY KEY, report TEXT);
 CREATE TABLE IF NOT EXISTS captures (rank INTEGER, step INTEGER, reason TEXT, capture TEXT);
 CREATE TABLE IF NOT EXISTS compiles (rank INTEGER, step INTEGER, compile TEXT);
+CREATE TABLE IF NOT EXISTS host_syncs (rank INTEGER, first_step INTEGER, sample TEXT);
 CREATE TABLE IF NOT EXISTS spans (rank INTEGER, step INTEGER, name TEXT, start_unix_s REAL,
                                   duration_ms REAL, count INTEGER);
 CREATE TABLE IF NOT EXISTS scalars (rank INTEGER, step INTEGER, name TEXT, value REAL);
@@ -225,6 +227,9 @@ class Store:
             elif type(record) is CompileRecord:
                 self._db.execute("INSERT INTO compiles VALUES (?, ?, ?)", (
                     record.rank, record.step, msgspec.json.encode(record).decode()))
+            elif type(record) is HostSyncSample:
+                self._db.execute("INSERT INTO host_syncs VALUES (?, ?, ?)", (
+                    record.rank, record.first_step, msgspec.json.encode(record).decode()))
             elif type(record) is OomRecord:
                 self._db.execute("INSERT INTO ooms VALUES (?, ?, ?)", (
                     record.rank, record.step, msgspec.json.encode(record).decode()))
@@ -425,6 +430,15 @@ class Store:
             except sqlite3.OperationalError:
                 return []
         return [msgspec.json.decode(row[0], type=CompileRecord) for row in rows]
+
+    def host_syncs(self) -> List[HostSyncSample]:
+        """The sampled steps' host syncs, in the order they came (an older store: none)."""
+        with self._lock:
+            try:
+                rows = self._db.execute("SELECT sample FROM host_syncs ORDER BY rowid").fetchall()
+            except sqlite3.OperationalError:
+                return []
+        return [msgspec.json.decode(row[0], type=HostSyncSample) for row in rows]
 
     def ooms(self) -> List[OomRecord]:
         with self._lock:

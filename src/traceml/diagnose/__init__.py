@@ -21,13 +21,14 @@ from typing import List, Optional, Sequence
 from traceml.analysis.goodput import Goodput
 from traceml.analysis.rollup import RankRow, Window
 from traceml.diagnose.captures import attach_captures
+from traceml.diagnose.host_sync import host_sync
 from traceml.diagnose.memory import MemoryLimits, memory_creep, memory_pressure, out_of_memory
 from traceml.diagnose.run_time import recompilations, slow_startup
 from traceml.diagnose.spikes import WARN_COST_SHARE, Stalls, periodic, planned_work, step_spikes
 from traceml.diagnose.step_time import (MIN_STEPS, compute_bound, gc_pressure, h2d_bound,
                                         input_bound, insufficient_data, untraced_work)
 from traceml.diagnose.stragglers import straggler
-from traceml.records import CompileRecord, Finding, LayerCapture, OomRecord, SystemSample
+from traceml.records import CompileRecord, Finding, HostSyncSample, LayerCapture, OomRecord, SystemSample
 
 SEVERITY_ORDER = {"crit": 0, "warn": 1, "info": 2}
 VERDICT_SHARE = 0.10  # a finding worth less than this share of the run is never the verdict
@@ -44,7 +45,8 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[RankRow]] = N
              layers_alive: Optional[List[dict]] = None,
              steps_found_by: Optional[str] = None, system: Sequence[SystemSample] = (),
              stalls: Optional[Stalls] = None, captures: Sequence[LayerCapture] = (),
-             goodput: Optional[Goodput] = None, compiles: Sequence[CompileRecord] = ()) -> List[Finding]:
+             goodput: Optional[Goodput] = None, compiles: Sequence[CompileRecord] = (),
+             host_syncs: Sequence[HostSyncSample] = ()) -> List[Finding]:
     """Every finding for this window, the primary diagnosis first (see the ranking above).
 
     ranks: per-rank medians (rollup.rank_medians) when there are several; limits and peaks:
@@ -54,7 +56,8 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[RankRow]] = N
     when the caller has them already (the summary reports their warm-up); captures: deep-dive
     taken when a rule fired in the probe, named in the evidence of the finding it belongs to;
     goodput: the run's wall time by part (planned work and startup are measured against it);
-    compiles: torch.compile's compilations, for RECOMPILATION.
+    compiles: torch.compile's compilations, for RECOMPILATION; host_syncs: the probe's sampled
+    host syncs (CUDA), for HOST_SYNC.
     """
     limits = limits or MemoryLimits()
     findings: List[Finding] = [out_of_memory(oom, limits)] if oom is not None else []
@@ -67,7 +70,8 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[RankRow]] = N
     findings += _one_finding_per_cause(shares, stalls) + planned_work(window, goodput)
     run_ms = goodput.wall_s * 1e3 if goodput is not None else window.total_ms
     after_step = window.steps[0].step if len(window) else 0
-    findings += [finding for finding in (recompilations(compiles, after_step, run_ms), slow_startup(goodput))
+    findings += [finding for finding in (recompilations(compiles, after_step, run_ms), slow_startup(goodput),
+                                         host_sync(host_syncs, window))
                  if finding is not None]
     findings += [finding for finding in (compute_bound(window), memory_creep(window, limits, layers_alive))
                  if finding is not None]

@@ -18,6 +18,7 @@ from traceml.probe import step
 from traceml.probe.phases import (disarm_first_call, hook_model, install_patches, on_first_module_call, owner_of,
                                   remove_patches, trainable)
 from traceml.probe.step import StepProbe, _now_ns, rank_env
+from traceml.probe.syncs import HostSyncSampler
 from traceml.rendezvous import ENV_AUTO_CAPTURE, ENV_DEEP, ENV_DEEP_EVERY, ENV_TOKEN
 from traceml.records import STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, RankHello
 
@@ -254,9 +255,16 @@ def _create_probe(model: Any) -> StepProbe:
     sender.record_from = probe.record_from
     if timeline is not None:
         timeline.record_from = probe.record_from
+        probe.syncs = _host_sync_sampler(probe)
     sender.start()
     atexit.register(_at_exit)
     return probe
+
+
+def _host_sync_sampler(probe: StepProbe) -> Any:
+    from traceml.probe.phases import _compiling
+
+    return HostSyncSampler(probe.rank, probe.sender.push, is_compiling=_compiling())
 
 
 def _model_device(torch: Any, model: Any) -> Any:

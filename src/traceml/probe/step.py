@@ -81,7 +81,7 @@ class StepProbe:
     # Slots, not a __dict__. Those a step touches come first, next to each other: a step's
     # cost is mostly cache misses on state the model's own work pushed out of the cache.
     __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "setup_started_ns",
-                 "timeline", "_closed", "sender", "_start_event", "step_index", "layers_due_step", "_step_start_ns",
+                 "timeline", "_closed", "sender", "_start_event", "step_index", "due_step", "_step_start_ns",
                  "layers_active", "_unconfirmed", "host_rss", "_phase_events", "_gradients_done_ns",
                  "in_evaluation", "comm_timed", "_open_event", "_gc_start_ns",
                  # the rest: set-up, deep-dive, inferred steps, DDP, spans, the end of the run
@@ -89,7 +89,7 @@ class StepProbe:
                  "spans", "_backward_ends_steps", "_step_optimizer", "_last_optimizer", "_turn_known",
                  "_optimizers_seen", "_model_wait_ends", "_evaluation_start_ns", "steps_from",
                  "_grad_enabled", "tail_eval_ns", "tail_checkpoint_ns",
-                 "on_fault", "time_the_model_of", "stop_awaiting_models")
+                 "on_fault", "time_the_model_of", "stop_awaiting_models", "_syncs", "sync_due_step", "_layers_due_step")
 
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
                  host_rss: Any = None):
@@ -100,7 +100,6 @@ class StepProbe:
         self.rank = rank_env()[0]
         self.exit_code: Optional[int] = None
         self.setup_started_ns = 0
-
         # The step in flight: 0 between steps, else how deep trace_step blocks are nested (an
         # integration's inside a user's); the step ends when the outermost one exits.
         self.in_step = 0
@@ -125,10 +124,11 @@ class StepProbe:
         self.comm_timed = False
         self._gradients_done_ns = 0
         self._gradients_done_event: Any = None
-        self._layers: Any = None  # a LayerProbe under deep-dive (trace_model_instance): see layers
-        # The next step whose start calls layers.begin_step (the LayerProbe says, after each
-        # call), and whether this step runs its hooks or FLOP counter: most steps skip both.
-        self.layers_due_step = math.inf
+        self._layers = self._syncs = None  # LayerProbe under deep-dive, HostSyncSampler on CUDA: see each
+        # The next step whose start has work to do (due_step: the first of the next steps that
+        # call layers.begin_step and syncs.begin_step, each saying after each call), and whether
+        # this step runs deep-dive's hooks or FLOP counter: most steps skip all of it.
+        self.due_step = self._layers_due_step = self.sync_due_step = math.inf
         self.layers_active = False
         self.tail_eval_ns = self.tail_checkpoint_ns = 0  # after the last step (see finish)
         self._init_inferred_steps()
@@ -174,7 +174,7 @@ class StepProbe:
     # the training having pushed TraceML's code out of the caches.
     def __enter__(self) -> "StepProbe":
         if (self.in_step or self.timeline is not None or self.setup_started_ns
-                or self.step_index >= self.layers_due_step):
+                or self.step_index >= self.due_step):
             return self.enter()
         now = _now_ns()
         try:
@@ -222,8 +222,8 @@ class StepProbe:
                     self._end_window(ending)
             self.window = [*_WINDOW_ZEROS]
             self.sums = [*_STEP_ZEROS]
-            if self.step_index >= self.layers_due_step:
-                self.layers.begin_step(self.step_index)
+            if self.step_index >= self.due_step:
+                self._begin_due_work()
             self._step_start_ns = now
             self.in_step = 1
             # The common step: host clock, no deep-dive sample, no DDP. The patches then time a
@@ -286,6 +286,36 @@ class StepProbe:
             self.step_index += 1
         except Exception:  # the training comes first: a fault here costs telemetry only
             self.on_fault("trace_step exit")
+
+    def _begin_due_work(self) -> None:
+        """A host-sync sample, a deep-dive sample, a capture: the work due at this step's start."""
+        if self.step_index >= self.sync_due_step:
+            self.sync_due_step = self.syncs.begin_step(self.step_index)
+            self.due_step = min(self._layers_due_step, self.sync_due_step)
+        if self.step_index >= self._layers_due_step:
+            self.layers.begin_step(self.step_index)  # sets layers_due_step, and so due_step, last
+
+    @property
+    def syncs(self) -> Any:
+        """The HostSyncSampler (on CUDA), or None."""
+        return self._syncs
+
+    @syncs.setter
+    def syncs(self, sampler: Any) -> None:
+        self._syncs = sampler
+        self.sync_due_step = sampler.first_sample_step if sampler is not None else math.inf
+        self.due_step = min(self._layers_due_step, self.sync_due_step)
+
+    @property
+    def layers_due_step(self) -> float:
+        """The next step whose start calls layers.begin_step: the LayerProbe sets it after each
+        call, and the sender's thread to wake deep-dive for a capture."""
+        return self._layers_due_step
+
+    @layers_due_step.setter
+    def layers_due_step(self, step: float) -> None:
+        self._layers_due_step = step
+        self.due_step = min(step, self.sync_due_step)
 
     def _settle_inferred(self, failed: Optional[BaseException]) -> bool:
         """A step that failed, or an inferred one whose predecessor waits on it: send that
@@ -367,6 +397,9 @@ class StepProbe:
         if self.auto_steps and self.in_step:
             # Work after the last update (or a run that never updated): not a step.
             self.exit(failed=_NOT_A_STEP)
+        if self.syncs is not None:
+            self.sync_due_step = self.syncs.finish(self.step_index)
+            self.due_step = min(self._layers_due_step, self.sync_due_step)
         if self.layers is not None:
             self.layers.finish()
         self.flush_spans()
