@@ -30,8 +30,6 @@ def main():
     parser.add_argument("--explicit", action="store_true", help="also wrap each step in trace_step")
     parser.add_argument("--port", type=int, default=None)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--sync-check", action="store_true",
-                        help="CUDA: make any synchronizing call inside log_scalar an error")
     args = parser.parse_args()
 
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).to(args.device)
@@ -50,11 +48,7 @@ def main():
                         loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
-            if args.sync_check:
-                torch.cuda.set_sync_debug_mode("error")
             tracer.log_scalar("loss", loss * args.accumulate)  # a 0-dim tensor
-            if args.sync_check:
-                torch.cuda.set_sync_debug_mode("default")
             tracer.log_scalar("lr", optimizer.param_groups[0]["lr"])  # a float
 
 

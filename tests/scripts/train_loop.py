@@ -42,6 +42,8 @@ def main():
     parser.add_argument("--long-batch-every", type=int, default=0,
                         help="every Nth batch is 8 times larger (inputs that vary in size)")
     parser.add_argument("--print-summary", action="store_true", help="print traceml.summary() at the end")
+    parser.add_argument("--read-loss", action="store_true",
+                        help="read the loss on the host every step, as logging often does (a host sync on CUDA)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -82,6 +84,8 @@ def main():
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if args.read_loss:
+                logged_loss = loss.item()  # READ LOSS
             if args.keep_graph:
                 kept.append((loss, outputs))  # keeps each step's graph and activations alive
             if args.gc_heap:
