@@ -176,3 +176,30 @@ def test_samples_travel_and_are_stored_and_summarised(tmp_path):
     finding = next(f for f in summary["findings"] if f["kind"] == "HOST_SYNC")
     assert finding["evidence"]["site"] == "train.py:57"
     assert "train.py:57" in card_text(summary)
+
+
+def test_a_compiled_function_that_reads_values_compiles_once_through_a_sample():
+    from torch._dynamo.utils import counters
+
+    from traceml.probe.phases import _compiling
+
+    def normalised(values):  # graph breaks at the `if` and at .item(), as real code does
+        total = values.sum()
+        if total > 0:
+            values = values / total
+        return values * values.mean().item()
+
+    compiled = torch.compile(normalised, backend="aot_eager")
+    inputs = torch.rand(16)
+    sent = []
+    sampler = syncs.HostSyncSampler(0, sent.append, on_device=scalars_are_on_the_device,
+                                    is_compiling=_compiling())
+    for step_index in range(30):
+        if step_index in (5, 15):
+            sampler.begin_step(step_index)  # the wrappers go in at step 5 and out at step 15
+        compiled(inputs)
+        if step_index == 2:
+            frames = counters["frames"]["total"]
+    assert counters["frames"]["total"] == frames  # dynamo compiled nothing more as the wrappers came and went
+    calls = {site.call: site.calls for site in sent[0].sites}
+    assert calls == {"Tensor.__bool__": 10, "Tensor.item": 10}

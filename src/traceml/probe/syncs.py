@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from traceml.probe.phases import _run_eagerly_under_dynamo
 from traceml.records import HostSyncSample, SyncSite
 
 log = logging.getLogger("traceml")
@@ -132,6 +133,7 @@ class HostSyncSampler:
 
         timed.__wrapped__ = original  # type: ignore[attr-defined]
         timed.__name__, timed.__doc__ = name, original.__doc__
+        _run_eagerly_under_dynamo(timed, callees_too=True)
         return timed
 
     def _timed_synchronize(self, original: Any) -> Any:
@@ -146,6 +148,7 @@ class HostSyncSampler:
 
         synchronize.__wrapped__ = original  # type: ignore[attr-defined]
         synchronize.__doc__ = original.__doc__
+        _run_eagerly_under_dynamo(synchronize, callees_too=True)
         return synchronize
 
     def _note(self, call: str, wait_ns: int, frame: Any) -> None:
