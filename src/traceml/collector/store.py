@@ -413,42 +413,33 @@ class Store:
             f"SELECT {', '.join(_SYSTEM_NAMES)}, gpus FROM system ORDER BY unix_s")]
 
     def layer_reports(self) -> List[LayerReport]:
-        with self._lock:
-            rows = self._db.execute("SELECT report FROM layer_reports ORDER BY rank").fetchall()
-        return [msgspec.json.decode(row[0], type=LayerReport) for row in rows]
+        return self._decoded("SELECT report FROM layer_reports ORDER BY rank", LayerReport)
 
     def captures(self) -> List[LayerCapture]:
-        with self._lock:
-            rows = self._db.execute("SELECT capture FROM captures ORDER BY step, rank").fetchall()
-        return [msgspec.json.decode(row[0], type=LayerCapture) for row in rows]
+        return self._decoded("SELECT capture FROM captures ORDER BY step, rank", LayerCapture)
 
     def compiles(self) -> List[CompileRecord]:
-        """torch.compile's compilations, in the order they happened (an older store: none)."""
-        with self._lock:
-            try:
-                rows = self._db.execute("SELECT compile FROM compiles ORDER BY rowid").fetchall()
-            except sqlite3.OperationalError:
-                return []
-        return [msgspec.json.decode(row[0], type=CompileRecord) for row in rows]
+        """torch.compile's compilations, in the order they happened."""
+        return self._decoded("SELECT compile FROM compiles ORDER BY rowid", CompileRecord)
 
     def host_syncs(self) -> List[HostSyncSample]:
-        """The sampled steps' host syncs, in the order they came (an older store: none)."""
-        with self._lock:
-            try:
-                rows = self._db.execute("SELECT sample FROM host_syncs ORDER BY rowid").fetchall()
-            except sqlite3.OperationalError:
-                return []
-        return [msgspec.json.decode(row[0], type=HostSyncSample) for row in rows]
+        """The sampled steps' host syncs, in the order they came."""
+        return self._decoded("SELECT sample FROM host_syncs ORDER BY rowid", HostSyncSample)
 
     def ooms(self) -> List[OomRecord]:
+        return self._decoded("SELECT oom FROM ooms ORDER BY step, rank", OomRecord)
+
+    def _decoded(self, query: str, record_type: Any) -> List[Any]:
+        """Records kept as JSON, one a row; none from a store older than their table."""
         with self._lock:
-            rows = self._db.execute("SELECT oom FROM ooms ORDER BY step, rank").fetchall()
-        return [msgspec.json.decode(row[0], type=OomRecord) for row in rows]
+            try:
+                rows = self._db.execute(query).fetchall()
+            except sqlite3.OperationalError:
+                return []
+        return [msgspec.json.decode(row[0], type=record_type) for row in rows]
 
     def findings(self) -> List[Finding]:
-        with self._lock:
-            rows = self._db.execute("SELECT finding FROM findings ORDER BY rowid").fetchall()
-        return [msgspec.json.decode(row[0], type=Finding) for row in rows]
+        return self._decoded("SELECT finding FROM findings ORDER BY rowid", Finding)
 
     def meta(self) -> Dict[str, Any]:
         with self._lock:
