@@ -79,6 +79,59 @@ def test_loop_without_dataloader_counts_the_gap_as_outside(traceml_run):
         assert 5.0 <= row["outside_ms"] < 5.0 + 0.5 * row["step_ms"]
 
 
+FAILING_IN_FORWARD = r"""
+import contextlib, sys
+import torch
+from torch import nn
+
+
+class Blows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, inputs):
+        if inputs.shape[0] > 2:
+            raise RuntimeError("out of memory. Tried to allocate 2.00 GiB")
+        return self.layer(inputs)
+
+
+traced = sys.argv[1] == "traced"
+if traced:
+    import traceml
+model = Blows()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(10):
+    with traceml.trace_step(model) if traced else contextlib.nullcontext():
+        model(torch.randn(2 if step < 5 else 4, 4)).sum().backward()
+        optimizer.step()
+"""
+
+
+def _traceback_block(stderr):
+    lines = stderr.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("Traceback"))
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith(" "))
+    return lines[start:end + 1]
+
+
+def test_an_error_in_the_model_leaves_the_traceback_python_gives_it(tmp_path, traceml_run):
+    """TraceML wraps the model's call; its frame is left out of the traceback of an error that
+    only passed through it, under plain python with trace_step and under traceml run."""
+    script = tmp_path / "blows.py"
+    script.write_text(FAILING_IN_FORWARD)
+    plain, traced = (subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
+                                    cwd=tmp_path, env=_env(), timeout=120) for how in ("plain", "traced"))
+    launched = traceml_run("plain", script=script)
+    expected = _traceback_block(plain.stderr)
+    assert expected[-1] == "RuntimeError: out of memory. Tried to allocate 2.00 GiB"
+    assert any("in forward" in line for line in expected)
+    for run in (traced, launched):
+        assert run.returncode == plain.returncode == 1
+        assert _traceback_block(run.stderr) == expected
+        assert "traceml" not in "\n".join(_traceback_block(run.stderr))
+
+
 def test_crash_keeps_exit_code_and_the_steps_before_it(traceml_run):
     run = traceml_run("--steps", 30, "--crash-at", 12)
     assert run.returncode == 1

@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import sys
+import types
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
@@ -783,6 +784,10 @@ def _watch_exit_code(probe: StepProbe) -> None:
 
     def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
         probe.exit_code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
+        try:
+            tb = _as_without_traceml(exc, tb)
+        except Exception:  # the traceback as it came, rather than none
+            log.debug("traceml: traceback left as it was", exc_info=True)
         original_excepthook(exc_type, exc, tb)
 
     def exit(status: Any = None) -> None:
@@ -792,6 +797,34 @@ def _watch_exit_code(probe: StepProbe) -> None:
     _replace(sys, "excepthook", excepthook)
     _replace(sys, "exit", exit)
     _flush_on_sigterm(probe)
+
+
+_TRACEML_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _as_without_traceml(exc: Any, tb: Any) -> Any:
+    """The traceback of an error leaving the script, and of the errors chained to it, as it would
+    be without TraceML: the frames an error only passed through on its way out of TraceML's
+    wrappers (the model's call) are left out. An error raised inside TraceML keeps every frame."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = _passed_through_left_out(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+    return _passed_through_left_out(tb)
+
+
+def _passed_through_left_out(tb: Any) -> Any:
+    entries = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    if not entries or entries[-1].tb_frame.f_code.co_filename.startswith(_TRACEML_DIR):
+        return entries[0] if entries else None
+    rebuilt = None
+    for entry in reversed([e for e in entries if not e.tb_frame.f_code.co_filename.startswith(_TRACEML_DIR)]):
+        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return rebuilt
 
 
 def _flush_on_sigterm(probe: StepProbe) -> None:
