@@ -160,6 +160,37 @@ def test_metrics_are_scraped_from_a_live_run(tmp_path):
     assert sum(goodput.values()) == pytest.approx(1.0, abs=1e-6)
     assert goodput["training"] > 0.3 and goodput["startup"] > 0.05 and goodput["evaluation"] == 0.0
     assert samples[("traceml_goodput_seconds", (("part", "training"),))] >= 40 * 0.048
+    # The node's latest sample: the machine's CPU (100 = every core) and RAM.
+    assert 0 < samples[("traceml_cpu_percent", (("scope", "machine"),))] <= 100
+    assert 0 < samples[("traceml_ram_bytes", (("kind", "used"),))] < samples[("traceml_ram_bytes", (("kind", "total"),))]
+
+
+def test_metrics_carry_each_gpu_as_nvml_reads_it():
+    from types import SimpleNamespace
+
+    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from traceml.records import GpuSample, SystemSample
+    from traceml.views.metrics import LiveMetrics
+
+    gpus = [GpuSample(index=index, utilization_percent=97.0 - index, memory_used_bytes=(40 + index) * 2 ** 30,
+                      memory_total_bytes=141 * 2 ** 30, temperature_c=61.0 + index, power_w=512.5)
+            for index in range(2)]
+    sample = SystemSample(unix_s=1.0, cpu_percent=12.5, ram_used_bytes=2 ** 34, ram_total_bytes=2 ** 37,
+                          training_cpu_percent=180.0, training_rss_bytes=2 ** 32, gpus=gpus, cpu_count=16)
+    collector = SimpleNamespace(recent_by_rank={}, latest_system=sample, latest_layers=None, hellos={})
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LiveMetrics(collector, lambda: SimpleNamespace(findings=[], goodput=None)))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(generate_latest(registry).decode())
+               for s in family.samples}
+    assert samples[("traceml_gpu_utilization_percent", (("gpu", "1"),))] == 96.0
+    assert samples[("traceml_gpu_memory_bytes", (("gpu", "0"), ("kind", "used")))] == 40 * 2 ** 30
+    assert samples[("traceml_gpu_temperature_celsius", (("gpu", "1"),))] == 62.0
+    assert samples[("traceml_gpu_power_watts", (("gpu", "0"),))] == 512.5
+    assert samples[("traceml_cpu_percent", (("scope", "training"),))] == 180.0
 
 
 def test_summary_in_the_training_process_is_flat(plain_run):

@@ -81,6 +81,40 @@ class LiveMetrics:
                 goodput_seconds.add_metric([part], figures["seconds"])
         yield from (step_time, phase_share, memory, steps_per_s, samples_per_s, tokens_per_s, mfu,
                     steps_total, findings, goodput_share, goodput_seconds)
+        yield from self._system()
+
+    def _system(self) -> Iterator[Any]:
+        """The node's latest sample: CPU and RAM, and each GPU as NVML reads it."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        sample = self.collector.latest_system
+        if sample is None:
+            return
+        cpu = GaugeMetricFamily("traceml_cpu_percent", "CPU in use: the whole machine (100 = every core) "
+                                "and the training processes (100 = one core)", labels=["scope"])
+        cpu.add_metric(["machine"], sample.cpu_percent)
+        cpu.add_metric(["training"], sample.training_cpu_percent)
+        ram = GaugeMetricFamily("traceml_ram_bytes", "Host RAM: used and total on the machine, resident in "
+                                "the training processes", labels=["kind"])
+        for kind, value in (("used", sample.ram_used_bytes), ("total", sample.ram_total_bytes),
+                            ("training_rss", sample.training_rss_bytes)):
+            ram.add_metric([kind], value)
+        gpu_util = GaugeMetricFamily("traceml_gpu_utilization_percent", "GPU utilisation as NVML reports it "
+                                     "(100 = the device busy all the time)", labels=["gpu"])
+        gpu_memory = GaugeMetricFamily("traceml_gpu_memory_bytes", "GPU memory, used and total, as NVML "
+                                       "reports it (every process on the device)", labels=["gpu", "kind"])
+        gpu_temperature = GaugeMetricFamily("traceml_gpu_temperature_celsius", "GPU temperature", labels=["gpu"])
+        gpu_power = GaugeMetricFamily("traceml_gpu_power_watts", "GPU power draw", labels=["gpu"])
+        for gpu in sample.gpus:
+            label = str(gpu.index)
+            gpu_util.add_metric([label], gpu.utilization_percent)
+            gpu_memory.add_metric([label, "used"], gpu.memory_used_bytes)
+            gpu_memory.add_metric([label, "total"], gpu.memory_total_bytes)
+            if gpu.temperature_c is not None:
+                gpu_temperature.add_metric([label], gpu.temperature_c)
+            if gpu.power_w is not None:
+                gpu_power.add_metric([label], gpu.power_w)
+        yield from (cpu, ram, gpu_util, gpu_memory, gpu_temperature, gpu_power)
 
     def _mfu(self, rank: int, steps_per_s: float) -> Any:
         """The deep-dive's FLOPs a step at this rank's pace, against its device's known peak."""
