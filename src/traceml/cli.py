@@ -180,7 +180,7 @@ def view_command(args: argparse.Namespace) -> int:
 # -- traceml compare / export -----------------------------------------------------------------
 def compare_command(args: argparse.Namespace) -> int:
     from traceml.analysis.compare import ComparedRun, compare
-    from traceml.views.compare import render
+    from traceml.views.compare import print_comparison
 
     try:
         runs = [ComparedRun.load(path) for path in (args.run_a, args.run_b)]
@@ -190,9 +190,7 @@ def compare_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        from rich.console import Console
-
-        Console(highlight=False).print(render(result))
+        print_comparison(result)
     return 0
 
 
