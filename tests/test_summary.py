@@ -79,7 +79,9 @@ def test_card_fits_100_columns_and_shows_the_figures(tmp_path):
     assert "median 10.0 ms" in card and "p90 10.0 ms" in card
     assert "100.00 steps/s" in card and "800.0 samples/s" in card
     assert "CPU avg 50% peak 60%" in card
-    assert "GPU0 util avg 37%" in card
+    unwrapped = " ".join(word for word in card.split() if word != "│")
+    assert "GPU0 util avg 37%, mem peak 3.0 of 80.0 GiB, 50 °C peak, 200 W avg" in unwrapped
+    assert summary["system"]["gpus"][0]["power_w"] == {"avg": 200.0, "peak": 200.0}
     assert "7 records dropped" in card
     phase_line = next(line for line in lines if "input wait" in line and "%" in line)
     assert "6.00" in phase_line and "60.0%" in phase_line

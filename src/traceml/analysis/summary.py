@@ -317,20 +317,26 @@ def _memory(data: RunData) -> Dict[str, Any]:
     }
 
 
+def _avg_peak(values: List[float]) -> Dict[str, float]:
+    return {"avg": round(statistics.fmean(values), 2), "peak": round(max(values), 2)}
+
+
+def _avg_peak_present(values: List[Optional[float]]) -> Optional[Dict[str, float]]:
+    present = [value for value in values if value is not None]
+    return _avg_peak(present) if present else None
+
+
 def _system(samples: List[SystemSample]) -> Dict[str, Any]:
     if not samples:
         return {"samples": 0}
 
-    def avg_peak(values: List[float]) -> Dict[str, float]:
-        return {"avg": round(statistics.fmean(values), 2), "peak": round(max(values), 2)}
-
     system: Dict[str, Any] = {
         "samples": len(samples),
-        "cpu_percent": avg_peak([s.cpu_percent for s in samples]),
-        "training_cpu_percent": avg_peak([s.training_cpu_percent for s in samples]),
-        "ram_used_bytes": avg_peak([float(s.ram_used_bytes) for s in samples]),
+        "cpu_percent": _avg_peak([s.cpu_percent for s in samples]),
+        "training_cpu_percent": _avg_peak([s.training_cpu_percent for s in samples]),
+        "ram_used_bytes": _avg_peak([float(s.ram_used_bytes) for s in samples]),
         "ram_total_bytes": samples[-1].ram_total_bytes,
-        "training_rss_bytes": avg_peak([float(s.training_rss_bytes) for s in samples]),
+        "training_rss_bytes": _avg_peak([float(s.training_rss_bytes) for s in samples]),
         "gpus": [],
     }
     by_gpu: Dict[int, list] = {}
@@ -340,8 +346,11 @@ def _system(samples: List[SystemSample]) -> Dict[str, Any]:
     for index, readings in sorted(by_gpu.items()):
         system["gpus"].append({
             "index": index,
-            "utilization_percent": avg_peak([g.utilization_percent for g in readings]),
-            "memory_used_bytes": avg_peak([float(g.memory_used_bytes) for g in readings]),
+            "utilization_percent": _avg_peak([g.utilization_percent for g in readings]),
+            "memory_used_bytes": _avg_peak([float(g.memory_used_bytes) for g in readings]),
             "memory_total_bytes": readings[-1].memory_total_bytes,
+            # None where NVML cannot read them (some virtualised devices)
+            "temperature_c": _avg_peak_present([g.temperature_c for g in readings]),
+            "power_w": _avg_peak_present([g.power_w for g in readings]),
         })
     return system

@@ -33,14 +33,22 @@ def phase_display() -> Dict[str, Any]:
             "step_phases": list(STEP_PHASES), "overlapping_phases": list(OVERLAPPING_PHASES)}
 
 
-def straggler_rank(findings: Sequence[Any]) -> Optional[int]:
-    """The rank a straggler finding names (the rank tables mark it), or None. Findings as the
-    rules return them (Finding) or as the summary keeps them (dicts)."""
+def straggler_finding(findings: Sequence[Any]) -> Optional[Any]:
+    """The straggler finding (INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER), or None. Findings
+    as the rules return them (Finding) or as the summary keeps them (dicts)."""
     for finding in findings:
         read = dict.get if isinstance(finding, dict) else getattr
-        if read(finding, "kind").endswith("STRAGGLER"):  # INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER
-            return read(finding, "rank")
+        if read(finding, "kind").endswith("STRAGGLER"):
+            return finding
     return None
+
+
+def straggler_rank(findings: Sequence[Any]) -> Optional[int]:
+    """The rank a straggler finding names (the rank tables mark it), or None."""
+    finding = straggler_finding(findings)
+    if finding is None:
+        return None
+    return finding["rank"] if isinstance(finding, dict) else finding.rank
 
 
 # -- the card ---------------------------------------------------------------------------------
@@ -96,7 +104,9 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     table.add_column("median ms", justify="right", no_wrap=True)
     table.add_column("mean ms", justify="right", no_wrap=True)
     table.add_column("% of step", justify="right", no_wrap=True)
-    table.add_column("", no_wrap=True, overflow="crop")
+    # The bar may shrink, and is cropped, before any figure would be: a narrow terminal loses
+    # the picture, never a number.
+    table.add_column("", overflow="crop")
     for name in ALL_PHASES:
         stats = phases[name]
         bar = "█" * int(round(stats["share"] * 40)) if name in STEP_PHASES else ""
@@ -174,7 +184,7 @@ def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
                          ("top by memory", lambda r: -r["memory_bytes"])):
         table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), title=title if not tables else None,
                       title_justify="left")
-        table.add_column(heading, no_wrap=True, max_width=40, overflow="ellipsis")
+        table.add_column(heading, overflow="fold")  # a module's name is kept whole: wrapped, not cut
         for header in ("calls", "fwd ms", "bwd ms", "saved MiB", "output MiB"):
             table.add_column(header, justify="right", no_wrap=True)
         for row in sorted(leaves, key=key)[:5]:
@@ -232,8 +242,13 @@ def _system_line(system: Dict[str, Any]) -> str:
             f"RAM avg {system['ram_used_bytes']['avg'] / gib:.1f} peak "
             f"{system['ram_used_bytes']['peak'] / gib:.1f} of {system['ram_total_bytes'] / gib:.1f} GiB")
     for gpu in system["gpus"]:
-        line += (f"  ·  GPU{gpu['index']} util avg {gpu['utilization_percent']['avg']:.0f}% "
-                 f"mem peak {gpu['memory_used_bytes']['peak'] / gib:.1f} GiB")
+        line += (f"  ·  GPU{gpu['index']} util avg {gpu['utilization_percent']['avg']:.0f}%, "
+                 f"mem peak {gpu['memory_used_bytes']['peak'] / gib:.1f} of "
+                 f"{gpu['memory_total_bytes'] / gib:.1f} GiB")
+        if gpu.get("temperature_c"):
+            line += f", {gpu['temperature_c']['peak']:.0f} °C peak"
+        if gpu.get("power_w"):
+            line += f", {gpu['power_w']['avg']:.0f} W avg"
     return line
 
 
