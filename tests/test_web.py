@@ -146,7 +146,7 @@ def test_spans_scalars_and_layers(served):
     assert layers["deep_dive"]["sampled_steps"] >= 5
     assert {row["name"] for row in layers["layers"]} >= {"0", "1", "2"}
     ranks = get(base, "/api/ranks")
-    assert ranks["heatmap"]["ranks"] == [0] and len(ranks["heatmap"]["step_ms"][0]) == 60
+    assert ranks["heatmap"]["ranks"] == [0] and len(ranks["heatmap"]["own_ms"][0]) == 60
 
 
 @pytest.mark.parametrize("query", ["/api/steps?points=abc", "/api/steps?points=0",
@@ -234,9 +234,11 @@ def test_a_long_run_is_downsampled_and_refreshed_incrementally(tmp_path):
     assert series["step_ms"][0] == pytest.approx(12.5)  # the mean of 10 ms and 15 ms ranks
     assert series["step_max_ms"][0] == 15.0
     assert series["memory"]["host_rss_bytes"][-1] == 1000 + 99_999  # the bucket's maximum
-    heatmap = queries.rank_heatmap(buckets)
-    assert heatmap["ranks"] == [0, 1]
-    assert set(heatmap["step_ms"][0]) == {10.0} and set(heatmap["step_ms"][1]) == {15.0}
+    own_time = queries.own_time_buckets(reader)
+    own_time.refresh()
+    heatmap = queries.rank_heatmap(own_time)  # no comm wait measured: a rank's own time is its step
+    assert heatmap["ranks"] == [0, 1] and not heatmap["comm_wait_measured"]
+    assert set(heatmap["own_ms"][0]) == {10.0} and set(heatmap["own_ms"][1]) == {15.0}
 
     coarse = queries.step_series(buckets.coarsen(100), {})  # 1024 steps a point
     assert len(coarse["step"]) == 98 and coarse["step"][:2] == [0, 1024]

@@ -19,10 +19,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from traceml import rundir
 from traceml.analysis.live import snapshot
+from traceml.analysis.rollup import warmup_steps
 from traceml.analysis.summary import RunData, RunFacts, build_summary, deep_dive_figures, device_names
 from traceml.collector.store import Store
 from traceml.records import ALL_PHASES
-from traceml.views.summary import phase_display, straggler_rank
+from traceml.views.summary import phase_display, straggler_finding, straggler_rank
 from traceml.views.web import queries
 
 log = logging.getLogger("traceml")
@@ -68,6 +69,7 @@ class RunSource:
         self._alerts: List[Any] = []
         # Whole-run buckets, kept between requests: a refresh reads only the newest rows.
         self._steps = queries.step_buckets(store)
+        self._own_time = queries.own_time_buckets(store)
         self._spans = queries.span_buckets(store)
         self._scalars = queries.scalar_buckets(store)
         self._lock = threading.Lock()  # the caches are shared by the request threads
@@ -142,12 +144,20 @@ class RunSource:
         if start is None and end is None:
             with self._lock:
                 self._steps.refresh()
-                return queries.step_series(self._steps.coarsen(points), capacity)
+                series = queries.step_series(self._steps.coarsen(points), capacity)
+            series["warmup_steps"] = self.warmup_steps()
+            return series
         known = queries.step_range(self.store) or (0, -1)
         first = known[0] if start is None else max(start, known[0])
         last = known[1] if end is None else min(end, known[1])
         zoomed = queries.step_buckets(self.store).read_range(first, last, points)
         return queries.step_series(zoomed, capacity)
+
+    def system(self, points: int) -> Dict[str, Any]:
+        series = queries.system_series(self.store, points)
+        latest = self.store.latest_system()  # the buckets' means do not carry the CPU count
+        series["cpu_count"] = latest.cpu_count if latest is not None and latest.cpu_count else None
+        return series
 
     def ranks(self, points: int) -> Dict[str, Any]:
         if self.live:
@@ -157,11 +167,19 @@ class RunSource:
             summary = self.summary or {}
             rows, spread = summary.get("ranks", []), summary.get("rank_spread", {})
             findings = summary.get("findings", [])
-        straggler = straggler_rank(findings)
+        straggler = straggler_finding(findings)
         with self._lock:
-            self._steps.refresh()
-            heatmap = queries.rank_heatmap(self._steps.coarsen(points))
-        return {"ranks": rows, "spread": spread, "straggler": straggler, "heatmap": heatmap}
+            self._own_time.refresh()
+            heatmap = queries.rank_heatmap(self._own_time.coarsen(points))
+        return {"ranks": rows, "spread": spread, "straggler": straggler_rank(findings),
+                "straggler_summary": _finding(straggler)["summary"] if straggler is not None else None,
+                "heatmap": heatmap, "warmup_steps": self.warmup_steps()}
+
+    def warmup_steps(self) -> int:
+        """The first steps the summary leaves out as warm-up: the charts scale without them."""
+        if self.live:
+            return warmup_steps(self.live_state().steps_seen)
+        return (self.summary or {}).get("steps", {}).get("warmup_excluded", 0)
 
     def layers(self) -> Dict[str, Any]:
         if not self.live:
@@ -305,7 +323,7 @@ def create_app(source: RunSource) -> Any:
             points(request)))),
         Route("/api/timeline", api(lambda request: queries.timeline(
             source.store, _int_param(request, "steps", 12, 1, queries.MAX_TIMELINE_STEPS)))),
-        Route("/api/system", api(lambda request: queries.system_series(source.store, points(request)))),
+        Route("/api/system", api(lambda request: source.system(points(request)))),
         Route("/api/ranks", api(lambda request: source.ranks(points(request)))),
         Route("/api/layers", api(lambda request: source.layers())),
         Route("/api/spans", api(lambda request: source.spans())),

@@ -39,17 +39,24 @@ class Buckets:
 
     Each (series, step) pair is indexed, so a series' step range costs two lookups and its
     buckets one range scan. The whole run is kept at the finest resolution (MAX_POINTS) and
-    coarsened on request. Buckets every rank has moved past no longer change: a refresh reads
-    again only from the bucket of the slowest rank's newest step.
+    coarsened on request. Buckets every rank had moved past at the last refresh no longer
+    change: a refresh reads again only from the bucket of the step they had all reached then.
     """
 
-    def __init__(self, store: Store, table: str):
+    def __init__(self, store: Store, table: str, read: Optional[Callable[..., List[tuple]]] = None,
+                 merges: Optional[List[Callable[[Iterable[Any]], Any]]] = None):
         self.store, self.table = store, table
-        self.merges = [MERGES[merge] for _, merge in BUCKET_FIGURES[table]]
+        self.merges = merges or [MERGES[merge] for _, merge in BUCKET_FIGURES[table]]
+        # read(key, first, bucket, low[, high]) -> [(slot, *figures)]: the store's sums in SQL
+        # (BUCKET_FIGURES), or a reader of figures the store does not sum (own_time_buckets).
+        self.read = read or (lambda key, *span: store.bucketed(table, key, *span))
         self.first_step: Optional[int] = None
         self.last_step: Optional[int] = None
         self.bucket = 1
         self.rows: Dict[Tuple[Any, int], tuple] = {}  # (series, slot) -> figures
+        # The newest step every rank had reported when the rows were last read: the rows before
+        # its bucket were complete then, and never change.
+        self.settled: Optional[int] = None
 
     def refresh(self, points: int = MAX_POINTS) -> None:
         """Bring the whole run's buckets up to date."""
@@ -67,16 +74,14 @@ class Buckets:
             self.rows = self._merged(bucket // self.bucket)
             self.bucket = bucket
         self.last_step = last
+        settled_now = settled_step(self.store)  # before reading: all it covers is in what is read
         since_slot = 0
-        if self.rows:  # records behind the slowest rank's newest step are all in
-            # The steps table's series are the ranks: their newest steps were just read.
-            settled = (min(high for _, high in ranges.values()) if self.table == "steps"
-                       else settled_step(self.store))
-            settled_slot = (settled - first) // bucket if settled is not None else 0
-            since_slot = max(0, min(settled_slot, max(slot for _, slot in self.rows)))
+        if self.rows and self.settled is not None:
+            since_slot = max(0, min((self.settled - first) // bucket, max(slot for _, slot in self.rows)))
         for key in ranges:
-            for slot, *figures in self.store.bucketed(self.table, key, first, bucket, first + since_slot * bucket):
+            for slot, *figures in self.read(key, first, bucket, first + since_slot * bucket):
                 self.rows[(key, slot)] = tuple(figures)
+        self.settled = settled_now
 
     def read_range(self, first: int, last: int, points: int) -> "Buckets":
         """These buckets for steps [first, last] only (a zoomed-in view), read by key range."""
@@ -84,7 +89,7 @@ class Buckets:
         self.bucket = bucket = bucket_steps(first, last, points)
         self.rows.clear()
         for key in self.store.series_keys(self.table):
-            for slot, *figures in self.store.bucketed(self.table, key, first, bucket, first, last):
+            for slot, *figures in self.read(key, first, bucket, first, last):
                 self.rows[(key, slot)] = tuple(figures)
         return self
 
@@ -96,7 +101,7 @@ class Buckets:
         bucket = bucket_steps(self.first_step, self.last_step, points)
         if bucket <= self.bucket:
             return self
-        coarse = Buckets(self.store, self.table)
+        coarse = Buckets(self.store, self.table, self.read, self.merges)
         coarse.first_step, coarse.last_step, coarse.bucket = self.first_step, self.last_step, bucket
         coarse.rows = self._merged(bucket // self.bucket)
         return coarse
@@ -132,10 +137,13 @@ def step_range(store: Store) -> Optional[Tuple[int, int]]:
 
 
 def settled_step(store: Store) -> Optional[int]:
-    """The newest step every rank has reported: what comes later may still change."""
+    """The newest step every rank has reported: what comes later may still change. None while
+    a rank of the run has reported no step (its first steps may still come, from step 0)."""
+    world_size = max((hello.world_size for hello in store.hellos()), default=0)
     newest = [store.step_bounds("steps", rank)[1] for rank in store.ranks()]
-    newest = [step for step in newest if step is not None]
-    return min(newest) if newest else None
+    if not newest or None in newest or len(newest) < world_size:
+        return None
+    return min(newest)
 
 
 def step_series(buckets: Buckets, capacity: Dict[str, Optional[int]]) -> Dict[str, Any]:
@@ -157,17 +165,39 @@ def step_series(buckets: Buckets, capacity: Dict[str, Optional[int]]) -> Dict[st
     return series
 
 
+def own_time_buckets(store: Store) -> Buckets:
+    """Per rank and bucket of steps: (steps, own time summed, steps whose comm wait was
+    measured). A rank's own time is its step less the time it waited inside backward for the
+    other ranks' gradients: under DDP every rank's step takes as long as the slowest's, so only
+    this tells the rank the others wait for. Where comm wait is not measured it is the step."""
+
+    def read(rank: int, first: int, bucket: int, low: int, high: int = 2 ** 62) -> List[tuple]:
+        slots: Dict[int, List[Any]] = {}
+        for step, step_ms, comm_wait_ms in store.step_fields(rank, low, ("step_ms", "comm_wait_ms")):
+            if step > high:
+                break
+            figures = slots.setdefault((step - first) // bucket, [0, 0.0, 0])
+            figures[0] += 1
+            figures[1] += step_ms - (comm_wait_ms or 0.0)
+            figures[2] += comm_wait_ms is not None
+        return [(slot, *figures) for slot, figures in slots.items()]
+
+    return Buckets(store, "steps", read, [sum, sum, sum])
+
+
 def rank_heatmap(buckets: Buckets) -> Dict[str, Any]:
-    """Mean step time per rank and bucket: a slow rank is a bright row."""
+    """Mean own time (see own_time_buckets) per rank and bucket: the slow rank is a bright row."""
     slots = sorted({slot for _, slot in buckets.rows})
     ranks = sorted({rank for rank, _ in buckets.rows})
 
-    def mean_step(rank: int, slot: int) -> Optional[float]:
+    def mean_ms(rank: int, slot: int) -> Optional[float]:
         figures = buckets.rows.get((rank, slot))
         return figures[1] / figures[0] if figures else None
 
+    comm_wait_measured = any(figures[2] for figures in buckets.rows.values())
     return {"ranks": ranks, "step": [buckets.step_of(slot) for slot in slots],
-            "step_ms": [[mean_step(rank, slot) for slot in slots] for rank in ranks]}
+            "own_ms": [[mean_ms(rank, slot) for slot in slots] for rank in ranks],
+            "comm_wait_measured": comm_wait_measured}
 
 
 def training_ms(buckets: Buckets) -> float:

@@ -2,12 +2,21 @@
 'use strict';
 
 const PALETTE = ['#4c78a8', '#f58518', '#54a24b', '#e45756', '#72b7b2', '#b279a2', '#eeca3b', '#9d755d', '#ff9da6'];
+// User spans on the timeline: colours no phase has, so a span never reads as a phase.
+const SPAN_PALETTE = ['#17becf', '#bcbd22', '#8c564b', '#393b79', '#637939', '#843c39'];
 const WAITING = 'waiting for steps…';
 const LAYERS_HINT = 'Run with `traceml run --deep` or call traceml.trace_model_instance(model) for per-layer figures.';
 const CHART_EVERY_MS = 2000;
 const LAYERS_EVERY_MS = 5000;
 const POLL_EVERY_MS = 2000;
-const PLOT_CONFIG = { responsive: true, displaylogo: false };
+// Selection tools mean nothing on these charts; fewer buttons keep the mode bar short.
+const PLOT_CONFIG = { responsive: true, displaylogo: false, modeBarButtonsToRemove: ['select2d', 'lasso2d'] };
+// Legends sit below the x axis, where Plotly's mode bar (top right, on hover) never covers
+// them; the bottom margin grows to hold however many rows they wrap to.
+const LEGEND = { orientation: 'h', x: 0, xanchor: 'left', y: 0, yanchor: 'bottom', yref: 'container', traceorder: 'normal' };
+// The top margin leaves the mode bar room above the plot and its top tick labels.
+const MARGIN = { l: 60, r: 20, t: 36, b: 10 };
+const OFF_SCALE = 2; // a chart's scale stops near its 99th percentile once the maximum is this far above it
 
 const state = {
   // How the phases are named, coloured and ordered: the server's one table (/api/phases), read
@@ -20,6 +29,7 @@ const state = {
   initialFinal: false, // the first overview already said "not live": the loaded data is final
   source: null,
   pollTimer: null,
+  timeline: null, // the last /api/timeline answer
 };
 
 // ---------- small helpers ----------
@@ -51,6 +61,29 @@ const scaled = (arr, unit) => arr.map((v) => (isNum(v) ? v / unit.div : null));
 function fmtValue(v) {
   if (!isNum(v)) return v === null || v === undefined ? '–' : String(v);
   return Number.isInteger(v) ? String(v) : String(+v.toPrecision(4));
+}
+
+// A finding's evidence as a person reads it: shares as percentages, times in ms, sizes in
+// bytes' units; the unit leaves the name once the value carries it.
+function evidenceItem(key, value) {
+  if (isNum(value) && /(^|_)share$/.test(key)) return [key.replace(/_/g, ' '), fmtPct(value)];
+  if (isNum(value) && /_ms$/.test(key)) return [key.slice(0, -3).replace(/_/g, ' '), +value.toPrecision(4) + ' ms'];
+  if (isNum(value) && /_bytes$/.test(key)) return [key.slice(0, -6).replace(/_/g, ' '), fmtBytes(value)];
+  return [key.replace(/_/g, ' '), fmtValue(value)];
+}
+
+// The value 99% of `values` lie at or below (the lower of the two nearest ranks): one warm-up
+// step or a lone spike does not set a chart's scale.
+function p99(values) {
+  const sorted = values.filter(isNum).sort((a, b) => a - b);
+  return sorted.length ? sorted[Math.floor(0.99 * (sorted.length - 1))] : null;
+}
+
+function setNote(id, text) {
+  const n = $(id + '-note');
+  if (!n) return;
+  n.textContent = text || '';
+  n.hidden = !text;
 }
 
 function make(tag, cls, text) {
@@ -87,13 +120,13 @@ async function load(path, render, msgIds) {
 
 function layout(extra) {
   const out = Object.assign({
-    margin: { l: 60, r: 20, t: 10, b: 45 },
-    legend: { orientation: 'h', x: 0, y: 1.02, yanchor: 'bottom' },
     font: { family: 'system-ui, sans-serif', size: 12, color: '#1f2328' },
     paper_bgcolor: 'rgba(0,0,0,0)',
     plot_bgcolor: 'rgba(0,0,0,0)',
     uirevision: 'keep', // keeps the user's zoom and legend toggles across live refreshes
   }, extra);
+  out.margin = Object.assign({}, MARGIN, extra.margin);
+  out.legend = Object.assign({}, LEGEND, extra.legend);
   // Long tick labels (phase names, rank rows) grow the margin instead of being clipped.
   for (const k of Object.keys(out)) if (/^[xy]axis\d*$/.test(k)) out[k] = Object.assign({ automargin: true }, out[k]);
   return out;
@@ -214,12 +247,13 @@ function renderFindings(findings) {
     if (f.action) card.append(make('div', 'action', 'Next: ' + f.action));
     const ev = f.evidence || {};
     if (ev.captured_layers) card.append(make('div', 'captured', 'Captured ' + ev.captured_layers));
-    const keys = Object.keys(ev);
+    const keys = Object.keys(ev).filter((k) => k !== 'captured_layers'); // shown above, in words
     if (keys.length) {
       const dl = make('dl', 'evidence');
       for (const k of keys) {
-        const row = make('div');
-        row.append(make('dt', null, k), make('dd', null, fmtValue(ev[k])));
+        const [name, value] = evidenceItem(k, ev[k]);
+        const row = make('div', value.length > 40 ? 'long' : null); // a sentence takes a whole row
+        row.append(make('dt', null, name), make('dd', null, value));
         dl.append(row);
       }
       card.append(dl);
@@ -259,8 +293,9 @@ function renderBreakdown(phases) {
     const sw = make('span', 'swatch');
     sw.style.background = colour(p);
     name.append(sw, label(p));
-    tr.append(name, make('td', null, isNum(ph.median_ms) ? ph.median_ms.toFixed(1) : '–'),
-      make('td', null, isNum(ph.mean_ms) ? ph.mean_ms.toFixed(1) : '–'), make('td', null, fmtPct(ph.share)));
+    // Two decimals, as the card has them: sub-millisecond steps are common on small models.
+    tr.append(name, make('td', null, isNum(ph.median_ms) ? ph.median_ms.toFixed(2) : '–'),
+      make('td', null, isNum(ph.mean_ms) ? ph.mean_ms.toFixed(2) : '–'), make('td', null, fmtPct(ph.share)));
     body.append(tr);
   }
   box.append(bar, table);
@@ -295,12 +330,31 @@ function phaseChart(s) {
       line: { color: '#444', dash: 'dot', width: 1 }, hovertemplate: '%{y:.2f} ms' });
   }
   const per = s.bucket_steps > 1 ? ' (mean of ' + s.bucket_steps + ' steps per point)' : '';
-  return [traces, layout({
-    hovermode: 'x unified',
-    legend: { orientation: 'h', x: 0, y: 1.02, yanchor: 'bottom', traceorder: 'normal' },
-    xaxis: { title: { text: 'step' + per } },
-    yaxis: { title: { text: 'ms per step' }, rangemode: 'tozero' },
-  })];
+  const yaxis = { title: { text: 'ms per step' }, rangemode: 'tozero' };
+  const top = robustTop(x, s.step_ms, s.warmup_steps || 0);
+  if (top) yaxis.range = [0, top.limit];
+  setNote('chart-phases', top ? offScaleNote(top) : '');
+  return [traces, layout({ hovermode: 'x unified', xaxis: { title: { text: 'step' + per } }, yaxis })];
+}
+
+// Where a chart's scale stops when a few points would flatten the rest: above every step after
+// warm-up, unless a lone spike among them is far above the 99th percentile too; null when all fit.
+function robustTop(steps, values, warmupSteps) {
+  const maxOf = (list) => list.reduce((m, v) => (isNum(v) && v > m ? v : m), 0);
+  const settled = values.filter((v, i) => steps[i] >= warmupSteps);
+  const high = p99(settled.length ? settled : values);
+  if (!isNum(high) || high <= 0 || maxOf(values) <= OFF_SCALE * high) return null;
+  const settledMax = maxOf(settled);
+  const limit = 1.05 * (settledMax <= OFF_SCALE * high ? settledMax : 1.1 * high);
+  const off = steps.map((step, i) => [step, values[i]]).filter(([, v]) => isNum(v) && v > limit);
+  return { limit, off };
+}
+
+function offScaleNote(top) {
+  const shown = top.off.slice(0, 3).map(([step, v]) => 'step ' + step + ' (' + fmtMs(v) + ')');
+  const more = top.off.length > 3 ? ' and ' + (top.off.length - 3) + ' more' : '';
+  return 'Above the scale: ' + shown.join(', ') + more + '. The scale stops at ' + fmtMs(top.limit) +
+    ' so the other steps stay readable; double-click the chart to see everything.';
 }
 
 // A dashed capacity line; when it is far above the data it would flatten every other line, so it
@@ -343,8 +397,8 @@ function memoryChart(s) {
     if (isNum(cap.host_bytes)) traces.push(capacityTrace('host RAM', cap.host_bytes, xEnds, unit, m.host_rss_bytes, '#9d755d', axis));
     const title = { text: 'host RSS (' + unit.name + ')' };
     if (dev.length) {
-      lay.yaxis2 = { title, overlaying: 'y', side: 'right', rangemode: 'tozero', showgrid: false, tickmode: 'auto' };
-      lay.margin = { l: 60, r: 60, t: 10, b: 45 };
+      lay.yaxis2 = { title, overlaying: 'y', side: 'right', rangemode: 'tozero', showgrid: false, tickmode: 'auto', automargin: true };
+      lay.margin = Object.assign({}, MARGIN, { r: 60 });
     } else {
       lay.yaxis = { title, rangemode: 'tozero' };
     }
@@ -355,6 +409,7 @@ function memoryChart(s) {
 // ---------- timeline ----------
 
 function renderTimeline(tl) {
+  state.timeline = tl; // drawn again when the window's width changes: its height depends on it
   const steps = tl.steps || [];
   const spans = tl.spans || [];
   if (!steps.length && !spans.length) { plot('chart-timeline', [], {}, WAITING); return; }
@@ -389,15 +444,21 @@ function renderTimeline(tl) {
   names.forEach((name, i) => {
     const mine = spans.filter((s) => s.name === name);
     traces.push({
-      type: 'bar', orientation: 'h', name: 'span: ' + name, marker: { color: PALETTE[(i + 5) % PALETTE.length] },
+      type: 'bar', orientation: 'h', name: 'span: ' + name, marker: { color: SPAN_PALETTE[i % SPAN_PALETTE.length] },
       x: mine.map((s) => s.duration_ms), base: mine.map((s) => (s.start_unix_s - t0) * 1000),
       y: mine.map((s) => 'rank ' + s.rank + ' spans'), customdata: mine.map((s) => [s.step, s.duration_ms, s.count]),
       hovertemplate: 'step %{customdata[0]}<br>' + name + ': %{customdata[1]:.2f} ms (×%{customdata[2]})<extra>%{y}</extra>',
     });
   });
+  // Its height follows its rows and its legend's rows (about 150 px an entry): set on the
+  // element too, or a window resize (Plotly then reads the element's height) would shrink it
+  // under its own legend.
+  const perLegendRow = Math.max(1, Math.floor(($('chart-timeline').clientWidth || 900) / 150));
+  const height = 130 + rows.length * 34 + Math.ceil(traces.length / perLegendRow) * 22;
+  $('chart-timeline').style.height = height + 'px';
   plot('chart-timeline', traces, layout({
-    barmode: 'overlay', bargap: 0.25, height: 110 + rows.length * 34,
-    margin: { l: 100, r: 20, t: 10, b: 45 },
+    barmode: 'overlay', bargap: 0.25, height,
+    margin: { l: 100 },
     xaxis: { title: { text: 'ms since the earliest step shown' }, rangemode: 'tozero' },
     yaxis: { type: 'category', categoryorder: 'array', categoryarray: rows, autorange: 'reversed' },
   }));
@@ -405,94 +466,183 @@ function renderTimeline(tl) {
 
 // ---------- system ----------
 
+const SYSTEM_CHARTS = ['chart-system', 'chart-system-gpu', 'chart-system-memory'];
+
 function renderSystem(sys) {
   const t = sys.unix_s || [];
-  if (!t.length) { plot('chart-system', [], {}, 'waiting for system samples…'); return; }
+  if (!t.length) { SYSTEM_CHARTS.forEach((id) => plot(id, [], {}, 'waiting for system samples…')); return; }
   const x = t.map((v) => v - t[0]);
-  const gpus = sys.gpus || [];
-  const memSeries = [sys.ram_used_bytes, sys.training_rss_bytes].concat(gpus.map((g) => g.memory_used_bytes));
-  const unit = byteUnit([].concat(...memSeries.filter(Array.isArray)));
+  plot('chart-system', ...cpuChart(sys, x));
+  plot('chart-system-gpu', ...gpuChart(sys.gpus || [], x));
+  plot('chart-system-memory', ...nodeMemoryChart(sys, x));
+}
+
+const secondsAxis = () => ({ title: { text: 'seconds since first sample' } });
+
+// One scale for the machine and the training processes: % of all the node's cores, so 100% is
+// the whole machine busy (psutil counts a process's use as % of one core: divided here).
+function cpuChart(sys, x) {
+  const cores = sys.cpu_count;
   const traces = [];
-  const pct = (name, y, color, dash) => {
-    if (hasData(y)) traces.push({ type: 'scatter', mode: 'lines', name, x, y, line: { color, dash, width: 1.5 },
-      hovertemplate: '%{y:.0f}%' });
+  const line = (name, y, color, dash) => {
+    if (!hasData(y)) return;
+    traces.push({ type: 'scatter', mode: 'lines', name, x, y, line: { color, dash, width: 1.5 },
+      customdata: isNum(cores) ? y.map((v) => (isNum(v) ? (v / 100) * cores : null)) : undefined,
+      hovertemplate: '%{y:.0f}%' + (isNum(cores) ? ' (%{customdata:.1f} cores)' : '') });
   };
-  const mem = (name, y, color, dash) => {
-    if (hasData(y)) traces.push({ type: 'scatter', mode: 'lines', name, x, y: scaled(y, unit), yaxis: 'y2',
-      line: { color, dash, width: 1.5 }, hovertemplate: '%{y:.2f} ' + unit.name });
-  };
-  pct('CPU %', sys.cpu_percent, '#4c78a8');
-  pct('training CPU %', sys.training_cpu_percent, '#72b7b2');
-  mem('RAM used', sys.ram_used_bytes, '#9d755d');
-  mem('training RSS', sys.training_rss_bytes, '#b279a2', 'dot');
-  if (isNum(sys.ram_total_bytes) && hasData(sys.ram_used_bytes)) {
-    traces.push(capacityTrace('RAM total', sys.ram_total_bytes, [x[0], x[x.length - 1]], unit, sys.ram_used_bytes, '#9d755d', 'y2'));
+  line('whole machine', sys.cpu_percent, '#4c78a8');
+  if (isNum(cores)) {
+    line('training processes', (sys.training_cpu_percent || []).map((v) => (isNum(v) ? v / cores : null)), '#72b7b2', 'dot');
   }
-  gpus.forEach((g, i) => {
-    const color = PALETTE[(i + 1) % PALETTE.length];
-    pct('GPU ' + g.index + ' util %', g.utilization_percent, color, 'dashdot');
-    mem('GPU ' + g.index + ' memory', g.memory_used_bytes, color);
-  });
-  plot('chart-system', traces, layout({
-    hovermode: 'x unified',
-    margin: { l: 55, r: 60, t: 10, b: 45 },
-    xaxis: { title: { text: 'seconds since first sample' } },
-    yaxis: { title: { text: 'utilisation %' }, rangemode: 'tozero' },
-    yaxis2: { title: { text: 'memory (' + unit.name + ')' }, overlaying: 'y', side: 'right', rangemode: 'tozero', showgrid: false, tickmode: 'auto' },
+  if (!traces.length) return [[], {}, 'no CPU readings'];
+  const of = isNum(cores) ? 'all ' + cores + (cores === 1 ? ' core' : ' cores') : 'all cores';
+  return [traces, layout({
+    hovermode: 'x unified', xaxis: secondsAxis(),
+    yaxis: { title: { text: 'CPU (% of ' + of + ')' }, range: [0, 100] },
+  })];
+}
+
+// Each GPU's utilisation is its own: 100% is that device busy all the time.
+function gpuChart(gpus, x) {
+  const traces = gpus.filter((g) => hasData(g.utilization_percent)).map((g, i) => ({
+    type: 'scatter', mode: 'lines', name: 'GPU ' + g.index, x, y: g.utilization_percent,
+    line: { color: PALETTE[(i + 1) % PALETTE.length], width: 1.5 }, hovertemplate: '%{y:.0f}%',
   }));
+  if (!traces.length) return [[], {}, 'no GPUs on this node'];
+  return [traces, layout({
+    hovermode: 'x unified', xaxis: secondsAxis(),
+    yaxis: { title: { text: 'GPU busy (% of each device)' }, range: [0, 100] },
+  })];
+}
+
+function nodeMemoryChart(sys, x) {
+  const gpus = (sys.gpus || []).filter((g) => hasData(g.memory_used_bytes));
+  const series = [['RAM used', sys.ram_used_bytes, '#9d755d'], ['training RSS', sys.training_rss_bytes, '#b279a2', 'dot']]
+    .concat(gpus.map((g, i) => ['GPU ' + g.index + ' memory', g.memory_used_bytes, PALETTE[(i + 1) % PALETTE.length]]))
+    .filter((m) => hasData(m[1]));
+  if (!series.length) return [[], {}, 'no memory readings'];
+  const unit = byteUnit([].concat(...series.map((m) => m[1])));
+  const traces = series.map(([name, y, color, dash]) => ({ type: 'scatter', mode: 'lines', name, x, y: scaled(y, unit),
+    line: { color, dash, width: 1.5 }, hovertemplate: '%{y:.2f} ' + unit.name }));
+  const xEnds = [x[0], x[x.length - 1]];
+  if (isNum(sys.ram_total_bytes) && hasData(sys.ram_used_bytes)) {
+    traces.push(capacityTrace('RAM total', sys.ram_total_bytes, xEnds, unit, sys.ram_used_bytes, '#9d755d', 'y'));
+  }
+  return [traces, layout({
+    hovermode: 'x unified', xaxis: secondsAxis(),
+    yaxis: { title: { text: 'memory (' + unit.name + ')' }, rangemode: 'tozero' },
+  })];
 }
 
 // ---------- ranks ----------
 
-function renderRanks(r) {
-  const n = (r.ranks || []).length;
-  const worldSize = state.overview && isNum(state.overview.world_size) ? state.overview.world_size : n;
-  if (n === 0 && worldSize > 1) {
-    plot('chart-rank-phases', [], {}, WAITING);
-    plot('chart-rank-heatmap', [], {}, WAITING);
-    return;
-  }
-  // Live, one rank has no rank table (nothing to compare): its world size says so.
-  if (n <= 1 && worldSize <= 1) {
-    plot('chart-rank-phases', [], {}, 'single rank: nothing to compare across ranks');
-    plot('chart-rank-heatmap', [], {}, 'single rank');
-    return;
-  }
-  const spread = r.spread || {};
-  const known = state.phases.order.filter((k) => k !== 'step');
-  const keys = known.filter((k) => spread[k]).concat(
-    Object.keys(spread).filter((k) => k !== 'step' && !known.includes(k)));
-  const xs = keys.map(label);
-  const pick = (f) => keys.map((k) => spread[k][f]);
-  const st = spread.step;
-  let title = r.straggler !== null && r.straggler !== undefined ? 'Straggler: rank ' + r.straggler : 'No straggler';
-  if (st) title += ' · step median ' + fmtMs(st.median) + ', worst ' + fmtMs(st.worst) + ' (rank ' + st.worst_rank + ')';
-  plot('chart-rank-phases', [
-    { type: 'bar', name: 'median rank', x: xs, y: pick('median'), marker: { color: '#4c78a8' },
-      hovertemplate: '%{x}: %{y:.2f} ms<extra>median</extra>' },
-    { type: 'bar', name: 'worst rank', x: xs, y: pick('worst'), marker: { color: '#e45756' },
-      customdata: keys.map((k) => [spread[k].worst_rank, spread[k].skew]),
-      hovertemplate: '%{x}: %{y:.2f} ms on rank %{customdata[0]} (skew %{customdata[1]:.2f})<extra>worst</extra>' },
-  ], keys.length ? layout({
-    barmode: 'group',
-    title: { text: title, x: 0, xanchor: 'left', font: { size: 13 } },
-    margin: { l: 55, r: 20, t: 60, b: 60 },
-    legend: { orientation: 'h', x: 1, xanchor: 'right', y: 1.02, yanchor: 'bottom' },
-    xaxis: { tickangle: -30 },
-    yaxis: { title: { text: 'ms per step' }, rangemode: 'tozero' },
-  }) : {}, keys.length ? '' : 'no per-phase spread yet');
+const RANK_CHARTS = ['chart-rank-phases', 'chart-rank-heatmap'];
+const rankName = (rank, straggler) => 'rank ' + rank + (rank === straggler ? ' (straggler)' : '');
 
-  const hm = r.heatmap || {};
-  const hasHeat = Array.isArray(hm.step_ms) && hm.step_ms.some(hasData);
-  plot('chart-rank-heatmap', [{
-    type: 'heatmap', x: hm.step, y: (hm.ranks || []).map((k) => 'rank ' + k), z: hm.step_ms,
-    colorscale: 'YlOrRd', reversescale: true, colorbar: { title: { text: 'ms' }, thickness: 12 },
-    hovertemplate: '%{y}, step %{x}: %{z:.2f} ms<extra></extra>',
+function renderRanks(r) {
+  const rows = (r.ranks || []).slice().sort((a, b) => a.rank - b.rank);
+  const worldSize = state.overview && isNum(state.overview.world_size) ? state.overview.world_size : rows.length;
+  let empty = '';
+  if (rows.length === 0 && worldSize > 1) empty = WAITING;
+  // Live, one rank has no rank table (nothing to compare): its world size says so.
+  else if (rows.length <= 1 && worldSize <= 1) empty = 'single rank: nothing to compare across ranks';
+  if (empty) {
+    RANK_CHARTS.forEach((id) => { plot(id, [], {}, empty); setNote(id, ''); });
+    $('rank-verdict').textContent = '';
+    renderRankMemory({});
+    return;
+  }
+  const straggler = isNum(r.straggler) ? r.straggler : null;
+  // The straggler finding says who the others wait for and how long; the slowest step alone
+  // would not (under DDP every rank's step lasts as long as the slowest's).
+  const st = (r.spread || {}).step;
+  let verdict = 'No straggler';
+  if (straggler !== null) verdict = 'Straggler: ' + (r.straggler_summary || 'rank ' + straggler); // the summary names the rank
+  else if (st) verdict += ': the median rank takes ' + fmtMs(st.median) + ' a step, the slowest ' + fmtMs(st.worst);
+  $('rank-verdict').textContent = verdict;
+  $('rank-verdict').classList.toggle('alert', straggler !== null);
+  plot('chart-rank-phases', ...rankBars(rows, straggler));
+  renderRankMemory(r.spread || {});
+  plot('chart-rank-heatmap', ...rankHeatmap(r.heatmap || {}, straggler, r.warmup_steps || 0));
+}
+
+// Each rank's step, phase by phase (medians), stacked: under DDP every rank's step lasts as long
+// as the slowest's, so the time spent waiting for the others is drawn apart from backward, where
+// it happens; the rank the others wait for is the one that hardly waits.
+function rankBars(rows, straggler) {
+  const names = rows.map((row) => rankName(row.rank, straggler));
+  const ms = (row, p) => row[p + '_median_ms'];
+  const waits = rows.some((row) => isNum(row.comm_wait_median_ms));
+  const traces = [];
+  const bar = (name, y, color, what, pattern) => traces.push({ type: 'bar', name, x: names, y,
+    marker: { color, pattern }, hovertemplate: '%{x}: %{y:.2f} ms<extra>' + what + '</extra>' });
+  for (const p of state.phases.step_phases) {
+    if (!rows.some((row) => isNum(ms(row, p)) && ms(row, p) > 0)) continue;
+    if (p === 'backward' && waits) {
+      bar(label(p), rows.map((row) => Math.max(0, (ms(row, p) || 0) - (row.comm_wait_median_ms || 0))), colour(p),
+        'backward less comm wait');
+      // Hatched: time spent waiting, not working.
+      bar(label('comm_wait'), rows.map((row) => row.comm_wait_median_ms), colour('comm_wait'),
+        'comm wait: waiting in backward for the other ranks', { shape: '/', fillmode: 'overlay', fgcolor: '#ffffff', size: 6 });
+    } else {
+      bar(label(p), rows.map((row) => ms(row, p)), colour(p), label(p));
+    }
+  }
+  if (!traces.length) return [[], {}, 'no per-rank figures yet'];
+  return [traces, layout({
+    barmode: 'stack', hovermode: 'closest',
+    xaxis: { type: 'category', tickmode: 'array', tickvals: names,
+      ticktext: names.map((n, i) => (rows[i].rank === straggler ? '<b>' + n + '</b>' : n)) },
+    yaxis: { title: { text: 'ms per step (medians)' }, rangemode: 'tozero' },
+  })];
+}
+
+// Memory is not time: the ranks' memory figures get a table of their own.
+const RANK_MEMORY_LABELS = { host_rss_bytes: 'host RSS', device_peak_bytes: 'device peak' };
+
+function renderRankMemory(spread) {
+  const table = $('rank-memory');
+  const tbody = table.tBodies[0];
+  tbody.textContent = '';
+  const keys = Object.keys(spread).filter((k) => /_bytes$/.test(k));
+  for (const k of keys) {
+    const m = spread[k];
+    const tr = make('tr');
+    tr.append(make('td', 'text', RANK_MEMORY_LABELS[k] || k.slice(0, -6).replace(/_/g, ' ')),
+      make('td', null, fmtBytes(m.median)), make('td', null, fmtBytes(m.worst)), make('td', null, 'rank ' + m.worst_rank));
+    tbody.append(tr);
+  }
+  table.hidden = !keys.length;
+}
+
+// Own time per rank and step: the step less the time the rank waited for the others. The colours
+// stop at the 99th percentile of the steps after warm-up: the top of the colour bar says so.
+function rankHeatmap(hm, straggler, warmupSteps) {
+  const z = hm.own_ms || [];
+  if (!z.some(hasData)) return [[], {}, WAITING];
+  const steps = hm.step || [];
+  const settled = [].concat(...z.map((row) => row.filter((v, i) => steps[i] >= warmupSteps)));
+  const all = [].concat(...z);
+  const top = p99(settled.some(isNum) ? settled : all);
+  const max = all.reduce((m, v) => (isNum(v) && v > m ? v : m), 0);
+  const what = hm.comm_wait_measured ? 'own time' : 'step time';
+  const clipped = max > top;
+  const tickvals = [0, 0.25, 0.5, 0.75, 1].map((f) => f * top);
+  const ticktext = tickvals.map((v, i) => (clipped && i === 4 ? '≥ ' + v.toFixed(1) + ' (p99)' : v.toFixed(1)));
+  setNote('chart-rank-heatmap', hm.comm_wait_measured
+    ? 'Own time: each step less the time the rank waited for the others. The rank the others wait for is the bright row.'
+    : 'Step time of each rank.');
+  const names = (hm.ranks || []).map((k) => rankName(k, straggler));
+  return [[{
+    type: 'heatmap', x: steps, y: names, z, zmin: 0, zmax: top, zauto: false,
+    colorscale: 'YlOrRd', reversescale: true,
+    colorbar: { title: { text: what + ' (ms)', side: 'right' }, thickness: 12, tickvals, ticktext },
+    hovertemplate: '%{y}, step %{x}: %{z:.2f} ms ' + what + '<extra></extra>',
   }], layout({
-    margin: { l: 70, r: 20, t: 10, b: 45 },
+    margin: { l: 70 },
     xaxis: { title: { text: 'step' } },
     yaxis: { type: 'category', autorange: 'reversed' },
-  }), hasHeat ? '' : WAITING);
+  })];
 }
 
 // ---------- layers ----------
@@ -565,16 +715,30 @@ function renderSpans(data) {
   }
 }
 
+// One chart per scalar: a loss and a learning rate share nothing but their steps, so no axis
+// carries two of them. Each axis is named after its scalar (the units are the user's).
 function renderScalars(data) {
   const sc = data.scalars || {};
-  const names = Object.keys(sc).filter((n) => sc[n] && Array.isArray(sc[n].step) && sc[n].step.length);
-  plot('chart-scalars', names.map((n, i) => ({
-    type: 'scatter', mode: 'lines', name: n, x: sc[n].step, y: sc[n].value,
-    line: { color: PALETTE[i % PALETTE.length], width: 1.5 },
-  })), layout({
-    hovermode: 'x unified', showlegend: true,
-    xaxis: { title: { text: 'step' } },
-  }), names.length ? '' : 'no scalars recorded');
+  const names = Object.keys(sc).filter((n) => sc[n] && Array.isArray(sc[n].step) && sc[n].step.length).sort();
+  const box = $('chart-scalars');
+  setMsg('chart-scalars', names.length ? '' : 'no scalars recorded');
+  while (box.children.length > names.length) {
+    if (typeof Plotly !== 'undefined') Plotly.purge(box.lastChild);
+    box.lastChild.remove();
+  }
+  names.forEach((name, i) => {
+    if (!box.children[i]) box.append(Object.assign(make('div', 'chart short'), { id: 'chart-scalar-' + i }));
+    const y = sc[name].value;
+    const yaxis = { title: { text: name } };
+    // A constant (a fixed learning rate) would sit on a -1..1 axis and read as 0: centre it.
+    const low = Math.min(...y.filter(isNum));
+    const high = Math.max(...y.filter(isNum));
+    if (low === high) yaxis.range = [low - (Math.abs(low) || 1) / 2, high + (Math.abs(high) || 1) / 2];
+    plot(box.children[i].id, [{ type: 'scatter', mode: 'lines', name, x: sc[name].step, y,
+      line: { color: PALETTE[i % PALETTE.length], width: 1.5 } }], layout({
+      hovermode: 'x unified', showlegend: false, xaxis: { title: { text: 'step' } }, yaxis,
+    }));
+  });
 }
 
 // ---------- loading and live updates ----------
@@ -587,8 +751,8 @@ function refreshCharts() {
   return Promise.all([
     load('/api/steps', renderSteps, ['chart-phases', 'chart-memory']),
     load('/api/timeline', renderTimeline, ['chart-timeline']),
-    load('/api/system', renderSystem, ['chart-system']),
-    load('/api/ranks', renderRanks, ['chart-rank-phases', 'chart-rank-heatmap']),
+    load('/api/system', renderSystem, SYSTEM_CHARTS),
+    load('/api/ranks', renderRanks, RANK_CHARTS),
     load('/api/spans', renderSpans, ['spans-table']),
     load('/api/scalars', renderScalars, ['chart-scalars']),
   ]);
@@ -657,6 +821,11 @@ function startStream() {
 
 async function main() {
   $('layers-table').tHead.addEventListener('click', onLayerHeaderClick);
+  let resizeTimer = null;
+  window.addEventListener('resize', () => {
+    clearTimeout(resizeTimer);
+    resizeTimer = setTimeout(() => { if (state.timeline) renderTimeline(state.timeline); }, 200);
+  });
   await load('/api/phases', (phases) => { state.phases = phases; }, ['conn']);
   await Promise.all([refreshOverview(), refreshCharts(), refreshLayers()]);
   state.initialFinal = Boolean(state.overview) && state.overview.live === false;
