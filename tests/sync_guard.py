@@ -34,15 +34,15 @@ class SyncLedger:
     def __init__(self):
         self.not_user = (_package_dir("torch"), os.path.dirname(warnings.__file__) + os.sep + "warnings.py")
         self.traceml_dir = _package_dir("traceml")
+        self.this_file = os.path.abspath(__file__)  # the ledger's own frames are not the user's
         self.traceml = []  # "file:line (thread)" of each sync TraceML's code made
         self.user = 0
         self._lock = threading.Lock()
 
     def note(self, frame):
         """File a sync whose warning is being shown, frame being the frame showing it."""
-        this_file = os.path.abspath(__file__)
         while frame is not None and (frame.f_code.co_filename.startswith(self.not_user)
-                                     or os.path.abspath(frame.f_code.co_filename) == this_file):
+                                     or os.path.abspath(frame.f_code.co_filename) == self.this_file):
             frame = frame.f_back
         with self._lock:
             if frame is not None and frame.f_code.co_filename.startswith(self.traceml_dir):
@@ -89,7 +89,8 @@ def main():
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
     finally:
-        torch.cuda.set_sync_debug_mode("default") if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
         print(ledger.report(), flush=True)
 
 

@@ -1,5 +1,6 @@
 """A loop traced with the Trace API only (no trace_step): steps inferred from optimizer.step()."""
 import argparse
+import contextlib
 import time
 
 import torch
@@ -39,7 +40,7 @@ def main():
     tracer = traceml.Trace(port=args.port)
     with tracer.trace("api_loop"):
         for step in range(args.steps):
-            block = traceml.trace_step(model) if args.explicit else _Nothing()
+            block = traceml.trace_step(model) if args.explicit else contextlib.nullcontext()
             with block:
                 for _ in range(args.accumulate):
                     inputs, targets = (t.to(args.device) for t in next(batches))
@@ -50,14 +51,6 @@ def main():
                 optimizer.zero_grad()
             tracer.log_scalar("loss", loss * args.accumulate)  # a 0-dim tensor
             tracer.log_scalar("lr", optimizer.param_groups[0]["lr"])  # a float
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ class HostSyncSampler:
         # Frames in these files are not the user's: the site is the first frame outside them.
         self._not_user_code = tuple(os.path.dirname(module.__file__) + os.sep
                                     for module in (torch, sys.modules["traceml"]))
-        self.first_sample_step = SAMPLE_STARTS[0]
+        self.first_sample_step = next_sample_start(-1)
         self._first_step: Optional[int] = None  # the sample in flight
         self._counts: Dict[Tuple[str, int, str], List[int]] = {}  # (file, line, call) -> [calls, wait ns]
         self._reading = False  # inside a timed read: the reads it makes itself are its own
