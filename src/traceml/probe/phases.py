@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from traceml.probe.step import (BACKWARD, CHECKPOINT_BETWEEN_NS, CHECKPOINT_NS, EVAL_NS, FORWARD, FORWARD_CALLS, H2D,
                                 INPUT_WAIT_GAP_NS, INPUT_WAIT_NS, NO_PHASE, OPTIMIZER, REAL_TOKENS, SAMPLES,
-                                TOKEN_COPIES, TOKENS, StepProbe, _now_ns)
+                                TOKEN_COPIES, TOKENS, StepProbe, _now_ns, fast_path)
 
 log = logging.getLogger("traceml")
 _undo: List[Callable[[], None]] = []  # how to take back each installed patch, newest last
@@ -70,7 +70,11 @@ def _patch_dataloader(probe: StepProbe) -> None:
                 probe.window[EVAL_NS] += _now_ns() - start_ns
 
     __next__.__wrapped__ = original_next  # type: ignore[attr-defined]
-    _replace(iterator_class, "__next__", __next__)
+    if fast_path is not None:  # the same, compiled (it has no other path)
+        _replace(iterator_class, "__next__", fast_path.Timer(fast_path.NEXT, original_next, __next__, probe,
+                                                             grad_enabled=grad_enabled))
+    else:
+        _replace(iterator_class, "__next__", __next__)
 
 
 def _patch_h2d(probe: StepProbe) -> None:
@@ -166,7 +170,11 @@ def _patch_backward(probe: StepProbe) -> None:
 
     backward.__wrapped__ = original_backward  # type: ignore[attr-defined]
     backward.__doc__ = original_backward.__doc__
-    _replace(torch.autograd, "backward", backward)
+    if fast_path is not None:  # a plain step's backward compiled; any other, the Python above
+        _replace(torch.autograd, "backward", fast_path.Timer(fast_path.BACKWARD_CALL, original_backward, backward,
+                                                             probe))
+    else:
+        _replace(torch.autograd, "backward", backward)
 
 
 class _AfterImport:
@@ -369,8 +377,13 @@ def _hook_optimizers(probe: StepProbe) -> None:
         if inferring and probe.auto_steps:
             probe.optimizer_stepped(optimizer)
 
-    _undo.append(register_optimizer_step_pre_hook(before_step).remove)
-    _undo.append(register_optimizer_step_post_hook(after_step).remove)
+    pre_hook: Any = before_step
+    post_hook: Any = after_step
+    if fast_path is not None:  # a plain step's update compiled; any other, the Python above
+        pre_hook = fast_path.Timer(fast_path.OPTIMIZER_BEFORE, before_step, before_step, probe, timed=timed)
+        post_hook = fast_path.Timer(fast_path.OPTIMIZER_AFTER, after_step, after_step, probe, timed=timed)
+    _undo.append(register_optimizer_step_pre_hook(pre_hook).remove)
+    _undo.append(register_optimizer_step_post_hook(post_hook).remove)
 
 
 # -- the model's forward: timed from its class, never from the model object --------------------
@@ -503,7 +516,21 @@ def _timed_call(original: Callable[..., Any], tensor_type: type, compiling: Any)
     call.__wrapped__ = original  # type: ignore[attr-defined]
     _run_eagerly_under_dynamo(call)
     _run_eagerly_under_dynamo(_call_timed_in_general)
-    return call
+    if fast_path is None:
+        return call
+    # The compiled timer does call's common case and hands it every other. It sits behind
+    # a Python function, read by dynamo as call is (a C callable would break its graphs).
+    timer = fast_path.Timer(fast_path.MODEL_CALL, original, call, models=_models, grad_enabled=grad_enabled,
+                            tensor_type=tensor_type, batch_size=_batch_size)
+
+    def timed_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if compiling._is_compiling_flag:
+            return original(self, *args, **kwargs)
+        return timer(self, *args, **kwargs)
+
+    timed_call.__wrapped__ = original  # type: ignore[attr-defined]
+    _run_eagerly_under_dynamo(timed_call)
+    return timed_call
 
 
 def _call_timed_in_general(original: Callable[..., Any], traced: _TracedModel, probe: StepProbe, model: Any,

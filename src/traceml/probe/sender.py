@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Deque, List, Optional
 
 from traceml import rendezvous
-from traceml.probe.step import EndedWindow
+from traceml.probe.step import SPANS_END, EndedWindow
 from traceml.records import RankEnd, RankHello, Record, StepRecord, encode_frame
 
 log = logging.getLogger("traceml")
@@ -43,8 +43,10 @@ class Sender:
     def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None,
                  capacity: int = BUFFER_CAPACITY, address: Optional[str] = None):
         self.hello = hello
-        # Turns the probe's ended windows into StepRecords, here, off the training thread.
+        # Turn the probe's ended windows into StepRecords and its user spans' calls (tuples)
+        # into SpanRecords, here, off the training thread.
         self.record_from: Callable[[EndedWindow], Record] = lambda raw: raw  # type: ignore[assignment,return-value]
+        self.span_records: Callable[[tuple], List[Record]] = lambda call: []
         self.timeline = timeline
         self.host_rss = host_rss  # refreshed here, each round, off the training thread
         self.capacity = capacity
@@ -117,6 +119,7 @@ class Sender:
             time.sleep(0.01)
         self._collect_device_steps()
         # The goodbye bypasses the capacity check: it is what tells the collector the rank is done.
+        self._buffer.append(SPANS_END)  # the span totals still held go before it
         self._buffer.append(RankEnd(rank=self.hello.rank, exit_code=exit_code, records_sent=0,
                                     records_dropped=0, steps_from=self.steps_from,
                                     ended_unix_s=ended_unix_s, tail_eval_ms=tail_eval_ms,
@@ -196,6 +199,9 @@ class Sender:
             batch: List[Record] = []
             while self._buffer and len(batch) < RECORDS_PER_FRAME:
                 record = self._buffer.popleft()
+                if type(record) is tuple:
+                    batch.extend(self.span_records(record))
+                    continue
                 if type(record) is EndedWindow:
                     record = self.record_from(record)
                 if type(record) is StepRecord:
@@ -296,7 +302,7 @@ class Sender:
             return None
 
 
-def _drain_count(buffer: Deque[Record]) -> int:
-    count = len(buffer)
+def _drain_count(buffer: Deque[Any]) -> int:
+    count = sum(1 for item in buffer if type(item) is not tuple)  # a tuple is a span's call, not a record
     buffer.clear()
     return count

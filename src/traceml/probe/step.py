@@ -44,6 +44,7 @@ _NOT_A_STEP = RuntimeError("not a step")  # ends an inferred step without a reco
 NO_PHASE = -1
 _STEP_ZEROS = (0, 0, 0, 0, 0, 0, 0, 0, 0, None, None, NO_PHASE)
 PHASE_NAMES = ("h2d", "forward", "backward", "optimizer")
+SPANS_END = ()  # in the sender's buffer: send every user span total held (StepProbe.span_records)
 
 
 class ClosedStep(msgspec.Struct, gc=False):
@@ -75,16 +76,98 @@ class EndedWindow(msgspec.Struct, gc=False):
     next_start_event: Any  # on CUDA the next step's start event, the window's end (else None)
 
 
-class StepProbe:
+FAST_PATH_VERSION = 1  # _fastpath.c's VERSION: a build of another version is not used
+
+
+def _load_fast_path() -> Any:
+    """The compiled timers (probe/_fastpath.c) when they are built, their clock is this module's
+    and TRACEML_PURE_PYTHON is unset; else None, and the Python patches time every call."""
+    if os.environ.get("TRACEML_PURE_PYTHON"):
+        return None
+    try:
+        from traceml.probe import _fastpath
+    except ImportError:
+        return None
+    if getattr(_fastpath, "VERSION", None) != FAST_PATH_VERSION or _fastpath.INDICES != (
+            FORWARD, BACKWARD, OPTIMIZER, INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, EVAL_NS, INPUT_WAIT_GAP_NS, NO_PHASE):
+        log.debug("traceml: the compiled timers were built from another version; using Python's")
+        return None
+    before_ns, fast_ns, after_ns = _now_ns(), _fastpath.now_ns(), _now_ns()
+    if not before_ns <= fast_ns <= after_ns:  # another clock than perf_counter_ns: not comparable
+        log.debug("traceml: the compiled timers' clock is not perf_counter_ns; using Python's")
+        return None
+    _fastpath.configure(ClosedStep, EndedWindow, _STEP_ZEROS, _WINDOW_ZEROS)
+    return _fastpath
+
+
+fast_path = _load_fast_path()
+
+
+class _PythonProbeState:
+    """The fields a step's patches read and write on every call, and the short paths of a
+    step's start and end, where the compiled timers are not built; else _fastpath.ProbeState,
+    the same fields in a C struct its timers read directly, and the same short paths in C."""
+
+    __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "in_evaluation", "layers_active",
+                 "comm_timed", "step_index", "_step_start_ns", "setup_started_ns", "due_step", "_closed",
+                 "_unconfirmed", "timeline", "sender", "host_rss")
+
+    # -- step boundaries: `with trace_step(model):` enters and exits the probe itself ---------
+    #
+    # __enter__ and __exit__ run every step, so each has a short path for the common step (the
+    # host clock, one level of trace_step, steps from trace_step, no deep-dive sample due) and
+    # leaves everything else to enter and exit. The short paths do the same as the long ones
+    # for that step, with fewer lines: a line costs several times its tight-loop cost there,
+    # the training having pushed TraceML's code out of the caches.
+    def __enter__(self) -> "StepProbe":
+        if (self.in_step or self.timeline is not None or self.setup_started_ns
+                or self.step_index >= self.due_step):
+            return self.enter()
+        now = _now_ns()
+        try:
+            closed = self._closed
+            if closed is not None:  # see enter
+                self._closed = None
+                if self.auto_steps:
+                    self._unconfirmed = EndedWindow(closed, now, self.window, None)
+                else:
+                    self.sender.push(EndedWindow(closed, now, self.window, None))
+            self.window = [*_WINDOW_ZEROS]
+            self.sums = [*_STEP_ZEROS]
+            self._step_start_ns = now
+            self.in_step = 1
+            self.plain = not self.layers_active and not self.comm_timed
+        except Exception:  # the training comes first: a fault here costs telemetry only
+            self.on_fault("trace_step enter")
+        return self
+
+    def __exit__(self, exc_type: Any, failed: Optional[BaseException], tb: Any) -> None:
+        now = _now_ns()
+        if failed is not None or not self.plain or self.in_step > 1:
+            return self.exit(failed=failed, now=now)
+        try:
+            unconfirmed = self._unconfirmed
+            if unconfirmed is not None:  # inferred steps: this one proved a step (see _settle_inferred)
+                self._unconfirmed = None
+                self.sender.push(unconfirmed)
+            self.in_step = 0
+            self.plain = False
+            self.open_phase = NO_PHASE
+            host_rss = self.host_rss
+            self._closed = ClosedStep(self.step_index, self._step_start_ns, now, self.sums, None, None, None, None,
+                                      None, None, host_rss.latest_bytes if host_rss is not None else None, False)
+            self.step_index += 1
+        except Exception:  # the training comes first: a fault here costs telemetry only
+            self.on_fault("trace_step exit")
+        return None
+
+
+class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeState):  # type: ignore[misc]
     """Per-process probe state: the step in flight, the one before it, and their clocks."""
 
-    # Slots, not a __dict__. Those a step touches come first, next to each other: a step's
-    # cost is mostly cache misses on state the model's own work pushed out of the cache.
-    __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "setup_started_ns",
-                 "timeline", "_closed", "sender", "_start_event", "step_index", "due_step", "_step_start_ns",
-                 "layers_active", "_unconfirmed", "host_rss", "_phase_events", "_gradients_done_ns",
-                 "in_evaluation", "comm_timed", "_open_event", "_gc_start_ns",
-                 # the rest: set-up, deep-dive, inferred steps, DDP, spans, the end of the run
+    # Slots, not a __dict__. What a step touches on every call is the base class's (above);
+    # the rest: set-up, deep-dive, inferred steps, DDP, spans, the end of the run.
+    __slots__ = ("_start_event", "_phase_events", "_gradients_done_ns", "_open_event", "_gc_start_ns",
                  "device_memory", "rank", "exit_code", "_unix_at_zero_s", "_gradients_done_event", "_layers",
                  "spans", "_backward_ends_steps", "_step_optimizer", "_last_optimizer", "_turn_known",
                  "_optimizers_seen", "_model_wait_ends", "_evaluation_start_ns", "steps_from",
@@ -137,8 +220,8 @@ class StepProbe:
         # evaluation, and its loader waits are not the training's input wait.
         self.in_evaluation = False
         self._evaluation_start_ns = 0
-        # User spans of the current window, summed by name: name -> [step, first start ns,
-        # total ns, calls]; sent as one SpanRecord per name and step.
+        # User spans, summed by name on the sender's thread: name -> [step, first start ns,
+        # total ns, calls]; sent as one SpanRecord per name and step (span_records).
         self.spans: dict = {}
         # The closed step waiting for the next start to end its window.
         self._closed: Optional[ClosedStep] = None
@@ -164,35 +247,6 @@ class StepProbe:
         self._optimizers_seen: set = set()  # id() of each optimizer whose model is timed
         self._model_wait_ends: Optional[int] = None  # the step after which a model is no longer awaited
         self.steps_from = STEPS_FROM_TRACE_STEP  # how steps are found, for the card
-
-    # -- step boundaries: `with trace_step(model):` enters and exits the probe itself ---------
-    #
-    # __enter__ and __exit__ run every step, so each has a short path for the common step (the
-    # host clock, one level of trace_step, steps from trace_step, no deep-dive sample due) and
-    # leaves everything else to enter and exit. The short paths do the same as the long ones
-    # for that step, with fewer lines: a line costs several times its tight-loop cost there,
-    # the training having pushed TraceML's code out of the caches.
-    def __enter__(self) -> "StepProbe":
-        if (self.in_step or self.timeline is not None or self.setup_started_ns
-                or self.step_index >= self.due_step):
-            return self.enter()
-        now = _now_ns()
-        try:
-            closed = self._closed
-            if closed is not None:  # see enter
-                self._closed = None
-                if self.auto_steps:
-                    self._unconfirmed = EndedWindow(closed, now, self.window, None)
-                else:
-                    self.sender.push(EndedWindow(closed, now, self.window, None))
-            self.window = [*_WINDOW_ZEROS]
-            self.sums = [*_STEP_ZEROS]
-            self._step_start_ns = now
-            self.in_step = 1
-            self.plain = not self.layers_active and not self.comm_timed
-        except Exception:  # the training comes first: a fault here costs telemetry only
-            self.on_fault("trace_step enter")
-        return self
 
     def enter(self, now: int = 0) -> "StepProbe":
         """Start a step (now: when it started, if not now)."""
@@ -233,26 +287,6 @@ class StepProbe:
         except Exception:  # the training comes first: a fault here costs telemetry only
             self.on_fault("trace_step enter")
         return self
-
-    def __exit__(self, exc_type: Any, failed: Optional[BaseException], tb: Any) -> None:
-        now = _now_ns()
-        if failed is not None or not self.plain or self.in_step > 1:
-            return self.exit(failed=failed, now=now)
-        try:
-            unconfirmed = self._unconfirmed
-            if unconfirmed is not None:  # inferred steps: this one proved a step (see _settle_inferred)
-                self._unconfirmed = None
-                self.sender.push(unconfirmed)
-            self.in_step = 0
-            self.plain = False
-            self.open_phase = NO_PHASE
-            host_rss = self.host_rss
-            self._closed = ClosedStep(self.step_index, self._step_start_ns, now, self.sums, None, None, None, None,
-                                      None, None, host_rss.latest_bytes if host_rss is not None else None, False)
-            self.step_index += 1
-        except Exception:  # the training comes first: a fault here costs telemetry only
-            self.on_fault("trace_step exit")
-        return None
 
     def exit(self, failed: Optional[BaseException] = None, now: int = 0) -> None:
         """End the step (failed: the exception leaving it, if any; now: when it ended, if not now)."""
@@ -403,6 +437,8 @@ class StepProbe:
         if self.layers is not None:
             self.layers.finish()
         self.flush_spans()
+        if fast_path is not None and fast_path.faults():
+            log.warning("traceml: %d phase timings were lost to internal errors", fast_path.faults())
         closed, self._closed = self._closed, None
         if closed is not None:
             # Evaluation (always between steps) and saves since the last step ran after its
@@ -555,28 +591,33 @@ class StepProbe:
 
     # -- user spans: Trace.span ---------------------------------------------------------------
     def span_done(self, name: str, start_ns: int, end_ns: int) -> None:
-        """Add one call of a user span to its step: the step in flight, else the step whose
-        window (it runs to the next step's start) this gap belongs to."""
-        step = self.step_index if self.in_step else max(0, self.step_index - 1)
+        """One call of a user span, for its step: the step in flight, else the step whose window
+        (it runs to the next step's start) this gap belongs to. Summed on the sender's thread."""
+        self.sender.push((self.step_index if self.in_step else max(0, self.step_index - 1), name, start_ns, end_ns))
+
+    def flush_spans(self) -> None:
+        """Have the sender send every span total it holds (span_records)."""
+        self.sender.push(SPANS_END)
+
+    def span_records(self, call: tuple) -> List[SpanRecord]:
+        """The sender's thread: add one span call (step, name, start ns, end ns) to its step's
+        total for that name, and return the totals it ends (that name's, of an earlier step);
+        SPANS_END returns them all. One SpanRecord per name and step."""
+        if call is SPANS_END:
+            totals, self.spans = self.spans, {}
+            return [self._span_record(name, entry) for name, entry in totals.items()]
+        step, name, start_ns, end_ns = call
         entry = self.spans.get(name)
         if entry is not None and entry[0] == step:
             entry[2] += end_ns - start_ns
             entry[3] += 1
-            return
-        if entry is not None:
-            self._send_span(name, entry)
+            return []
         self.spans[name] = [step, start_ns, end_ns - start_ns, 1]
+        return [self._span_record(name, entry)] if entry is not None else []
 
-    def flush_spans(self) -> None:
-        spans, self.spans = self.spans, {}
-        for name, entry in spans.items():
-            self._send_span(name, entry)
-
-    def _send_span(self, name: str, entry: list) -> None:
+    def _span_record(self, name: str, entry: list) -> SpanRecord:
         step, start_ns, total_ns, calls = entry
-        self.sender.push(SpanRecord(rank=self.rank, step=step, name=name,
-                                    start_unix_s=self.unix_s(start_ns), duration_ms=total_ns / 1e6,
-                                    count=calls))
+        return SpanRecord(self.rank, step, name, self.unix_s(start_ns), total_ns / 1e6, calls)
 
     def note_failure(self, phase: int) -> None:
         """An exception is leaving this phase: remember where, in case it ends the step."""

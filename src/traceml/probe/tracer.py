@@ -122,7 +122,7 @@ class _Span:
 
 
 def _scalar(rank: int, step: int, name: str, value: float) -> Any:
-    return ScalarRecord(rank=rank, step=step, name=name, value=value)
+    return ScalarRecord(rank, step, name, value)
 
 
 class _DeviceScalar:

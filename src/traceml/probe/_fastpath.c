@@ -1,0 +1,794 @@
+/* The plain step's phase timers in C: what phases.py's patches do on the common call, without
+ * a Python frame. Optional: where this is not built, phases.py's Python does the same.
+ *
+ * A plain step (see StepProbe.plain: host clock, no deep-dive sample, no DDP) times each phase
+ * with two clock reads and one addition into the step's list of sums. Each Timer here does that
+ * for one patch (the DataLoader's __next__, the model's call, torch.autograd.backward, the
+ * optimizer's step hooks) and hands every other call, unchanged, to the Python function it
+ * stands in front of (`general`), which knows the rest (deep-dive, CUDA events, DDP, inferred
+ * steps, evaluation). The probe's state the timers read lives in ProbeState, StepProbe's base
+ * class, so Python and C read and write the same fields.
+ *
+ * Nothing here may fail the user's call: bookkeeping that fails is dropped (its error cleared),
+ * and an exception from the wrapped call leaves exactly as it came.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <time.h>
+
+#if PY_VERSION_HEX < 0x030A0000  /* Python 3.9 */
+static inline PyObject *new_reference(PyObject *object) { Py_INCREF(object); return object; }
+#define Py_NewRef(object) new_reference((PyObject *)(object))
+#endif
+
+/* The indices of step.py's lists; step.py compares them with its own (INDICES) before use. */
+enum { H2D, FORWARD, BACKWARD, OPTIMIZER, INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES };
+enum { EVAL_NS = 7, INPUT_WAIT_GAP_NS = 11 };
+#define NO_PHASE (-1)
+
+/* time.perf_counter_ns()'s clock (step.py checks the two agree before using this module). */
+static inline long long
+now_ns(void)
+{
+    struct timespec ts;
+#ifdef __APPLE__
+    return (long long)clock_gettime_nsec_np(CLOCK_UPTIME_RAW);
+#else
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+#endif
+}
+
+/* Bookkeeping that failed costs its figure only: its error is dropped, and counted for the
+ * probe to log at the end of the run (faults()). Never printed into the user's output. */
+static Py_ssize_t bookkeeping_faults = 0;
+
+static void
+drop_bookkeeping_error(void)
+{
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        bookkeeping_faults++;
+    }
+}
+
+/* A fault in a step's start or end: handed to the probe's on_fault (which logs it and takes
+ * TraceML out of the training), as the Python short paths do from their `except`. */
+static void
+report_fault(PyObject *probe, const char *where)
+{
+    PyObject *type, *value, *traceback, *old_type, *old_value, *old_traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    PyErr_GetExcInfo(&old_type, &old_value, &old_traceback);
+    PyErr_SetExcInfo(type, value, traceback);  /* sys.exc_info() for on_fault's log; steals */
+    PyObject *result = PyObject_CallMethod(probe, "on_fault", "s", where);
+    if (result == NULL)
+        drop_bookkeeping_error();
+    Py_XDECREF(result);
+    PyErr_SetExcInfo(old_type, old_value, old_traceback);
+}
+
+/* ---- ProbeState: the fields a step's timers read and write -------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    int in_step;          /* 0 between steps, else the depth of nested trace_step blocks */
+    int open_phase;       /* the phase being timed, or NO_PHASE */
+    char plain;           /* the patches may time inline */
+    char in_evaluation;   /* a trainer's evaluation runs */
+    char auto_steps;      /* steps are inferred (no trace_step) */
+    char layers_active;   /* this step runs deep-dive's hooks or FLOP counter */
+    char comm_timed;      /* DDP's collective wait is timed */
+    long long step_index;
+    long long step_start_ns;
+    long long setup_started_ns;
+    double due_step;      /* the next step whose start has work to do (enter, in Python) */
+    PyObject *sums;       /* the step in flight's list (step.py _STEP_ZEROS) */
+    PyObject *window;     /* the window's list (step.py _WINDOW_ZEROS) */
+    PyObject *closed;     /* the ClosedStep waiting for the next start to end its window */
+    PyObject *unconfirmed;  /* inferred steps: the EndedWindow waiting for this step to prove one */
+    PyObject *timeline;   /* DeviceTimeline on CUDA, else None */
+    PyObject *sender;
+    PyObject *host_rss;
+} ProbeState;
+
+static int
+state_traverse(ProbeState *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->sums);
+    Py_VISIT(self->window);
+    Py_VISIT(self->closed);
+    Py_VISIT(self->unconfirmed);
+    Py_VISIT(self->timeline);
+    Py_VISIT(self->sender);
+    Py_VISIT(self->host_rss);
+    return 0;
+}
+
+static int
+state_clear(ProbeState *self)
+{
+    Py_CLEAR(self->sums);
+    Py_CLEAR(self->window);
+    Py_CLEAR(self->closed);
+    Py_CLEAR(self->unconfirmed);
+    Py_CLEAR(self->timeline);
+    Py_CLEAR(self->sender);
+    Py_CLEAR(self->host_rss);
+    return 0;
+}
+
+static void
+state_dealloc(ProbeState *self)
+{
+    PyObject_GC_UnTrack(self);
+    state_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef state_members[] = {
+    {"in_step", T_INT, offsetof(ProbeState, in_step), 0, NULL},
+    {"open_phase", T_INT, offsetof(ProbeState, open_phase), 0, NULL},
+    {"plain", T_BOOL, offsetof(ProbeState, plain), 0, NULL},
+    {"in_evaluation", T_BOOL, offsetof(ProbeState, in_evaluation), 0, NULL},
+    {"auto_steps", T_BOOL, offsetof(ProbeState, auto_steps), 0, NULL},
+    {"layers_active", T_BOOL, offsetof(ProbeState, layers_active), 0, NULL},
+    {"comm_timed", T_BOOL, offsetof(ProbeState, comm_timed), 0, NULL},
+    {"step_index", T_LONGLONG, offsetof(ProbeState, step_index), 0, NULL},
+    {"_step_start_ns", T_LONGLONG, offsetof(ProbeState, step_start_ns), 0, NULL},
+    {"setup_started_ns", T_LONGLONG, offsetof(ProbeState, setup_started_ns), 0, NULL},
+    {"due_step", T_DOUBLE, offsetof(ProbeState, due_step), 0, NULL},
+    {"sums", T_OBJECT_EX, offsetof(ProbeState, sums), 0, NULL},
+    {"window", T_OBJECT_EX, offsetof(ProbeState, window), 0, NULL},
+    {"_closed", T_OBJECT, offsetof(ProbeState, closed), 0, NULL},
+    {"_unconfirmed", T_OBJECT, offsetof(ProbeState, unconfirmed), 0, NULL},
+    {"timeline", T_OBJECT, offsetof(ProbeState, timeline), 0, NULL},
+    {"sender", T_OBJECT, offsetof(ProbeState, sender), 0, NULL},
+    {"host_rss", T_OBJECT, offsetof(ProbeState, host_rss), 0, NULL},
+    {NULL},
+};
+
+/* What step.py hands over once (configure): the records a step's ends make, and the zeros a
+ * new step's and window's lists start from. */
+static PyObject *closed_step_type, *ended_window_type, *step_zeros, *window_zeros;
+static PyObject *str_enter_long, *str_exit_long, *str_push, *str_latest_bytes;
+
+static inline int
+is_none(PyObject *value)
+{
+    return value == NULL || value == Py_None;
+}
+
+/* A new list of the template's zeros (a step's or a window's accumulators). */
+static PyObject *
+zeros_like(PyObject *template)
+{
+    return PySequence_List(template);
+}
+
+/* `with trace_step(model):` entering, for the common step (host clock, one level of trace_step,
+ * no set-up to fold in, no work due): the step before ends its window now; everything else is
+ * StepProbe.enter's, in Python. Same work as step.py's _PythonProbeState.__enter__. */
+static PyObject *
+state_enter(ProbeState *self, PyObject *unused)
+{
+    if (self->in_step || !is_none(self->timeline) || self->setup_started_ns
+            || (double)self->step_index >= self->due_step || closed_step_type == NULL)
+        return PyObject_CallMethodNoArgs((PyObject *)self, str_enter_long);
+    long long now = now_ns();
+    PyObject *window = zeros_like(window_zeros), *sums = zeros_like(step_zeros), *now_object = NULL;
+    if (window == NULL || sums == NULL)
+        goto fail;
+    if (self->closed != NULL && self->closed != Py_None) {
+        if ((now_object = PyLong_FromLongLong(now)) == NULL)
+            goto fail;
+        PyObject *fields[] = {self->closed, now_object, self->window ? self->window : Py_None, Py_None};
+        PyObject *ending = PyObject_Vectorcall(ended_window_type, fields, 4, NULL);
+        if (ending == NULL)
+            goto fail;
+        Py_SETREF(self->closed, Py_NewRef(Py_None));
+        if (self->auto_steps) {
+            Py_XSETREF(self->unconfirmed, ending);
+        } else {
+            PyObject *pushed = PyObject_CallMethodOneArg(self->sender, str_push, ending);
+            Py_DECREF(ending);
+            if (pushed == NULL)
+                goto fail;
+            Py_DECREF(pushed);
+        }
+    }
+    Py_XSETREF(self->window, window);
+    Py_XSETREF(self->sums, sums);
+    Py_XDECREF(now_object);
+    self->step_start_ns = now;
+    self->in_step = 1;
+    self->plain = !self->layers_active && !self->comm_timed;
+    return Py_NewRef(self);
+fail:  /* the training comes first: a fault here costs telemetry only */
+    Py_XDECREF(window);
+    Py_XDECREF(sums);
+    Py_XDECREF(now_object);
+    report_fault((PyObject *)self, "trace_step enter");
+    return Py_NewRef(self);
+}
+
+/* The common step's end (no exception, a plain step, one level): closes it, its window still
+ * open until the next start. Anything else is StepProbe.exit's. */
+static PyObject *
+state_exit(ProbeState *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long now = now_ns();
+    PyObject *failed = nargs >= 2 ? args[1] : Py_None;
+    if (!is_none(failed) || !self->plain || self->in_step > 1 || closed_step_type == NULL) {
+        PyObject *keywords = Py_BuildValue("{sOsL}", "failed", failed, "now", now);
+        if (keywords == NULL)
+            return NULL;
+        PyObject *no_args = PyTuple_New(0);
+        PyObject *method = no_args ? PyObject_GetAttr((PyObject *)self, str_exit_long) : NULL;
+        PyObject *result = method ? PyObject_Call(method, no_args, keywords) : NULL;
+        Py_XDECREF(method);
+        Py_XDECREF(no_args);
+        Py_DECREF(keywords);
+        return result;
+    }
+    if (self->unconfirmed != NULL && self->unconfirmed != Py_None) {
+        /* inferred steps: this one proved a step, the one before it is sent */
+        PyObject *unconfirmed = self->unconfirmed;
+        self->unconfirmed = Py_NewRef(Py_None);
+        PyObject *pushed = PyObject_CallMethodOneArg(self->sender, str_push, unconfirmed);
+        Py_DECREF(unconfirmed);
+        if (pushed == NULL) {
+            report_fault((PyObject *)self, "trace_step exit");
+            Py_RETURN_NONE;
+        }
+        Py_DECREF(pushed);
+    }
+    self->in_step = 0;
+    self->plain = 0;
+    self->open_phase = NO_PHASE;
+    PyObject *rss = is_none(self->host_rss) ? Py_NewRef(Py_None) : PyObject_GetAttr(self->host_rss, str_latest_bytes);
+    PyObject *step = PyLong_FromLongLong(self->step_index);
+    PyObject *start = PyLong_FromLongLong(self->step_start_ns);
+    PyObject *end = PyLong_FromLongLong(now);
+    PyObject *closed = NULL;
+    if (rss && step && start && end) {
+        PyObject *fields[] = {step, start, end, self->sums ? self->sums : Py_None, Py_None, Py_None, Py_None,
+                              Py_None, Py_None, Py_None, rss, Py_False};
+        closed = PyObject_Vectorcall(closed_step_type, fields, 12, NULL);
+    }
+    Py_XDECREF(rss);
+    Py_XDECREF(step);
+    Py_XDECREF(start);
+    Py_XDECREF(end);
+    if (closed == NULL) {
+        report_fault((PyObject *)self, "trace_step exit");
+    } else {
+        Py_XSETREF(self->closed, closed);
+        self->step_index += 1;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef state_methods[] = {
+    {"__enter__", (PyCFunction)state_enter, METH_NOARGS, "Start a step (see step.py)."},
+    {"__exit__", (PyCFunction)(void (*)(void))state_exit, METH_FASTCALL, "End a step (see step.py)."},
+    {NULL},
+};
+
+static PyTypeObject ProbeStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traceml.probe._fastpath.ProbeState",
+    .tp_doc = "The step state the phase timers share with StepProbe (its base class).",
+    .tp_basicsize = sizeof(ProbeState),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_traverse = (traverseproc)state_traverse,
+    .tp_clear = (inquiry)state_clear,
+    .tp_dealloc = (destructor)state_dealloc,
+    .tp_members = state_members,
+    .tp_methods = state_methods,
+};
+
+/* list[index] += delta, for a list of ints; -1 with an error set when it is not one. */
+static int
+add_ns(PyObject *list, Py_ssize_t index, long long delta)
+{
+    if (list == NULL || !PyList_CheckExact(list) || index >= PyList_GET_SIZE(list)) {
+        PyErr_SetString(PyExc_TypeError, "traceml: not a list of sums");
+        return -1;
+    }
+    PyObject *old = PyList_GET_ITEM(list, index);
+    long long value = PyLong_AsLongLong(old);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *updated = PyLong_FromLongLong(value + delta);
+    if (updated == NULL)
+        return -1;
+    PyList_SET_ITEM(list, index, updated);
+    Py_DECREF(old);
+    return 0;
+}
+
+/* Call a probe method for its effect (backward_returned, optimizer_stepped, ...). */
+static int
+call_probe(PyObject *probe, PyObject *name, PyObject *arg)
+{
+    PyObject *args[2] = {probe, arg};
+    PyObject *result = PyObject_VectorcallMethod(name, args, (arg ? 2 : 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (result == NULL)
+        return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+/* ---- Timer: one patch's fast path ---------------------------------------------------------- */
+
+enum { NEXT, MODEL_CALL, BACKWARD_CALL, OPTIMIZER_BEFORE, OPTIMIZER_AFTER };
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    int kind;
+    PyObject *original;      /* what the patch replaced */
+    PyObject *general;       /* the Python patch: every call off the fast path */
+    PyObject *probe;         /* a ProbeState (MODEL_CALL: None, the model's own is found per call) */
+    PyObject *models;        /* MODEL_CALL: phases._models, id(model) -> _TracedModel */
+    PyObject *grad_enabled;  /* torch.is_grad_enabled */
+    PyObject *tensor_type;   /* torch.Tensor */
+    PyObject *batch_size;    /* phases._batch_size(args, kwargs, tensor_type) */
+    PyObject *timed;         /* OPTIMIZER_*: phases' [id(optimizer) timed, its start ns] */
+} Timer;
+
+static PyObject *str_probe, *str_token_inputs, *str_shape, *str_enter, *str_note_failure,
+    *str_backward_returned, *str_optimizer_stepped, *str_name, *str_qualname, *str_doc, *str_module;
+
+static inline ProbeState *
+state_of(PyObject *probe)
+{
+    return PyObject_TypeCheck(probe, &ProbeStateType) ? (ProbeState *)probe : NULL;
+}
+
+/* The exception leaving a phase: tell the probe (note_failure), keeping the exception. */
+static void
+note_failure(PyObject *probe, int phase)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *index = PyLong_FromLong(phase);
+    if (index == NULL || call_probe(probe, str_note_failure, index) < 0)
+        drop_bookkeeping_error();
+    Py_XDECREF(index);
+    PyErr_Restore(type, value, traceback);
+}
+
+/* The phase opened by a fast path has ended: add its time, unless a nested patch closed it. */
+static void
+close_phase(ProbeState *state, PyObject *sums, int phase, long long start_ns)
+{
+    if (state->open_phase != phase)
+        return;
+    long long elapsed_ns = now_ns() - start_ns;
+    state->open_phase = NO_PHASE;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (add_ns(sums, phase, elapsed_ns) < 0)
+        drop_bookkeeping_error();
+    PyErr_Restore(type, value, traceback);
+}
+
+/* DataLoader __next__ (args[0]: the iterator): its wait is the step's input wait, or between
+ * steps the training's input wait (gradients on) or evaluation's (gradients off). */
+static PyObject *
+time_next(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    ProbeState *state = (ProbeState *)self->probe;
+    long long start_ns = now_ns();
+    PyObject *result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    long long elapsed_ns = now_ns() - start_ns;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);  /* StopIteration ends each epoch: it goes on as it came */
+    int failed = 0;
+    if (state->in_step) {
+        failed = add_ns(state->sums, INPUT_WAIT_NS, elapsed_ns);
+    } else if (!state->in_evaluation) {
+        PyObject *enabled = PyObject_CallNoArgs(self->grad_enabled);
+        if (enabled == NULL) {
+            failed = -1;
+        } else {
+            failed = add_ns(state->window, enabled == Py_True ? INPUT_WAIT_GAP_NS : EVAL_NS, elapsed_ns);
+            Py_DECREF(enabled);
+        }
+    }
+    if (failed)
+        drop_bookkeeping_error();
+    PyErr_Restore(type, value, traceback);
+    return result;
+}
+
+/* The samples of model(inputs, ...): inputs' first dimension, else phases._batch_size. */
+static long long
+samples_of(Timer *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    int is_tensor = nargs >= 2 ? PyObject_IsInstance(args[1], self->tensor_type) : 0;
+    if (is_tensor < 0)
+        return -1;
+    if (is_tensor) {
+        PyObject *shape = PyObject_GetAttr(args[1], str_shape);
+        if (shape == NULL || !PyTuple_Check(shape)) {
+            Py_XDECREF(shape);
+            return -1;
+        }
+        long long samples = PyTuple_GET_SIZE(shape) ? PyLong_AsLongLong(PyTuple_GET_ITEM(shape, 0)) : 1;
+        Py_DECREF(shape);
+        return samples;
+    }
+    PyObject *positional = PyTuple_New(nargs - 1);
+    PyObject *keywords = PyDict_New();
+    if (positional == NULL || keywords == NULL)
+        goto fail;
+    for (Py_ssize_t i = 1; i < nargs; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SET_ITEM(positional, i - 1, args[i]);
+    }
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t i = 0; i < nkw; i++)
+        if (PyDict_SetItem(keywords, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0)
+            goto fail;
+    PyObject *counted = PyObject_CallFunctionObjArgs(self->batch_size, positional, keywords, self->tensor_type, NULL);
+    Py_DECREF(positional);
+    Py_DECREF(keywords);
+    if (counted == NULL)
+        return -1;
+    long long samples = PyLong_AsLongLong(counted);
+    Py_DECREF(counted);
+    return samples;
+fail:
+    Py_XDECREF(positional);
+    Py_XDECREF(keywords);
+    return -1;
+}
+
+/* The model's call (args[0]: the module): the outermost call of a traced model in a plain
+ * step is forward. torch.compile's tracing never gets here (phases' shim calls the original). */
+static PyObject *
+time_model_call(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1)
+        return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+    PyObject *key = PyLong_FromVoidPtr(args[0]);
+    if (key == NULL)
+        return NULL;
+    PyObject *traced = PyDict_GetItemWithError(self->models, key);  /* borrowed */
+    Py_DECREF(key);
+    if (traced == NULL) {
+        if (PyErr_Occurred())
+            PyErr_Clear();
+        return PyObject_Vectorcall(self->original, args, nargsf, kwnames);  /* not a traced model */
+    }
+    PyObject *probe = PyObject_GetAttr(traced, str_probe);
+    ProbeState *state = probe ? state_of(probe) : NULL;
+    if (state == NULL) {
+        PyErr_Clear();
+        Py_XDECREF(probe);
+        return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+    }
+    if (!state->in_step && state->auto_steps) {
+        /* Steps inferred: the model's first call with gradients opens one. */
+        PyObject *enabled = PyObject_CallNoArgs(self->grad_enabled);
+        if (enabled == Py_True && call_probe(probe, str_enter, NULL) < 0)
+            drop_bookkeeping_error();
+        if (enabled == NULL)
+            drop_bookkeeping_error();
+        Py_XDECREF(enabled);
+    }
+    PyObject *token_inputs = PyObject_GetAttr(traced, str_token_inputs);
+    int common = token_inputs == Py_False && state->plain && state->open_phase == NO_PHASE;
+    Py_XDECREF(token_inputs);
+    if (!common) {
+        PyErr_Clear();
+        Py_DECREF(probe);
+        return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+    }
+    PyObject *sums = state->sums;
+    Py_XINCREF(sums);
+    long long samples = samples_of(self, args, nargs, kwnames);
+    if (samples < 0 || add_ns(sums, FORWARD_CALLS, 1) < 0 || add_ns(sums, SAMPLES, samples) < 0)
+        drop_bookkeeping_error();
+    state->open_phase = FORWARD;
+    long long start_ns = now_ns();
+    PyObject *result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    if (result == NULL)
+        note_failure(probe, FORWARD);
+    close_phase(state, sums, FORWARD, start_ns);
+    Py_XDECREF(sums);
+    Py_DECREF(probe);
+    return result;
+}
+
+/* torch.autograd.backward: a plain step's backward. */
+static PyObject *
+time_backward(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    ProbeState *state = (ProbeState *)self->probe;
+    if (!state->plain || state->open_phase != NO_PHASE)
+        return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+    PyObject *sums = state->sums;
+    Py_XINCREF(sums);
+    state->open_phase = BACKWARD;
+    long long start_ns = now_ns();
+    PyObject *result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    if (result == NULL)
+        note_failure(self->probe, BACKWARD);
+    close_phase(state, sums, BACKWARD, start_ns);
+    Py_XDECREF(sums);
+    if (result != NULL && state->auto_steps && call_probe(self->probe, str_backward_returned, NULL) < 0) {
+        Py_DECREF(result);
+        return NULL;  /* as the Python patch: backward_returned guards itself */
+    }
+    return result;
+}
+
+/* The optimizer's step pre-hook (optimizer, args, kwargs): a plain step's update, no closure. */
+static PyObject *
+before_optimizer_step(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    ProbeState *state = (ProbeState *)self->probe;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs == 3 && kwnames == NULL && state->plain && state->open_phase == NO_PHASE
+            && PyTuple_Check(args[1]) && PyTuple_GET_SIZE(args[1]) == 1
+            && PyDict_Check(args[2]) && PyDict_GET_SIZE(args[2]) == 0
+            && PyList_CheckExact(self->timed) && PyList_GET_SIZE(self->timed) == 2) {
+        PyObject *optimizer_id = PyLong_FromVoidPtr(args[0]);
+        PyObject *start = PyLong_FromLongLong(now_ns());
+        if (optimizer_id == NULL || start == NULL) {
+            Py_XDECREF(optimizer_id);
+            Py_XDECREF(start);
+            drop_bookkeeping_error();
+            Py_RETURN_NONE;
+        }
+        state->open_phase = OPTIMIZER;
+        PyList_SetItem(self->timed, 0, optimizer_id);  /* steals the references */
+        PyList_SetItem(self->timed, 1, start);
+        Py_RETURN_NONE;  /* None keeps step()'s arguments as they are */
+    }
+    return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+}
+
+/* The optimizer's step post-hook: ends the update the pre-hook timed. */
+static PyObject *
+after_optimizer_step(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    ProbeState *state = (ProbeState *)self->probe;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs >= 1 && state->plain && state->open_phase == OPTIMIZER
+            && PyList_CheckExact(self->timed) && PyList_GET_SIZE(self->timed) == 2
+            && PyLong_AsVoidPtr(PyList_GET_ITEM(self->timed, 0)) == (void *)args[0]) {
+        long long start_ns = PyLong_AsLongLong(PyList_GET_ITEM(self->timed, 1));
+        long long elapsed_ns = now_ns() - start_ns;
+        PyObject *zero = PyLong_FromLong(0);
+        if (zero == NULL || PyErr_Occurred()) {
+            Py_XDECREF(zero);
+            drop_bookkeeping_error();
+            return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+        }
+        PyList_SetItem(self->timed, 0, zero);
+        state->open_phase = NO_PHASE;
+        if (add_ns(state->sums, OPTIMIZER, elapsed_ns) < 0)
+            drop_bookkeeping_error();
+        if (state->auto_steps && call_probe(self->probe, str_optimizer_stepped, args[0]) < 0)
+            return NULL;  /* as the Python hook: optimizer_stepped guards itself */
+        Py_RETURN_NONE;
+    }
+    if (PyErr_Occurred())
+        PyErr_Clear();  /* PyLong_AsVoidPtr of something else: not ours to time */
+    return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+}
+
+static vectorcallfunc timer_kinds[] = {
+    (vectorcallfunc)time_next, (vectorcallfunc)time_model_call, (vectorcallfunc)time_backward,
+    (vectorcallfunc)before_optimizer_step, (vectorcallfunc)after_optimizer_step,
+};
+
+static PyObject *
+timer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"kind", "original", "general", "probe", "models", "grad_enabled", "tensor_type",
+                               "batch_size", "timed", NULL};
+    int kind;
+    PyObject *original, *general, *probe = Py_None, *models = Py_None, *grad_enabled = Py_None,
+             *tensor_type = Py_None, *batch_size = Py_None, *timed = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOO|OOOOOO", keywords, &kind, &original, &general, &probe,
+                                     &models, &grad_enabled, &tensor_type, &batch_size, &timed))
+        return NULL;
+    if (kind < NEXT || kind > OPTIMIZER_AFTER) {
+        PyErr_SetString(PyExc_ValueError, "traceml: no such timer");
+        return NULL;
+    }
+    if (kind == MODEL_CALL ? !PyDict_Check(models) : state_of(probe) == NULL) {
+        PyErr_SetString(PyExc_TypeError, "traceml: a timer needs its probe (or, for the model, the models)");
+        return NULL;
+    }
+    if ((kind == OPTIMIZER_BEFORE || kind == OPTIMIZER_AFTER) && !PyList_CheckExact(timed)) {
+        PyErr_SetString(PyExc_TypeError, "traceml: an optimizer timer needs its [id, start] list");
+        return NULL;
+    }
+    Timer *self = (Timer *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = timer_kinds[kind];
+    self->kind = kind;
+    PyObject **fields[] = {&self->original, &self->general, &self->probe, &self->models, &self->grad_enabled,
+                           &self->tensor_type, &self->batch_size, &self->timed};
+    PyObject *values[] = {original, general, probe, models, grad_enabled, tensor_type, batch_size, timed};
+    for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
+        Py_INCREF(values[i]);
+        *fields[i] = values[i];
+    }
+    return (PyObject *)self;
+}
+
+static int
+timer_traverse(Timer *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->original);
+    Py_VISIT(self->general);
+    Py_VISIT(self->probe);
+    Py_VISIT(self->models);
+    Py_VISIT(self->grad_enabled);
+    Py_VISIT(self->tensor_type);
+    Py_VISIT(self->batch_size);
+    Py_VISIT(self->timed);
+    return 0;
+}
+
+static int
+timer_clear(Timer *self)
+{
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->general);
+    Py_CLEAR(self->probe);
+    Py_CLEAR(self->models);
+    Py_CLEAR(self->grad_enabled);
+    Py_CLEAR(self->tensor_type);
+    Py_CLEAR(self->batch_size);
+    Py_CLEAR(self->timed);
+    return 0;
+}
+
+static void
+timer_dealloc(Timer *self)
+{
+    PyObject_GC_UnTrack(self);
+    timer_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Set on a class (DataLoader's iterator) it binds like a function: iterator.__next__(). */
+static PyObject *
+timer_get(PyObject *self, PyObject *instance, PyObject *owner)
+{
+    if (instance == NULL || instance == Py_None) {
+        Py_INCREF(self);
+        return self;
+    }
+    return PyMethod_New(self, instance);
+}
+
+/* What introspection of the patched attribute finds: the original's name and docs. */
+static PyObject *
+timer_original_attribute(Timer *self, void *name)
+{
+    if (self->original == NULL)
+        Py_RETURN_NONE;
+    return PyObject_GetAttr(self->original, *(PyObject **)name);
+}
+
+static PyObject *
+timer_wrapped(Timer *self, void *unused)
+{
+    PyObject *original = self->original ? self->original : Py_None;
+    Py_INCREF(original);
+    return original;
+}
+
+static PyGetSetDef timer_getset[] = {
+    {"__wrapped__", (getter)timer_wrapped, NULL, "What the patch replaced.", NULL},
+    {"__name__", (getter)timer_original_attribute, NULL, NULL, &str_name},
+    {"__qualname__", (getter)timer_original_attribute, NULL, NULL, &str_qualname},
+    {"__doc__", (getter)timer_original_attribute, NULL, NULL, &str_doc},
+    {"__module__", (getter)timer_original_attribute, NULL, NULL, &str_module},
+    {NULL},
+};
+
+static PyTypeObject TimerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traceml.probe._fastpath.Timer",
+    .tp_basicsize = sizeof(Timer),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_vectorcall_offset = offsetof(Timer, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = timer_new,
+    .tp_traverse = (traverseproc)timer_traverse,
+    .tp_clear = (inquiry)timer_clear,
+    .tp_dealloc = (destructor)timer_dealloc,
+    .tp_descr_get = timer_get,
+    .tp_getset = timer_getset,
+};
+
+static PyObject *
+fast_now_ns(PyObject *module, PyObject *unused)
+{
+    return PyLong_FromLongLong(now_ns());
+}
+
+static PyObject *
+faults(PyObject *module, PyObject *unused)
+{
+    return PyLong_FromSsize_t(bookkeeping_faults);
+}
+
+static PyObject *
+configure(PyObject *module, PyObject *args)
+{
+    PyObject *closed, *ended, *step, *window;
+    if (!PyArg_ParseTuple(args, "OOO!O!", &closed, &ended, &PyTuple_Type, &step, &PyTuple_Type, &window))
+        return NULL;
+    Py_XSETREF(closed_step_type, Py_NewRef(closed));
+    Py_XSETREF(ended_window_type, Py_NewRef(ended));
+    Py_XSETREF(step_zeros, Py_NewRef(step));
+    Py_XSETREF(window_zeros, Py_NewRef(window));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"now_ns", fast_now_ns, METH_NOARGS, "The timers' clock, in ns (time.perf_counter_ns's)."},
+    {"faults", faults, METH_NOARGS, "How many times the timers' bookkeeping failed (and was dropped)."},
+    {"configure", configure, METH_VARARGS,
+     "configure(ClosedStep, EndedWindow, step zeros, window zeros): what a step's ends make."},
+    {NULL},
+};
+
+static struct PyModuleDef fastpath_module = {
+    PyModuleDef_HEAD_INIT, "_fastpath", "The plain step's phase timers in C (see _fastpath.c).", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__fastpath(void)
+{
+    struct { PyObject **slot; const char *text; } names[] = {
+        {&str_probe, "probe"}, {&str_token_inputs, "token_inputs"}, {&str_shape, "shape"},
+        {&str_enter, "__enter__"}, {&str_note_failure, "note_failure"},
+        {&str_backward_returned, "backward_returned"}, {&str_optimizer_stepped, "optimizer_stepped"},
+        {&str_name, "__name__"}, {&str_qualname, "__qualname__"}, {&str_doc, "__doc__"},
+        {&str_module, "__module__"}, {&str_enter_long, "enter"}, {&str_exit_long, "exit"},
+        {&str_push, "push"}, {&str_latest_bytes, "latest_bytes"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
+            return NULL;
+    if (PyType_Ready(&ProbeStateType) < 0 || PyType_Ready(&TimerType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&fastpath_module);
+    if (module == NULL)
+        return NULL;
+    Py_INCREF(&ProbeStateType);
+    Py_INCREF(&TimerType);
+    if (PyModule_AddObject(module, "ProbeState", (PyObject *)&ProbeStateType) < 0
+            || PyModule_AddObject(module, "Timer", (PyObject *)&TimerType) < 0
+            || PyModule_AddIntConstant(module, "VERSION", 1) < 0
+            || PyModule_AddIntConstant(module, "NEXT", NEXT) < 0
+            || PyModule_AddIntConstant(module, "MODEL_CALL", MODEL_CALL) < 0
+            || PyModule_AddIntConstant(module, "BACKWARD_CALL", BACKWARD_CALL) < 0
+            || PyModule_AddIntConstant(module, "OPTIMIZER_BEFORE", OPTIMIZER_BEFORE) < 0
+            || PyModule_AddIntConstant(module, "OPTIMIZER_AFTER", OPTIMIZER_AFTER) < 0
+            || PyModule_AddObject(module, "INDICES", Py_BuildValue("(iiiiiiiii)", FORWARD, BACKWARD, OPTIMIZER,
+                                  INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, EVAL_NS, INPUT_WAIT_GAP_NS, NO_PHASE)) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

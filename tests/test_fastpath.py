@@ -1,0 +1,72 @@
+"""The compiled timers (probe/_fastpath.c) against the Python patches they stand in for: built
+and used where a compiler is, the same figures on every shape of loop, and a fault in their
+bookkeeping costs a figure, never the user's call."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import SCRIPTS
+
+
+def shapes_loop(tmp_path, **env):
+    tmp_path.mkdir()
+    result = subprocess.run([sys.executable, str(SCRIPTS / "shapes_loop.py")], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path,
+                            env=dict(os.environ, TRACEML_RUN_DIR=str(tmp_path / "run"), **env))
+    assert result.returncode == 0, result.stderr
+    return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the compiled timers are built on Linux and macOS")
+def test_the_compiled_timers_are_built_and_used():
+    from traceml.probe import step
+
+    assert step.fast_path is not None, "the C fast path did not build or load (see setup.py)"
+    assert step.StepProbe.__mro__[1] is step.fast_path.ProbeState
+
+
+def test_compiled_and_python_timers_agree_on_every_shape(tmp_path):
+    compiled = shapes_loop(tmp_path / "c")
+    python = shapes_loop(tmp_path / "p", TRACEML_PURE_PYTHON="1")
+    assert python["compiled"] is False
+    assert compiled["compiled"] is (sys.platform in ("linux", "darwin"))
+    # Per step: samples, forward calls, and which phases were timed, for 12 DataLoader steps
+    # over two epochs (a short last batch), LBFGS closures, kwargs-only calls, manual SGD.
+    assert compiled["steps"] == python["steps"]
+    assert len(compiled["steps"]) == 20
+    assert [row[1] for row in compiled["steps"][:12]] == [4, 4, 4, 4, 4, 1] * 2
+    assert compiled["sums_ok"] and python["sums_ok"]  # the parts add up to each step
+    assert compiled["eval_between_steps"] == python["eval_between_steps"] > 0
+
+
+BROKEN_STEP = """
+import json, torch, traceml
+from torch import nn
+from traceml.probe import step
+model = nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for broken in (False, True):
+    with traceml.trace_step(model):
+        if broken:  # the step's sums are no list of ints: every timer's addition fails
+            step._probe.sums = None
+            faults_before = step.fast_path.faults()
+        loss = model(torch.ones(3, 4)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+print(json.dumps({"faults": step.fast_path.faults() - faults_before, "grad": model.weight.grad is not None}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the compiled timers are built on Linux and macOS")
+def test_a_fault_in_the_bookkeeping_costs_the_figure_not_the_call(tmp_path):
+    result = subprocess.run([sys.executable, "-c", BROKEN_STEP], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, env=dict(os.environ, TRACEML_RUN_DIR=str(tmp_path / "run")))
+    assert result.returncode == 0, result.stderr  # the user's steps ran whole
+    outcome = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+    # Forward's counts and its time, backward's and the optimizer's: each failed once, counted,
+    # and said once at the end, on stderr, not in the user's output.
+    assert outcome == {"faults": 4, "grad": True}
+    assert "4 phase timings were lost to internal errors" in result.stderr
