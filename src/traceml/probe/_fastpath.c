@@ -161,13 +161,6 @@ is_none(PyObject *value)
     return value == NULL || value == Py_None;
 }
 
-/* A new list of the template's zeros (a step's or a window's accumulators). */
-static PyObject *
-zeros_like(PyObject *template)
-{
-    return PySequence_List(template);
-}
-
 /* `with trace_step(model):` entering, for the common step (host clock, one level of trace_step,
  * no set-up to fold in, no work due): the step before ends its window now; everything else is
  * StepProbe.enter's, in Python. Same work as step.py's _PythonProbeState.__enter__. */
@@ -178,10 +171,10 @@ state_enter(ProbeState *self, PyObject *unused)
             || (double)self->step_index >= self->due_step || closed_step_type == NULL)
         return PyObject_CallMethodNoArgs((PyObject *)self, str_enter_long);
     long long now = now_ns();
-    PyObject *window = zeros_like(window_zeros), *sums = zeros_like(step_zeros), *now_object = NULL;
+    PyObject *window = PySequence_List(window_zeros), *sums = PySequence_List(step_zeros), *now_object = NULL;
     if (window == NULL || sums == NULL)
         goto fail;
-    if (self->closed != NULL && self->closed != Py_None) {
+    if (!is_none(self->closed)) {
         if ((now_object = PyLong_FromLongLong(now)) == NULL)
             goto fail;
         PyObject *fields[] = {self->closed, now_object, self->window ? self->window : Py_None, Py_None};
@@ -233,7 +226,7 @@ state_exit(ProbeState *self, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(keywords);
         return result;
     }
-    if (self->unconfirmed != NULL && self->unconfirmed != Py_None) {
+    if (!is_none(self->unconfirmed)) {
         /* inferred steps: this one proved a step, the one before it is sent */
         PyObject *unconfirmed = self->unconfirmed;
         self->unconfirmed = Py_NewRef(Py_None);
@@ -670,7 +663,7 @@ timer_dealloc(Timer *self)
 static PyObject *
 timer_get(PyObject *self, PyObject *instance, PyObject *owner)
 {
-    if (instance == NULL || instance == Py_None) {
+    if (is_none(instance)) {
         Py_INCREF(self);
         return self;
     }

@@ -70,11 +70,9 @@ def _patch_dataloader(probe: StepProbe) -> None:
                 probe.window[EVAL_NS] += _now_ns() - start_ns
 
     __next__.__wrapped__ = original_next  # type: ignore[attr-defined]
-    if fast_path is not None:  # the same, compiled (it has no other path)
-        _replace(iterator_class, "__next__", fast_path.Timer(fast_path.NEXT, original_next, __next__, probe,
-                                                             grad_enabled=grad_enabled))
-    else:
-        _replace(iterator_class, "__next__", __next__)
+    # Compiled where built: the same work (it has no other path).
+    _replace(iterator_class, "__next__", __next__ if fast_path is None else fast_path.Timer(
+        fast_path.NEXT, original_next, __next__, probe, grad_enabled=grad_enabled))
 
 
 def _patch_h2d(probe: StepProbe) -> None:
@@ -170,11 +168,9 @@ def _patch_backward(probe: StepProbe) -> None:
 
     backward.__wrapped__ = original_backward  # type: ignore[attr-defined]
     backward.__doc__ = original_backward.__doc__
-    if fast_path is not None:  # a plain step's backward compiled; any other, the Python above
-        _replace(torch.autograd, "backward", fast_path.Timer(fast_path.BACKWARD_CALL, original_backward, backward,
-                                                             probe))
-    else:
-        _replace(torch.autograd, "backward", backward)
+    # Compiled where built: a plain step's backward; any other goes to the Python above.
+    _replace(torch.autograd, "backward", backward if fast_path is None else fast_path.Timer(
+        fast_path.BACKWARD_CALL, original_backward, backward, probe))
 
 
 class _AfterImport:
