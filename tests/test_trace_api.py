@@ -43,3 +43,20 @@ def test_an_explicit_trace_step_decides_the_steps(plain_run):
     with sqlite3.connect(run.run_dir / "telemetry.sqlite") as db:
         spans = db.execute("SELECT COUNT(*), SUM(count) FROM spans WHERE name = 'compute'").fetchone()
     assert spans == (25, 50)
+
+
+def test_a_second_traced_region_records_its_steps_as_the_first_did(plain_run):
+    # Pretraining then fine-tuning in one process, each region with a new optimizer: the
+    # second region must find the model and its optimizer again after the first one's detach.
+    run = plain_run("--steps", 12, "--regions", 2, script=API_LOOP)
+    assert run.returncode == 0, run.stderr
+    assert run.run_dir.name.endswith("-api_loop")  # one run, named after the first region
+    with sqlite3.connect(run.run_dir / "telemetry.sqlite") as db:
+        steps = db.execute("SELECT step, forward_calls, samples, forward_ms, optimizer_ms FROM steps "
+                           "ORDER BY step").fetchall()
+        scalar_steps = db.execute("SELECT COUNT(DISTINCT step) FROM scalars WHERE name = 'loss'").fetchone()[0]
+        span_steps = db.execute("SELECT COUNT(DISTINCT step) FROM spans WHERE name = 'compute'").fetchone()[0]
+    assert [row[0] for row in steps] == list(range(24))
+    assert {row[1:3] for row in steps} == {(1, 8)}  # one model call of 8 samples in every step
+    assert all(forward > 0 and optimizer > 0 for *_, forward, optimizer in steps)
+    assert scalar_steps == span_steps == 24

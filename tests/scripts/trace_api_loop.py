@@ -31,26 +31,32 @@ def main():
     parser.add_argument("--explicit", action="store_true", help="also wrap each step in trace_step")
     parser.add_argument("--port", type=int, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--regions", type=int, default=1,
+                        help="traced regions one after another (pretraining, then fine-tuning), "
+                             "each with a new optimizer")
     args = parser.parse_args()
 
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).to(args.device)
     loss_fn = nn.MSELoss()  # a module without parameters, called at top level: not the model
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     batches = iter(DataLoader(SlowDataset(args.load_ms), batch_size=8))
     tracer = traceml.Trace(port=args.port)
-    with tracer.trace("api_loop"):
-        for step in range(args.steps):
-            block = traceml.trace_step(model) if args.explicit else contextlib.nullcontext()
-            with block:
-                for _ in range(args.accumulate):
-                    inputs, targets = (t.to(args.device) for t in next(batches))
-                    with tracer.span("compute"):
-                        loss = loss_fn(model(inputs), targets) / args.accumulate
-                        loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            tracer.log_scalar("loss", loss * args.accumulate)  # a 0-dim tensor
-            tracer.log_scalar("lr", optimizer.param_groups[0]["lr"])  # a float
+    for region in range(args.regions):
+        # A new optimizer each region, as fine-tuning after pretraining makes one.
+        optimizer = (torch.optim.SGD(model.parameters(), lr=0.01) if region % 2 == 0
+                     else torch.optim.AdamW(model.parameters(), lr=1e-4))
+        with tracer.trace("api_loop" if region == 0 else f"api_loop_{region}"):
+            for step in range(args.steps):
+                block = traceml.trace_step(model) if args.explicit else contextlib.nullcontext()
+                with block:
+                    for _ in range(args.accumulate):
+                        inputs, targets = (t.to(args.device) for t in next(batches))
+                        with tracer.span("compute"):
+                            loss = loss_fn(model(inputs), targets) / args.accumulate
+                            loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                tracer.log_scalar("loss", loss * args.accumulate)  # a 0-dim tensor
+                tracer.log_scalar("lr", optimizer.param_groups[0]["lr"])  # a float
 
 
 if __name__ == "__main__":

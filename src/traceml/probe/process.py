@@ -218,6 +218,7 @@ def detach() -> None:
             return
         try:
             step._probe.finish()
+            step._probe.reset_inferred_steps()
         finally:
             remove_patches()
         for handles in _hooked_models.values():

@@ -214,7 +214,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self.due_step = self._layers_due_step = self.sync_due_step = math.inf
         self.layers_active = False
         self.tail_eval_ns = self.tail_checkpoint_ns = 0  # after the last step (see finish)
-        self._init_inferred_steps()
+        self.reset_inferred_steps()
         self._grad_enabled: Any = lambda: True  # torch.is_grad_enabled, once torch is here
         # True while a trainer's evaluation runs (an integration says so): timed as a whole as
         # evaluation, and its loader waits are not the training's input wait.
@@ -235,7 +235,9 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self.time_the_model_of: Callable[[Any], bool] = lambda optimizer: False
         self.stop_awaiting_models: Callable[[], None] = lambda: None
 
-    def _init_inferred_steps(self) -> None:
+    def reset_inferred_steps(self) -> None:
+        """Off until infer_steps turns it on; also at a detach, so that the next traced region
+        (fine-tuning after pretraining, with new optimizers) learns its optimizers afresh."""
         # No trace_step in the loop (zero-code mode, the Trace API): a step starts at its first
         # phase and ends when the optimizer steps, or, in a loop that no torch.optim optimizer
         # updates, when backward returns. An explicit trace_step turns this off for good.
