@@ -3,6 +3,7 @@ and used where a compiler is, the same figures on every shape of loop, and a fau
 bookkeeping costs a figure, never the user's call."""
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 
@@ -10,9 +11,9 @@ import pytest
 from conftest import SCRIPTS
 
 
-def shapes_loop(tmp_path, **env):
+def shapes_loop(tmp_path, script="shapes_loop.py", **env):
     tmp_path.mkdir()
-    result = subprocess.run([sys.executable, str(SCRIPTS / "shapes_loop.py")], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, str(SCRIPTS / script)], capture_output=True, text=True,
                             timeout=120, cwd=tmp_path,
                             env=dict(os.environ, TRACEML_RUN_DIR=str(tmp_path / "run"), **env))
     assert result.returncode == 0, result.stderr
@@ -39,6 +40,41 @@ def test_compiled_and_python_timers_agree_on_every_shape(tmp_path):
     assert [row[1] for row in compiled["steps"][:12]] == [4, 4, 4, 4, 4, 1] * 2
     assert compiled["sums_ok"] and python["sums_ok"]  # the parts add up to each step
     assert compiled["eval_between_steps"] == python["eval_between_steps"] > 0
+
+
+def spans_and_scalars(run_dir):
+    with sqlite3.connect(run_dir / "telemetry.sqlite") as db:
+        spans = db.execute("SELECT step, name, count FROM spans ORDER BY step, name").fetchall()
+        scalars = db.execute("SELECT step, name, round(value, 6) FROM scalars ORDER BY step, name").fetchall()
+    return spans, scalars
+
+
+def test_compiled_and_python_agree_on_inferred_steps_spans_and_scalars(tmp_path):
+    compiled = shapes_loop(tmp_path / "c", script="inferred_shapes_loop.py")
+    python = shapes_loop(tmp_path / "p", script="inferred_shapes_loop.py", TRACEML_PURE_PYTHON="1")
+    assert compiled["compiled"] is (sys.platform in ("linux", "darwin")) and python["compiled"] is False
+    assert compiled["steps"] == python["steps"]
+    assert compiled["sums_ok"] and python["sums_ok"]
+    steps = compiled["steps"]
+    # 5 updates of two micro-batches, then the GAN's turns (its optimizers take over from the
+    # first one, which stopped), then the second region's 10 batches, each its own step.
+    assert [row[1:3] for row in steps[:5]] == [[8, 2]] * 5
+    assert [row[1:3] for row in steps[-10:]] == [[4, 1]] * 10
+    assert len(steps) == 18 and [row[0] for row in steps] == list(range(18))
+    spans, scalars = spans_and_scalars(tmp_path / "c" / "run")
+    assert (spans, scalars) == spans_and_scalars(tmp_path / "p" / "run")
+    calls = {}
+    for step, name, count in spans:
+        calls[name] = calls.get(name, 0) + count
+    assert calls == {"update": 5, "compute": 20, "failing": 5}  # a span left by an exception counts too
+    logged = {}
+    for step, name, value in scalars:
+        logged.setdefault(name, []).append((step, value))
+    assert logged["index"] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]
+    assert logged["flag"] == [(0, 1.0), (1, 0.0), (2, 1.0), (3, 0.0), (4, 1.0)]
+    assert logged["keyword"] == logged["index"] and len(logged["loss"]) == 15
+    assert "huge" not in logged  # too large for a float: dropped, the loop unharmed
+    assert len({step for step, _ in logged["generator_loss"]}) == 3  # the GAN's updates made steps
 
 
 BROKEN_STEP = """

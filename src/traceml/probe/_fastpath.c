@@ -9,6 +9,11 @@
  * steps, evaluation). The probe's state the timers read lives in ProbeState, StepProbe's base
  * class, so Python and C read and write the same fields.
  *
+ * Inferred steps (zero-code mode, the Trace API) end at the optimizer's step once its turn is
+ * known, here too; and the Trace API's span and log_scalar of a float have their C short
+ * paths in TraceState, the base class of tracer.Trace. ImportTimer times a script's imports
+ * for zero-code mode without a Python frame per import statement.
+ *
  * Nothing here may fail the user's call: bookkeeping that fails is dropped (its error cleared),
  * and an exception from the wrapped call leaves exactly as it came.
  */
@@ -81,6 +86,8 @@ typedef struct {
     char auto_steps;      /* steps are inferred (no trace_step) */
     char layers_active;   /* this step runs deep-dive's hooks or FLOP counter */
     char comm_timed;      /* DDP's collective wait is timed */
+    char turn_known;      /* inferred steps: the optimizer ending steps is known (step.py _turn_known) */
+    int rank;
     long long step_index;
     long long step_start_ns;
     long long setup_started_ns;
@@ -92,6 +99,9 @@ typedef struct {
     PyObject *timeline;   /* DeviceTimeline on CUDA, else None */
     PyObject *sender;
     PyObject *host_rss;
+    PyObject *step_optimizer;   /* inferred steps: id() of the optimizer whose step ends a step, or None */
+    PyObject *last_optimizer;   /* id() of the optimizer that stepped last, or None */
+    PyObject *model_wait_ends;  /* the step after which a model is no longer awaited, or None */
 } ProbeState;
 
 static int
@@ -104,6 +114,9 @@ state_traverse(ProbeState *self, visitproc visit, void *arg)
     Py_VISIT(self->timeline);
     Py_VISIT(self->sender);
     Py_VISIT(self->host_rss);
+    Py_VISIT(self->step_optimizer);
+    Py_VISIT(self->last_optimizer);
+    Py_VISIT(self->model_wait_ends);
     return 0;
 }
 
@@ -117,6 +130,9 @@ state_clear(ProbeState *self)
     Py_CLEAR(self->timeline);
     Py_CLEAR(self->sender);
     Py_CLEAR(self->host_rss);
+    Py_CLEAR(self->step_optimizer);
+    Py_CLEAR(self->last_optimizer);
+    Py_CLEAR(self->model_wait_ends);
     return 0;
 }
 
@@ -147,18 +163,49 @@ static PyMemberDef state_members[] = {
     {"timeline", T_OBJECT, offsetof(ProbeState, timeline), 0, NULL},
     {"sender", T_OBJECT, offsetof(ProbeState, sender), 0, NULL},
     {"host_rss", T_OBJECT, offsetof(ProbeState, host_rss), 0, NULL},
+    {"rank", T_INT, offsetof(ProbeState, rank), 0, NULL},
+    {"_turn_known", T_BOOL, offsetof(ProbeState, turn_known), 0, NULL},
+    {"_step_optimizer", T_OBJECT, offsetof(ProbeState, step_optimizer), 0, NULL},
+    {"_last_optimizer", T_OBJECT, offsetof(ProbeState, last_optimizer), 0, NULL},
+    {"_model_wait_ends", T_OBJECT, offsetof(ProbeState, model_wait_ends), 0, NULL},
     {NULL},
 };
 
 /* What step.py hands over once (configure): the records a step's ends make, and the zeros a
  * new step's and window's lists start from. */
 static PyObject *closed_step_type, *ended_window_type, *step_zeros, *window_zeros;
-static PyObject *str_enter_long, *str_exit_long, *str_push, *str_latest_bytes;
+static PyObject *str_enter_long, *str_exit_long, *str_push, *str_latest_bytes, *str_buffer, *str_capacity,
+    *str_append;
 
 static inline int
 is_none(PyObject *value)
 {
     return value == NULL || value == Py_None;
+}
+
+/* sender.push(record) without its Python frame: appended to the sender's buffer while it has
+ * room. A full buffer (where push drops the record and counts it), or a sender without a
+ * buffer, goes to push itself. -1 with an error set when the record could not be pushed. */
+static int
+push_record(PyObject *sender, PyObject *record)
+{
+    PyObject *buffer = PyObject_GetAttr(sender, str_buffer);
+    PyObject *capacity = buffer ? PyObject_GetAttr(sender, str_capacity) : NULL;
+    Py_ssize_t held = buffer ? PyObject_Size(buffer) : -1;
+    Py_ssize_t room = capacity ? PyLong_AsSsize_t(capacity) : -1;
+    Py_XDECREF(capacity);
+    PyObject *pushed;
+    if (held >= 0 && held < room && !PyErr_Occurred()) {
+        pushed = PyObject_CallMethodOneArg(buffer, str_append, record);
+    } else {
+        PyErr_Clear();
+        pushed = PyObject_CallMethodOneArg(sender, str_push, record);
+    }
+    Py_XDECREF(buffer);
+    if (pushed == NULL)
+        return -1;
+    Py_DECREF(pushed);
+    return 0;
 }
 
 /* `with trace_step(model):` entering, for the common step (host clock, one level of trace_step,
@@ -185,11 +232,10 @@ state_enter(ProbeState *self, PyObject *unused)
         if (self->auto_steps) {
             Py_XSETREF(self->unconfirmed, ending);
         } else {
-            PyObject *pushed = PyObject_CallMethodOneArg(self->sender, str_push, ending);
+            int pushed = push_record(self->sender, ending);
             Py_DECREF(ending);
-            if (pushed == NULL)
+            if (pushed < 0)
                 goto fail;
-            Py_DECREF(pushed);
         }
     }
     Py_XSETREF(self->window, window);
@@ -230,13 +276,12 @@ state_exit(ProbeState *self, PyObject *const *args, Py_ssize_t nargs)
         /* inferred steps: this one proved a step, the one before it is sent */
         PyObject *unconfirmed = self->unconfirmed;
         self->unconfirmed = Py_NewRef(Py_None);
-        PyObject *pushed = PyObject_CallMethodOneArg(self->sender, str_push, unconfirmed);
+        int pushed = push_record(self->sender, unconfirmed);
         Py_DECREF(unconfirmed);
-        if (pushed == NULL) {
+        if (pushed < 0) {
             report_fault((PyObject *)self, "trace_step exit");
             Py_RETURN_NONE;
         }
-        Py_DECREF(pushed);
     }
     self->in_step = 0;
     self->plain = 0;
@@ -517,7 +562,9 @@ time_backward(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnam
         note_failure(self->probe, BACKWARD);
     close_phase(state, sums, BACKWARD, start_ns);
     Py_XDECREF(sums);
-    if (result != NULL && state->auto_steps && call_probe(self->probe, str_backward_returned, NULL) < 0) {
+    /* backward_returned has nothing to do once an optimizer ends the steps */
+    if (result != NULL && state->auto_steps && is_none(state->step_optimizer)
+            && call_probe(self->probe, str_backward_returned, NULL) < 0) {
         Py_DECREF(result);
         return NULL;  /* as the Python patch: backward_returned guards itself */
     }
@@ -550,6 +597,28 @@ before_optimizer_step(Timer *self, PyObject *const *args, size_t nargsf, PyObjec
     return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
 }
 
+/* Inferred steps: StepProbe.optimizer_stepped, whose common call (the optimizer that ends the
+ * steps, its turn known, no model awaited) ends the step here; any other goes to Python. */
+static PyObject *
+optimizer_stepped(ProbeState *state, PyObject *optimizer)
+{
+    int settled = state->turn_known && is_none(state->model_wait_ends) && !is_none(state->step_optimizer)
+        && PyLong_CheckExact(state->step_optimizer) && PyLong_AsVoidPtr(state->step_optimizer) == (void *)optimizer;
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        settled = 0;
+    }
+    if (!settled) {
+        if (call_probe((PyObject *)state, str_optimizer_stepped, optimizer) < 0)
+            return NULL;  /* as the Python hook: optimizer_stepped guards itself */
+        Py_RETURN_NONE;
+    }
+    Py_XSETREF(state->last_optimizer, Py_NewRef(state->step_optimizer));  /* the same id() */
+    if (state->in_step && state->open_phase == NO_PHASE)
+        return state_exit(state, NULL, 0);  /* None, as exit guards itself */
+    Py_RETURN_NONE;
+}
+
 /* The optimizer's step post-hook: ends the update the pre-hook timed. */
 static PyObject *
 after_optimizer_step(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
@@ -571,8 +640,8 @@ after_optimizer_step(Timer *self, PyObject *const *args, size_t nargsf, PyObject
         state->open_phase = NO_PHASE;
         if (add_ns(state->sums, OPTIMIZER, elapsed_ns) < 0)
             drop_bookkeeping_error();
-        if (state->auto_steps && call_probe(self->probe, str_optimizer_stepped, args[0]) < 0)
-            return NULL;  /* as the Python hook: optimizer_stepped guards itself */
+        if (state->auto_steps)
+            return optimizer_stepped(state, args[0]);
         Py_RETURN_NONE;
     }
     if (PyErr_Occurred())
@@ -711,6 +780,329 @@ static PyTypeObject TimerType = {
     .tp_getset = timer_getset,
 };
 
+/* ---- TraceState: the Trace API's span and log_scalar ------------------------------------ */
+
+static PyObject *scalar_record_type, *general_log_scalar;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *probe;  /* the StepProbe while a region is traced, else None */
+} TraceState;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *tracer;  /* the TraceState whose probe the span's time goes to */
+    PyObject *name;
+    long long start_ns;
+} Span;
+
+static PyTypeObject SpanType;
+
+/* tracer.span(name): one call of a user span. */
+static PyObject *
+trace_span(TraceState *self, PyObject *name)
+{
+    Span *span = PyObject_GC_New(Span, &SpanType);
+    if (span == NULL)
+        return NULL;
+    span->tracer = Py_NewRef(self);
+    span->name = Py_NewRef(name);
+    span->start_ns = 0;
+    PyObject_GC_Track(span);
+    return (PyObject *)span;
+}
+
+/* The step a span or scalar belongs to: the step in flight, else the one whose window (it
+ * runs to the next step's start) this gap belongs to. */
+static inline long long
+current_step(ProbeState *state)
+{
+    return state->in_step ? state->step_index : (state->step_index > 0 ? state->step_index - 1 : 0);
+}
+
+/* tracer.log_scalar(name, value): a float or an int is recorded here; anything else (a
+ * tensor, keywords) goes to tracer.py's Python, which reads tensors without waiting. */
+static PyObject *
+trace_log_scalar(TraceState *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    ProbeState *state = is_none(self->probe) ? NULL : state_of(self->probe);
+    double value = -1.0;
+    if (nargs == 2 && kwnames == NULL && state != NULL && scalar_record_type != NULL
+            && (PyFloat_CheckExact(args[1]) || PyLong_CheckExact(args[1]))) {
+        value = PyFloat_AsDouble(args[1]);
+        if (value == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();  /* an int too large for a float: Python's float() says so, below */
+            state = NULL;
+        }
+    } else {
+        state = NULL;
+    }
+    if (state != NULL) {
+        PyObject *rank = PyLong_FromLong(state->rank);
+        PyObject *step = PyLong_FromLongLong(current_step(state));
+        PyObject *number = PyFloat_FromDouble(value);
+        PyObject *record = NULL;
+        if (rank && step && number) {
+            PyObject *fields[] = {rank, step, args[0], number};
+            record = PyObject_Vectorcall(scalar_record_type, fields, 4, NULL);
+        }
+        Py_XDECREF(rank);
+        Py_XDECREF(step);
+        Py_XDECREF(number);
+        if (record == NULL || push_record(state->sender, record) < 0)
+            drop_bookkeeping_error();  /* a bad value costs that scalar, never the training */
+        Py_XDECREF(record);
+        Py_RETURN_NONE;
+    }
+    if (is_none(self->probe))
+        Py_RETURN_NONE;
+    if (general_log_scalar == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "traceml: the tracer is not configured");
+        return NULL;
+    }
+    /* general_log_scalar(self, *args, **kwargs) */
+    Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+    PyObject *small[8], **forwarded = total + 1 <= 8 ? small : PyMem_Malloc((total + 1) * sizeof(PyObject *));
+    if (forwarded == NULL)
+        return PyErr_NoMemory();
+    forwarded[0] = (PyObject *)self;
+    for (Py_ssize_t i = 0; i < total; i++)
+        forwarded[i + 1] = args[i];
+    PyObject *result = PyObject_Vectorcall(general_log_scalar, forwarded, nargs + 1, kwnames);
+    if (forwarded != small)
+        PyMem_Free(forwarded);
+    return result;
+}
+
+static int
+trace_traverse(TraceState *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->probe);
+    return 0;
+}
+
+static int
+trace_clear(TraceState *self)
+{
+    Py_CLEAR(self->probe);
+    return 0;
+}
+
+static void
+trace_dealloc(TraceState *self)
+{
+    PyObject_GC_UnTrack(self);
+    trace_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef trace_members[] = {
+    {"_probe", T_OBJECT, offsetof(TraceState, probe), 0, NULL},
+    {NULL},
+};
+
+static PyMethodDef trace_methods[] = {
+    {"span", (PyCFunction)trace_span, METH_O,
+     "span(name): `with tracer.span(\"forward_pass\"):` a named part of the step, shown in the\n"
+     "timeline and beside the breakdown (spans overlap the phases; they are not added to them)."},
+    {"log_scalar", (PyCFunction)(void (*)(void))trace_log_scalar, METH_FASTCALL | METH_KEYWORDS,
+     "log_scalar(name, value): log a float or a 0-dim tensor at the current step. A CUDA tensor\n"
+     "is copied to the host without waiting and read by the sender thread once its copy is done:\n"
+     "no sync."},
+    {NULL},
+};
+
+static PyTypeObject TraceStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traceml.probe._fastpath.TraceState",
+    .tp_doc = "The Trace API's span and log_scalar in C (the base class of tracer.Trace).",
+    .tp_basicsize = sizeof(TraceState),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_traverse = (traverseproc)trace_traverse,
+    .tp_clear = (inquiry)trace_clear,
+    .tp_dealloc = (destructor)trace_dealloc,
+    .tp_members = trace_members,
+    .tp_methods = trace_methods,
+};
+
+static PyObject *
+span_enter(Span *self, PyObject *unused)
+{
+    self->start_ns = now_ns();
+    return Py_NewRef(self);
+}
+
+/* The span's time goes to its step, summed on the sender's thread (StepProbe.span_records). */
+static PyObject *
+span_exit(Span *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long end_ns = now_ns();
+    PyObject *probe = ((TraceState *)self->tracer)->probe;
+    ProbeState *state = is_none(probe) ? NULL : state_of(probe);
+    if (state != NULL) {
+        PyObject *done = Py_BuildValue("(LOLL)", current_step(state), self->name, self->start_ns, end_ns);
+        if (done == NULL || push_record(state->sender, done) < 0)
+            drop_bookkeeping_error();  /* costs this span's time only */
+        Py_XDECREF(done);
+    }
+    Py_RETURN_FALSE;
+}
+
+static int
+span_traverse(Span *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->tracer);
+    Py_VISIT(self->name);
+    return 0;
+}
+
+static int
+span_clear(Span *self)
+{
+    Py_CLEAR(self->tracer);
+    Py_CLEAR(self->name);
+    return 0;
+}
+
+static void
+span_dealloc(Span *self)
+{
+    PyObject_GC_UnTrack(self);
+    span_clear(self);
+    PyObject_GC_Del(self);
+}
+
+static PyMethodDef span_methods[] = {
+    {"__enter__", (PyCFunction)span_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))span_exit, METH_FASTCALL, NULL},
+    {NULL},
+};
+
+static PyTypeObject SpanType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traceml.probe._fastpath.Span",
+    .tp_doc = "One call of a user span (Trace.span).",
+    .tp_basicsize = sizeof(Span),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)span_traverse,
+    .tp_clear = (inquiry)span_clear,
+    .tp_dealloc = (destructor)span_dealloc,
+    .tp_methods = span_methods,
+};
+
+/* ---- ImportTimer: builtins.__import__ while a script starts ------------------------------- */
+
+/* Times the outermost import statements of one thread (zero_code's _ImportTimer). In C because
+ * a Python __import__ adds a frame to every import statement, nested ones included: besides
+ * its own cost, that deepens the import machinery's frames, and CPython 3.11 maps and unmaps
+ * a frame stack chunk each time a call crosses a chunk's end (thousands of times while torch
+ * imports: ~50 ms). */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *original;      /* the __import__ it stands in front of */
+    unsigned long thread;    /* the one thread timed (the script's main thread) */
+    int depth;
+    long long total_ns;
+    long long slowest_ns;
+    PyObject *slowest_name;  /* the name given to the slowest import statement */
+    int slowest_level;       /* and its level (0: absolute) */
+} ImportTimer;
+
+static PyObject *
+import_timer_call(ImportTimer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (self->depth || PyThread_get_thread_ident() != self->thread || nargs < 1)
+        return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    self->depth = 1;
+    long long start_ns = now_ns();
+    PyObject *result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    long long elapsed_ns = now_ns() - start_ns;
+    self->depth = 0;
+    self->total_ns += elapsed_ns;
+    if (elapsed_ns > self->slowest_ns) {
+        int level = 0;
+        if (nargs >= 5 && PyLong_Check(args[4])) {
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback);  /* the import's own error, if any, goes on */
+            level = (int)PyLong_AsLong(args[4]);
+            if (PyErr_Occurred())
+                PyErr_Clear();
+            PyErr_Restore(type, value, traceback);
+        }
+        self->slowest_ns = elapsed_ns;
+        self->slowest_level = level;
+        Py_XSETREF(self->slowest_name, Py_NewRef(args[0]));
+    }
+    return result;
+}
+
+static PyObject *
+import_timer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *original;
+    if (!PyArg_ParseTuple(args, "O", &original))
+        return NULL;
+    ImportTimer *self = (ImportTimer *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = (vectorcallfunc)import_timer_call;
+    self->original = Py_NewRef(original);
+    self->thread = PyThread_get_thread_ident();
+    self->slowest_name = Py_NewRef(Py_None);
+    return (PyObject *)self;
+}
+
+static int
+import_timer_traverse(ImportTimer *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->original);
+    Py_VISIT(self->slowest_name);
+    return 0;
+}
+
+static int
+import_timer_clear(ImportTimer *self)
+{
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->slowest_name);
+    return 0;
+}
+
+static void
+import_timer_dealloc(ImportTimer *self)
+{
+    PyObject_GC_UnTrack(self);
+    import_timer_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef import_timer_members[] = {
+    {"original", T_OBJECT, offsetof(ImportTimer, original), READONLY, NULL},
+    {"total_ns", T_LONGLONG, offsetof(ImportTimer, total_ns), READONLY, NULL},
+    {"slowest_ns", T_LONGLONG, offsetof(ImportTimer, slowest_ns), READONLY, NULL},
+    {"slowest_name", T_OBJECT, offsetof(ImportTimer, slowest_name), READONLY, NULL},
+    {"slowest_level", T_INT, offsetof(ImportTimer, slowest_level), READONLY, NULL},
+    {NULL},
+};
+
+static PyTypeObject ImportTimerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traceml.probe._fastpath.ImportTimer",
+    .tp_doc = "ImportTimer(original __import__): times this thread's outermost imports.",
+    .tp_basicsize = sizeof(ImportTimer),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(ImportTimer, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = import_timer_new,
+    .tp_traverse = (traverseproc)import_timer_traverse,
+    .tp_clear = (inquiry)import_timer_clear,
+    .tp_dealloc = (destructor)import_timer_dealloc,
+    .tp_members = import_timer_members,
+};
+
 static PyObject *
 fast_now_ns(PyObject *module, PyObject *unused)
 {
@@ -736,11 +1128,24 @@ configure(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *
+configure_trace(PyObject *module, PyObject *args)
+{
+    PyObject *scalar_record, *general;
+    if (!PyArg_ParseTuple(args, "OO", &scalar_record, &general))
+        return NULL;
+    Py_XSETREF(scalar_record_type, Py_NewRef(scalar_record));
+    Py_XSETREF(general_log_scalar, Py_NewRef(general));
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"now_ns", fast_now_ns, METH_NOARGS, "The timers' clock, in ns (time.perf_counter_ns's)."},
     {"faults", faults, METH_NOARGS, "How many times the timers' bookkeeping failed (and was dropped)."},
     {"configure", configure, METH_VARARGS,
      "configure(ClosedStep, EndedWindow, step zeros, window zeros): what a step's ends make."},
+    {"configure_trace", configure_trace, METH_VARARGS,
+     "configure_trace(ScalarRecord, log_scalar): what a scalar makes, and the Python that logs any other."},
     {NULL},
 };
 
@@ -758,21 +1163,27 @@ PyInit__fastpath(void)
         {&str_backward_returned, "backward_returned"}, {&str_optimizer_stepped, "optimizer_stepped"},
         {&str_name, "__name__"}, {&str_qualname, "__qualname__"}, {&str_doc, "__doc__"},
         {&str_module, "__module__"}, {&str_enter_long, "enter"}, {&str_exit_long, "exit"},
-        {&str_push, "push"}, {&str_latest_bytes, "latest_bytes"},
+        {&str_push, "push"}, {&str_latest_bytes, "latest_bytes"}, {&str_buffer, "_buffer"},
+        {&str_capacity, "capacity"}, {&str_append, "append"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
             return NULL;
-    if (PyType_Ready(&ProbeStateType) < 0 || PyType_Ready(&TimerType) < 0)
+    if (PyType_Ready(&ProbeStateType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&TraceStateType) < 0
+            || PyType_Ready(&SpanType) < 0 || PyType_Ready(&ImportTimerType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&fastpath_module);
     if (module == NULL)
         return NULL;
     Py_INCREF(&ProbeStateType);
     Py_INCREF(&TimerType);
+    Py_INCREF(&TraceStateType);
+    Py_INCREF(&ImportTimerType);
     if (PyModule_AddObject(module, "ProbeState", (PyObject *)&ProbeStateType) < 0
             || PyModule_AddObject(module, "Timer", (PyObject *)&TimerType) < 0
-            || PyModule_AddIntConstant(module, "VERSION", 1) < 0
+            || PyModule_AddObject(module, "TraceState", (PyObject *)&TraceStateType) < 0
+            || PyModule_AddObject(module, "ImportTimer", (PyObject *)&ImportTimerType) < 0
+            || PyModule_AddIntConstant(module, "VERSION", 2) < 0
             || PyModule_AddIntConstant(module, "NEXT", NEXT) < 0
             || PyModule_AddIntConstant(module, "MODEL_CALL", MODEL_CALL) < 0
             || PyModule_AddIntConstant(module, "BACKWARD_CALL", BACKWARD_CALL) < 0

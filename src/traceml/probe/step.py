@@ -44,6 +44,9 @@ _NOT_A_STEP = RuntimeError("not a step")  # ends an inferred step without a reco
 NO_PHASE = -1
 _STEP_ZEROS = (0, 0, 0, 0, 0, 0, 0, 0, 0, None, None, NO_PHASE)
 PHASE_NAMES = ("h2d", "forward", "backward", "optimizer")
+# Inferred steps: another optimizer updating this many times with no step ended between means
+# the one that ended steps has stopped (a new phase of training with optimizers of its own).
+TURN_LEFT_UPDATES = 3
 SPANS_END = ()  # in the sender's buffer: send every user span total held (StepProbe.span_records)
 
 
@@ -76,7 +79,7 @@ class EndedWindow(msgspec.Struct, gc=False):
     next_start_event: Any  # on CUDA the next step's start event, the window's end (else None)
 
 
-FAST_PATH_VERSION = 1  # _fastpath.c's VERSION: a build of another version is not used
+FAST_PATH_VERSION = 2  # _fastpath.c's VERSION: a build of another version is not used
 
 
 def _load_fast_path() -> Any:
@@ -110,7 +113,9 @@ class _PythonProbeState:
 
     __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "in_evaluation", "layers_active",
                  "comm_timed", "step_index", "_step_start_ns", "setup_started_ns", "due_step", "_closed",
-                 "_unconfirmed", "timeline", "sender", "host_rss")
+                 "_unconfirmed", "timeline", "sender", "host_rss", "rank",
+                 # inferred steps: what optimizer_stepped reads on every update (see reset_inferred_steps)
+                 "_step_optimizer", "_last_optimizer", "_turn_known", "_model_wait_ends")
 
     # -- step boundaries: `with trace_step(model):` enters and exits the probe itself ---------
     #
@@ -168,9 +173,8 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
     # Slots, not a __dict__. What a step touches on every call is the base class's (above);
     # the rest: set-up, deep-dive, inferred steps, DDP, spans, the end of the run.
     __slots__ = ("_start_event", "_phase_events", "_gradients_done_ns", "_open_event", "_gc_start_ns",
-                 "device_memory", "rank", "exit_code", "_unix_at_zero_s", "_gradients_done_event", "_layers",
-                 "spans", "_backward_ends_steps", "_step_optimizer", "_last_optimizer", "_turn_known",
-                 "_optimizers_seen", "_model_wait_ends", "_evaluation_start_ns", "steps_from",
+                 "device_memory", "exit_code", "_unix_at_zero_s", "_gradients_done_event", "_layers",
+                 "spans", "_backward_ends_steps", "_optimizers_seen", "_updates_in_step", "_evaluation_start_ns", "steps_from",
                  "_grad_enabled", "tail_eval_ns", "tail_checkpoint_ns",
                  "on_fault", "time_the_model_of", "stop_awaiting_models", "_syncs", "sync_due_step", "_layers_due_step")
 
@@ -247,6 +251,8 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self._turn_known = False  # whether the optimizer ending steps is the last of a turn
         self._backward_ends_steps: Optional[bool] = None  # decided at the first backward
         self._optimizers_seen: set = set()  # id() of each optimizer whose model is timed
+        # id() of each other optimizer -> (the step of its last update, its updates in that step)
+        self._updates_in_step: dict = {}
         self._model_wait_ends: Optional[int] = None  # the step after which a model is no longer awaited
         self.steps_from = STEPS_FROM_TRACE_STEP  # how steps are found, for the card
 
@@ -547,12 +553,26 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
                 self.set_steps_from(STEPS_FROM_OPTIMIZER)
             self._backward_ends_steps = False
         elif optimizer_id != self._step_optimizer:
-            return False
+            return self._takes_over_the_turn(optimizer_id)
         elif not self._turn_known:  # the first optimizer comes round again: the turn is known
             self._turn_known = True
             if last_id != optimizer_id:
                 self._step_optimizer = last_id  # another stepped since: it ends the turn
                 return False
+        return True
+
+    def _takes_over_the_turn(self, optimizer_id: int) -> bool:
+        """Another optimizer's update: when it has updated TURN_LEFT_UPDATES times with no step
+        ended between, the optimizer that ended steps no longer steps (fine-tuning with a new
+        optimizer, a GAN after pretraining): the turn is learnt again from this one, whose
+        update ends the step, as the first optimizer's did. True when it does."""
+        step, updates = self._updates_in_step.get(optimizer_id, (-1, 0))
+        updates = updates + 1 if step == self.step_index else 1
+        if updates < TURN_LEFT_UPDATES:
+            self._updates_in_step[optimizer_id] = (self.step_index, updates)
+            return False
+        self._updates_in_step.clear()
+        self._step_optimizer, self._turn_known = optimizer_id, False
         return True
 
     def backward_returned(self) -> None:

@@ -18,6 +18,7 @@ import time
 from typing import Any, Optional
 
 from traceml import rendezvous
+from traceml.probe.step import fast_path
 from traceml.records import ScalarRecord
 
 log = logging.getLogger("traceml")
@@ -25,7 +26,39 @@ _now_ns = time.perf_counter_ns
 PENDING_SCALARS = 4096  # device scalars waiting for their copy; beyond this they are dropped
 
 
-class Trace:
+class _PythonTraceState:
+    """The Trace API's calls made every step, span and log_scalar, where the compiled timers
+    are not built; else _fastpath.TraceState does the same in C (a float's scalar, a span's
+    clock readings) and hands every other scalar to log_scalar here."""
+
+    __slots__ = ("_probe",)
+
+    # -- user spans and scalars --------------------------------------------------------------
+    def span(self, name: str) -> "_Span":
+        """`with tracer.span("forward_pass"):` a named part of the step, shown in the timeline
+        and beside the breakdown (spans overlap the phases; they are not added to them)."""
+        return _Span(self, name)
+
+    def log_scalar(self, name: str, value: Any) -> None:
+        """Log a float or a 0-dim tensor at the current step. A CUDA tensor is copied to the
+        host without waiting and read by the sender thread once its copy is done: no sync."""
+        probe = self._probe
+        if probe is None:
+            return
+        try:
+            step = probe.step_index if probe.in_step else max(0, probe.step_index - 1)
+            if isinstance(value, (int, float)):
+                probe.sender.push(ScalarRecord(probe.rank, step, name, float(value)))
+            elif getattr(value, "is_cuda", False):
+                _defer_device_scalar(probe, step, name, value)
+            else:  # a CPU tensor (or anything float() takes): reading it costs nothing to wait for
+                probe.sender.push(ScalarRecord(probe.rank, step, name, float(value.detach().reshape(-1)[0])
+                                               if hasattr(value, "detach") else float(value)))
+        except Exception as exc:  # a bad value costs that scalar, never the training
+            log.debug("traceml: scalar %s not logged: %s", name, exc)
+
+
+class Trace(fast_path.TraceState if fast_path is not None else _PythonTraceState):  # type: ignore[misc]
     """A traced training run: steps inferred from `optimizer.step()`, user spans and scalars.
 
     port: where rank 0's collector serves the web dashboard when the script runs under plain
@@ -59,30 +92,6 @@ class Trace:
         except Exception:
             log.warning("traceml: could not close the traced region", exc_info=True)
 
-    # -- user spans and scalars --------------------------------------------------------------
-    def span(self, name: str) -> "_Span":
-        """`with tracer.span("forward_pass"):` a named part of the step, shown in the timeline
-        and beside the breakdown (spans overlap the phases; they are not added to them)."""
-        return _Span(self, name)
-
-    def log_scalar(self, name: str, value: Any) -> None:
-        """Log a float or a 0-dim tensor at the current step. A CUDA tensor is copied to the
-        host without waiting and read by the sender thread once its copy is done: no sync."""
-        probe = self._probe
-        if probe is None:
-            return
-        try:
-            step = probe.step_index if probe.in_step else max(0, probe.step_index - 1)
-            if isinstance(value, (int, float)):
-                probe.sender.push(_scalar(probe.rank, step, name, float(value)))
-            elif getattr(value, "is_cuda", False):
-                _defer_device_scalar(probe, step, name, value)
-            else:  # a CPU tensor (or anything float() takes): reading it costs nothing to wait for
-                probe.sender.push(_scalar(probe.rank, step, name, float(value.detach().reshape(-1)[0])
-                                          if hasattr(value, "detach") else float(value)))
-        except Exception as exc:  # a bad value costs that scalar, never the training
-            log.debug("traceml: scalar %s not logged: %s", name, exc)
-
 
 class _TracedRegion:
     __slots__ = ("tracer", "name")
@@ -104,7 +113,7 @@ class _Span:
 
     __slots__ = ("tracer", "name", "start_ns")
 
-    def __init__(self, tracer: Trace, name: str):
+    def __init__(self, tracer: _PythonTraceState, name: str):
         self.tracer, self.name, self.start_ns = tracer, name, 0
 
     def __enter__(self) -> "_Span":
@@ -119,10 +128,6 @@ class _Span:
             except Exception:
                 log.debug("traceml: span %s not recorded", self.name, exc_info=True)
         return False
-
-
-def _scalar(rank: int, step: int, name: str, value: float) -> Any:
-    return ScalarRecord(rank, step, name, value)
 
 
 class _DeviceScalar:
@@ -143,8 +148,12 @@ class _DeviceScalar:
         return bool(self.copied.query())
 
     def record(self) -> Any:
-        return _scalar(self.rank, self.step, self.name, float(self.host_copy[0]))
+        return ScalarRecord(self.rank, self.step, self.name, float(self.host_copy[0]))
 
 
 def _defer_device_scalar(probe: Any, step: int, name: str, tensor: Any) -> None:
     probe.sender.defer(_DeviceScalar(probe.rank, step, name, tensor), limit=PENDING_SCALARS)
+
+
+if fast_path is not None:
+    fast_path.configure_trace(ScalarRecord, _PythonTraceState.log_scalar)

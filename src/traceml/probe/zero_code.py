@@ -17,22 +17,21 @@ import runpy
 import sys
 import threading
 import time
-from typing import Any, List, Tuple
+from typing import Any, List
 
 log = logging.getLogger("traceml")
 
 
-class _ImportTimer:
-    """Times the script's import statements (the outermost ones, on the main thread) from its
-    start to its first step, for the startup part of goodput; then it steps aside, so the
-    training's imports cost nothing."""
+class _PythonImportTimer:
+    """Times the script's import statements (the outermost ones, on the main thread), where the
+    compiled module is not built; else _fastpath.ImportTimer, the same in C (see there why)."""
 
-    def __init__(self) -> None:
-        self.original = builtins.__import__
+    def __init__(self, original: Any) -> None:
+        self.original = original
         self.thread = threading.get_ident()
-        self.total_ns = 0
-        self.slowest: Tuple[str, int] = ("", 0)
         self.depth = 0
+        self.total_ns = self.slowest_ns = self.slowest_level = 0
+        self.slowest_name: Any = None
 
     def __call__(self, name: str, globals: Any = None, locals: Any = None, fromlist: Any = (),
                  level: int = 0) -> Any:
@@ -46,15 +45,28 @@ class _ImportTimer:
             self.depth = 0
             elapsed_ns = time.perf_counter_ns() - start_ns
             self.total_ns += elapsed_ns
-            if elapsed_ns > self.slowest[1]:
-                self.slowest = (name.partition(".")[0] if level == 0 else name, elapsed_ns)
+            if elapsed_ns > self.slowest_ns:
+                self.slowest_ns, self.slowest_name, self.slowest_level = elapsed_ns, name, level
+
+
+def _import_timer_base() -> Any:
+    from traceml.probe.step import fast_path
+
+    return fast_path.ImportTimer if fast_path is not None else _PythonImportTimer
+
+
+class _ImportTimer(_import_timer_base()):  # type: ignore[misc]
+    """builtins.__import__ from the script's start to its first step, for the startup part of
+    goodput; then it steps aside, so the training's imports cost nothing."""
 
     def stop(self) -> dict:
         """Step aside (the import statement as it was) and say what was timed, as the hello's
         fields."""
         if builtins.__import__ is self:
             builtins.__import__ = self.original
-        return {"imports_ms": self.total_ns / 1e6, "slowest_import": self.slowest[0]}
+        name = self.slowest_name or ""
+        return {"imports_ms": self.total_ns / 1e6,
+                "slowest_import": name.partition(".")[0] if self.slowest_level == 0 else name}
 
 
 def _start_at_first_module_call() -> None:
@@ -81,7 +93,7 @@ def main(argv: List[str]) -> None:
         from traceml.probe import process
 
         # The probe's hello takes the import time so far and stops the timer (process._imports_so_far).
-        process.import_timer = builtins.__import__ = _ImportTimer()
+        process.import_timer = builtins.__import__ = _ImportTimer(builtins.__import__)
     except Exception:
         log.debug("traceml: import timing unavailable", exc_info=True)
     try:
