@@ -207,6 +207,15 @@ def test_missing_script_is_a_one_line_error(traceml_run, tmp_path):
     assert not run.run_dir.exists()
 
 
+def test_help_lists_the_four_commands_and_nothing_internal():
+    result = subprocess.run([sys.executable, "-m", "traceml", "--help"], capture_output=True, text=True,
+                            env=_env(), timeout=60)
+    assert result.returncode == 0
+    listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("    ")]
+    assert listed == ["run", "view", "compare", "export"]
+    assert "SUPPRESS" not in result.stdout and "_collect" not in result.stdout
+
+
 def test_a_malformed_rendezvous_endpoint_is_a_one_line_error(traceml_run):
     run = traceml_run(traceml_args=("--nnodes", "2", "--rdzv-endpoint", "head-node"))
     assert run.returncode == 2

@@ -1,6 +1,4 @@
 """`python -m traceml` is the `traceml` command."""
-import sys
+from traceml.cli import entry
 
-from traceml.cli import main
-
-sys.exit(main())
+entry()

@@ -316,14 +316,21 @@ def finish_run(store: Any, run_dir: Optional[Path], facts: Any) -> Optional[dict
         log.debug("summary failed", exc_info=True)
         return None
     try:
+        text: Optional[str] = card_text(summary)  # rendered once: printed to a pipe as saved
+    except Exception as exc:
+        text = None
+        log.debug("could not render the card: %s", exc)
+    try:
         sys.stdout.flush()
-        print_card(summary)
+        print_card(summary, text=text)
     except Exception as exc:  # a closed stdout must not cost the files
         log.debug("could not print the card: %s", exc)
     if run_dir is not None:  # the summary files first: on a full disk, the reserve is theirs
         rundir.release_reserve(run_dir)
-        written = _write_files(run_dir, [(rundir.SUMMARY_JSON, lambda: json.dumps(summary, indent=2) + "\n"),
-                                         (rundir.SUMMARY_TXT, lambda: card_text(summary))])
+        files = [(rundir.SUMMARY_JSON, lambda: json.dumps(summary, indent=2) + "\n")]
+        if text is not None:
+            files.append((rundir.SUMMARY_TXT, lambda: text))
+        written = _write_files(run_dir, files)
     try:  # the findings and facts also go in the store, where there is room for them
         store.write_findings(data.findings)
         store.set_meta({"run": summary["run"], "steps": summary["steps"]})

@@ -287,10 +287,15 @@ def prepare_card() -> None:
     Console(file=io.StringIO(), width=CARD_WIDTH).print(Panel(Table("warm-up")))
 
 
-def print_card(summary: Dict[str, Any], file: Any = None) -> None:
+def print_card(summary: Dict[str, Any], file: Any = None, text: Optional[str] = None) -> None:
+    """Print the card: on a terminal at its width, in colour; elsewhere (a pipe, a log file)
+    the plain text card, `text` when it is already rendered (card_text), as it is saved."""
     from rich.console import Console
 
     console = Console(file=file, highlight=False)
     if not console.is_terminal:  # a pipe or a log file has no width: use the card's own
         console = Console(file=file, highlight=False, width=CARD_WIDTH)
+        if text is not None and console.color_system is None:
+            console.file.write(text)
+            return
     console.print(render_card(summary, width=console.width))
