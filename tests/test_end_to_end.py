@@ -283,19 +283,26 @@ def test_ctrl_c_reaches_the_script_and_the_summary_is_written(tmp_path):
 
 
 FAULTY_PROBE = """
-import os, runpy, sys
+import collections, os, runpy, sys
 from traceml.probe import sender
 
-original_push = sender.Sender.push
-pushes = []
+class FaultyBuffer(collections.deque):
+    steps = 0
 
-def push(self, record):
-    pushes.append(record)
-    if len(pushes) > 5:
-        raise RuntimeError("a bug inside TraceML")
-    original_push(self, record)
+    def append(self, record):  # the training thread's step records, on any path to the buffer
+        if type(record).__name__ == "EndedWindow":
+            FaultyBuffer.steps += 1
+            if FaultyBuffer.steps > 5:
+                raise RuntimeError("a bug inside TraceML")
+        super().append(record)
 
-sender.Sender.push = push
+original_init = sender.Sender.__init__
+
+def init(self, *args, **kwargs):
+    original_init(self, *args, **kwargs)
+    self._buffer = FaultyBuffer(self._buffer)
+
+sender.Sender.__init__ = init
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python script.py` would
 runpy.run_path(sys.argv[0], run_name="__main__")
