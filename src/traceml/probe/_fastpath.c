@@ -4,7 +4,8 @@
  * A plain step (see StepProbe.plain: host clock, no deep-dive sample, no DDP) times each phase
  * with two clock reads and one addition into the step's list of sums. Each Timer here does that
  * for one patch (the DataLoader's __next__, the model's call, torch.autograd.backward, the
- * optimizer's step hooks) and hands every other call, unchanged, to the Python function it
+ * optimizer's step hooks; Tensor.to only skips the calls it never times) and hands every other
+ * call, unchanged, to the Python function it
  * stands in front of (`general`), which knows the rest (deep-dive, CUDA events, DDP, inferred
  * steps, evaluation). The probe's state the timers read lives in ProbeState, StepProbe's base
  * class, so Python and C read and write the same fields.
@@ -363,7 +364,7 @@ call_probe(PyObject *probe, PyObject *name, PyObject *arg)
 
 /* ---- Timer: one patch's fast path ---------------------------------------------------------- */
 
-enum { NEXT, MODEL_CALL, BACKWARD_CALL, OPTIMIZER_BEFORE, OPTIMIZER_AFTER };
+enum { NEXT, MODEL_CALL, BACKWARD_CALL, OPTIMIZER_BEFORE, OPTIMIZER_AFTER, TENSOR_TO };
 
 typedef struct {
     PyObject_HEAD
@@ -649,9 +650,20 @@ after_optimizer_step(Timer *self, PyObject *const *args, size_t nargsf, PyObject
     return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
 }
 
+/* Tensor.to (args[0]: the tensor): a copy to the device is timed only at the top of a step
+ * (phases' Python does that); every other call, evaluation's and data prep's included, goes
+ * straight to the original, so idle code pays no Python frame. */
+static PyObject *
+time_tensor_to(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    ProbeState *state = (ProbeState *)self->probe;
+    int untimed = state->in_step ? state->open_phase != NO_PHASE : !state->auto_steps;
+    return PyObject_Vectorcall(untimed ? self->original : self->general, args, nargsf, kwnames);
+}
+
 static vectorcallfunc timer_kinds[] = {
     (vectorcallfunc)time_next, (vectorcallfunc)time_model_call, (vectorcallfunc)time_backward,
-    (vectorcallfunc)before_optimizer_step, (vectorcallfunc)after_optimizer_step,
+    (vectorcallfunc)before_optimizer_step, (vectorcallfunc)after_optimizer_step, (vectorcallfunc)time_tensor_to,
 };
 
 static PyObject *
@@ -665,7 +677,7 @@ timer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOO|OOOOOO", keywords, &kind, &original, &general, &probe,
                                      &models, &grad_enabled, &tensor_type, &batch_size, &timed))
         return NULL;
-    if (kind < NEXT || kind > OPTIMIZER_AFTER) {
+    if (kind < NEXT || kind > TENSOR_TO) {
         PyErr_SetString(PyExc_ValueError, "traceml: no such timer");
         return NULL;
     }
@@ -1183,12 +1195,13 @@ PyInit__fastpath(void)
             || PyModule_AddObject(module, "Timer", (PyObject *)&TimerType) < 0
             || PyModule_AddObject(module, "TraceState", (PyObject *)&TraceStateType) < 0
             || PyModule_AddObject(module, "ImportTimer", (PyObject *)&ImportTimerType) < 0
-            || PyModule_AddIntConstant(module, "VERSION", 2) < 0
+            || PyModule_AddIntConstant(module, "VERSION", 3) < 0
             || PyModule_AddIntConstant(module, "NEXT", NEXT) < 0
             || PyModule_AddIntConstant(module, "MODEL_CALL", MODEL_CALL) < 0
             || PyModule_AddIntConstant(module, "BACKWARD_CALL", BACKWARD_CALL) < 0
             || PyModule_AddIntConstant(module, "OPTIMIZER_BEFORE", OPTIMIZER_BEFORE) < 0
             || PyModule_AddIntConstant(module, "OPTIMIZER_AFTER", OPTIMIZER_AFTER) < 0
+            || PyModule_AddIntConstant(module, "TENSOR_TO", TENSOR_TO) < 0
             || PyModule_AddObject(module, "INDICES", Py_BuildValue("(iiiiiiiii)", FORWARD, BACKWARD, OPTIMIZER,
                                   INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, EVAL_NS, INPUT_WAIT_GAP_NS, NO_PHASE)) < 0) {
         Py_DECREF(module);

@@ -120,7 +120,11 @@ def _patch_h2d(probe: StepProbe) -> None:
         moved.__doc__ = original.__doc__
         return moved
 
-    _replace(torch.Tensor, "to", wrap(torch.Tensor.to))
+    original_to = torch.Tensor.to
+    # Compiled where built: it sends the calls `moved` would pass straight on (outside the
+    # steps, inside a phase) to the original without a Python frame.
+    _replace(torch.Tensor, "to", wrap(original_to) if fast_path is None else fast_path.Timer(
+        fast_path.TENSOR_TO, original_to, wrap(original_to), probe))
     _replace(torch.Tensor, "cuda", wrap(torch.Tensor.cuda))
 
 

@@ -79,7 +79,7 @@ class EndedWindow(msgspec.Struct, gc=False):
     next_start_event: Any  # on CUDA the next step's start event, the window's end (else None)
 
 
-FAST_PATH_VERSION = 2  # _fastpath.c's VERSION: a build of another version is not used
+FAST_PATH_VERSION = 3  # _fastpath.c's VERSION: a build of another version is not used
 
 
 def _load_fast_path() -> Any:
