@@ -50,8 +50,10 @@ class _PythonImportTimer:
 
 
 def _import_timer_base() -> Any:
-    from traceml.probe.step import fast_path
-
+    try:
+        from traceml.probe.step import fast_path
+    except Exception:  # the probe cannot load: the script still runs (untraced), timed in Python
+        return _PythonImportTimer
     return fast_path.ImportTimer if fast_path is not None else _PythonImportTimer
 
 
@@ -64,7 +66,7 @@ class _ImportTimer(_import_timer_base()):  # type: ignore[misc]
         fields."""
         if builtins.__import__ is self:
             builtins.__import__ = self.original
-        name = self.slowest_name or ""
+        name = self.slowest_name if isinstance(self.slowest_name, str) else ""
         return {"imports_ms": self.total_ns / 1e6,
                 "slowest_import": name.partition(".")[0] if self.slowest_level == 0 else name}
 
