@@ -832,39 +832,39 @@ current_step(ProbeState *state)
     return state->in_step ? state->step_index : (state->step_index > 0 ? state->step_index - 1 : 0);
 }
 
+/* A number's ScalarRecord, for the probe's step: a fault costs that scalar, never the call. */
+static PyObject *
+push_scalar(ProbeState *state, PyObject *name, double value)
+{
+    PyObject *rank = PyLong_FromLong(state->rank);
+    PyObject *step = PyLong_FromLongLong(current_step(state));
+    PyObject *number = PyFloat_FromDouble(value);
+    PyObject *record = NULL;
+    if (rank && step && number) {
+        PyObject *fields[] = {rank, step, name, number};
+        record = PyObject_Vectorcall(scalar_record_type, fields, 4, NULL);
+    }
+    Py_XDECREF(rank);
+    Py_XDECREF(step);
+    Py_XDECREF(number);
+    if (record == NULL || push_record(state->sender, record) < 0)
+        drop_bookkeeping_error();
+    Py_XDECREF(record);
+    Py_RETURN_NONE;
+}
+
 /* tracer.log_scalar(name, value): a float or an int is recorded here; anything else (a
  * tensor, keywords) goes to tracer.py's Python, which reads tensors without waiting. */
 static PyObject *
 trace_log_scalar(TraceState *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     ProbeState *state = is_none(self->probe) ? NULL : state_of(self->probe);
-    double value = -1.0;
-    if (nargs == 2 && kwnames == NULL && state != NULL && scalar_record_type != NULL
+    if (state != NULL && nargs == 2 && kwnames == NULL && scalar_record_type != NULL
             && (PyFloat_CheckExact(args[1]) || PyLong_CheckExact(args[1]))) {
-        value = PyFloat_AsDouble(args[1]);
-        if (value == -1.0 && PyErr_Occurred()) {
-            PyErr_Clear();  /* an int too large for a float: Python's float() says so, below */
-            state = NULL;
-        }
-    } else {
-        state = NULL;
-    }
-    if (state != NULL) {
-        PyObject *rank = PyLong_FromLong(state->rank);
-        PyObject *step = PyLong_FromLongLong(current_step(state));
-        PyObject *number = PyFloat_FromDouble(value);
-        PyObject *record = NULL;
-        if (rank && step && number) {
-            PyObject *fields[] = {rank, step, args[0], number};
-            record = PyObject_Vectorcall(scalar_record_type, fields, 4, NULL);
-        }
-        Py_XDECREF(rank);
-        Py_XDECREF(step);
-        Py_XDECREF(number);
-        if (record == NULL || push_record(state->sender, record) < 0)
-            drop_bookkeeping_error();  /* a bad value costs that scalar, never the training */
-        Py_XDECREF(record);
-        Py_RETURN_NONE;
+        double value = PyFloat_AsDouble(args[1]);
+        if (!(value == -1.0 && PyErr_Occurred()))
+            return push_scalar(state, args[0], value);
+        PyErr_Clear();  /* an int too large for a float: Python's float() says so, below */
     }
     if (is_none(self->probe))
         Py_RETURN_NONE;

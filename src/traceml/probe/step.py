@@ -174,7 +174,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
     # the rest: set-up, deep-dive, inferred steps, DDP, spans, the end of the run.
     __slots__ = ("_start_event", "_phase_events", "_gradients_done_ns", "_open_event", "_gc_start_ns",
                  "device_memory", "exit_code", "_unix_at_zero_s", "_gradients_done_event", "_layers",
-                 "spans", "_backward_ends_steps", "_optimizers_seen", "_updates_in_step", "_evaluation_start_ns", "steps_from",
+                 "spans", "_backward_ends_steps", "_optimizers_seen", "_updates_in_step", "_evaluation_start_ns",
                  "_grad_enabled", "tail_eval_ns", "tail_checkpoint_ns",
                  "on_fault", "time_the_model_of", "stop_awaiting_models", "_syncs", "sync_due_step", "_layers_due_step")
 
@@ -254,7 +254,6 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         # id() of each other optimizer -> (the step of its last update, its updates in that step)
         self._updates_in_step: dict = {}
         self._model_wait_ends: Optional[int] = None  # the step after which a model is no longer awaited
-        self.steps_from = STEPS_FROM_TRACE_STEP  # how steps are found, for the card
 
     def enter(self, now: int = 0) -> "StepProbe":
         """Start a step (now: when it started, if not now)."""
@@ -609,7 +608,8 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self.layers_due_step = 0 if layers is not None else math.inf
 
     def set_steps_from(self, how: str) -> None:
-        self.steps_from = self.sender.steps_from = how
+        """How steps are found, for the card: the sender's goodbye carries it."""
+        self.sender.steps_from = how
 
     # -- user spans: Trace.span ---------------------------------------------------------------
     def span_done(self, name: str, start_ns: int, end_ns: int) -> None:
