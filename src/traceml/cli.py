@@ -7,7 +7,6 @@ to lifecycle.host_collector; view, compare and export to their views.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -203,6 +202,8 @@ def compare_command(args: argparse.Namespace) -> int:
         return _fail(f"cannot compare: {exc}")
     result = compare(*runs)
     if args.json:
+        import json
+
         print(json.dumps(result, indent=2))
     else:
         print_comparison(result)

@@ -5,7 +5,6 @@ msgpack payload: a list of tagged records, each encoded as an array (field order
 the wire version, so a field is only ever appended, with a default). The collector rejects a frame with the wrong
 magic or version, or one larger than MAX_FRAME_BYTES, by closing that connection only.
 """
-from __future__ import annotations
 
 import struct
 from typing import Dict, List, Optional, Tuple, Union

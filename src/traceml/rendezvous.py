@@ -72,9 +72,11 @@ def listen(host: str, port: int) -> socket.socket:
     """The collector's listening socket, bound now (raises OSError when it cannot be): ranks
     that connect before the collector serves it wait in its backlog, so `traceml run` starts
     the script first and sets the collector up while the script imports."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    listening = socket.socket(family, kind, proto)
+    family, address = _numeric_address(host, port)
+    if family is None:  # a name: the resolver (its first call loads libraries: ~2 ms)
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    listening = socket.socket(family, socket.SOCK_STREAM)
     try:
         listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listening.bind(address)
@@ -83,6 +85,18 @@ def listen(host: str, port: int) -> socket.socket:
         listening.close()
         raise
     return listening
+
+
+def _numeric_address(host: str, port: int) -> Tuple[Any, Any]:
+    """(family, address) when host is an IP address as written (the loopback `traceml run`
+    listens on), else (None, None)."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return family, (host, port) if family == socket.AF_INET else (host, port, 0, 0)
+    return None, None
 
 
 # -- python train.py: rank 0 starts the run's collector as a process of its own ---------------

@@ -1,7 +1,6 @@
 """The run directory: where a run's files go, created without ever overwriting an earlier run."""
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -89,6 +88,8 @@ def update_run_json(run_dir: Optional[Path], values: dict) -> None:
     reader never sees half of it. A run dir that cannot be written has none."""
     if run_dir is None:
         return
+    import json  # here, not above: `traceml run` starts the script before it needs json
+
     path = run_dir / RUN_JSON
     try:
         current = json.loads(path.read_text()) if path.is_file() else {}
