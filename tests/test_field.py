@@ -84,6 +84,8 @@ def updates_printed(stdout):
                  id="replaced-forward"),
     pytest.param("lbfgs_fit.py", [], "optimizer.step() (inferred)", id="lbfgs-closure"),
     pytest.param("autoencoder.py", [], "optimizer.step() (inferred)", id="encoder-decoder-one-optimizer"),
+    pytest.param("process_habits.py", [], "optimizer.step() (inferred)",
+                 id="own-logging-unclosed-file-atexit-late-thread"),
 ])
 def test_a_field_script_runs_as_it_would_without_traceml(tmp_path, script, args, found_by):
     plain, traced = side_by_side(tmp_path, [sys.executable, str(FIELD / script), "--out", "out", *args],
@@ -95,6 +97,12 @@ def test_a_field_script_runs_as_it_would_without_traceml(tmp_path, script, args,
     assert f"found by {found_by}" in traced.stdout
     if script == "autoencoder.py":  # both modules holding the optimizer's parameters are forward
         assert {row["forward_calls"] for row in traced.step_rows()[1:]} == {2}
+    if script == "process_habits.py":  # what the process came with and how it ended: as plain
+        assert "sockets held at start: 0\nSIGINT handler: default_int_handler\n" in traced.stdout
+        assert "LOG INFO habits: main done" in traced.stdout
+        assert traced.stdout.index("a thread finishing") < traced.stdout.index("atexit: goodbye")
+        journal = (tmp_path / "traced" / "out" / "journal.txt").read_text().splitlines()
+        assert len(journal) == steps["count"] == 20
     if script == "lbfgs_fit.py":  # the closure's forwards and backwards, every one, and the update
         rows = traced.step_rows()
         assert all(row["forward_calls"] >= 2 and row["optimizer_ms"] > 0 for row in rows[1:])

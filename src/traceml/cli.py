@@ -7,7 +7,6 @@ to lifecycle.host_collector; view, compare and export to their views.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
@@ -17,7 +16,6 @@ from traceml.launcher import DEFAULT_RDZV_TIMEOUT_S, Launch, run_without_collect
 from traceml.lifecycle import fail as _fail
 from traceml.lifecycle import say as _say
 
-log = logging.getLogger("traceml")
 
 DEFAULT_WEB_PORT = 8765
 
@@ -32,12 +30,13 @@ def entry() -> None:
             stream.flush()
         except Exception:  # a closed pipe: nothing more can be said
             pass
-    logging.shutdown()
     os._exit(exit_code if isinstance(exit_code, int) else 1)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    logging.basicConfig(format="%(message)s", level=logging.WARNING)
+    # No logging.basicConfig: its handler would be the script's too once `traceml run` forks
+    # it (launcher.ScriptFork), and the script's own basicConfig would then do nothing.
+    # Unconfigured, logging prints warnings as "%(message)s" on stderr all the same.
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "run":

@@ -1,6 +1,7 @@
-"""What `traceml run` starts (the script, or its ranks through torch.distributed.run) and how it
-waits for them to end: signals passed on, the script's output under the live dashboard, and a
-node's run ended boundedly once its ranks have exited, whatever other nodes do.
+"""What `traceml run` starts (the script in a fork of itself, or its ranks through
+torch.distributed.run) and how it waits for them to end: signals passed on, the script's output
+under the live dashboard, and a node's run ended boundedly once its ranks have exited, whatever
+other nodes do.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from traceml import rendezvous
 
@@ -173,15 +174,20 @@ def probe_env(options: argparse.Namespace) -> Dict[str, str]:
     return env
 
 
-def start_script(launch: Launch, env: Dict[str, str], with_terminal: bool) -> Tuple[subprocess.Popen, Optional[int]]:
-    """Start the launch's command; (the process, the fd its output comes from when it writes to
-    a terminal of its own for the live dashboard, else None). OSError when it cannot start."""
+def start_script(launch: Launch, env: Dict[str, str], with_terminal: bool,
+                 not_for_script: Sequence[Any] = ()) -> Tuple[Script, Optional[int]]:
+    """Start the launch's script; (its process, the fd its output comes from when it writes to
+    a terminal of its own for the live dashboard, else None). OSError when it cannot start.
+    `not_for_script`: what of this process's the script must not hold open (the collector's
+    listening socket), each with a close()."""
     output_fd = terminal_fd = None
     if with_terminal:  # the script writes to a terminal of its own; the dashboard shows it above itself
         try:
             output_fd, terminal_fd = _open_terminal()
         except OSError as exc:
             print(f"traceml: no live dashboard ({exc}); the card comes at the end", file=sys.stderr)
+    if ScriptFork.can_run(launch):
+        return ScriptFork.start(launch, env, output_fd, terminal_fd, not_for_script), output_fd
     if terminal_fd is None:
         return subprocess.Popen(launch.command(), env=env), None
     try:
@@ -194,7 +200,103 @@ def start_script(launch: Launch, env: Dict[str, str], with_terminal: bool) -> Tu
     return child, output_fd
 
 
-def wait_for_launch(launch: Launch, child: subprocess.Popen, output_fd: Optional[int], collector: Any) -> int:
+class ScriptFork:
+    """A single-node script run in a fork of `traceml run` rather than in a new interpreter:
+    the ~40 ms a Python start takes (more with a heavy site-packages) is not added to the run.
+
+    The fork is made before the launcher has done anything the script could notice: no thread
+    running (a fork copies locks mid-use), no logging set up, no output pending, nothing
+    heavier than the standard library and traceml's own launcher imported. It then runs the
+    script as `python -m traceml.probe.zero_code` would, and exits as that would: the script's
+    SystemExit unwinds to the interpreter, which runs its atexit and finalizers (a log file
+    the script never closed is flushed, as under plain python). The launcher keeps the part
+    of subprocess.Popen it uses: pid, poll, wait, send_signal, returncode.
+    """
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: Optional[int] = None
+        self._reaping = threading.Lock()
+
+    @staticmethod
+    def can_run(launch: Launch) -> bool:
+        return not launch.distributed and hasattr(os, "fork") and threading.active_count() == 1
+
+    @classmethod
+    def start(cls, launch: Launch, env: Dict[str, str], output_fd: Optional[int], terminal_fd: Optional[int],
+              not_for_script: Sequence[Any]) -> "ScriptFork":
+        """Fork and run the script in the fork, its output to `terminal_fd` when given (the
+        launcher keeps `output_fd`, the terminal's other side); the fork, here."""
+        for stream in (sys.stdout, sys.stderr):  # else what they hold would be written twice
+            stream.flush()
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (output_fd, terminal_fd):
+                if fd is not None:
+                    os.close(fd)
+            raise
+        if pid == 0:
+            cls._run_script(launch, env, output_fd, terminal_fd, not_for_script)  # never returns
+        if terminal_fd is not None:
+            os.close(terminal_fd)
+        return cls(pid)
+
+    @staticmethod
+    def _run_script(launch: Launch, env: Dict[str, str], output_fd: Optional[int], terminal_fd: Optional[int],
+                    not_for_script: Sequence[Any]) -> None:
+        try:
+            if terminal_fd is not None:
+                os.dup2(terminal_fd, 1)
+                os.dup2(terminal_fd, 2)
+                os.close(terminal_fd)
+                os.close(output_fd)
+            # Through their objects, not their fd numbers: an object closing its fd again when
+            # the launcher's frames unwind at the script's end would close whatever the
+            # script opened under that number since.
+            for held in not_for_script:
+                held.close()
+            os.environ.update(env)
+            from traceml.probe import zero_code
+        except BaseException as exc:  # nothing of the launcher's may run on in this process
+            os.write(2, f"traceml: cannot start {launch.script}: {exc}\n".encode())
+            os._exit(127)
+        zero_code.main([os.fspath(launch.script), *launch.script_args])
+        sys.exit(0)  # the script's end, as when `python script.py` reaches its last line
+
+    def poll(self) -> Optional[int]:
+        # Not blocking: a signal handler polls while the main thread may be inside wait().
+        if self.returncode is None and self._reaping.acquire(blocking=False):
+            try:
+                self._reap(os.WNOHANG)
+            finally:
+                self._reaping.release()
+        return self.returncode
+
+    def wait(self) -> int:
+        with self._reaping:
+            while self.returncode is None:
+                self._reap(0)
+        return self.returncode
+
+    def _reap(self, options: int) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, options)
+        except ChildProcessError:  # reaped by the kernel: SIGCHLD ignored (Popen says 0 too)
+            self.returncode = 0
+            return
+        if pid == self.pid:
+            self.returncode = os.waitstatus_to_exitcode(status)
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+
+Script = Union[subprocess.Popen, ScriptFork]  # what runs the script: a new process, or a fork
+
+
+def wait_for_launch(launch: Launch, child: Script, output_fd: Optional[int], collector: Any) -> int:
     """Wait for the script (or torch.distributed.run) with the live dashboard when it writes to
     `output_fd`, forwarding signals; the node's exit code."""
     watch = AgentWatch(child) if launch.distributed else None
@@ -249,7 +351,7 @@ def _open_terminal() -> Tuple[int, int]:
     return main_fd, terminal_fd
 
 
-def _wait_with_dashboard(child: subprocess.Popen, output_fd: int, collector: Any, script: str) -> int:
+def _wait_with_dashboard(child: Script, output_fd: int, collector: Any, script: str) -> int:
     from traceml.views.terminal import Dashboard
 
     restore = _forward_signals(child)
@@ -266,7 +368,7 @@ def _wait_with_dashboard(child: subprocess.Popen, output_fd: int, collector: Any
     return _exit_code(returncode)
 
 
-def _drain(output_fd: int, child: subprocess.Popen) -> None:
+def _drain(output_fd: int, child: Script) -> None:
     """Copy the script's output to ours until it ends, as if no dashboard were there."""
     while True:
         readable, _, _ = select.select([output_fd], [], [], 0.5)
@@ -282,7 +384,7 @@ def _drain(output_fd: int, child: subprocess.Popen) -> None:
             return
 
 
-def wait(child: subprocess.Popen) -> int:
+def wait(child: Script) -> int:
     """Wait for the script, forwarding signals; its exit code, 128+N if signal N killed it."""
     restore = _forward_signals(child)
     try:
@@ -297,7 +399,7 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _forward_signals(child: subprocess.Popen) -> Callable[[], None]:
+def _forward_signals(child: Script) -> Callable[[], None]:
     """Pass Ctrl-C and SIGTERM on to the script, and outlive them to write the summary.
 
     A Ctrl-C typed at the terminal already reaches the script, which shares our process group;

@@ -7,7 +7,6 @@ live views, and the end-of-run files and card.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -119,7 +118,7 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
             listening.close()
             return fail(str(exc))
     try:
-        child, output_fd = launcher.start_script(launch, env, with_terminal=mode == "cli")
+        child, output_fd = launcher.start_script(launch, env, with_terminal=mode == "cli", not_for_script=[listening])
     except OSError as exc:
         listening.close()
         if run.collector is not None:
@@ -304,6 +303,8 @@ class LiveViews:
 # -- the end of every run -------------------------------------------------------------------------
 def finish_run(store: Any, run_dir: Optional[Path], facts: Any) -> Optional[dict]:
     """Summarize the store, write the run directory, print the card. Never raises."""
+    import json
+
     from traceml.views.report import render_report
     from traceml.analysis.summary import RunData, build_summary
     from traceml.views.summary import card_text, print_card
