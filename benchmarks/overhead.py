@@ -17,7 +17,8 @@ hook adds per bucket.
 Fixed cost: `traceml run --mode summary short.py` (collector, card, summary files and
 report.html included) against `python short.py`, 100 tiny steps, alternating, wall clock from
 outside, after one unmeasured launch of each (TraceML's bytecode cached, as after any install);
-the figure is the median of each back-to-back pair's difference.
+the figure is the median of each back-to-back pair's difference. The script's own clock splits
+it: launch to torch imported, the steps, the last line to the command's end.
 
     python benchmarks/overhead.py [--rounds 5] [--blocks 20] [--launches 21]
 """
@@ -182,8 +183,10 @@ print(json.dumps({"buckets": buckets["many"], "added_many_us": added_many, "adde
 """
 
 SHORT = r"""
+import sys, time
 import torch
 from torch import nn
+imported = time.time()  # zero-code mode imports torch before the script's first line
 torch.set_num_threads(1)
 model = nn.Linear(16, 4)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -193,7 +196,11 @@ for _ in range(100):
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
+print(f"segments {imported} {time.time()}", file=sys.stderr)
 """
+# Where the fixed cost goes, from the script's own clock: launch to torch imported, the steps,
+# the script's last line to the command's end (the script's teardown, then the launcher's end).
+SEGMENTS = ("launch -> torch imported", "the 100 steps", "last line -> command ends")
 
 
 def _child_env(workdir: str, name: str) -> dict:
@@ -263,14 +270,18 @@ def fixed_cost(launches: int, workdir: str) -> None:
 
     for command in commands("warm-up").values():  # writes the bytecode, fills the page cache
         subprocess.run(command, capture_output=True, env=env, cwd=workdir, check=True)
-    walls = {"python": [], "traceml run": []}
+    walls: dict = {"python": [], "traceml run": []}
+    segments: dict = {"python": [], "traceml run": []}
     for launch in range(launches):
         named = commands(launch)
         order = list(named) if launch % 2 == 0 else list(reversed(named))
         for name in order:
-            start = time.perf_counter()
-            subprocess.run(named[name], capture_output=True, env=env, cwd=workdir, check=True)
-            walls[name].append(time.perf_counter() - start)
+            start_s, start_unix_s = time.perf_counter(), time.time()
+            done = subprocess.run(named[name], capture_output=True, text=True, env=env, cwd=workdir, check=True)
+            walls[name].append(time.perf_counter() - start_s)
+            ended_unix_s = time.time()
+            imported_s, last_line_s = map(float, done.stderr.split("segments ")[1].split()[:2])
+            segments[name].append((imported_s - start_unix_s, last_line_s - imported_s, ended_unix_s - last_line_s))
     plain, traced = statistics.median(walls["python"]), statistics.median(walls["traceml run"])
     # Each launch's pair ran back to back: the median of the pairs' differences leaves out
     # this machine's drift from one minute to the next, which a difference of medians keeps.
@@ -283,6 +294,10 @@ def fixed_cost(launches: int, workdir: str) -> None:
     print(f"  python: {plain:.3f} s   traceml run --mode summary: {traced:.3f} s   added: {added_s:+.3f} s "
           f"[{quartiles[0]:+.3f}, {quartiles[2]:+.3f}] ({added[0]:+.3f}, {added[-1]:+.3f})   "
           f"target: <= {TARGET_FIXED_S:g} s {verdict}")
+    for index, name in enumerate(SEGMENTS):
+        pairs = [t[index] - p[index] for t, p in zip(segments["traceml run"], segments["python"])]
+        print(f"  {name}: python {1e3 * statistics.median(p[index] for p in segments['python']):.0f} ms, "
+              f"added {1e3 * statistics.median(pairs):+.0f} ms")
 
 
 def main() -> None:

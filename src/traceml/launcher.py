@@ -6,6 +6,7 @@ other nodes do.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import select
@@ -229,14 +230,21 @@ class ScriptFork:
         launcher keeps `output_fd`, the terminal's other side); the fork, here."""
         for stream in (sys.stdout, sys.stderr):  # else what they hold would be written twice
             stream.flush()
+        # The launcher's objects, frozen in the script's process: its garbage collector never
+        # walks them (nor copies their pages to write its marks), as the gc docs advise for a
+        # fork that does not exec.
+        gc.freeze()
         try:
             pid = os.fork()
         except OSError:
+            gc.unfreeze()
             for fd in (output_fd, terminal_fd):
                 if fd is not None:
                     os.close(fd)
             raise
-        if pid == 0:
+        if pid:
+            gc.unfreeze()
+        else:
             cls._run_script(launch, env, output_fd, terminal_fd, not_for_script)  # never returns
         if terminal_fd is not None:
             os.close(terminal_fd)
