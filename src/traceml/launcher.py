@@ -62,13 +62,18 @@ class Launch:
             self.collector_host, self.collector_port = rendezvous.LOOPBACK, 0
 
     @property
+    def script_argv(self) -> List[str]:
+        """The script and its arguments, as `python` would be given them."""
+        return [os.fspath(self.script), *self.script_args]
+
+    @property
     def rendezvous_address(self) -> str:
         return f"{self.master_addr}:{self.master_port}"
 
     def command(self) -> List[str]:
         """Each rank runs the script through probe.zero_code, which traces it even if it
         never imports traceml (steps inferred from optimizer.step())."""
-        script = [ZERO_CODE, os.fspath(self.script), *self.script_args]
+        script = [ZERO_CODE, *self.script_argv]
         if not self.distributed:
             return [sys.executable, "-m", *script]
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc_per_node)]
@@ -270,7 +275,7 @@ class ScriptFork:
         except BaseException as exc:  # nothing of the launcher's may run on in this process
             os.write(2, f"traceml: cannot start {launch.script}: {exc}\n".encode())
             os._exit(127)
-        zero_code.main([os.fspath(launch.script), *launch.script_args])
+        zero_code.main(launch.script_argv)
         sys.exit(0)  # the script's end, as when `python script.py` reaches its last line
 
     def poll(self) -> Optional[int]:

@@ -133,7 +133,7 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
             listening.close()
             print(f"traceml: {exc}; the script runs untraced", file=sys.stderr)
             return launcher.wait(child)
-    argv = [os.fspath(launch.script), *launch.script_args]
+    argv = launch.script_argv
     run.start_sampling(lambda: {child.pid}, {
         "script": os.fspath(launch.script), "argv": argv,
         "pids": {"launcher": os.getpid(), "script": child.pid},
