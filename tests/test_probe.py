@@ -87,6 +87,33 @@ def test_phases_land_where_the_time_went(probe):
     assert steps[-1].outside_ms == 0.0 and steps[-1].input_wait_ms == 0.0
 
 
+def test_every_figure_of_a_closed_step_lands_in_its_own_field():
+    """record_from builds the StepRecord positionally (the sender makes one a step): each input
+    is given a distinct value here, so a figure in a neighbour's place fails."""
+    from traceml.probe.step import ClosedStep
+
+    probe = StepProbe(ListSender())
+    probe.comm_timed = True
+    ms = 1_000_000
+    # h2d, forward, backward, optimizer, input wait inside, forward calls, samples, tokens,
+    # comm wait, real tokens, token copies, failed phase
+    sums = [1 * ms, 2 * ms, 3 * ms, 4 * ms, 5 * ms, 6, 7, 8, 9 * ms, 10, None, -1]
+    # gc ns, collections, longest, full, gen 0, 1, 2, eval, checkpoint, compile, saves between, input wait gap
+    window = [11 * ms, 12, 13 * ms, 14, 15 * ms, 16 * ms, 17 * ms, 18 * ms, 19 * ms, 20 * ms, 0, 21 * ms]
+    start_ns, end_ns = 100 * ms, 150 * ms
+    closed = ClosedStep(22, start_ns, end_ns, sums, 23, 24, 25, None, None, None, 26, True)
+    record = probe.record_from(EndedWindow(closed, end_ns + 40 * ms, window, None))
+    fields = {name: getattr(record, name) for name in record.__struct_fields__}
+    assert fields == dict(
+        rank=0, step=22, start_unix_s=probe.unix_s(start_ns), step_ms=90.0, input_wait_ms=5.0 + 21.0,
+        outside_ms=40.0 - 21.0, h2d_ms=1.0, forward_ms=2.0, backward_ms=3.0, optimizer_ms=4.0,
+        untraced_ms=50.0 - 1 - 2 - 3 - 4 - 5, gc_ms=11.0, gc_collections=12, forward_calls=6, samples=7,
+        device_timed=False, gpu_idle_ms=None, device_allocated_bytes=23, device_peak_bytes=24,
+        device_reserved_bytes=25, host_rss_bytes=26, comm_wait_ms=9.0, gc_max_pause_ms=13.0,
+        gc_full_collections=14, gc_gen0_ms=15.0, gc_gen1_ms=16.0, gc_gen2_ms=17.0, tokens=8, real_tokens=10,
+        eval_ms=18.0, checkpoint_ms=19.0, instrumented=True, compile_ms=20.0)
+
+
 def test_only_the_outermost_forward_is_timed_and_calls_are_counted(probe):
     model = SlowForward()
     phases.hook_model(probe, model)
