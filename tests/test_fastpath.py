@@ -106,3 +106,22 @@ def test_a_fault_in_the_bookkeeping_costs_the_figure_not_the_call(tmp_path):
     # and said once at the end, on stderr, not in the user's output.
     assert outcome == {"faults": 4, "grad": True}
     assert "4 phase timings were lost to internal errors" in result.stderr
+
+
+def test_a_full_buffer_drops_and_counts_each_new_record_and_each_sender_has_its_own():
+    """The compiled push keeps the sender's buffer and capacity: it appends while there is
+    room, then hands each record to push, which drops and counts it (never a wait)."""
+    from test_records import hello
+
+    from traceml.probe.sender import Sender
+    from traceml.probe.step import EndedWindow, StepProbe
+
+    for capacity in (3, 5):  # a second sender: its own buffer, its own capacity
+        sender = Sender(hello(), capacity=capacity, address="127.0.0.1:1")  # never started: nothing drains
+        probe = StepProbe(sender)
+        for _ in range(10):
+            with probe:
+                pass
+        # Each start after the first ends the step before: 9 windows ended, the last still open.
+        assert [type(item) for item in sender._buffer] == [EndedWindow] * capacity
+        assert sender.records_dropped == 9 - capacity

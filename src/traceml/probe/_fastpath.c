@@ -184,25 +184,46 @@ is_none(PyObject *value)
     return value == NULL || value == Py_None;
 }
 
+/* The sender push_record last appended for: its buffer's bound append and its capacity (both
+ * fixed once a Sender is made), looked up again only when another sender comes. */
+static PyObject *known_sender, *known_buffer, *known_append;
+static Py_ssize_t known_capacity;
+
+static int
+know_sender(PyObject *sender)
+{
+    PyObject *buffer = PyObject_GetAttr(sender, str_buffer);
+    PyObject *append = buffer ? PyObject_GetAttr(buffer, str_append) : NULL;
+    PyObject *capacity = append ? PyObject_GetAttr(sender, str_capacity) : NULL;
+    Py_ssize_t room = capacity ? PyLong_AsSsize_t(capacity) : -1;
+    Py_XDECREF(capacity);
+    if (room < 0) {
+        Py_XDECREF(buffer);
+        Py_XDECREF(append);
+        PyErr_Clear();
+        return -1;
+    }
+    Py_XSETREF(known_sender, Py_NewRef(sender));
+    Py_XSETREF(known_buffer, buffer);
+    Py_XSETREF(known_append, append);
+    known_capacity = room;
+    return 0;
+}
+
 /* sender.push(record) without its Python frame: appended to the sender's buffer while it has
  * room. A full buffer (where push drops the record and counts it), or a sender without a
  * buffer, goes to push itself. -1 with an error set when the record could not be pushed. */
 static int
 push_record(PyObject *sender, PyObject *record)
 {
-    PyObject *buffer = PyObject_GetAttr(sender, str_buffer);
-    PyObject *capacity = buffer ? PyObject_GetAttr(sender, str_capacity) : NULL;
-    Py_ssize_t held = buffer ? PyObject_Size(buffer) : -1;
-    Py_ssize_t room = capacity ? PyLong_AsSsize_t(capacity) : -1;
-    Py_XDECREF(capacity);
+    Py_ssize_t held = (sender == known_sender || know_sender(sender) == 0) ? PyObject_Size(known_buffer) : -1;
     PyObject *pushed;
-    if (held >= 0 && held < room && !PyErr_Occurred()) {
-        pushed = PyObject_CallMethodOneArg(buffer, str_append, record);
+    if (held >= 0 && held < known_capacity) {
+        pushed = PyObject_CallOneArg(known_append, record);
     } else {
         PyErr_Clear();
         pushed = PyObject_CallMethodOneArg(sender, str_push, record);
     }
-    Py_XDECREF(buffer);
     if (pushed == NULL)
         return -1;
     Py_DECREF(pushed);

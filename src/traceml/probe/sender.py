@@ -51,7 +51,7 @@ class Sender:
         self.span_records: Callable[[tuple], List[Record]] = lambda call: []
         self.timeline = timeline
         self.host_rss = host_rss  # refreshed here, each round, off the training thread
-        self.capacity = capacity
+        self.capacity = capacity  # fixed once made: the compiled push keeps it (_fastpath.push_record)
         self.records_sent = 0
         self.records_dropped = 0
         self._buffer: Deque[Any] = collections.deque()  # Records, and the probe's EndedWindows
