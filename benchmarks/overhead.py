@@ -14,13 +14,17 @@ Per DDP bucket: a one-rank gloo DDP model with one bucket per parameter, backwar
 TraceML's comm hook and with DDP's own all-reduce, against the same with one bucket: what the
 hook adds per bucket.
 
+Wakes: why the sender wakes only every 100 ms. An untraced loop runs beside a thread that wakes
+every P ms to do ~15 µs of Python (as the sender's round might), in shuffled blocks against the
+same thread asleep: what a wake period costs the median step.
+
 Fixed cost: `traceml run --mode summary short.py` (collector, card, summary files and
 report.html included) against `python short.py`, 100 tiny steps, alternating, wall clock from
 outside, after one unmeasured launch of each (TraceML's bytecode cached, as after any install);
 the figure is the median of each back-to-back pair's difference. The script's own clock splits
 it: launch to torch imported, the steps, the last line to the command's end.
 
-    python benchmarks/overhead.py [--rounds 5] [--blocks 20] [--launches 21]
+    python benchmarks/overhead.py [--rounds 5] [--blocks 20] [--launches 21] [--only steps|ddp|wakes|fixed]
 """
 from __future__ import annotations
 
@@ -182,6 +186,65 @@ print(json.dumps({"buckets": buckets["many"], "added_many_us": added_many, "adde
                   "per_bucket_us": (added_many - added_one) / (buckets["many"] - buckets["one"])}))
 """
 
+WAKES = r"""
+import json, random, statistics, sys, threading, time
+import torch
+from torch import nn
+
+rounds = int(sys.argv[1])
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+inputs, targets = torch.randn(8, 32), torch.randint(0, 10, (8,))
+PERIODS_S = {"asleep": None, "100 ms": 0.1, "20 ms": 0.02, "5 ms": 0.005}
+period_s = [None]
+period_changed = threading.Event()
+
+
+def waker():
+    while True:
+        if period_s[0] is None:  # asleep: not woken until the period changes
+            period_changed.wait()
+            period_changed.clear()
+            continue
+        time.sleep(period_s[0])
+        total = 0
+        for i in range(300):  # ~15 µs of Python, holding the GIL
+            total += i
+
+
+def step():
+    loss = nn.functional.cross_entropy(model(inputs), targets)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+threading.Thread(target=waker, daemon=True).start()
+for _ in range(300):
+    step()
+added = {name: [] for name in PERIODS_S if name != "asleep"}
+for round_index in range(rounds):
+    order = [name for name in PERIODS_S for _ in range(20)]
+    random.Random(round_index).shuffle(order)
+    step_ns = {name: [] for name in PERIODS_S}
+    for name in order:
+        period_s[0] = PERIODS_S[name]
+        period_changed.set()
+        time.sleep(0.03)
+        last = time.perf_counter_ns()
+        for _ in range(50):
+            step()
+            now = time.perf_counter_ns()
+            step_ns[name].append(now - last)
+            last = now
+    asleep = statistics.median(step_ns["asleep"])
+    for name in added:
+        added[name].append((statistics.median(step_ns[name]) - asleep) / 1e3)
+print(json.dumps({"step_us": asleep / 1e3, "added_us": added}))
+"""
+
 SHORT = r"""
 import sys, time
 import torch
@@ -252,6 +315,17 @@ def per_bucket(workdir: str) -> None:
           f"target: <= {TARGET_BUCKET_US:g} µs {verdict}")
 
 
+def wakes(rounds: int, workdir: str) -> None:
+    script = os.path.join(workdir, "wakes.py")
+    with open(script, "w") as out:
+        out.write(WAKES)
+    result = _run_json([sys.executable, script, str(rounds)], dict(os.environ), workdir)
+    print(f"a thread beside the training waking every P ms (~15 µs of Python each time), against it "
+          f"asleep: added to the median step of {result['step_us']:.0f} µs, median of {rounds} rounds [range]")
+    for name, added in result["added_us"].items():
+        print(f"  every {name:<7} {statistics.median(added):+6.1f} µs  [{min(added):+.1f}, {max(added):+.1f}]")
+
+
 def fixed_cost(launches: int, workdir: str) -> None:
     script = os.path.join(workdir, "short.py")
     with open(script, "w") as out:
@@ -305,13 +379,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per way of tracing")
     parser.add_argument("--blocks", type=int, default=20, help="blocks of 50 steps on each side, per round")
     parser.add_argument("--launches", type=int, default=21, help="launches on each side, fixed cost")
-    parser.add_argument("--only", choices=("steps", "ddp", "fixed"), help="run one part")
+    parser.add_argument("--only", choices=("steps", "ddp", "wakes", "fixed"), help="run one part")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         if args.only in (None, "steps"):
             per_step(args.rounds, args.blocks, workdir)
         if args.only in (None, "ddp"):
             per_bucket(workdir)
+        if args.only in (None, "wakes"):
+            wakes(args.rounds, workdir)
         if args.only in (None, "fixed"):
             fixed_cost(args.launches, workdir)
 

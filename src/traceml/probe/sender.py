@@ -26,9 +26,9 @@ from traceml.records import RankEnd, RankHello, Record, StepRecord, encode_frame
 log = logging.getLogger("traceml")
 
 BUFFER_CAPACITY = 65536
-# One round a tenth of a second: read host RSS, then send. Each wake of this thread costs the
-# training thread more than the round's own work (taking the GIL from it, waking a second
-# core): a thread waking every 20 ms slowed a 0.3 ms step by about 2 µs here, every 5 ms by 6.
+# One round a tenth of a second: read host RSS, then send. A wake costs the training thread more
+# than the round's own work (the GIL taken from it, a second core woken): a thread waking every
+# 5 ms added 4-8 µs to a 0.26 ms step here (`benchmarks/overhead.py --only wakes`).
 FLUSH_INTERVAL_S = 0.1
 RECORDS_PER_FRAME = 4096
 RECENT_STEPS_KEPT = 8192
