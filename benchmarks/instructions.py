@@ -1,0 +1,99 @@
+"""Instructions TraceML adds per step, counted by valgrind's callgrind, on the training thread
+and on TraceML's sender thread, for the explicit `trace_step` loop of overhead.py.
+
+Counts, not times: they do not drift with this machine's load, so a change to the hot path or
+to the sender shows here even when the timed benchmark's rounds scatter by more than it. They
+are not the cost in time: on the training thread an added instruction costs several times its
+share of an untraced step's (TraceML's code and data are cold there, the training having pushed
+them out of the caches), and the sender's run beside the training, taking the GIL from it.
+
+Each side runs twice, with a short and a long loop after the same warm-up; the difference of the
+two, divided by the steps between, leaves out start-up and the end of the run.
+
+    python benchmarks/instructions.py [--steps 2000]
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+WARM_UP_STEPS = 300
+
+LOOP = r"""
+import contextlib, os, sys
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+traced, steps = sys.argv[1] == "traced", int(sys.argv[2])
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+data = TensorDataset(torch.randn(steps * 8, 32), torch.randint(0, 10, (steps * 8,)))
+batches = iter(DataLoader(data, batch_size=8))
+import traceml
+untraced = contextlib.nullcontext()
+for _ in range(steps):
+    inputs, targets = next(batches)
+    with traceml.trace_step(model) if traced else untraced:
+        loss = nn.functional.cross_entropy(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+"""
+
+
+def _python_binary() -> str:
+    """The interpreter itself: valgrind would count a wrapper script's shell (pyenv's shims)."""
+    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+
+
+def count(workdir: str, side: str, steps: int) -> dict:
+    """Instructions of one run, per thread: {"training": n, "others": n}."""
+    out = os.path.join(workdir, f"callgrind.{side}.{steps}")
+    env = dict(os.environ, TRACEML_RUN_DIR=os.path.join(workdir, f"run-{side}-{steps}"),
+               TRACEML_AUTO_CAPTURE="0")  # a capture's sampled steps would land in one run only
+    env.pop("TRACEML_COLLECTOR", None)
+    subprocess.run(["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}",
+                    _python_binary(), os.path.join(workdir, "loop.py"), side, str(steps)],
+                   env=env, cwd=workdir, check=True, capture_output=True)
+    threads = {}
+    for path in glob.glob(out + "-*"):
+        with open(path) as profile:
+            totals = [line for line in profile if line.startswith("summary:")]
+        threads[int(path.rsplit("-", 1)[1])] = int(totals[0].split()[1])
+    return {"training": threads.pop(1), "others": sum(threads.values())}  # thread 1: the main thread
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000, help="steps between the short and the long run")
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None:
+        sys.exit("valgrind is not installed (apt-get install valgrind): nothing to count with")
+    with tempfile.TemporaryDirectory() as workdir:
+        with open(os.path.join(workdir, "loop.py"), "w") as out:
+            out.write(LOOP)
+        runs = [(side, steps) for side in ("untraced", "traced")
+                for steps in (WARM_UP_STEPS, WARM_UP_STEPS + args.steps)]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            counted = dict(zip(runs, pool.map(lambda run: count(workdir, *run), runs)))
+    print(f"instructions per step (callgrind, explicit trace_step loop, {args.steps} steps between a "
+          f"{WARM_UP_STEPS}-step and a {WARM_UP_STEPS + args.steps}-step run)")
+    per_step = {(side, thread): (counted[(side, WARM_UP_STEPS + args.steps)][thread]
+                                 - counted[(side, WARM_UP_STEPS)][thread]) / args.steps
+                for side in ("untraced", "traced") for thread in ("training", "others")}
+    for thread, label in (("training", "training thread"), ("others", "other threads (TraceML's sender)")):
+        untraced, traced = per_step[("untraced", thread)], per_step[("traced", thread)]
+        print(f"  {label:<33} untraced {untraced:12,.0f}   traced {traced:12,.0f}   added {traced - untraced:+10,.0f}")
+
+
+if __name__ == "__main__":
+    main()
