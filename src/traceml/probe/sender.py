@@ -26,10 +26,12 @@ from traceml.records import RankEnd, RankHello, Record, StepRecord, encode_frame
 log = logging.getLogger("traceml")
 
 BUFFER_CAPACITY = 65536
-# One round a tenth of a second: read host RSS, then send. A wake costs the training thread more
-# than the round's own work (the GIL taken from it, a second core woken): a thread waking every
-# 5 ms added 4-8 µs to a 0.26 ms step here (`benchmarks/overhead.py --only wakes`).
 FLUSH_INTERVAL_S = 0.1
+# Host RSS is read every round (20 ms), records sent every 5th. Reading RSS once a flush, every
+# 100 ms, left a short run's memory creep unseen (too few readings); and a wake every 20 ms
+# costs the training no more than one every 100 ms within this VM's noise, where one every 5 ms
+# does (`benchmarks/overhead.py --only wakes`).
+ROUNDS_PER_FLUSH = 5
 RECORDS_PER_FRAME = 4096
 RECENT_STEPS_KEPT = 8192
 CONNECT_TIMEOUT_S = 2.0
@@ -163,15 +165,18 @@ class Sender:
     def _run(self) -> None:
         # The first round runs at once: the rank says hello (and rank 0 starts the collector)
         # before its first steps are done, so even a rank that dies early is known to the run.
+        rounds = 0
         while True:
             try:
                 if self.host_rss is not None:
-                    self.host_rss.refresh()
-                self._collect_device_steps()
-                self._flush()
+                    self.host_rss.refresh(time.perf_counter_ns())
+                if rounds % ROUNDS_PER_FLUSH == 0:
+                    self._collect_device_steps()
+                    self._flush()
             except Exception:  # never let the thread die: the next round tries again
                 log.debug("traceml: sender round failed", exc_info=True)
-            if self._stop.wait(FLUSH_INTERVAL_S):
+            rounds += 1
+            if self._stop.wait(FLUSH_INTERVAL_S / ROUNDS_PER_FLUSH):
                 return
 
     def _collect_device_steps(self) -> None:
