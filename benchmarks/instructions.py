@@ -8,7 +8,9 @@ share of an untraced step's (TraceML's code and data are cold there, the trainin
 them out of the caches), and the sender's run beside the training, taking the GIL from it.
 
 Each side runs twice, with a short and a long loop after the same warm-up; the difference of the
-two, divided by the steps between, leaves out start-up and the end of the run.
+two, divided by the steps between, leaves out start-up and the end of the run. The sender's
+rounds and the GIL's switch interval are slowed as much as valgrind slows the program (see
+LOOP), so that the threads hand the GIL over as often per step as in a real run.
 
     python benchmarks/instructions.py [--steps 2000]
 """
@@ -26,12 +28,13 @@ import tempfile
 WARM_UP_STEPS = 300
 
 LOOP = r"""
-import contextlib, os, sys
+import contextlib, gc, os, sys
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 traced, steps = sys.argv[1] == "traced", int(sys.argv[2])
+VALGRIND_SLOWDOWN = 50
 torch.manual_seed(0)
 torch.set_num_threads(1)
 model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
@@ -39,7 +42,18 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 data = TensorDataset(torch.randn(steps * 8, 32), torch.randint(0, 10, (steps * 8,)))
 batches = iter(DataLoader(data, batch_size=8))
 import traceml
+from traceml.probe import sender
+
+# Under valgrind the program runs some 50 times slower while the sender's rounds and the GIL's
+# switch interval keep the wall clock: slowed as much, the threads hand the GIL over as often
+# per step as in a real run (else at every step, swelling both threads' counts).
+sender.FLUSH_INTERVAL_S *= VALGRIND_SLOWDOWN
+sys.setswitchinterval(sys.getswitchinterval() * VALGRIND_SLOWDOWN)
 untraced = contextlib.nullcontext()
+# torch's objects set aside from the collector: a full collection then walks only what the run
+# made, so it costs about the same whichever thread it falls on (else a few million
+# instructions land on the training thread in one run and on the sender's in the next).
+gc.freeze()
 for _ in range(steps):
     inputs, targets = next(batches)
     with traceml.trace_step(model) if traced else untraced:
