@@ -11,11 +11,13 @@ def kinds(summary):
 
 
 def test_keeping_loss_and_activations_is_memory_creep_with_a_forecast(traceml_run):
-    # 20 ms between steps: host RSS is read every 20 ms, so the first 50 steps hold a reading
-    # for about every step, even when the machine is busy (at 10 ms a busy CI run once left
-    # too few in the first 50 for the early forecast).
+    # 40 ms between steps: host RSS is read every 20 ms, so the first 50 steps hold a fresh
+    # reading for every step even when the machine is busy (at 10 ms a busy CI run once left
+    # too few in the first 50 for the early forecast; at 20 ms another went 650 ms, 16 steps,
+    # without a new reading, and the middle of the window looked flat). One intra-op thread, as
+    # in test_deep_dive's GPT test: one thread fewer to compete with the sender's on a busy machine.
     run = traceml_run("--steps", 60, "--no-loader", "--keep-graph", "--batch-size", 512,
-                      "--features", 256, "--width", 1024, "--outside-ms", 20)
+                      "--features", 256, "--width", 1024, "--outside-ms", 40, env={"OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr
     summary = run.summary()
     creep = kinds(summary)["MEMORY_CREEP"]
