@@ -5,10 +5,10 @@ Counts, not times: they do not drift with this machine's load, so a change to th
 to the sender shows here even when the timed benchmark's rounds scatter by more than it. They
 are not the cost in time: on the training thread an added instruction costs several times its
 share of an untraced step's (TraceML's code and data are cold there, the training having pushed
-them out of the caches), and the sender's run beside the training, taking the GIL from it.
+them out of the caches), and the sender's instructions run beside the training's, holding the GIL.
 
-Each side runs twice, with a short and a long loop after the same warm-up; the difference of the
-two, divided by the steps between, leaves out start-up and the end of the run. The sender's
+Each side runs twice, a 300-step loop and a longer one; the difference of the two, divided by
+the steps between, leaves out start-up, the first steps and the end of the run. The sender's
 rounds and the GIL's switch interval are slowed as much as valgrind slows the program (see
 LOOP), so that the threads hand the GIL over as often per step as in a real run.
 
@@ -28,7 +28,7 @@ import tempfile
 WARM_UP_STEPS = 300
 
 LOOP = r"""
-import contextlib, gc, os, sys
+import contextlib, gc, sys
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset

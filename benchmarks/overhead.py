@@ -16,9 +16,10 @@ Per DDP bucket: a one-rank gloo DDP model with one bucket per parameter, backwar
 TraceML's comm hook and with DDP's own all-reduce, against the same with one bucket: what the
 hook adds per bucket.
 
-Wakes: why the sender wakes only every 100 ms. An untraced loop runs beside a thread that wakes
-every P ms to do ~15 µs of Python (as the sender's round might), in shuffled blocks against the
-same thread asleep: what a wake period costs the median step.
+Wakes: what a thread beside the training costs it by how often it wakes (the sender wakes every
+20 ms). An untraced loop runs beside a thread that wakes every P ms to do ~15 µs of Python (as
+the sender's round might), in shuffled blocks against the same thread asleep: what a wake period
+costs the median step.
 
 Fixed cost: `traceml run --mode summary short.py` (collector, card, summary files and
 report.html included) against `python short.py`, 100 tiny steps, alternating, wall clock from
@@ -279,6 +280,14 @@ print(f"segments {imported} {time.time()}", file=sys.stderr)
 SEGMENTS = ("launch -> torch imported", "the 100 steps", "last line -> command ends")
 
 
+def _write_script(workdir: str, name: str, text: str) -> str:
+    """A part's child script, written into the work directory; its path."""
+    path = os.path.join(workdir, name)
+    with open(path, "w") as out:
+        out.write(text)
+    return path
+
+
 def _child_env(workdir: str, name: str) -> dict:
     env = dict(os.environ, TRACEML_RUN_DIR=os.path.join(workdir, name))
     env.pop("TRACEML_COLLECTOR", None)
@@ -294,9 +303,7 @@ def _run_json(command: list, env: dict, cwd: str) -> dict:
 
 
 def per_step(rounds: int, blocks: int, workdir: str) -> None:
-    script = os.path.join(workdir, "loop.py")
-    with open(script, "w") as out:
-        out.write(LOOP)
+    script = _write_script(workdir, "loop.py", LOOP)
     print(f"per step: {rounds} rounds, each {blocks} blocks of 50 steps traced and {blocks} untraced, "
           "shuffled; median of the rounds [their range]")
     print(f"  {'traced as':<12} {'untraced µs':>11} {'traced µs':>10} {'added µs':>9}  "
@@ -320,9 +327,7 @@ def per_step(rounds: int, blocks: int, workdir: str) -> None:
 
 
 def per_bucket(workdir: str) -> None:
-    script = os.path.join(workdir, "ddp.py")
-    with open(script, "w") as out:
-        out.write(DDP)
+    script = _write_script(workdir, "ddp.py", DDP)
     result = _run_json([sys.executable, script, "1500"], _child_env(workdir, "run-ddp"), workdir)
     verdict = "ok" if result["per_bucket_us"] <= TARGET_BUCKET_US else "OVER"
     print("DDP, per gradient bucket (gloo, 1 rank): backward traced vs untraced, 32 buckets against 1")
@@ -332,9 +337,7 @@ def per_bucket(workdir: str) -> None:
 
 
 def wakes(rounds: int, workdir: str) -> None:
-    script = os.path.join(workdir, "wakes.py")
-    with open(script, "w") as out:
-        out.write(WAKES)
+    script = _write_script(workdir, "wakes.py", WAKES)
     result = _run_json([sys.executable, script, str(rounds)], dict(os.environ), workdir)
     print(f"a thread beside the training waking every P ms (~15 µs of Python each time), against it "
           f"asleep: added to the median step of {result['step_us']:.0f} µs, median of {rounds} rounds [range]")
@@ -343,9 +346,7 @@ def wakes(rounds: int, workdir: str) -> None:
 
 
 def fixed_cost(launches: int, workdir: str) -> None:
-    script = os.path.join(workdir, "short.py")
-    with open(script, "w") as out:
-        out.write(SHORT)
+    script = _write_script(workdir, "short.py", SHORT)
     env = dict(os.environ)
     # As after any install, TraceML's modules load from cached bytecode: with
     # PYTHONDONTWRITEBYTECODE set (as in some sandboxes and containers), every launch would
