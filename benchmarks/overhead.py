@@ -9,8 +9,13 @@ step after each switch is not counted (attaching rewrites torch's methods, and t
 refills its caches). A round's figure is the median traced step minus the median untraced one:
 everything TraceML adds, its patches' cost on every call included. The figure printed is the
 median of the rounds, with their range. The collector stays up throughout, as in a real run.
-Beside it, the CPU time of TraceML's sender thread per traced step (off the training thread,
-but holding the GIL while it runs Python).
+Beside it, the CPU time per traced step of TraceML's sender thread (off the training thread,
+but holding the GIL while it runs Python) and of the collector process the run started.
+
+Per call: the explicit loop again, with a clock read between its calls (next(batches), the
+trace_step() call, entering the block, the model, the loss, zero_grad, backward, the optimizer's
+step, leaving the block): each call's median time traced minus untraced, per round. Where the
+added µs go, patch by patch, to a few tenths of a µs where the whole step scatters by several.
 
 Per DDP bucket: a one-rank gloo DDP model with one bucket per parameter, backward timed with
 TraceML's comm hook and with DDP's own all-reduce, against the same with one bucket: what the
@@ -27,7 +32,7 @@ outside, after one unmeasured launch of each (TraceML's bytecode cached, as afte
 the figure is the median of each back-to-back pair's difference. The script's own clock splits
 it: launch to torch imported, the steps, the last line to the command's end.
 
-    python benchmarks/overhead.py [--rounds 5] [--blocks 20] [--launches 21] [--only steps|ddp|wakes|fixed]
+    python benchmarks/overhead.py [--rounds 5] [--blocks 20] [--launches 21] [--only steps|calls|ddp|wakes|fixed]
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ TARGET_FIXED_S = 0.1
 
 LOOP = r"""
 import contextlib, json, os, random, statistics, sys, threading, time
-import torch
+import psutil, torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -97,8 +102,38 @@ def step_trace_api(traced):  # a span and a scalar a step, as the Trace API's ex
         tracer.log_scalar("loss", loss_value)
 
 
+CALLS = ("next(batches)", "trace_step()", "__enter__", "model(inputs)", "cross_entropy", "zero_grad",
+         "backward", "optimizer.step", "__exit__")
+call_ns = {True: [], False: []}  # calls mode: each counted step's time per call, traced and untraced
+clock = time.perf_counter_ns
+
+
+def step_calls(traced, counted=True):  # the explicit loop, a clock read between its calls
+    start = clock()
+    inputs, targets = next(batches)
+    loaded = clock()
+    context = traceml.trace_step(model) if traced else untraced
+    made = clock()
+    with context:
+        entered = clock()
+        outputs = model(inputs)
+        forward = clock()
+        loss = nn.functional.cross_entropy(outputs, targets)
+        lossed = clock()
+        optimizer.zero_grad()
+        zeroed = clock()
+        loss.backward()
+        backward = clock()
+        optimizer.step()
+        stepped = clock()
+    exited = clock()
+    if counted:
+        call_ns[traced].append((loaded - start, made - loaded, entered - made, forward - entered, lossed - forward,
+                                zeroed - lossed, backward - zeroed, stepped - backward, exited - stepped))
+
+
 def attach():
-    if mode == "explicit":
+    if mode in ("explicit", "calls"):
         with traceml.trace_step(model):  # attaches again after a detach
             pass
     elif mode == "zero-code":
@@ -107,21 +142,24 @@ def attach():
         tracer.trace("overhead").__enter__()
 
 
-one_step = {"explicit": step_explicit, "zero-code": step_inferred, "trace-api": step_trace_api}[mode]
+one_step = {"explicit": step_explicit, "zero-code": step_inferred, "trace-api": step_trace_api,
+            "calls": lambda traced: step_calls(traced, counted=False)}[mode]
 if mode != "zero-code":  # zero-code: this process runs under python -m traceml.probe.zero_code
     attach()
 for _ in range(300):  # warm-up, start-up and the collector
     one_step(True)
 
 
-def sender_cpu_s():  # CPU time of TraceML's sender thread so far: its work beside the training's
-    return sum(time.clock_gettime(time.pthread_getcpuclockid(thread.ident)) for thread in threading.enumerate()
-               if thread.name == "traceml-sender")
+def background_cpu_s():  # CPU time so far of TraceML's sender thread and of the collector it started
+    sender_s = sum(time.clock_gettime(time.pthread_getcpuclockid(thread.ident)) for thread in threading.enumerate()
+                   if thread.name == "traceml-sender")
+    collector_s = sum(sum(child.cpu_times()[:2]) for child in psutil.Process().children(recursive=True))
+    return sender_s, collector_s
 
 
 time.sleep(0.2)  # the warm-up's records sent
-sender_cpu_before_s = sender_cpu_s()
-figures = []
+background_before_s = background_cpu_s()
+figures, call_figures = [], []
 for round_index in range(rounds):
     order = [True] * blocks + [False] * blocks
     random.Random(round_index).shuffle(order)
@@ -131,15 +169,23 @@ for round_index in range(rounds):
         one_step(traced)  # refills the caches the switch emptied: not counted
         last = time.perf_counter_ns()
         for _ in range(BLOCK):
-            one_step(traced)
+            step_calls(traced) if mode == "calls" else one_step(traced)
             now = time.perf_counter_ns()
             step_ns[traced].append(now - last)
             last = now
     figures.append((statistics.median(step_ns[True]) / 1e3, statistics.median(step_ns[False]) / 1e3))
+    if mode == "calls":  # per call: the median traced minus the median untraced, this round
+        call_figures.append([(statistics.median(row[index] for row in call_ns[True])
+                              - statistics.median(row[index] for row in call_ns[False])) / 1e3
+                             for index in range(len(CALLS))])
+        call_ns[True].clear()
+        call_ns[False].clear()
 attach()
 time.sleep(0.2)  # the last records sent
 traced_steps = rounds * blocks * (BLOCK + 1)
-print(json.dumps({"rounds": figures, "sender_us": (sender_cpu_s() - sender_cpu_before_s) * 1e6 / traced_steps}))
+sender_s, collector_s = (after - before for after, before in zip(background_cpu_s(), background_before_s))
+print(json.dumps({"rounds": figures, "calls": dict(zip(CALLS, zip(*call_figures))),
+                  "sender_us": sender_s * 1e6 / traced_steps, "collector_us": collector_s * 1e6 / traced_steps}))
 """
 
 DDP = r"""
@@ -307,7 +353,7 @@ def per_step(rounds: int, blocks: int, workdir: str) -> None:
     print(f"per step: {rounds} rounds, each {blocks} blocks of 50 steps traced and {blocks} untraced, "
           "shuffled; median of the rounds [their range]")
     print(f"  {'traced as':<12} {'untraced µs':>11} {'traced µs':>10} {'added µs':>9}  "
-          f"{'range':>13} {'ratio':>6}  {'target':<18} sender CPU µs/step")
+          f"{'range':>13} {'ratio':>6}  {'target':<18} CPU µs/step: sender  collector")
     for mode in ("explicit", "zero-code", "trace-api"):
         command = [sys.executable, script, mode, str(rounds), str(blocks)]
         if mode == "zero-code":
@@ -321,9 +367,25 @@ def per_step(rounds: int, blocks: int, workdir: str) -> None:
         verdict = "ok" if added_us <= TARGET_STEP_US else "OVER"
         print(f"  {mode:<12} {untraced_us:11.1f} {traced_us:10.1f} {added_us:+9.1f}  "
               f"[{min(added):+5.1f}, {max(added):+5.1f}] {(untraced_us + added_us) / untraced_us:6.3f}  "
-              f"<= {TARGET_STEP_US:g} µs {verdict:<5}  {result['sender_us']:.1f}")
-    print("  sender CPU: TraceML's thread beside the training (records, capture rules, sending), per traced "
-          "step; it holds the GIL while it runs Python")
+              f"<= {TARGET_STEP_US:g} µs {verdict:<5}  {result['sender_us']:11.1f}  {result['collector_us']:9.1f}")
+    print("  CPU per traced step, beside the training: TraceML's sender thread (records, capture rules, sending; "
+          "it holds the GIL while it runs Python) and the collector process (storing, rolling up). Both run on "
+          "other cores when there are any; with none free (this 2-core machine) they take the training's "
+          "time too, which the alternating blocks share between both sides")
+
+
+def per_call(rounds: int, blocks: int, workdir: str) -> None:
+    """Where the explicit loop's added µs go: the same blocks, a clock read between the calls."""
+    script = _write_script(workdir, "loop.py", LOOP)
+    result = _run_json([sys.executable, script, "calls", str(rounds), str(blocks)], _child_env(workdir, "run-calls"),
+                       workdir)
+    print(f"per call, explicit trace_step: traced minus untraced, median of each call's time in a block's steps, "
+          f"median of {rounds} rounds [their range]")
+    for name, added in result["calls"].items():
+        print(f"  {name:<16} {statistics.median(added):+6.2f} µs  [{min(added):+.2f}, {max(added):+.2f}]")
+    total = [traced - untraced for traced, untraced in result["rounds"]]
+    print(f"  {'the whole step':<16} {statistics.median(total):+6.2f} µs  [{min(total):+.2f}, {max(total):+.2f}]"
+          "  (not the calls' sum: each figure is a median)")
 
 
 def per_bucket(workdir: str) -> None:
@@ -396,11 +458,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per way of tracing")
     parser.add_argument("--blocks", type=int, default=20, help="blocks of 50 steps on each side, per round")
     parser.add_argument("--launches", type=int, default=21, help="launches on each side, fixed cost")
-    parser.add_argument("--only", choices=("steps", "ddp", "wakes", "fixed"), help="run one part")
+    parser.add_argument("--only", choices=("steps", "calls", "ddp", "wakes", "fixed"), help="run one part")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         if args.only in (None, "steps"):
             per_step(args.rounds, args.blocks, workdir)
+        if args.only in (None, "calls"):
+            per_call(args.rounds, args.blocks, workdir)
         if args.only in (None, "ddp"):
             per_bucket(workdir)
         if args.only in (None, "wakes"):
