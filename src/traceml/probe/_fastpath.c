@@ -92,6 +92,8 @@ typedef struct {
     long long step_index;
     long long step_start_ns;
     long long setup_started_ns;
+    Py_ssize_t optimizer_timed;   /* id() of the optimizer whose update is being timed, or 0 (step.py) */
+    long long optimizer_start_ns; /* when that update started */
     double due_step;      /* the next step whose start has work to do (enter, in Python) */
     PyObject *sums;       /* the step in flight's list (step.py _STEP_ZEROS) */
     PyObject *window;     /* the window's list (step.py _WINDOW_ZEROS) */
@@ -156,6 +158,8 @@ static PyMemberDef state_members[] = {
     {"step_index", T_LONGLONG, offsetof(ProbeState, step_index), 0, NULL},
     {"_step_start_ns", T_LONGLONG, offsetof(ProbeState, step_start_ns), 0, NULL},
     {"setup_started_ns", T_LONGLONG, offsetof(ProbeState, setup_started_ns), 0, NULL},
+    {"_optimizer_timed", T_PYSSIZET, offsetof(ProbeState, optimizer_timed), 0, NULL},
+    {"_optimizer_start_ns", T_LONGLONG, offsetof(ProbeState, optimizer_start_ns), 0, NULL},
     {"due_step", T_DOUBLE, offsetof(ProbeState, due_step), 0, NULL},
     {"sums", T_OBJECT_EX, offsetof(ProbeState, sums), 0, NULL},
     {"window", T_OBJECT_EX, offsetof(ProbeState, window), 0, NULL},
@@ -398,7 +402,6 @@ typedef struct {
     PyObject *grad_enabled;  /* torch.is_grad_enabled */
     PyObject *tensor_type;   /* torch.Tensor */
     PyObject *batch_size;    /* phases._batch_size(args, kwargs, tensor_type) */
-    PyObject *timed;         /* OPTIMIZER_*: phases' [id(optimizer) timed, its start ns] */
 } Timer;
 
 static PyObject *str_probe, *str_token_inputs, *str_shape, *str_enter, *str_note_failure,
@@ -601,19 +604,10 @@ before_optimizer_step(Timer *self, PyObject *const *args, size_t nargsf, PyObjec
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs == 3 && kwnames == NULL && state->plain && state->open_phase == NO_PHASE
             && PyTuple_Check(args[1]) && PyTuple_GET_SIZE(args[1]) == 1
-            && PyDict_Check(args[2]) && PyDict_GET_SIZE(args[2]) == 0
-            && PyList_CheckExact(self->timed) && PyList_GET_SIZE(self->timed) == 2) {
-        PyObject *optimizer_id = PyLong_FromVoidPtr(args[0]);
-        PyObject *start = PyLong_FromLongLong(now_ns());
-        if (optimizer_id == NULL || start == NULL) {
-            Py_XDECREF(optimizer_id);
-            Py_XDECREF(start);
-            drop_bookkeeping_error();
-            Py_RETURN_NONE;
-        }
+            && PyDict_Check(args[2]) && PyDict_GET_SIZE(args[2]) == 0) {
         state->open_phase = OPTIMIZER;
-        PyList_SetItem(self->timed, 0, optimizer_id);  /* steals the references */
-        PyList_SetItem(self->timed, 1, start);
+        state->optimizer_timed = (Py_ssize_t)args[0];  /* id(optimizer) */
+        state->optimizer_start_ns = now_ns();
         Py_RETURN_NONE;  /* None keeps step()'s arguments as they are */
     }
     return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
@@ -648,17 +642,9 @@ after_optimizer_step(Timer *self, PyObject *const *args, size_t nargsf, PyObject
     ProbeState *state = (ProbeState *)self->probe;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs >= 1 && state->plain && state->open_phase == OPTIMIZER
-            && PyList_CheckExact(self->timed) && PyList_GET_SIZE(self->timed) == 2
-            && PyLong_AsVoidPtr(PyList_GET_ITEM(self->timed, 0)) == (void *)args[0]) {
-        long long start_ns = PyLong_AsLongLong(PyList_GET_ITEM(self->timed, 1));
-        long long elapsed_ns = now_ns() - start_ns;
-        PyObject *zero = PyLong_FromLong(0);
-        if (zero == NULL || PyErr_Occurred()) {
-            Py_XDECREF(zero);
-            drop_bookkeeping_error();
-            return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
-        }
-        PyList_SetItem(self->timed, 0, zero);
+            && state->optimizer_timed == (Py_ssize_t)args[0]) {
+        long long elapsed_ns = now_ns() - state->optimizer_start_ns;
+        state->optimizer_timed = 0;
         state->open_phase = NO_PHASE;
         if (add_ns(state->sums, OPTIMIZER, elapsed_ns) < 0)
             drop_bookkeeping_error();
@@ -666,8 +652,6 @@ after_optimizer_step(Timer *self, PyObject *const *args, size_t nargsf, PyObject
             return optimizer_stepped(state, args[0]);
         Py_RETURN_NONE;
     }
-    if (PyErr_Occurred())
-        PyErr_Clear();  /* PyLong_AsVoidPtr of something else: not ours to time */
     return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
 }
 
@@ -691,12 +675,12 @@ static PyObject *
 timer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"kind", "original", "general", "probe", "models", "grad_enabled", "tensor_type",
-                               "batch_size", "timed", NULL};
+                               "batch_size", NULL};
     int kind;
     PyObject *original, *general, *probe = Py_None, *models = Py_None, *grad_enabled = Py_None,
-             *tensor_type = Py_None, *batch_size = Py_None, *timed = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOO|OOOOOO", keywords, &kind, &original, &general, &probe,
-                                     &models, &grad_enabled, &tensor_type, &batch_size, &timed))
+             *tensor_type = Py_None, *batch_size = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOO|OOOOO", keywords, &kind, &original, &general, &probe,
+                                     &models, &grad_enabled, &tensor_type, &batch_size))
         return NULL;
     if (kind < NEXT || kind > TENSOR_TO) {
         PyErr_SetString(PyExc_ValueError, "traceml: no such timer");
@@ -706,18 +690,14 @@ timer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_TypeError, "traceml: a timer needs its probe (or, for the model, the models)");
         return NULL;
     }
-    if ((kind == OPTIMIZER_BEFORE || kind == OPTIMIZER_AFTER) && !PyList_CheckExact(timed)) {
-        PyErr_SetString(PyExc_TypeError, "traceml: an optimizer timer needs its [id, start] list");
-        return NULL;
-    }
     Timer *self = (Timer *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
     self->vectorcall = timer_kinds[kind];
     self->kind = kind;
     PyObject **fields[] = {&self->original, &self->general, &self->probe, &self->models, &self->grad_enabled,
-                           &self->tensor_type, &self->batch_size, &self->timed};
-    PyObject *values[] = {original, general, probe, models, grad_enabled, tensor_type, batch_size, timed};
+                           &self->tensor_type, &self->batch_size};
+    PyObject *values[] = {original, general, probe, models, grad_enabled, tensor_type, batch_size};
     for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
         Py_INCREF(values[i]);
         *fields[i] = values[i];
@@ -735,7 +715,6 @@ timer_traverse(Timer *self, visitproc visit, void *arg)
     Py_VISIT(self->grad_enabled);
     Py_VISIT(self->tensor_type);
     Py_VISIT(self->batch_size);
-    Py_VISIT(self->timed);
     return 0;
 }
 
@@ -749,7 +728,6 @@ timer_clear(Timer *self)
     Py_CLEAR(self->grad_enabled);
     Py_CLEAR(self->tensor_type);
     Py_CLEAR(self->batch_size);
-    Py_CLEAR(self->timed);
     return 0;
 }
 
@@ -1216,7 +1194,7 @@ PyInit__fastpath(void)
             || PyModule_AddObject(module, "Timer", (PyObject *)&TimerType) < 0
             || PyModule_AddObject(module, "TraceState", (PyObject *)&TraceStateType) < 0
             || PyModule_AddObject(module, "ImportTimer", (PyObject *)&ImportTimerType) < 0
-            || PyModule_AddIntConstant(module, "VERSION", 3) < 0
+            || PyModule_AddIntConstant(module, "VERSION", 4) < 0
             || PyModule_AddIntConstant(module, "NEXT", NEXT) < 0
             || PyModule_AddIntConstant(module, "MODEL_CALL", MODEL_CALL) < 0
             || PyModule_AddIntConstant(module, "BACKWARD_CALL", BACKWARD_CALL) < 0

@@ -333,15 +333,10 @@ def _hook_optimizers(probe: StepProbe) -> None:
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
 
-    # The update being timed: id() of the optimizer whose step opened it (0: none) and its
-    # start. An optimizer whose step calls another's (ZeroRedundancyOptimizer, a Lookahead
-    # wrapper) is timed once, by the outer one.
-    timed = [0, 0]
-
     def before_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
         if probe.plain and probe.open_phase == NO_PHASE and len(args) == 1 and not kwargs:
             probe.open_phase = OPTIMIZER  # a plain step's update, no closure: timed inline
-            timed[0], timed[1] = id(optimizer), _now_ns()
+            probe._optimizer_timed, probe._optimizer_start_ns = id(optimizer), _now_ns()
             return None
         if not probe.in_step and not probe.auto_steps:  # outside the steps: nothing to time
             return None
@@ -350,7 +345,7 @@ def _hook_optimizers(probe: StepProbe) -> None:
         if closure is None:
             start_ns = probe.phase_begin(OPTIMIZER)
             if start_ns:
-                timed[0], timed[1] = id(optimizer), start_ns
+                probe._optimizer_timed, probe._optimizer_start_ns = id(optimizer), start_ns
             return None  # None keeps the arguments as they are
         # optimizer.step(closure) runs forward and backward inside the step (Lightning does
         # this every step): the update is timed from when the closure returns. An optimizer
@@ -367,21 +362,21 @@ def _hook_optimizers(probe: StepProbe) -> None:
         return args, {**kwargs, "closure": timed_closure}
 
     def after_step(optimizer: Any, args: Any, kwargs: Any, inferring: bool = True) -> None:
-        if timed[0] == id(optimizer):
-            timed[0] = 0
+        if probe._optimizer_timed == id(optimizer):
+            probe._optimizer_timed = 0
             if probe.plain and probe.open_phase == OPTIMIZER:
-                probe.sums[OPTIMIZER] += _now_ns() - timed[1]
+                probe.sums[OPTIMIZER] += _now_ns() - probe._optimizer_start_ns
                 probe.open_phase = NO_PHASE
             else:
-                probe.phase_end(OPTIMIZER, timed[1])
+                probe.phase_end(OPTIMIZER, probe._optimizer_start_ns)
         if inferring and probe.auto_steps:
             probe.optimizer_stepped(optimizer)
 
     pre_hook: Any = before_step
     post_hook: Any = after_step
     if fast_path is not None:  # a plain step's update compiled; any other, the Python above
-        pre_hook = fast_path.Timer(fast_path.OPTIMIZER_BEFORE, before_step, before_step, probe, timed=timed)
-        post_hook = fast_path.Timer(fast_path.OPTIMIZER_AFTER, after_step, after_step, probe, timed=timed)
+        pre_hook = fast_path.Timer(fast_path.OPTIMIZER_BEFORE, before_step, before_step, probe)
+        post_hook = fast_path.Timer(fast_path.OPTIMIZER_AFTER, after_step, after_step, probe)
     _undo.append(register_optimizer_step_pre_hook(pre_hook).remove)
     _undo.append(register_optimizer_step_post_hook(post_hook).remove)
 

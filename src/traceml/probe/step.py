@@ -79,7 +79,7 @@ class EndedWindow(msgspec.Struct, gc=False):
     next_start_event: Any  # on CUDA the next step's start event, the window's end (else None)
 
 
-FAST_PATH_VERSION = 3  # _fastpath.c's VERSION: a build of another version is not used
+FAST_PATH_VERSION = 4  # _fastpath.c's VERSION: a build of another version is not used
 
 
 def _load_fast_path() -> Any:
@@ -113,6 +113,7 @@ class _PythonProbeState:
 
     __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "in_evaluation", "layers_active",
                  "comm_timed", "step_index", "_step_start_ns", "setup_started_ns", "due_step", "_closed",
+                 "_optimizer_timed", "_optimizer_start_ns",
                  "_unconfirmed", "timeline", "sender", "host_rss", "rank",
                  # inferred steps: what optimizer_stepped reads on every update (see reset_inferred_steps)
                  "_step_optimizer", "_last_optimizer", "_turn_known", "_model_wait_ends")
@@ -192,8 +193,10 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self.in_step = 0
         # In a step the patches may time inline, without phase_begin and phase_end (see enter).
         self.plain = False
-        self.step_index = 0
-        self._step_start_ns = 0
+        self.step_index = self._step_start_ns = 0
+        # The update being timed: id() of the optimizer whose step opened it (0: none), its start;
+        # one whose step calls another's (ZeroRedundancyOptimizer) is timed once, by the outer one.
+        self._optimizer_timed = self._optimizer_start_ns = 0
         # Wall clock = this offset + perf_counter: one reading, not a time.time() per step.
         self._unix_at_zero_s = time.time() - _now_ns() / 1e9
         self._start_event: Any = None
@@ -209,8 +212,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self._gc_start_ns = 0
         # Under DDP: collective wait inside backward, see note_gradients_done.
         self.comm_timed = False
-        self._gradients_done_ns = 0
-        self._gradients_done_event: Any = None
+        self._gradients_done_ns, self._gradients_done_event = 0, None
         self._layers = self._syncs = None  # LayerProbe under deep-dive, HostSyncSampler on CUDA: see each
         # The next step whose start has work to do (due_step: the first of the next steps that
         # call layers.begin_step and syncs.begin_step, each saying after each call), and whether
@@ -222,8 +224,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self._grad_enabled: Any = lambda: True  # torch.is_grad_enabled, once torch is here
         # True while a trainer's evaluation runs (an integration says so): timed as a whole as
         # evaluation, and its loader waits are not the training's input wait.
-        self.in_evaluation = False
-        self._evaluation_start_ns = 0
+        self.in_evaluation, self._evaluation_start_ns = False, 0
         # User spans, summed by name on the sender's thread: name -> [step, first start ns,
         # total ns, calls]; sent as one SpanRecord per name and step (span_records).
         self.spans: dict = {}
