@@ -283,26 +283,25 @@ def test_ctrl_c_reaches_the_script_and_the_summary_is_written(tmp_path):
 
 
 FAULTY_PROBE = """
-import collections, os, runpy, sys
-from traceml.probe import sender
+import os, runpy, sys, threading
+from traceml.probe import memory
 
-class FaultyBuffer(collections.deque):
+class FaultyRss(memory.HostRss):
     steps = 0
 
-    def append(self, record):  # the training thread's step records, on any path to the buffer
-        if type(record).__name__ == "EndedWindow":
-            FaultyBuffer.steps += 1
-            if FaultyBuffer.steps > 5:
+    @property
+    def latest_bytes(self):  # read by the training thread at each step's end, on any path
+        if threading.current_thread() is threading.main_thread():
+            FaultyRss.steps += 1
+            if FaultyRss.steps > 5:
                 raise RuntimeError("a bug inside TraceML")
-        super().append(record)
+        return self._latest_bytes
 
-original_init = sender.Sender.__init__
+    @latest_bytes.setter
+    def latest_bytes(self, value):
+        self._latest_bytes = value
 
-def init(self, *args, **kwargs):
-    original_init(self, *args, **kwargs)
-    self._buffer = FaultyBuffer(self._buffer)
-
-sender.Sender.__init__ = init
+memory.HostRss = FaultyRss
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python script.py` would
 runpy.run_path(sys.argv[0], run_name="__main__")

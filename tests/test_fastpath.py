@@ -6,6 +6,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import SCRIPTS
@@ -108,20 +109,124 @@ def test_a_fault_in_the_bookkeeping_costs_the_figure_not_the_call(tmp_path):
     assert "4 phase timings were lost to internal errors" in result.stderr
 
 
+def _step_records(probe, items):
+    """The step records among what reached the sender: made from the ring by the compiled path,
+    or by record_from from the EndedWindows of Python's path."""
+    from traceml.probe.step import EndedWindow
+    from traceml.records import StepRecord
+
+    return [item if type(item) is StepRecord else probe.record_from(item) for item in items
+            if type(item) in (StepRecord, EndedWindow)]
+
+
 def test_a_full_buffer_drops_and_counts_each_new_record_and_each_sender_has_its_own():
-    """The compiled push keeps the sender's buffer and capacity: it appends while there is
-    room, then hands each record to push, which drops and counts it (never a wait)."""
+    """The compiled end queues each step in the probe's ring, sized to the sender's capacity;
+    the sender's round moves them to its buffer. A full ring (or buffer) drops and counts each
+    new step, never a wait, and each probe and sender has its own."""
     from test_records import hello
 
     from traceml.probe.sender import Sender
-    from traceml.probe.step import EndedWindow, StepProbe
+    from traceml.probe.step import StepProbe
 
-    for capacity in (3, 5):  # a second sender: its own buffer, its own capacity
+    for capacity in (3, 5):
         sender = Sender(hello(), capacity=capacity, address="127.0.0.1:1")  # never started: nothing drains
         probe = StepProbe(sender)
+        sender.drain_steps = probe.drain_steps
         for _ in range(10):
             with probe:
                 pass
+        sender._take_ended_steps()  # what the sender's round does
         # Each start after the first ends the step before: 9 windows ended, the last still open.
-        assert [type(item) for item in sender._buffer] == [EndedWindow] * capacity
+        assert len(sender._buffer) == capacity
+        assert [record.step for record in _step_records(probe, sender._buffer)] == list(range(capacity))
         assert sender.records_dropped == 9 - capacity
+
+
+def test_steps_ended_by_either_path_reach_the_sender_in_order_with_their_figures():
+    """Plain steps end in the compiled path (as numbers), the others in Python (as objects):
+    both join one queue, so the sender gets every step once, in order, each window ending
+    where the next step starts, and the figures the patches summed."""
+    from test_records import hello
+
+    from traceml.probe.sender import Sender
+    from traceml.probe.step import EVAL_NS, FORWARD, StepProbe
+
+    sender = Sender(hello(), address="127.0.0.1:1")
+    probe = StepProbe(sender)
+    sender.drain_steps = probe.drain_steps
+    starts_ns, failed_start_ns = [], None
+    for step in range(12):
+        if step == 4:
+            probe.due_step = 4  # from here on each start goes through Python's long path
+        if step == 8:
+            probe.due_step = float("inf")  # and back to the short one
+        probe.window[EVAL_NS] += 1_000 + step  # as the model's patch adds between steps
+        with probe:
+            starts_ns.append(probe._step_start_ns)
+            probe.sums[FORWARD] += 5_000 + step  # as the model's patch adds
+        if step == 6:
+            with pytest.raises(ValueError):
+                with probe:  # a step that fails is not a step: its window never closes
+                    failed_start_ns = probe._step_start_ns
+                    raise ValueError("user's error")
+    probe.finish()
+    sender._take_ended_steps()
+    records = _step_records(probe, sender._buffer)
+    assert [record.step for record in records] == list(range(12))
+    assert [record.forward_ms for record in records] == [(5_000 + step) / 1e6 for step in range(12)]
+    # A window holds what ran between its step and the next start; step 6's ended where the
+    # failed step started, and what ran after that one is no step's.
+    assert [record.eval_ms for record in records] == [
+        0.0 if step in (6, 11) else (1_000 + step + 1) / 1e6 for step in range(12)]
+    ends_ns = starts_ns[1:]
+    ends_ns[6] = failed_start_ns
+    assert [record.step_ms for record in records[:-1]] == [
+        (end - start) / 1e6 for start, end in zip(starts_ns, ends_ns)]
+    assert [record.start_unix_s for record in records] == [probe.unix_s(start) for start in starts_ns]
+
+
+def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
+    """The compiled end copies a step's figures out of its lists (then zeroed for the next
+    step) and makes its StepRecord on the sender's thread by record_from's arithmetic: each
+    figure lands in its own field, as record_from puts it."""
+    from types import SimpleNamespace
+
+    from test_records import hello
+
+    from traceml.probe.sender import Sender
+    from traceml.probe.step import REAL_TOKENS, TOKEN_COPIES, StepProbe
+
+    sender = Sender(hello(), address="127.0.0.1:1")
+    probe = StepProbe(sender, host_rss=SimpleNamespace(latest_bytes=123_456_789))
+    probe.comm_timed = True
+    sender.drain_steps = probe.drain_steps
+    ms = 1_000_000
+    with probe:
+        start_ns = probe._step_start_ns
+        # h2d, forward, backward, optimizer, input wait inside, forward calls, samples, tokens, comm wait
+        for index, value in enumerate([1 * ms, 2 * ms, 3 * ms, 4 * ms, 5 * ms, 6, 7, 8, 9 * ms]):
+            probe.sums[index] += value
+        probe.sums[REAL_TOKENS] = 10
+        time.sleep(0.02)  # the step outlasts its phases: the rest is untraced
+    # gc ns, collections, longest, full, gen 0, 1, 2, eval, checkpoint, compile, saves between, input wait gap
+    for index, value in enumerate([11 * ms, 12, 13 * ms, 14, 15 * ms, 16 * ms, 17 * ms, 18 * ms, 19 * ms, 20 * ms,
+                                   0, 1]):
+        probe.window[index] += value
+    with probe:
+        window_end_ns = probe._step_start_ns
+        assert probe.sums[:TOKEN_COPIES] == [0] * REAL_TOKENS + [None] and probe.window == [0] * len(probe.window)
+    sender._take_ended_steps()
+    (record,) = _step_records(probe, sender._buffer)
+    fields = {name: getattr(record, name) for name in record.__struct_fields__}
+    untraced_ms, outside_ms = fields.pop("untraced_ms"), fields.pop("outside_ms")
+    assert fields == dict(
+        rank=0, step=0, start_unix_s=probe.unix_s(start_ns), step_ms=(window_end_ns - start_ns) / 1e6,
+        input_wait_ms=(5 * ms + 1) / 1e6, h2d_ms=1.0, forward_ms=2.0, backward_ms=3.0, optimizer_ms=4.0,
+        gc_ms=11.0, gc_collections=12, forward_calls=6, samples=7, device_timed=False, gpu_idle_ms=None,
+        device_allocated_bytes=None, device_peak_bytes=None, device_reserved_bytes=None,
+        host_rss_bytes=123_456_789, comm_wait_ms=9.0, gc_max_pause_ms=13.0, gc_full_collections=14,
+        gc_gen0_ms=15.0, gc_gen1_ms=16.0, gc_gen2_ms=17.0, tokens=8, real_tokens=10, eval_ms=18.0,
+        checkpoint_ms=19.0, instrumented=False, compile_ms=20.0)
+    # The step's end splits the rest: untraced inside the block, outside after it.
+    assert untraced_ms >= 20.0 - 15.0 and outside_ms >= 0.0
+    assert untraced_ms + outside_ms == pytest.approx(fields["step_ms"] - 15.0 - 1e-6, abs=1e-9)

@@ -30,7 +30,11 @@ static inline PyObject *new_reference(PyObject *object) { Py_INCREF(object); ret
 
 /* The indices of step.py's lists; step.py compares them with its own (INDICES) before use. */
 enum { H2D, FORWARD, BACKWARD, OPTIMIZER, INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES };
-enum { EVAL_NS = 7, INPUT_WAIT_GAP_NS = 11 };
+enum { TOKENS = 7, COMM_WAIT_NS = 8 };
+enum { EVAL_NS = 7, CHECKPOINT_NS = 8, COMPILE_NS = 9, INPUT_WAIT_GAP_NS = 11 };
+/* The step list's ints (H2D .. COMM_WAIT_NS), its two objects after them, and the lists' lengths. */
+enum { STEP_INTS = 9, REAL_TOKENS = 9, TOKEN_COPIES = 10, STEP_SLOTS = 12, WINDOW_SLOTS = 12 };
+#define RING_MOST_STEPS 8192  /* the sender empties the ring every 20 ms: a step under 2.4 µs overflows it */
 #define NO_PHASE (-1)
 
 /* time.perf_counter_ns()'s clock (step.py checks the two agree before using this module). */
@@ -78,6 +82,19 @@ report_fault(PyObject *probe, const char *where)
 
 /* ---- ProbeState: the fields a step's timers read and write -------------------------------- */
 
+/* A step whose window has ended, as the training thread left it: plain numbers, so that a
+ * step's end makes no Python object. The sender's thread makes its EndedWindow (drain_steps).
+ * A step ended in Python (its long path) is held as the EndedWindow it made (`ended`). */
+typedef struct {
+    PyObject *ended;            /* an EndedWindow made in Python, else NULL (and the rest holds it) */
+    long long step, start_ns, end_ns, window_end_ns;
+    long long host_rss_bytes;   /* -1: no reading */
+    long long sums[STEP_INTS];  /* step.py's _STEP_ZEROS ints */
+    PyObject *real_tokens;      /* owned, NULL for None */
+    PyObject *token_copies;     /* owned, NULL for None */
+    long long window[WINDOW_SLOTS];
+} StepEntry;
+
 typedef struct {
     PyObject_HEAD
     int in_step;          /* 0 between steps, else the depth of nested trace_step blocks */
@@ -105,7 +122,23 @@ typedef struct {
     PyObject *step_optimizer;   /* inferred steps: id() of the optimizer whose step ends a step, or None */
     PyObject *last_optimizer;   /* id() of the optimizer that stepped last, or None */
     PyObject *model_wait_ends;  /* the step after which a model is no longer awaited, or None */
+    /* The closed step and the unconfirmed one as numbers (has_*), when the compiled end made
+     * them; step.py's _closed and _unconfirmed read them as the objects Python makes. */
+    char has_closed, has_unconfirmed;
+    StepEntry closed_entry, unconfirmed_entry;
+    /* Steps whose window has ended, in order, until the sender takes them: ring[tail..head). */
+    StepEntry *ring;
+    Py_ssize_t ring_size, ring_head, ring_tail;
+    Py_ssize_t steps_dropped;   /* ring full: dropped and counted (the sender adds them to its count) */
 } ProbeState;
+
+static void
+entry_clear(StepEntry *entry)
+{
+    Py_CLEAR(entry->ended);
+    Py_CLEAR(entry->real_tokens);
+    Py_CLEAR(entry->token_copies);
+}
 
 static int
 state_traverse(ProbeState *self, visitproc visit, void *arg)
@@ -120,6 +153,18 @@ state_traverse(ProbeState *self, visitproc visit, void *arg)
     Py_VISIT(self->step_optimizer);
     Py_VISIT(self->last_optimizer);
     Py_VISIT(self->model_wait_ends);
+    StepEntry *held[] = {&self->closed_entry, &self->unconfirmed_entry};
+    for (int i = 0; i < 2; i++) {
+        Py_VISIT(held[i]->ended);
+        Py_VISIT(held[i]->real_tokens);
+        Py_VISIT(held[i]->token_copies);
+    }
+    for (Py_ssize_t i = self->ring_tail; i < self->ring_head; i++) {
+        StepEntry *entry = &self->ring[i % self->ring_size];
+        Py_VISIT(entry->ended);
+        Py_VISIT(entry->real_tokens);
+        Py_VISIT(entry->token_copies);
+    }
     return 0;
 }
 
@@ -136,6 +181,11 @@ state_clear(ProbeState *self)
     Py_CLEAR(self->step_optimizer);
     Py_CLEAR(self->last_optimizer);
     Py_CLEAR(self->model_wait_ends);
+    entry_clear(&self->closed_entry);
+    entry_clear(&self->unconfirmed_entry);
+    self->has_closed = self->has_unconfirmed = 0;
+    for (; self->ring_tail < self->ring_head; self->ring_tail++)
+        entry_clear(&self->ring[self->ring_tail % self->ring_size]);
     return 0;
 }
 
@@ -144,6 +194,7 @@ state_dealloc(ProbeState *self)
 {
     PyObject_GC_UnTrack(self);
     state_clear(self);
+    PyMem_Free(self->ring);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -163,8 +214,6 @@ static PyMemberDef state_members[] = {
     {"due_step", T_DOUBLE, offsetof(ProbeState, due_step), 0, NULL},
     {"sums", T_OBJECT_EX, offsetof(ProbeState, sums), 0, NULL},
     {"window", T_OBJECT_EX, offsetof(ProbeState, window), 0, NULL},
-    {"_closed", T_OBJECT, offsetof(ProbeState, closed), 0, NULL},
-    {"_unconfirmed", T_OBJECT, offsetof(ProbeState, unconfirmed), 0, NULL},
     {"timeline", T_OBJECT, offsetof(ProbeState, timeline), 0, NULL},
     {"sender", T_OBJECT, offsetof(ProbeState, sender), 0, NULL},
     {"host_rss", T_OBJECT, offsetof(ProbeState, host_rss), 0, NULL},
@@ -173,6 +222,7 @@ static PyMemberDef state_members[] = {
     {"_step_optimizer", T_OBJECT, offsetof(ProbeState, step_optimizer), 0, NULL},
     {"_last_optimizer", T_OBJECT, offsetof(ProbeState, last_optimizer), 0, NULL},
     {"_model_wait_ends", T_OBJECT, offsetof(ProbeState, model_wait_ends), 0, NULL},
+    {"steps_dropped", T_PYSSIZET, offsetof(ProbeState, steps_dropped), 0, NULL},
     {NULL},
 };
 
@@ -234,9 +284,315 @@ push_record(PyObject *sender, PyObject *record)
     return 0;
 }
 
+/* ---- the ring of ended steps: filled by the training thread, emptied by the sender's --------- */
+
+/* Queue a step whose window has ended (the entry's references move into the ring). The ring
+ * holds the sender's capacity, at most RING_MOST_STEPS; a full ring drops the step and counts it,
+ * as a full buffer does. -1 with an error set when the ring cannot be made. */
+static int
+publish(ProbeState *self, StepEntry *entry)
+{
+    if (self->ring == NULL) {
+        Py_ssize_t size = RING_MOST_STEPS;
+        if (self->sender == known_sender || know_sender(self->sender) == 0)
+            size = known_capacity < size ? known_capacity : size;
+        self->ring = PyMem_Calloc(size > 0 ? size : 1, sizeof(StepEntry));
+        if (self->ring == NULL) {
+            entry_clear(entry);
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->ring_size = size > 0 ? size : 1;
+    }
+    if (self->ring_head - self->ring_tail >= self->ring_size) {
+        entry_clear(entry);
+        self->steps_dropped++;
+        return 0;
+    }
+    self->ring[self->ring_head % self->ring_size] = *entry;
+    self->ring_head++;
+    entry->ended = entry->real_tokens = entry->token_copies = NULL;  /* moved, not released */
+    return 0;
+}
+
+/* Queue an EndedWindow made in Python (a step's long path), in its place among the others. */
+static int
+publish_object(ProbeState *self, PyObject *ended)
+{
+    StepEntry entry = {.ended = Py_NewRef(ended)};
+    return publish(self, &entry);
+}
+
+static int
+long_of(PyObject *value, long long *out)
+{
+    *out = PyLong_AsLongLong(value);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* The step ending now, as numbers: its index, bounds, host RSS and its list of sums. -1 with
+ * an error set when that list is not one. */
+static int
+close_entry(ProbeState *self, long long now, StepEntry *entry)
+{
+    PyObject *sums = self->sums;
+    if (sums == NULL || !PyList_CheckExact(sums) || PyList_GET_SIZE(sums) != STEP_SLOTS) {
+        PyErr_SetString(PyExc_TypeError, "traceml: not a step's list of sums");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < STEP_INTS; i++)
+        if (long_of(PyList_GET_ITEM(sums, i), &entry->sums[i]) < 0)
+            return -1;
+    entry->host_rss_bytes = -1;
+    if (!is_none(self->host_rss)) {
+        PyObject *rss = PyObject_GetAttr(self->host_rss, str_latest_bytes);
+        int failed = rss == NULL || (!is_none(rss) && long_of(rss, &entry->host_rss_bytes) < 0);
+        Py_XDECREF(rss);
+        if (failed)
+            return -1;
+    }
+    PyObject *real = PyList_GET_ITEM(sums, REAL_TOKENS), *copies = PyList_GET_ITEM(sums, TOKEN_COPIES);
+    entry->real_tokens = is_none(real) ? NULL : Py_NewRef(real);
+    entry->token_copies = is_none(copies) ? NULL : Py_NewRef(copies);
+    entry->ended = NULL;
+    entry->step = self->step_index;
+    entry->start_ns = self->step_start_ns;
+    entry->end_ns = now;
+    return 0;
+}
+
+/* The closed step's window ends now: its figures from the window's list. */
+static int
+end_window(ProbeState *self, StepEntry *entry, long long now)
+{
+    PyObject *window = self->window;
+    if (window == NULL || !PyList_CheckExact(window) || PyList_GET_SIZE(window) != WINDOW_SLOTS) {
+        PyErr_SetString(PyExc_TypeError, "traceml: not a window's list");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < WINDOW_SLOTS; i++)
+        if (long_of(PyList_GET_ITEM(window, i), &entry->window[i]) < 0)
+            return -1;
+    entry->window_end_ns = now;
+    return 0;
+}
+
+/* The next step's (or window's) list: the one held, zeroed in place when nothing else holds it
+ * (its figures were copied out), else a new one (the step before went out with it). */
+static int
+fresh_list(PyObject **slot, PyObject *zeros)
+{
+    PyObject *list = *slot;
+    Py_ssize_t size = PyTuple_GET_SIZE(zeros);
+    if (list == NULL || !PyList_CheckExact(list) || Py_REFCNT(list) != 1 || PyList_GET_SIZE(list) != size) {
+        PyObject *made = PySequence_List(zeros);
+        if (made == NULL)
+            return -1;
+        Py_XSETREF(*slot, made);
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < size; i++) {
+        PyObject *old = PyList_GET_ITEM(list, i), *zero = PyTuple_GET_ITEM(zeros, i);
+        if (old != zero) {
+            PyList_SET_ITEM(list, i, Py_NewRef(zero));
+            Py_DECREF(old);
+        }
+    }
+    return 0;
+}
+
+/* What Python sees of a closed step: step.py's ClosedStep, its list of sums made again. */
+static PyObject *
+closed_step_of(StepEntry *entry)
+{
+    PyObject *sums = PyList_New(STEP_SLOTS), *closed = NULL;
+    PyObject *step = PyLong_FromLongLong(entry->step), *start = PyLong_FromLongLong(entry->start_ns);
+    PyObject *end = PyLong_FromLongLong(entry->end_ns);
+    PyObject *rss = entry->host_rss_bytes < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(entry->host_rss_bytes);
+    if (sums == NULL || step == NULL || start == NULL || end == NULL || rss == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < STEP_INTS; i++) {
+        PyObject *value = PyLong_FromLongLong(entry->sums[i]);
+        if (value == NULL)
+            goto done;
+        PyList_SET_ITEM(sums, i, value);
+    }
+    PyList_SET_ITEM(sums, REAL_TOKENS, Py_NewRef(entry->real_tokens ? entry->real_tokens : Py_None));
+    PyList_SET_ITEM(sums, TOKEN_COPIES, Py_NewRef(entry->token_copies ? entry->token_copies : Py_None));
+    PyObject *no_phase = PyLong_FromLong(NO_PHASE);
+    if (no_phase == NULL)
+        goto done;
+    PyList_SET_ITEM(sums, STEP_SLOTS - 1, no_phase);
+    PyObject *fields[] = {step, start, end, sums, Py_None, Py_None, Py_None, Py_None, Py_None, Py_None, rss,
+                          Py_False};
+    closed = PyObject_Vectorcall(closed_step_type, fields, 12, NULL);
+done:
+    Py_XDECREF(sums);  /* a list whose unset items are NULL is released as such */
+    Py_XDECREF(step);
+    Py_XDECREF(start);
+    Py_XDECREF(end);
+    Py_XDECREF(rss);
+    return closed;
+}
+
+/* What Python sees of a step whose window has ended: step.py's EndedWindow. */
+static PyObject *
+ended_window_of(StepEntry *entry)
+{
+    if (entry->ended != NULL)
+        return Py_NewRef(entry->ended);
+    PyObject *closed = closed_step_of(entry), *window = PyList_New(WINDOW_SLOTS), *ended = NULL;
+    PyObject *end = PyLong_FromLongLong(entry->window_end_ns);
+    if (closed == NULL || window == NULL || end == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < WINDOW_SLOTS; i++) {
+        PyObject *value = PyLong_FromLongLong(entry->window[i]);
+        if (value == NULL)
+            goto done;
+        PyList_SET_ITEM(window, i, value);
+    }
+    PyObject *fields[] = {closed, end, window, Py_None};
+    ended = PyObject_Vectorcall(ended_window_type, fields, 4, NULL);
+done:
+    Py_XDECREF(closed);
+    Py_XDECREF(window);
+    Py_XDECREF(end);
+    return ended;
+}
+
+/* The StepRecord of a step queued as numbers: step.py's StepProbe.record_from, the same
+ * arithmetic in the same order, without the objects in between. */
+static PyObject *
+step_record_of(ProbeState *self, StepEntry *entry, PyObject *record_type, double unix_at_zero_s)
+{
+    const long long *sums = entry->sums, *window = entry->window;
+    long long gap_ns = entry->window_end_ns - entry->end_ns;
+    long long untraced_ns = entry->end_ns - entry->start_ns - sums[H2D] - sums[FORWARD] - sums[BACKWARD]
+        - sums[OPTIMIZER] - sums[INPUT_WAIT_NS];
+    long long gap_wait_ns = window[INPUT_WAIT_GAP_NS] < gap_ns ? window[INPUT_WAIT_GAP_NS] : gap_ns;
+    enum { FIELDS = 33 };
+    PyObject *fields[FIELDS] = {
+        PyLong_FromLong(self->rank), PyLong_FromLongLong(entry->step),
+        PyFloat_FromDouble(unix_at_zero_s + (double)entry->start_ns / 1e9),  /* start_unix_s */
+        PyFloat_FromDouble((double)(entry->window_end_ns - entry->start_ns) / 1e6),  /* step_ms */
+        PyFloat_FromDouble((double)(sums[INPUT_WAIT_NS] + gap_wait_ns) / 1e6),  /* input_wait_ms */
+        PyFloat_FromDouble((double)(gap_ns - gap_wait_ns) / 1e6),  /* outside_ms */
+        PyFloat_FromDouble((double)sums[H2D] / 1e6), PyFloat_FromDouble((double)sums[FORWARD] / 1e6),
+        PyFloat_FromDouble((double)sums[BACKWARD] / 1e6), PyFloat_FromDouble((double)sums[OPTIMIZER] / 1e6),
+        PyFloat_FromDouble((double)(untraced_ns > 0 ? untraced_ns : 0) / 1e6),  /* untraced_ms */
+        PyFloat_FromDouble((double)window[0] / 1e6), PyLong_FromLongLong(window[1]),  /* gc_ms, gc_collections */
+        PyLong_FromLongLong(sums[FORWARD_CALLS]), PyLong_FromLongLong(sums[SAMPLES]),
+        Py_NewRef(Py_False), Py_NewRef(Py_None),  /* device_timed, gpu_idle_ms: on CUDA only */
+        Py_NewRef(Py_None), Py_NewRef(Py_None), Py_NewRef(Py_None),  /* device memory: on CUDA only */
+        entry->host_rss_bytes < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(entry->host_rss_bytes),
+        self->comm_timed ? PyFloat_FromDouble((double)sums[COMM_WAIT_NS] / 1e6) : Py_NewRef(Py_None),
+        PyFloat_FromDouble((double)window[2] / 1e6), PyLong_FromLongLong(window[3]),  /* longest, full */
+        PyFloat_FromDouble((double)window[4] / 1e6), PyFloat_FromDouble((double)window[5] / 1e6),
+        PyFloat_FromDouble((double)window[6] / 1e6),  /* gc by generation */
+        PyLong_FromLongLong(sums[TOKENS]), Py_NewRef(entry->real_tokens ? entry->real_tokens : Py_None),
+        PyFloat_FromDouble((double)window[EVAL_NS] / 1e6), PyFloat_FromDouble((double)window[CHECKPOINT_NS] / 1e6),
+        Py_NewRef(Py_False),  /* instrumented: a deep-dive step takes Python's path */
+        PyFloat_FromDouble((double)window[COMPILE_NS] / 1e6),
+    };
+    PyObject *record = NULL;
+    int made = 1;
+    for (int i = 0; i < FIELDS; i++)
+        made &= fields[i] != NULL;
+    if (made)
+        record = PyObject_Vectorcall(record_type, fields, FIELDS, NULL);
+    for (int i = 0; i < FIELDS; i++)
+        Py_XDECREF(fields[i]);
+    return record;
+}
+
+/* The sender's thread: the steps ended since it last asked, in order, and how many a full ring
+ * dropped meanwhile. A step queued as numbers comes as its StepRecord (record_type), one ended
+ * in Python (or with device copies still to read) as its EndedWindow, for record_from; with
+ * record_type None every step comes as an EndedWindow. A step that cannot be made is dropped
+ * and counted. */
+static PyObject *
+state_drain_steps(ProbeState *self, PyObject *args)
+{
+    PyObject *record_type;
+    double unix_at_zero_s;
+    if (!PyArg_ParseTuple(args, "Od", &record_type, &unix_at_zero_s))
+        return NULL;
+    PyObject *steps = PyList_New(0);
+    if (steps == NULL)
+        return NULL;
+    for (; self->ring_tail < self->ring_head; self->ring_tail++) {
+        StepEntry *entry = &self->ring[self->ring_tail % self->ring_size];
+        int as_record = !is_none(record_type) && entry->ended == NULL && entry->token_copies == NULL;
+        PyObject *step = as_record ? step_record_of(self, entry, record_type, unix_at_zero_s) : ended_window_of(entry);
+        if (step == NULL || PyList_Append(steps, step) < 0) {
+            drop_bookkeeping_error();
+            self->steps_dropped++;
+        }
+        Py_XDECREF(step);
+        entry_clear(entry);
+    }
+    PyObject *drained = Py_BuildValue("(Nn)", steps, self->steps_dropped);
+    if (drained != NULL)
+        self->steps_dropped = 0;
+    return drained;
+}
+
+static PyObject *
+state_publish_ended(ProbeState *self, PyObject *ended)
+{
+    if (publish_object(self, ended) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* step.py's _closed and _unconfirmed: the object Python made, or the one the compiled end
+ * left as numbers, made into that object now (Python's long paths and the run's end). */
+static PyObject *
+get_held(ProbeState *self, void *which)
+{
+    int unconfirmed = which != NULL;
+    if (unconfirmed ? self->has_unconfirmed : self->has_closed) {
+        StepEntry *entry = unconfirmed ? &self->unconfirmed_entry : &self->closed_entry;
+        PyObject *made = unconfirmed ? ended_window_of(entry) : closed_step_of(entry);
+        if (made == NULL)
+            return NULL;
+        entry_clear(entry);
+        if (unconfirmed) {
+            self->has_unconfirmed = 0;
+            Py_XSETREF(self->unconfirmed, made);
+        } else {
+            self->has_closed = 0;
+            Py_XSETREF(self->closed, made);
+        }
+    }
+    PyObject *held = unconfirmed ? self->unconfirmed : self->closed;
+    return Py_NewRef(held ? held : Py_None);
+}
+
+static int
+set_held(ProbeState *self, PyObject *value, void *which)
+{
+    int unconfirmed = which != NULL;
+    entry_clear(unconfirmed ? &self->unconfirmed_entry : &self->closed_entry);
+    if (unconfirmed)
+        self->has_unconfirmed = 0;
+    else
+        self->has_closed = 0;
+    Py_XSETREF(*(unconfirmed ? &self->unconfirmed : &self->closed), Py_NewRef(value ? value : Py_None));
+    return 0;
+}
+
+static PyGetSetDef state_getset[] = {
+    {"_closed", (getter)get_held, (setter)set_held, "The closed step waiting for the next start (step.py).", NULL},
+    {"_unconfirmed", (getter)get_held, (setter)set_held, "Inferred steps: the step waiting on this one.",
+     (void *)1},
+    {NULL},
+};
+
 /* `with trace_step(model):` entering, for the common step (host clock, one level of trace_step,
  * no set-up to fold in, no work due): the step before ends its window now; everything else is
- * StepProbe.enter's, in Python. Same work as step.py's _PythonProbeState.__enter__. */
+ * StepProbe.enter's, in Python. Same work as step.py's _PythonProbeState.__enter__, with the
+ * ended step queued as numbers and the lists zeroed in place: no object made. */
 static PyObject *
 state_enter(ProbeState *self, PyObject *unused)
 {
@@ -244,43 +600,56 @@ state_enter(ProbeState *self, PyObject *unused)
             || (double)self->step_index >= self->due_step || closed_step_type == NULL)
         return PyObject_CallMethodNoArgs((PyObject *)self, str_enter_long);
     long long now = now_ns();
-    PyObject *window = PySequence_List(window_zeros), *sums = PySequence_List(step_zeros), *now_object = NULL;
-    if (window == NULL || sums == NULL)
-        goto fail;
-    if (!is_none(self->closed)) {
-        if ((now_object = PyLong_FromLongLong(now)) == NULL)
+    if (self->has_closed) {
+        self->has_closed = 0;
+        StepEntry *entry = &self->closed_entry;
+        if (end_window(self, entry, now) < 0) {
+            entry_clear(entry);
+            goto fail;
+        }
+        if (self->auto_steps) {  /* sent once this step proves to be one (see exit) */
+            entry_clear(&self->unconfirmed_entry);
+            self->unconfirmed_entry = *entry;
+            entry->real_tokens = entry->token_copies = NULL;  /* moved */
+            self->has_unconfirmed = 1;
+            Py_XSETREF(self->unconfirmed, Py_NewRef(Py_None));
+        } else if (publish(self, entry) < 0) {
+            goto fail;
+        }
+    } else if (!is_none(self->closed)) {  /* closed by Python's long path: an object */
+        PyObject *now_object = PyLong_FromLongLong(now);
+        if (now_object == NULL)
             goto fail;
         PyObject *fields[] = {self->closed, now_object, self->window ? self->window : Py_None, Py_None};
         PyObject *ending = PyObject_Vectorcall(ended_window_type, fields, 4, NULL);
+        Py_DECREF(now_object);
         if (ending == NULL)
             goto fail;
         Py_SETREF(self->closed, Py_NewRef(Py_None));
         if (self->auto_steps) {
+            entry_clear(&self->unconfirmed_entry);
+            self->has_unconfirmed = 0;
             Py_XSETREF(self->unconfirmed, ending);
         } else {
-            int pushed = push_record(self->sender, ending);
+            int published = publish_object(self, ending);
             Py_DECREF(ending);
-            if (pushed < 0)
+            if (published < 0)
                 goto fail;
         }
     }
-    Py_XSETREF(self->window, window);
-    Py_XSETREF(self->sums, sums);
-    Py_XDECREF(now_object);
+    if (fresh_list(&self->window, window_zeros) < 0 || fresh_list(&self->sums, step_zeros) < 0)
+        goto fail;
     self->step_start_ns = now;
     self->in_step = 1;
     self->plain = !self->layers_active && !self->comm_timed;
     return Py_NewRef(self);
 fail:  /* the training comes first: a fault here costs telemetry only */
-    Py_XDECREF(window);
-    Py_XDECREF(sums);
-    Py_XDECREF(now_object);
     report_fault((PyObject *)self, "trace_step enter");
     return Py_NewRef(self);
 }
 
-/* The common step's end (no exception, a plain step, one level): closes it, its window still
- * open until the next start. Anything else is StepProbe.exit's. */
+/* The common step's end (no exception, a plain step, one level): closes it, as numbers, its
+ * window still open until the next start. Anything else is StepProbe.exit's. */
 static PyObject *
 state_exit(ProbeState *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -298,46 +667,37 @@ state_exit(ProbeState *self, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(keywords);
         return result;
     }
-    if (!is_none(self->unconfirmed)) {
-        /* inferred steps: this one proved a step, the one before it is sent */
-        PyObject *unconfirmed = self->unconfirmed;
-        self->unconfirmed = Py_NewRef(Py_None);
-        int pushed = push_record(self->sender, unconfirmed);
-        Py_DECREF(unconfirmed);
-        if (pushed < 0) {
-            report_fault((PyObject *)self, "trace_step exit");
-            Py_RETURN_NONE;
-        }
+    /* inferred steps: this one proved a step, the one before it is sent */
+    int published = 0;
+    if (self->has_unconfirmed) {
+        self->has_unconfirmed = 0;
+        published = publish(self, &self->unconfirmed_entry);
+    } else if (!is_none(self->unconfirmed)) {
+        published = publish_object(self, self->unconfirmed);
+        Py_SETREF(self->unconfirmed, Py_NewRef(Py_None));
     }
     self->in_step = 0;
     self->plain = 0;
     self->open_phase = NO_PHASE;
-    PyObject *rss = is_none(self->host_rss) ? Py_NewRef(Py_None) : PyObject_GetAttr(self->host_rss, str_latest_bytes);
-    PyObject *step = PyLong_FromLongLong(self->step_index);
-    PyObject *start = PyLong_FromLongLong(self->step_start_ns);
-    PyObject *end = PyLong_FromLongLong(now);
-    PyObject *closed = NULL;
-    if (rss && step && start && end) {
-        PyObject *fields[] = {step, start, end, self->sums ? self->sums : Py_None, Py_None, Py_None, Py_None,
-                              Py_None, Py_None, Py_None, rss, Py_False};
-        closed = PyObject_Vectorcall(closed_step_type, fields, 12, NULL);
-    }
-    Py_XDECREF(rss);
-    Py_XDECREF(step);
-    Py_XDECREF(start);
-    Py_XDECREF(end);
-    if (closed == NULL) {
+    entry_clear(&self->closed_entry);
+    if (published < 0 || close_entry(self, now, &self->closed_entry) < 0) {
+        entry_clear(&self->closed_entry);
         report_fault((PyObject *)self, "trace_step exit");
-    } else {
-        Py_XSETREF(self->closed, closed);
-        self->step_index += 1;
+        Py_RETURN_NONE;
     }
+    self->has_closed = 1;
+    Py_XSETREF(self->closed, Py_NewRef(Py_None));
+    self->step_index += 1;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef state_methods[] = {
     {"__enter__", (PyCFunction)state_enter, METH_NOARGS, "Start a step (see step.py)."},
     {"__exit__", (PyCFunction)(void (*)(void))state_exit, METH_FASTCALL, "End a step (see step.py)."},
+    {"_drain_ring", (PyCFunction)state_drain_steps, METH_VARARGS,
+     "_drain_ring(StepRecord or None, unix at perf zero s): ([steps ended since the last call], dropped)."},
+    {"publish_ended", (PyCFunction)state_publish_ended, METH_O,
+     "Queue an EndedWindow made in Python among the steps drain_steps returns."},
     {NULL},
 };
 
@@ -353,6 +713,7 @@ static PyTypeObject ProbeStateType = {
     .tp_dealloc = (destructor)state_dealloc,
     .tp_members = state_members,
     .tp_methods = state_methods,
+    .tp_getset = state_getset,
 };
 
 /* list[index] += delta, for a list of ints; -1 with an error set when it is not one. */
@@ -1194,15 +1555,17 @@ PyInit__fastpath(void)
             || PyModule_AddObject(module, "Timer", (PyObject *)&TimerType) < 0
             || PyModule_AddObject(module, "TraceState", (PyObject *)&TraceStateType) < 0
             || PyModule_AddObject(module, "ImportTimer", (PyObject *)&ImportTimerType) < 0
-            || PyModule_AddIntConstant(module, "VERSION", 4) < 0
+            || PyModule_AddIntConstant(module, "VERSION", 6) < 0
             || PyModule_AddIntConstant(module, "NEXT", NEXT) < 0
             || PyModule_AddIntConstant(module, "MODEL_CALL", MODEL_CALL) < 0
             || PyModule_AddIntConstant(module, "BACKWARD_CALL", BACKWARD_CALL) < 0
             || PyModule_AddIntConstant(module, "OPTIMIZER_BEFORE", OPTIMIZER_BEFORE) < 0
             || PyModule_AddIntConstant(module, "OPTIMIZER_AFTER", OPTIMIZER_AFTER) < 0
             || PyModule_AddIntConstant(module, "TENSOR_TO", TENSOR_TO) < 0
-            || PyModule_AddObject(module, "INDICES", Py_BuildValue("(iiiiiiiii)", FORWARD, BACKWARD, OPTIMIZER,
-                                  INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, EVAL_NS, INPUT_WAIT_GAP_NS, NO_PHASE)) < 0) {
+            || PyModule_AddObject(module, "INDICES", Py_BuildValue("(iiiiiiiiiiiiiiiii)", FORWARD, BACKWARD, OPTIMIZER,
+                                  INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, EVAL_NS, INPUT_WAIT_GAP_NS, NO_PHASE,
+                                  REAL_TOKENS, TOKEN_COPIES, STEP_SLOTS, WINDOW_SLOTS, TOKENS, COMM_WAIT_NS,
+                                  CHECKPOINT_NS, COMPILE_NS)) < 0) {
         Py_DECREF(module);
         return NULL;
     }

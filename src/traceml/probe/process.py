@@ -254,6 +254,7 @@ def _create_probe(model: Any) -> StepProbe:
     probe.stop_awaiting_models = disarm_first_call
     probe._grad_enabled = torch.is_grad_enabled
     sender.record_from = probe.record_from
+    sender.drain_steps = probe.drain_steps
     sender.span_records = probe.span_records
     if timeline is not None:
         timeline.record_from = probe.record_from

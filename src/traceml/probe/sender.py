@@ -1,7 +1,8 @@
 """The probe's bounded buffer and the one background thread that ships records to the collector.
 
-The training thread only appends to the buffer; when the buffer is full it drops the record and
-counts it, it never waits. The background thread resolves CUDA events, refreshes host RSS,
+The training thread only appends to the buffer (the compiled probe queues its steps in a ring of
+numbers instead, which this thread empties into the buffer each round); when either is full it
+drops the record and counts it, it never waits. The background thread resolves CUDA events, refreshes host RSS,
 batches records into frames and sends them over TCP. While no collector is reachable the records
 wait in the buffer (which drops when full); at exit what could not be sent is counted as dropped.
 """
@@ -17,7 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Deque, List, Optional
+from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from traceml import rendezvous
 from traceml.probe.step import SPANS_END, EndedWindow
@@ -51,6 +52,9 @@ class Sender:
         # into SpanRecords, here, off the training thread.
         self.record_from: Callable[[EndedWindow], Record] = lambda raw: raw  # type: ignore[assignment,return-value]
         self.span_records: Callable[[tuple], List[Record]] = lambda call: []
+        # The probe's steps ended since the last round and how many its full ring dropped
+        # (StepProbe.drain_steps): they join the buffer each round, in order.
+        self.drain_steps: Callable[[], Tuple[List[EndedWindow], int]] = lambda: ([], 0)
         self.timeline = timeline
         self.host_rss = host_rss  # refreshed here, each round, off the training thread
         self.capacity = capacity  # fixed once made: the compiled push keeps it (_fastpath.push_record)
@@ -99,6 +103,7 @@ class Sender:
     def local_steps(self) -> List[StepRecord]:
         """This rank's step records so far: those sent (the latest RECENT_STEPS_KEPT) and those
         still waiting in the buffer; read from the training thread, the buffer left as it is."""
+        self._take_ended_steps()
         pending = [self.record_from(r) if type(r) is EndedWindow else r for r in list(self._buffer)]
         return list(self.sent_steps) + [r for r in pending if type(r) is StepRecord]
 
@@ -116,6 +121,7 @@ class Sender:
         if self._thread.is_alive():
             log.warning("traceml: telemetry sender did not stop in time; the last records are lost")
             return
+        self._take_ended_steps()
         # Let the device finish the last steps' events and scalar copies.
         while ((self.timeline is not None and self.timeline.pending_count) or self._deferred) \
                 and time.monotonic() < deadline - 1.0:
@@ -170,6 +176,7 @@ class Sender:
             try:
                 if self.host_rss is not None:
                     self.host_rss.refresh(time.perf_counter_ns())
+                self._take_ended_steps()
                 if rounds % ROUNDS_PER_FLUSH == 0:
                     self._collect_device_steps()
                     self._flush()
@@ -178,6 +185,12 @@ class Sender:
             rounds += 1
             if self._stop.wait(FLUSH_INTERVAL_S / ROUNDS_PER_FLUSH):
                 return
+
+    def _take_ended_steps(self) -> None:
+        ended, dropped = self.drain_steps()
+        self.records_dropped += dropped
+        for ending in ended:
+            self.push(ending)
 
     def _collect_device_steps(self) -> None:
         """Move what the device has finished into the buffer: steps whose events are done,

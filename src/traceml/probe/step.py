@@ -79,7 +79,7 @@ class EndedWindow(msgspec.Struct, gc=False):
     next_start_event: Any  # on CUDA the next step's start event, the window's end (else None)
 
 
-FAST_PATH_VERSION = 4  # _fastpath.c's VERSION: a build of another version is not used
+FAST_PATH_VERSION = 6  # _fastpath.c's VERSION: a build of another version is not used
 
 
 def _load_fast_path() -> Any:
@@ -92,7 +92,9 @@ def _load_fast_path() -> Any:
     except ImportError:
         return None
     if getattr(_fastpath, "VERSION", None) != FAST_PATH_VERSION or _fastpath.INDICES != (
-            FORWARD, BACKWARD, OPTIMIZER, INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, EVAL_NS, INPUT_WAIT_GAP_NS, NO_PHASE):
+            FORWARD, BACKWARD, OPTIMIZER, INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, EVAL_NS, INPUT_WAIT_GAP_NS, NO_PHASE,
+            REAL_TOKENS, TOKEN_COPIES, len(_STEP_ZEROS), len(_WINDOW_ZEROS), TOKENS, COMM_WAIT_NS, CHECKPOINT_NS,
+            COMPILE_NS):
         log.debug("traceml: the compiled timers were built from another version; using Python's")
         return None
     before_ns, fast_ns, after_ns = _now_ns(), _fastpath.now_ns(), _now_ns()
@@ -166,6 +168,14 @@ class _PythonProbeState:
         except Exception:  # the training comes first: a fault here costs telemetry only
             self.on_fault("trace_step exit")
         return None
+
+    # -- ended steps: the compiled state queues them in a ring of numbers, taken by the sender
+    # (drain_steps), so that a step's end makes no object; here they go to its buffer at once.
+    def publish_ended(self, ending: "EndedWindow") -> None:
+        self.sender.push(ending)
+
+    def _drain_ring(self, record_type: Any, unix_at_zero_s: float) -> Tuple[list, int]:
+        return [], 0
 
 
 class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeState):  # type: ignore[misc]
@@ -388,13 +398,26 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         """Send a closed step whose window has ended: as it is on the CPU; on CUDA, to the
         timeline, which sends it once its events are done."""
         if self.timeline is None:
-            self.sender.push(ending)
+            self.publish_ended(ending)  # after the steps the compiled path queued, in order
             return
         from traceml.probe.clock import PendingDeviceStep
 
         closed = ending.closed
         self.timeline.submit(PendingDeviceStep(ending, closed.start_event, closed.end_event,
                                                ending.next_start_event, closed.phase_events))
+
+    def drain_steps(self) -> Tuple[list, int]:
+        """The sender's thread: the steps ended since its last round, in order, and how many a
+        full ring dropped. The compiled path queues a step as numbers and its StepRecord is made
+        here, in C, by record_from's arithmetic (the capture rules see it as record_from's own);
+        a step ended in Python comes as its EndedWindow, for record_from."""
+        steps, dropped = self._drain_ring(StepRecord, self._unix_at_zero_s)
+        layers = self.layers
+        if layers is not None and layers.watch is not None:
+            for record in steps:
+                if type(record) is StepRecord:
+                    layers.watch.observe(record)
+        return steps, dropped
 
     def record_from(self, ending: EndedWindow) -> StepRecord:
         """The StepRecord of a closed step whose window has ended (sender's thread)."""
