@@ -330,19 +330,28 @@ long_of(PyObject *value, long long *out)
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* The step ending now, as numbers: its index, bounds, host RSS and its list of sums. -1 with
- * an error set when that list is not one. */
+/* The first `ints` items of a step's or window's list of `slots`, as numbers. -1 with an error
+ * set when the list is not one. */
+static int
+copy_ints(PyObject *list, Py_ssize_t slots, Py_ssize_t ints, long long *out)
+{
+    if (list == NULL || !PyList_CheckExact(list) || PyList_GET_SIZE(list) != slots) {
+        PyErr_SetString(PyExc_TypeError, "traceml: not a step's (or window's) list");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < ints; i++)
+        if (long_of(PyList_GET_ITEM(list, i), &out[i]) < 0)
+            return -1;
+    return 0;
+}
+
+/* The step ending now, as numbers: its index, bounds, host RSS and its list of sums. */
 static int
 close_entry(ProbeState *self, long long now, StepEntry *entry)
 {
     PyObject *sums = self->sums;
-    if (sums == NULL || !PyList_CheckExact(sums) || PyList_GET_SIZE(sums) != STEP_SLOTS) {
-        PyErr_SetString(PyExc_TypeError, "traceml: not a step's list of sums");
+    if (copy_ints(sums, STEP_SLOTS, STEP_INTS, entry->sums) < 0)
         return -1;
-    }
-    for (Py_ssize_t i = 0; i < STEP_INTS; i++)
-        if (long_of(PyList_GET_ITEM(sums, i), &entry->sums[i]) < 0)
-            return -1;
     entry->host_rss_bytes = -1;
     if (!is_none(self->host_rss)) {
         PyObject *rss = PyObject_GetAttr(self->host_rss, str_latest_bytes);
@@ -365,14 +374,8 @@ close_entry(ProbeState *self, long long now, StepEntry *entry)
 static int
 end_window(ProbeState *self, StepEntry *entry, long long now)
 {
-    PyObject *window = self->window;
-    if (window == NULL || !PyList_CheckExact(window) || PyList_GET_SIZE(window) != WINDOW_SLOTS) {
-        PyErr_SetString(PyExc_TypeError, "traceml: not a window's list");
+    if (copy_ints(self->window, WINDOW_SLOTS, WINDOW_SLOTS, entry->window) < 0)
         return -1;
-    }
-    for (Py_ssize_t i = 0; i < WINDOW_SLOTS; i++)
-        if (long_of(PyList_GET_ITEM(window, i), &entry->window[i]) < 0)
-            return -1;
     entry->window_end_ns = now;
     return 0;
 }
