@@ -17,6 +17,12 @@ trace_step() call, entering the block, the model, the loss, zero_grad, backward,
 step, leaving the block): each call's median time traced minus untraced, per round. Where the
 added µs go, patch by patch, to a few tenths of a µs where the whole step scatters by several.
 
+Background included: the alternating blocks share the sender's and the collector's work between
+both sides, so the figures above leave it out. Here two processes run the explicit loop, one
+traced and one not, taking turns block by block in a shuffled order (nothing is patched between
+blocks, and the background work lands on the traced side); then two untraced ones, the pair's
+own bias. On a machine with no free core this is what TraceML costs the training.
+
 Per DDP bucket: a one-rank gloo DDP model with one bucket per parameter, backward timed with
 TraceML's comm hook and with DDP's own all-reduce, against the same with one bucket: what the
 hook adds per bucket.
@@ -32,13 +38,15 @@ outside, after one unmeasured launch of each (TraceML's bytecode cached, as afte
 the figure is the median of each back-to-back pair's difference. The script's own clock splits
 it: launch to torch imported, the steps, the last line to the command's end.
 
-    python benchmarks/overhead.py [--rounds 5] [--blocks 20] [--launches 21] [--only steps|calls|ddp|wakes|fixed]
+    python benchmarks/overhead.py [--rounds 5] [--blocks 20] [--launches 21]
+                                  [--only steps|calls|background|ddp|wakes|fixed]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -133,7 +141,7 @@ def step_calls(traced, counted=True):  # the explicit loop, a clock read between
 
 
 def attach():
-    if mode in ("explicit", "calls"):
+    if mode in ("explicit", "calls", "turns-traced"):
         with traceml.trace_step(model):  # attaches again after a detach
             pass
     elif mode == "zero-code":
@@ -143,11 +151,37 @@ def attach():
 
 
 one_step = {"explicit": step_explicit, "zero-code": step_inferred, "trace-api": step_trace_api,
-            "calls": lambda traced: step_calls(traced, counted=False)}[mode]
-if mode != "zero-code":  # zero-code: this process runs under python -m traceml.probe.zero_code
+            "calls": lambda traced: step_calls(traced, counted=False), "turns-traced": step_explicit,
+            "turns-untraced": step_explicit}[mode]
+traced_here = mode != "turns-untraced"  # a turn-taker untraced: TraceML never attached in it
+if mode != "zero-code" and traced_here:  # zero-code: this process runs under python -m traceml.probe.zero_code
     attach()
 for _ in range(300):  # warm-up, start-up and the collector
-    one_step(True)
+    one_step(traced_here)
+
+
+def take_turns():  # background part: run a block of steps each time the parent says so
+    go = os.fdopen(int(os.environ["OVERHEAD_GO_FD"]), "rb", 0)
+    done = os.fdopen(int(os.environ["OVERHEAD_DONE_FD"]), "wb", 0)
+    done.write(b"r")
+    block_us = []
+    while go.read(1) == b"g":
+        one_step(traced_here)  # not counted, as after a switch
+        step_ns, last = [], time.perf_counter_ns()
+        for _ in range(BLOCK):
+            one_step(traced_here)
+            now = time.perf_counter_ns()
+            step_ns.append(now - last)
+            last = now
+        block_us.append(statistics.median(step_ns) / 1e3)
+        done.write(b"d")
+    print(json.dumps({"block_us": block_us}), flush=True)
+    sys.exit(0)
+
+
+if mode.startswith("turns"):
+    time.sleep(0.2)  # the warm-up's records sent
+    take_turns()
 
 
 def background_cpu_s():  # CPU time so far of TraceML's sender thread and of the collector it started
@@ -388,6 +422,55 @@ def per_call(rounds: int, blocks: int, workdir: str) -> None:
           "  (not the calls' sum: each figure is a median)")
 
 
+def _turn_taker(script: str, mode: str, blocks: int, workdir: str) -> tuple:
+    """A child running the explicit loop a block at a time: (process, its go pipe, its done pipe)."""
+    go_read, go_write = os.pipe()
+    done_read, done_write = os.pipe()
+    env = dict(_child_env(workdir, f"run-{mode}-{go_read}"), OVERHEAD_GO_FD=str(go_read),
+               OVERHEAD_DONE_FD=str(done_write))
+    with open(os.path.join(workdir, f"{mode}-{go_read}.stderr"), "w") as stderr:  # the card and any error
+        child = subprocess.Popen([sys.executable, script, mode, "1", str(blocks)], env=env, cwd=workdir,
+                                 pass_fds=(go_read, done_write), stdout=subprocess.PIPE, stderr=stderr, text=True)
+    os.close(go_read)
+    os.close(done_write)
+    return child, os.fdopen(go_write, "wb", 0), os.fdopen(done_read, "rb", 0)
+
+
+def background(rounds: int, blocks: int, workdir: str) -> None:
+    """TraceML's whole cost with its work beside the training: two processes run the same loop,
+    one traced and one not, taking turns block by block (nothing patched between blocks), so
+    the sender's and the collector's work lands on the traced side only; and the same with
+    both untraced, the pair's own bias."""
+    script = _write_script(workdir, "loop.py", LOOP)
+    print(f"background included: two processes taking turns, {rounds} rounds of {blocks} blocks of 50 steps "
+          "each, shuffled; median of the rounds [their range]")
+    for label, modes in (("traced vs untraced", ("turns-traced", "turns-untraced")),
+                         ("untraced vs untraced", ("turns-untraced", "turns-untraced"))):
+        children = [_turn_taker(script, mode, rounds * blocks + 1, workdir) for mode in modes]
+        for _, _, done in children:
+            if done.read(1) != b"r":
+                sys.exit(f"benchmark child failed before its first block ({label})")
+        for round_index in range(rounds):
+            order = [0] * blocks + [1] * blocks
+            random.Random(round_index).shuffle(order)
+            for side in order:
+                _, go, done = children[side]
+                go.write(b"g")
+                if done.read(1) != b"d":
+                    sys.exit(f"benchmark child failed in a block ({label})")
+        block_us = []
+        for child, go, done in children:
+            go.close()
+            lines = [line for line in child.stdout.read().splitlines() if line.startswith("{")]
+            child.wait()
+            done.close()
+            block_us.append(json.loads(lines[0])["block_us"])
+        added = [statistics.median(block_us[0][r * blocks:(r + 1) * blocks])
+                 - statistics.median(block_us[1][r * blocks:(r + 1) * blocks]) for r in range(rounds)]
+        print(f"  {label:<22} added {statistics.median(added):+6.1f} µs  [{min(added):+.1f}, {max(added):+.1f}]"
+              f"  (untraced step {statistics.median(block_us[1]):.0f} µs)")
+
+
 def per_bucket(workdir: str) -> None:
     script = _write_script(workdir, "ddp.py", DDP)
     result = _run_json([sys.executable, script, "1500"], _child_env(workdir, "run-ddp"), workdir)
@@ -458,13 +541,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per way of tracing")
     parser.add_argument("--blocks", type=int, default=20, help="blocks of 50 steps on each side, per round")
     parser.add_argument("--launches", type=int, default=21, help="launches on each side, fixed cost")
-    parser.add_argument("--only", choices=("steps", "calls", "ddp", "wakes", "fixed"), help="run one part")
+    parser.add_argument("--only", choices=("steps", "calls", "background", "ddp", "wakes", "fixed"),
+                        help="run one part")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         if args.only in (None, "steps"):
             per_step(args.rounds, args.blocks, workdir)
         if args.only in (None, "calls"):
             per_call(args.rounds, args.blocks, workdir)
+        if args.only in (None, "background"):
+            background(args.rounds, args.blocks, workdir)
         if args.only in (None, "ddp"):
             per_bucket(workdir)
         if args.only in (None, "wakes"):
