@@ -141,6 +141,15 @@ entry_clear(StepEntry *entry)
 }
 
 static int
+entry_traverse(StepEntry *entry, visitproc visit, void *arg)
+{
+    Py_VISIT(entry->ended);
+    Py_VISIT(entry->real_tokens);
+    Py_VISIT(entry->token_copies);
+    return 0;
+}
+
+static int
 state_traverse(ProbeState *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->sums);
@@ -153,19 +162,12 @@ state_traverse(ProbeState *self, visitproc visit, void *arg)
     Py_VISIT(self->step_optimizer);
     Py_VISIT(self->last_optimizer);
     Py_VISIT(self->model_wait_ends);
-    StepEntry *held[] = {&self->closed_entry, &self->unconfirmed_entry};
-    for (int i = 0; i < 2; i++) {
-        Py_VISIT(held[i]->ended);
-        Py_VISIT(held[i]->real_tokens);
-        Py_VISIT(held[i]->token_copies);
-    }
-    for (Py_ssize_t i = self->ring_tail; i < self->ring_head; i++) {
-        StepEntry *entry = &self->ring[i % self->ring_size];
-        Py_VISIT(entry->ended);
-        Py_VISIT(entry->real_tokens);
-        Py_VISIT(entry->token_copies);
-    }
-    return 0;
+    int visited = entry_traverse(&self->closed_entry, visit, arg);
+    if (visited == 0)
+        visited = entry_traverse(&self->unconfirmed_entry, visit, arg);
+    for (Py_ssize_t i = self->ring_tail; visited == 0 && i < self->ring_head; i++)
+        visited = entry_traverse(&self->ring[i % self->ring_size], visit, arg);
+    return visited;
 }
 
 static int
@@ -222,7 +224,6 @@ static PyMemberDef state_members[] = {
     {"_step_optimizer", T_OBJECT, offsetof(ProbeState, step_optimizer), 0, NULL},
     {"_last_optimizer", T_OBJECT, offsetof(ProbeState, last_optimizer), 0, NULL},
     {"_model_wait_ends", T_OBJECT, offsetof(ProbeState, model_wait_ends), 0, NULL},
-    {"steps_dropped", T_PYSSIZET, offsetof(ProbeState, steps_dropped), 0, NULL},
     {NULL},
 };
 
@@ -404,22 +405,32 @@ fresh_list(PyObject **slot, PyObject *zeros)
     return 0;
 }
 
+/* copy_ints the other way: a new list of `slots` whose first `ints` items are these numbers
+ * (the rest left for the caller to set). NULL with an error set when it cannot be made. */
+static PyObject *
+list_of_ints(const long long *values, Py_ssize_t ints, Py_ssize_t slots)
+{
+    PyObject *list = PyList_New(slots);
+    for (Py_ssize_t i = 0; list != NULL && i < ints; i++) {
+        PyObject *value = PyLong_FromLongLong(values[i]);
+        if (value == NULL)
+            Py_CLEAR(list);  /* a list whose unset items are NULL is released as such */
+        else
+            PyList_SET_ITEM(list, i, value);
+    }
+    return list;
+}
+
 /* What Python sees of a closed step: step.py's ClosedStep, its list of sums made again. */
 static PyObject *
 closed_step_of(StepEntry *entry)
 {
-    PyObject *sums = PyList_New(STEP_SLOTS), *closed = NULL;
+    PyObject *sums = list_of_ints(entry->sums, STEP_INTS, STEP_SLOTS), *closed = NULL;
     PyObject *step = PyLong_FromLongLong(entry->step), *start = PyLong_FromLongLong(entry->start_ns);
     PyObject *end = PyLong_FromLongLong(entry->end_ns);
     PyObject *rss = entry->host_rss_bytes < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(entry->host_rss_bytes);
     if (sums == NULL || step == NULL || start == NULL || end == NULL || rss == NULL)
         goto done;
-    for (Py_ssize_t i = 0; i < STEP_INTS; i++) {
-        PyObject *value = PyLong_FromLongLong(entry->sums[i]);
-        if (value == NULL)
-            goto done;
-        PyList_SET_ITEM(sums, i, value);
-    }
     PyList_SET_ITEM(sums, REAL_TOKENS, Py_NewRef(entry->real_tokens ? entry->real_tokens : Py_None));
     PyList_SET_ITEM(sums, TOKEN_COPIES, Py_NewRef(entry->token_copies ? entry->token_copies : Py_None));
     PyObject *no_phase = PyLong_FromLong(NO_PHASE);
@@ -430,7 +441,7 @@ closed_step_of(StepEntry *entry)
                           Py_False};
     closed = PyObject_Vectorcall(closed_step_type, fields, 12, NULL);
 done:
-    Py_XDECREF(sums);  /* a list whose unset items are NULL is released as such */
+    Py_XDECREF(sums);
     Py_XDECREF(step);
     Py_XDECREF(start);
     Py_XDECREF(end);
@@ -444,19 +455,12 @@ ended_window_of(StepEntry *entry)
 {
     if (entry->ended != NULL)
         return Py_NewRef(entry->ended);
-    PyObject *closed = closed_step_of(entry), *window = PyList_New(WINDOW_SLOTS), *ended = NULL;
-    PyObject *end = PyLong_FromLongLong(entry->window_end_ns);
-    if (closed == NULL || window == NULL || end == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < WINDOW_SLOTS; i++) {
-        PyObject *value = PyLong_FromLongLong(entry->window[i]);
-        if (value == NULL)
-            goto done;
-        PyList_SET_ITEM(window, i, value);
+    PyObject *closed = closed_step_of(entry), *window = list_of_ints(entry->window, WINDOW_SLOTS, WINDOW_SLOTS);
+    PyObject *end = PyLong_FromLongLong(entry->window_end_ns), *ended = NULL;
+    if (closed != NULL && window != NULL && end != NULL) {
+        PyObject *fields[] = {closed, end, window, Py_None};
+        ended = PyObject_Vectorcall(ended_window_type, fields, 4, NULL);
     }
-    PyObject *fields[] = {closed, end, window, Py_None};
-    ended = PyObject_Vectorcall(ended_window_type, fields, 4, NULL);
-done:
     Py_XDECREF(closed);
     Py_XDECREF(window);
     Py_XDECREF(end);
@@ -510,9 +514,8 @@ step_record_of(ProbeState *self, StepEntry *entry, PyObject *record_type, double
 
 /* The sender's thread: the steps ended since it last asked, in order, and how many a full ring
  * dropped meanwhile. A step queued as numbers comes as its StepRecord (record_type), one ended
- * in Python (or with device copies still to read) as its EndedWindow, for record_from; with
- * record_type None every step comes as an EndedWindow. A step that cannot be made is dropped
- * and counted. */
+ * in Python (or with device copies still to read) as its EndedWindow, for record_from. A step
+ * that cannot be made is dropped and counted. */
 static PyObject *
 state_drain_steps(ProbeState *self, PyObject *args)
 {
@@ -525,7 +528,7 @@ state_drain_steps(ProbeState *self, PyObject *args)
         return NULL;
     for (; self->ring_tail < self->ring_head; self->ring_tail++) {
         StepEntry *entry = &self->ring[self->ring_tail % self->ring_size];
-        int as_record = !is_none(record_type) && entry->ended == NULL && entry->token_copies == NULL;
+        int as_record = entry->ended == NULL && entry->token_copies == NULL;
         PyObject *step = as_record ? step_record_of(self, entry, record_type, unix_at_zero_s) : ended_window_of(entry);
         if (step == NULL || PyList_Append(steps, step) < 0) {
             drop_bookkeeping_error();
@@ -698,7 +701,7 @@ static PyMethodDef state_methods[] = {
     {"__enter__", (PyCFunction)state_enter, METH_NOARGS, "Start a step (see step.py)."},
     {"__exit__", (PyCFunction)(void (*)(void))state_exit, METH_FASTCALL, "End a step (see step.py)."},
     {"_drain_ring", (PyCFunction)state_drain_steps, METH_VARARGS,
-     "_drain_ring(StepRecord or None, unix at perf zero s): ([steps ended since the last call], dropped)."},
+     "_drain_ring(StepRecord, unix at perf zero s): ([steps ended since the last call], dropped)."},
     {"publish_ended", (PyCFunction)state_publish_ended, METH_O,
      "Queue an EndedWindow made in Python among the steps drain_steps returns."},
     {NULL},

@@ -39,29 +39,26 @@ class DeviceMemory:
 
 
 class HostRss:
-    """Resident set size of this process, read by the sender thread at most every interval_ns;
-    each step records the latest reading (steps shorter than the interval share one)."""
+    """Resident set size of this process, read by the sender thread once a round (see
+    sender.ROUNDS_PER_FLUSH); each step records the latest reading (steps shorter than a round
+    share one)."""
 
-    def __init__(self, interval_ns: int = 20_000_000):
-        self.interval_ns = interval_ns
+    def __init__(self) -> None:
         self.latest_bytes: Optional[int] = None
-        self.due_ns = 0
         # Opened once: each reading is then a single pread, not open, read and close.
         try:
             self._statm_fd: Optional[int] = os.open(f"/proc/{os.getpid()}/statm", os.O_RDONLY)
         except OSError:
             self._statm_fd = None
 
-    def refresh(self, now_ns: int) -> Optional[int]:
-        if now_ns >= self.due_ns:
-            self.due_ns = now_ns + self.interval_ns
-            if self._statm_fd is not None:
-                try:
-                    self.latest_bytes = int(os.pread(self._statm_fd, 128, 0).split()[1]) * _PAGE_BYTES
-                    return self.latest_bytes
-                except (OSError, ValueError, IndexError):
-                    self._statm_fd = None
-            self.latest_bytes = read_rss_bytes(None)
+    def refresh(self) -> Optional[int]:
+        if self._statm_fd is not None:
+            try:
+                self.latest_bytes = int(os.pread(self._statm_fd, 128, 0).split()[1]) * _PAGE_BYTES
+                return self.latest_bytes
+            except (OSError, ValueError, IndexError):
+                self._statm_fd = None
+        self.latest_bytes = read_rss_bytes(None)
         return self.latest_bytes
 
 

@@ -2,8 +2,8 @@
 
 The training thread only appends to the buffer (the compiled probe queues its steps in a ring of
 numbers instead, which this thread empties into the buffer each round); when either is full it
-drops the record and counts it, it never waits. The background thread resolves CUDA events, refreshes host RSS,
-batches records into frames and sends them over TCP. While no collector is reachable the records
+drops the record and counts it, it never waits. The background thread resolves CUDA events,
+refreshes host RSS, batches records into frames and sends them over TCP. While no collector is reachable the records
 wait in the buffer (which drops when full); at exit what could not be sent is counted as dropped.
 """
 from __future__ import annotations
@@ -52,9 +52,10 @@ class Sender:
         # into SpanRecords, here, off the training thread.
         self.record_from: Callable[[EndedWindow], Record] = lambda raw: raw  # type: ignore[assignment,return-value]
         self.span_records: Callable[[tuple], List[Record]] = lambda call: []
-        # The probe's steps ended since the last round and how many its full ring dropped
-        # (StepProbe.drain_steps): they join the buffer each round, in order.
-        self.drain_steps: Callable[[], Tuple[List[EndedWindow], int]] = lambda: ([], 0)
+        # The probe's steps ended since the last round (StepRecords, or EndedWindows for
+        # record_from) and how many its full ring dropped (StepProbe.drain_steps): they join the
+        # buffer each round, in order.
+        self.drain_steps: Callable[[], Tuple[List[Any], int]] = lambda: ([], 0)
         self.timeline = timeline
         self.host_rss = host_rss  # refreshed here, each round, off the training thread
         self.capacity = capacity  # fixed once made: the compiled push keeps it (_fastpath.push_record)
@@ -175,7 +176,7 @@ class Sender:
         while True:
             try:
                 if self.host_rss is not None:
-                    self.host_rss.refresh(time.perf_counter_ns())
+                    self.host_rss.refresh()
                 self._take_ended_steps()
                 if rounds % ROUNDS_PER_FLUSH == 0:
                     self._collect_device_steps()
