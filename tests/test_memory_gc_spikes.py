@@ -1,7 +1,9 @@
 """Memory creep, GC pressure and step spikes on real CPU loops, and a healthy run free of them."""
+import json
+
 from traceml.analysis.rollup import Window, roll_up, warmup_steps
 from traceml.collector.store import Store
-from traceml.diagnose.memory import MemoryLimits, memory_creep
+from traceml.diagnose.memory import MIN_GROWTH_BYTES, MemoryLimits, memory_creep
 
 LONG_RUN_FINDINGS = {"MEMORY_CREEP", "GC_PRESSURE", "STEP_SPIKES", "MEMORY_PRESSURE"}
 
@@ -80,3 +82,21 @@ def test_a_flat_healthy_run_has_none_of_these(traceml_run):
         assert found["STEP_SPIKES"]["evidence"]["machine_wide"], found["STEP_SPIKES"]
     assert not (LONG_RUN_FINDINGS - {"STEP_SPIKES"}) & set(found), summary["findings"]
     assert summary["primary_diagnosis"]["kind"] == "COMPUTE_BOUND"
+
+
+def test_tracemls_own_memory_never_reads_as_the_users_creep(traceml_run):
+    # 12000 sub-millisecond steps: TraceML's own memory (the steps kept for traceml.summary(),
+    # the ring of ended steps) is host RSS too. Kept as StepRecords, the latest 8192 steps grew
+    # a healthy loop by 7 MiB after its first 1000 steps, which the rule read as creep.
+    run = traceml_run("--steps", 12000, "--no-loader", "--print-summary", timeout=240)
+    assert run.returncode == 0, run.stderr
+    rss = {row["step"]: row["host_rss_bytes"] for row in run.step_rows()}
+    assert len(rss) == 12000
+    grown = max(rss[step] for step in range(11000, 12000)) - rss[1000]
+    # Under the rule's floor with room: the frames kept (0.7 MiB) and the allocators' warm-up.
+    assert grown < 0.75 * MIN_GROWTH_BYTES, f"TraceML held {grown / 2 ** 20:.1f} MiB more at the end"
+    assert "MEMORY_CREEP" not in kinds(run.summary())
+    # traceml.summary() in the process still saw the latest steps, from the frames kept.
+    line = next(line for line in run.stdout.splitlines() if line.startswith("SUMMARY "))
+    printed = json.loads(line[len("SUMMARY "):])
+    assert printed["traceml/steps"] >= 4096, printed

@@ -22,7 +22,7 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from traceml import rendezvous
 from traceml.probe.step import SPANS_END, EndedWindow
-from traceml.records import RankEnd, RankHello, Record, StepRecord, encode_frame
+from traceml.records import HEADER_BYTES, RankEnd, RankHello, Record, StepRecord, decode_payload, encode_frame
 
 log = logging.getLogger("traceml")
 
@@ -34,7 +34,11 @@ FLUSH_INTERVAL_S = 0.1
 # does (`benchmarks/overhead.py --only wakes`).
 ROUNDS_PER_FLUSH = 5
 RECORDS_PER_FRAME = 4096
-RECENT_STEPS_KEPT = 8192
+# This rank's latest sent steps, kept for traceml.summary() as the frames that carried them:
+# under 200 bytes a step where a StepRecord holds 1 KiB. As objects, the latest 8192 steps
+# grew a process by 8 MiB over its first 8192 steps, which the memory rules read as the
+# user's creep (tests/test_memory_gc_spikes.py).
+RECENT_STEPS_KEPT = 4096
 CONNECT_TIMEOUT_S = 2.0
 SEND_TIMEOUT_S = 5.0
 RECONNECT_BACKOFF_S = 1.0
@@ -62,8 +66,10 @@ class Sender:
         self.records_sent = 0
         self.records_dropped = 0
         self._buffer: Deque[Any] = collections.deque()  # Records, and the probe's EndedWindows
-        # This rank's latest step records, for traceml.summary() inside the training process.
-        self.sent_steps: Deque[Any] = collections.deque(maxlen=RECENT_STEPS_KEPT)
+        # This rank's latest steps, for traceml.summary() inside the training process: the
+        # frames of steps sent (see RECENT_STEPS_KEPT), each with how many steps it holds.
+        self._sent_step_frames: Deque[Tuple[int, bytes]] = collections.deque()
+        self._sent_steps_kept = 0
         # Values still on the device (Trace.log_scalar): each has ready() and record().
         self._deferred: Deque[Any] = collections.deque()
         self._address = address if address is not None else os.environ.get(rendezvous.ENV_COLLECTOR)
@@ -102,11 +108,14 @@ class Sender:
         self._deferred.append(pending)
 
     def local_steps(self) -> List[StepRecord]:
-        """This rank's step records so far: those sent (the latest RECENT_STEPS_KEPT) and those
-        still waiting in the buffer; read from the training thread, the buffer left as it is."""
+        """This rank's step records so far: those sent (the latest RECENT_STEPS_KEPT at least)
+        and those still waiting in the buffer; read from the training thread, the buffer left
+        as it is."""
         self._take_ended_steps()
+        sent = [record for _, frame in list(self._sent_step_frames)
+                for record in decode_payload(frame[HEADER_BYTES:])]
         pending = [self.record_from(r) if type(r) is EndedWindow else r for r in list(self._buffer)]
-        return list(self.sent_steps) + [r for r in pending if type(r) is StepRecord]
+        return sent + [r for r in pending if type(r) is StepRecord]
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -189,9 +198,12 @@ class Sender:
 
     def _take_ended_steps(self) -> None:
         ended, dropped = self.drain_steps()
+        room = max(0, self.capacity - len(self._buffer))
+        if len(ended) > room:  # a full buffer drops, as push does
+            dropped += len(ended) - room
+            del ended[room:]
         self.records_dropped += dropped
-        for ending in ended:
-            self.push(ending)
+        self._buffer.extend(ended)
 
     def _collect_device_steps(self) -> None:
         """Move what the device has finished into the buffer: steps whose events are done,
@@ -214,34 +226,50 @@ class Sender:
         if not self._buffer or sock is None:
             return  # unreachable: records wait in the bounded buffer, which drops when full
         while self._buffer:
-            batch: List[Record] = []
-            while self._buffer and len(batch) < RECORDS_PER_FRAME:
+            # Steps go in a frame of their own, which is then kept as it is for local_steps;
+            # the rest (spans, scalars, reports, the goodbye last) in the frame after it.
+            steps: List[Record] = []
+            others: List[Record] = []
+            while self._buffer and len(steps) + len(others) < RECORDS_PER_FRAME:
                 record = self._buffer.popleft()
-                if type(record) is tuple:
-                    batch.extend(self.span_records(record))
-                    continue
-                if type(record) is EndedWindow:
-                    record = self.record_from(record)
-                if type(record) is StepRecord:
-                    self.sent_steps.append(record)
-                elif isinstance(record, RankEnd):  # the goodbye carries the final counts
-                    record.records_sent = self.records_sent + len(batch)
-                    record.records_dropped = self.records_dropped + (
-                        self.timeline.dropped_steps if self.timeline is not None else 0)
-                batch.append(record)
-            if not self._send(sock, batch):
-                self.records_dropped += len(batch) + _drain_count(self._buffer)
-                return
+                kind = type(record)
+                if kind is StepRecord:
+                    steps.append(record)
+                elif kind is EndedWindow:
+                    steps.append(self.record_from(record))
+                elif kind is tuple:
+                    others.extend(self.span_records(record))
+                else:
+                    if kind is RankEnd:  # the goodbye carries the final counts
+                        record.records_sent = self.records_sent + len(steps) + len(others)
+                        record.records_dropped = self.records_dropped + (
+                            self.timeline.dropped_steps if self.timeline is not None else 0)
+                    others.append(record)
+            for batch in (steps, others):
+                frame = self._send(sock, batch) if batch else b""
+                if frame is None:
+                    self.records_dropped += len(steps) + len(others) + _drain_count(self._buffer)
+                    return
+                if batch is steps and frame:
+                    self._keep_sent_steps(frame, len(steps))
 
-    def _send(self, sock: socket.socket, batch: List[Record]) -> bool:
+    def _send(self, sock: socket.socket, batch: List[Record]) -> Optional[bytes]:
+        """The frame sent, or None when the connection broke (the batch is not sent)."""
+        frame = encode_frame(batch)
         try:
-            sock.sendall(encode_frame(batch))
+            sock.sendall(frame)
         except OSError as exc:
             self._lost_connection(exc)
-            return False
+            return None
         self.records_sent += len(batch)
         self._last_sent_at = time.monotonic()
-        return True
+        return frame
+
+    def _keep_sent_steps(self, frame: bytes, count: int) -> None:
+        self._sent_step_frames.append((count, frame))
+        self._sent_steps_kept += count
+        while self._sent_steps_kept - self._sent_step_frames[0][0] >= RECENT_STEPS_KEPT:
+            self._sent_steps_kept -= self._sent_step_frames.popleft()[0]
 
     def _connection(self) -> Optional[socket.socket]:
         if self._socket is not None:
