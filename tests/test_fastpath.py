@@ -230,3 +230,55 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
     # The step's end splits the rest: untraced inside the block, outside after it.
     assert untraced_ms >= 20.0 - 15.0 and outside_ms >= 0.0
     assert untraced_ms + outside_ms == pytest.approx(fields["step_ms"] - 15.0 - 1e-6, abs=1e-9)
+
+
+SPAN_TIMES = """
+import json, time, torch, traceml
+from torch import nn
+from traceml.probe import step
+model = nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+tracer = traceml.Trace()
+own = {}  # (step, name) -> [first start (wall s), ms summed, calls], by the script's own clock
+with tracer.trace("spans"):
+    for index in range(6):
+        loss = model(torch.ones(3, 4)).sum()  # opens step `index`: the spans below are in it
+        for name, sleep_ms in (("a", 2), ("b", 3), ("a", 1 + index)):
+            before_s, started = time.time(), time.perf_counter()
+            with tracer.span(name):
+                time.sleep(sleep_ms / 1000)
+            entry = own.setdefault(f"{index} {name}", [before_s, 0.0, 0])
+            entry[1] += (time.perf_counter() - started) * 1000
+            entry[2] += 1
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with tracer.span("a"):  # after the last update: the last step's window, sent at the end
+        time.sleep(0.002)
+print(json.dumps({"compiled": step.fast_path is not None, "own": own}))
+"""
+
+
+@pytest.mark.parametrize("pure_python", [False, True])
+def test_span_totals_match_the_scripts_own_clock(tmp_path, pure_python):
+    env = dict(os.environ, TRACEML_RUN_DIR=str(tmp_path / "run"))
+    if pure_python:
+        env["TRACEML_PURE_PYTHON"] = "1"
+    result = subprocess.run([sys.executable, "-c", SPAN_TIMES], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+    assert outcome["compiled"] is (not pure_python and sys.platform in ("linux", "darwin"))
+    with sqlite3.connect(tmp_path / "run" / "telemetry.sqlite") as db:
+        stored = {f"{step} {name}": (start_s, ms, count) for step, name, start_s, ms, count in db.execute(
+            "SELECT step, name, start_unix_s, duration_ms, count FROM spans")}
+    own = outcome["own"]
+    assert set(stored) == set(own)
+    assert stored.pop("5 a")[2] == 3  # with the span after the last update, in its step's window
+    for key, (start_s, ms, count) in own.items():
+        if key == "5 a":
+            continue
+        assert stored[key][2] == count == (2 if key.endswith("a") else 1)
+        # The span's own clock reads sit inside the script's: a little less, never more.
+        assert ms - 0.5 <= stored[key][1] <= ms, (key, stored[key], ms)
+        assert abs(stored[key][0] - start_s) < 0.005

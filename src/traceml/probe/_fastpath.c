@@ -122,6 +122,7 @@ typedef struct {
     PyObject *step_optimizer;   /* inferred steps: id() of the optimizer whose step ends a step, or None */
     PyObject *last_optimizer;   /* id() of the optimizer that stepped last, or None */
     PyObject *model_wait_ends;  /* the step after which a model is no longer awaited, or None */
+    PyObject *span_totals;      /* user spans: name -> its SpanTotal for the latest step it ran in */
     /* The closed step and the unconfirmed one as numbers (has_*), when the compiled end made
      * them; step.py's _closed and _unconfirmed read them as the objects Python makes. */
     char has_closed, has_unconfirmed;
@@ -162,6 +163,7 @@ state_traverse(ProbeState *self, visitproc visit, void *arg)
     Py_VISIT(self->step_optimizer);
     Py_VISIT(self->last_optimizer);
     Py_VISIT(self->model_wait_ends);
+    Py_VISIT(self->span_totals);
     int visited = entry_traverse(&self->closed_entry, visit, arg);
     if (visited == 0)
         visited = entry_traverse(&self->unconfirmed_entry, visit, arg);
@@ -183,6 +185,7 @@ state_clear(ProbeState *self)
     Py_CLEAR(self->step_optimizer);
     Py_CLEAR(self->last_optimizer);
     Py_CLEAR(self->model_wait_ends);
+    Py_CLEAR(self->span_totals);
     entry_clear(&self->closed_entry);
     entry_clear(&self->unconfirmed_entry);
     self->has_closed = self->has_unconfirmed = 0;
@@ -224,6 +227,7 @@ static PyMemberDef state_members[] = {
     {"_step_optimizer", T_OBJECT, offsetof(ProbeState, step_optimizer), 0, NULL},
     {"_last_optimizer", T_OBJECT, offsetof(ProbeState, last_optimizer), 0, NULL},
     {"_model_wait_ends", T_OBJECT, offsetof(ProbeState, model_wait_ends), 0, NULL},
+    {"span_totals", T_OBJECT, offsetof(ProbeState, span_totals), 0, NULL},
     {NULL},
 };
 
@@ -1202,6 +1206,67 @@ current_step(ProbeState *state)
     return state->in_step ? state->step_index : (state->step_index > 0 ? state->step_index - 1 : 0);
 }
 
+/* A user span's calls in one step, summed where they end (step.py's SpanTotal, in C). */
+typedef struct {
+    PyObject_HEAD
+    long long step, start_ns, total_ns, calls;  /* start_ns: the first call's */
+} SpanTotal;
+
+static PyMemberDef span_total_members[] = {
+    {"step", T_LONGLONG, offsetof(SpanTotal, step), READONLY, NULL},
+    {"start_ns", T_LONGLONG, offsetof(SpanTotal, start_ns), READONLY, NULL},
+    {"total_ns", T_LONGLONG, offsetof(SpanTotal, total_ns), READONLY, NULL},
+    {"calls", T_LONGLONG, offsetof(SpanTotal, calls), READONLY, NULL},
+    {NULL},
+};
+
+static PyTypeObject SpanTotalType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traceml.probe._fastpath.SpanTotal",
+    .tp_doc = "A user span's calls in one step: step, start_ns (the first call's), total_ns, calls.",
+    .tp_basicsize = sizeof(SpanTotal),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_members = span_total_members,
+};
+
+/* One call of a user span, added to its name's total for its step (no object made); a call
+ * in a later step hands the earlier total to the sender as (name, total) and starts anew. */
+static int
+add_span_call(ProbeState *state, PyObject *name, long long start_ns, long long end_ns)
+{
+    PyObject *totals = state->span_totals;
+    if (totals == NULL || !PyDict_CheckExact(totals)) {
+        PyErr_SetString(PyExc_TypeError, "traceml: the probe has no span totals");
+        return -1;
+    }
+    long long step = current_step(state);
+    PyObject *held = PyDict_GetItemWithError(totals, name);  /* borrowed */
+    if (held == NULL && PyErr_Occurred())
+        return -1;
+    if (held != NULL && Py_IS_TYPE(held, &SpanTotalType) && ((SpanTotal *)held)->step == step) {
+        ((SpanTotal *)held)->total_ns += end_ns - start_ns;
+        ((SpanTotal *)held)->calls++;
+        return 0;
+    }
+    if (held != NULL) {
+        PyObject *ended = PyTuple_Pack(2, name, held);
+        int pushed = ended == NULL ? -1 : push_record(state->sender, ended);
+        Py_XDECREF(ended);
+        if (pushed < 0)
+            return -1;
+    }
+    SpanTotal *total = PyObject_New(SpanTotal, &SpanTotalType);
+    if (total == NULL)
+        return -1;
+    total->step = step;
+    total->start_ns = start_ns;
+    total->total_ns = end_ns - start_ns;
+    total->calls = 1;
+    int stored = PyDict_SetItem(totals, name, (PyObject *)total);
+    Py_DECREF(total);
+    return stored;
+}
+
 /* A number's ScalarRecord, for the probe's step: a fault costs that scalar, never the call. */
 static PyObject *
 push_scalar(ProbeState *state, PyObject *name, double value)
@@ -1315,19 +1380,15 @@ span_enter(Span *self, PyObject *unused)
     return Py_NewRef(self);
 }
 
-/* The span's time goes to its step, summed on the sender's thread (StepProbe.span_records). */
+/* The span's time goes to its step's total for its name (StepProbe.span_done, in C). */
 static PyObject *
 span_exit(Span *self, PyObject *const *args, Py_ssize_t nargs)
 {
     long long end_ns = now_ns();
     PyObject *probe = ((TraceState *)self->tracer)->probe;
     ProbeState *state = is_none(probe) ? NULL : state_of(probe);
-    if (state != NULL) {
-        PyObject *done = Py_BuildValue("(LOLL)", current_step(state), self->name, self->start_ns, end_ns);
-        if (done == NULL || push_record(state->sender, done) < 0)
-            drop_bookkeeping_error();  /* costs this span's time only */
-        Py_XDECREF(done);
-    }
+    if (state != NULL && add_span_call(state, self->name, self->start_ns, end_ns) < 0)
+        drop_bookkeeping_error();  /* costs this span's time only */
     Py_RETURN_FALSE;
 }
 
@@ -1552,7 +1613,8 @@ PyInit__fastpath(void)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
             return NULL;
     if (PyType_Ready(&ProbeStateType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&TraceStateType) < 0
-            || PyType_Ready(&SpanType) < 0 || PyType_Ready(&ImportTimerType) < 0)
+            || PyType_Ready(&SpanType) < 0 || PyType_Ready(&SpanTotalType) < 0
+            || PyType_Ready(&ImportTimerType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&fastpath_module);
     if (module == NULL)
@@ -1564,8 +1626,9 @@ PyInit__fastpath(void)
     if (PyModule_AddObject(module, "ProbeState", (PyObject *)&ProbeStateType) < 0
             || PyModule_AddObject(module, "Timer", (PyObject *)&TimerType) < 0
             || PyModule_AddObject(module, "TraceState", (PyObject *)&TraceStateType) < 0
+            || PyModule_AddObject(module, "SpanTotal", (PyObject *)&SpanTotalType) < 0
             || PyModule_AddObject(module, "ImportTimer", (PyObject *)&ImportTimerType) < 0
-            || PyModule_AddIntConstant(module, "VERSION", 6) < 0
+            || PyModule_AddIntConstant(module, "VERSION", 7) < 0
             || PyModule_AddIntConstant(module, "NEXT", NEXT) < 0
             || PyModule_AddIntConstant(module, "MODEL_CALL", MODEL_CALL) < 0
             || PyModule_AddIntConstant(module, "BACKWARD_CALL", BACKWARD_CALL) < 0

@@ -255,7 +255,7 @@ def _create_probe(model: Any) -> StepProbe:
     probe._grad_enabled = torch.is_grad_enabled
     sender.record_from = probe.record_from
     sender.drain_steps = probe.drain_steps
-    sender.span_records = probe.span_records
+    sender.span_record = probe.span_record
     if timeline is not None:
         timeline.record_from = probe.record_from
         probe.syncs = _host_sync_sampler(probe)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from traceml import rendezvous
-from traceml.probe.step import SPANS_END, EndedWindow
+from traceml.probe.step import EndedWindow
 from traceml.records import HEADER_BYTES, RankEnd, RankHello, Record, StepRecord, decode_payload, encode_frame
 
 log = logging.getLogger("traceml")
@@ -52,10 +52,10 @@ class Sender:
     def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None,
                  capacity: int = BUFFER_CAPACITY, address: Optional[str] = None):
         self.hello = hello
-        # Turn the probe's ended windows into StepRecords and its user spans' calls (tuples)
-        # into SpanRecords, here, off the training thread.
+        # Turn the probe's ended windows into StepRecords and its user spans' totals ((name,
+        # total) tuples) into SpanRecords, here, off the training thread.
         self.record_from: Callable[[EndedWindow], Record] = lambda raw: raw  # type: ignore[assignment,return-value]
-        self.span_records: Callable[[tuple], List[Record]] = lambda call: []
+        self.span_record: Callable[[tuple], Record] = lambda ended: ended  # type: ignore[assignment,return-value]
         # The probe's steps ended since the last round (StepRecords, or EndedWindows for
         # record_from) and how many its full ring dropped (StepProbe.drain_steps): they join the
         # buffer each round, in order.
@@ -139,7 +139,6 @@ class Sender:
             time.sleep(0.01)
         self._collect_device_steps()
         # The goodbye bypasses the capacity check: it is what tells the collector the rank is done.
-        self._buffer.append(SPANS_END)  # the span totals still held go before it
         self._buffer.append(RankEnd(rank=self.hello.rank, exit_code=exit_code, records_sent=0,
                                     records_dropped=0, steps_from=self.steps_from,
                                     ended_unix_s=ended_unix_s, tail_eval_ms=tail_eval_ms,
@@ -238,7 +237,7 @@ class Sender:
                 elif kind is EndedWindow:
                     steps.append(self.record_from(record))
                 elif kind is tuple:
-                    others.extend(self.span_records(record))
+                    others.append(self.span_record(record))
                 else:
                     if kind is RankEnd:  # the goodbye carries the final counts
                         record.records_sent = self.records_sent + len(steps) + len(others)
@@ -349,6 +348,6 @@ class Sender:
 
 
 def _drain_count(buffer: Deque[Any]) -> int:
-    count = sum(1 for item in buffer if type(item) is not tuple)  # a tuple is a span's call, not a record
+    count = len(buffer)  # each item is one record's worth (a span's (name, total) is one SpanRecord)
     buffer.clear()
     return count

@@ -47,7 +47,15 @@ PHASE_NAMES = ("h2d", "forward", "backward", "optimizer")
 # Inferred steps: another optimizer updating this many times with no step ended between means
 # the one that ended steps has stopped (a new phase of training with optimizers of its own).
 TURN_LEFT_UPDATES = 3
-SPANS_END = ()  # in the sender's buffer: send every user span total held (StepProbe.span_records)
+
+
+class SpanTotal:
+    """A user span's calls in one step, summed where they end (StepProbe.span_done)."""
+
+    __slots__ = ("step", "start_ns", "total_ns", "calls")
+
+    def __init__(self, step: int, start_ns: int, total_ns: int):
+        self.step, self.start_ns, self.total_ns, self.calls = step, start_ns, total_ns, 1
 
 
 class ClosedStep(msgspec.Struct, gc=False):
@@ -79,7 +87,7 @@ class EndedWindow(msgspec.Struct, gc=False):
     next_start_event: Any  # on CUDA the next step's start event, the window's end (else None)
 
 
-FAST_PATH_VERSION = 6  # _fastpath.c's VERSION: a build of another version is not used
+FAST_PATH_VERSION = 7  # _fastpath.c's VERSION: a build of another version is not used
 
 
 def _load_fast_path() -> Any:
@@ -116,7 +124,7 @@ class _PythonProbeState:
     __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "in_evaluation", "layers_active",
                  "comm_timed", "step_index", "_step_start_ns", "setup_started_ns", "due_step", "_closed",
                  "_optimizer_timed", "_optimizer_start_ns",
-                 "_unconfirmed", "timeline", "sender", "host_rss", "rank",
+                 "_unconfirmed", "timeline", "sender", "host_rss", "rank", "span_totals",
                  # inferred steps: what optimizer_stepped reads on every update (see reset_inferred_steps)
                  "_step_optimizer", "_last_optimizer", "_turn_known", "_model_wait_ends")
 
@@ -185,7 +193,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
     # the rest: set-up, deep-dive, inferred steps, DDP, spans, the end of the run.
     __slots__ = ("_start_event", "_phase_events", "_gradients_done_ns", "_open_event", "_gc_start_ns",
                  "device_memory", "exit_code", "_unix_at_zero_s", "_gradients_done_event", "_layers",
-                 "spans", "_backward_ends_steps", "_optimizers_seen", "_updates_in_step", "_evaluation_start_ns",
+                 "_backward_ends_steps", "_optimizers_seen", "_updates_in_step", "_evaluation_start_ns",
                  "_grad_enabled", "tail_eval_ns", "tail_checkpoint_ns",
                  "on_fault", "time_the_model_of", "stop_awaiting_models", "_syncs", "sync_due_step", "_layers_due_step")
 
@@ -235,9 +243,9 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         # True while a trainer's evaluation runs (an integration says so): timed as a whole as
         # evaluation, and its loader waits are not the training's input wait.
         self.in_evaluation, self._evaluation_start_ns = False, 0
-        # User spans, summed by name on the sender's thread: name -> [step, first start ns,
-        # total ns, calls]; sent as one SpanRecord per name and step (span_records).
-        self.spans: dict = {}
+        # User spans, summed by name where each call ends: name -> its SpanTotal for the latest
+        # step it ran in; sent as one SpanRecord per name and step (span_done, span_record).
+        self.span_totals: dict = {}
         # The closed step waiting for the next start to end its window.
         self._closed: Optional[ClosedStep] = None
         # Inferred steps: the step before, its window ended at this step's start, held until
@@ -637,33 +645,31 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
 
     # -- user spans: Trace.span ---------------------------------------------------------------
     def span_done(self, name: str, start_ns: int, end_ns: int) -> None:
-        """One call of a user span, for its step: the step in flight, else the step whose window
-        (it runs to the next step's start) this gap belongs to. Summed on the sender's thread."""
-        self.sender.push((self.step_index if self.in_step else max(0, self.step_index - 1), name, start_ns, end_ns))
+        """One call of a user span, added to its name's total for its step: the step in flight,
+        else the step whose window (it runs to the next step's start) this gap belongs to. A
+        call in a later step hands the earlier total to the sender as (name, total). Where the
+        compiled timers are built, the Trace API's spans do this in C (_fastpath.SpanTotal)."""
+        step = self.step_index if self.in_step else max(0, self.step_index - 1)
+        held = self.span_totals.get(name)
+        if held is not None and held.step == step:
+            held.total_ns += end_ns - start_ns
+            held.calls += 1
+            return
+        if held is not None:
+            self.sender.push((name, held))
+        self.span_totals[name] = SpanTotal(step, start_ns, end_ns - start_ns)
 
     def flush_spans(self) -> None:
-        """Have the sender send every span total it holds (span_records)."""
-        self.sender.push(SPANS_END)
+        """Hand the sender every span total still held (at the end of the traced run)."""
+        totals, self.span_totals = self.span_totals, {}
+        for name, total in totals.items():
+            self.sender.push((name, total))
 
-    def span_records(self, call: tuple) -> List[SpanRecord]:
-        """The sender's thread: add one span call (step, name, start ns, end ns) to its step's
-        total for that name, and return the totals it ends (that name's, of an earlier step);
-        SPANS_END returns them all. One SpanRecord per name and step."""
-        if call is SPANS_END:
-            totals, self.spans = self.spans, {}
-            return [self._span_record(name, entry) for name, entry in totals.items()]
-        step, name, start_ns, end_ns = call
-        entry = self.spans.get(name)
-        if entry is not None and entry[0] == step:
-            entry[2] += end_ns - start_ns
-            entry[3] += 1
-            return []
-        self.spans[name] = [step, start_ns, end_ns - start_ns, 1]
-        return [self._span_record(name, entry)] if entry is not None else []
-
-    def _span_record(self, name: str, entry: list) -> SpanRecord:
-        step, start_ns, total_ns, calls = entry
-        return SpanRecord(self.rank, step, name, self.unix_s(start_ns), total_ns / 1e6, calls)
+    def span_record(self, ended: tuple) -> SpanRecord:
+        """The sender's thread: the SpanRecord of a (name, total) that span_done handed over."""
+        name, total = ended
+        return SpanRecord(self.rank, total.step, name, self.unix_s(total.start_ns), total.total_ns / 1e6,
+                          total.calls)
 
     def note_failure(self, phase: int) -> None:
         """An exception is leaving this phase: remember where, in case it ends the step."""
