@@ -146,3 +146,24 @@ def test_rolled_steps_in_the_store_match_rolling_every_record_again(tmp_path):
     assert store.meta()["rolled_complete"] is True
     assert store.rolled_steps() == roll_up(store.steps())
     assert all(rolled.ranks == 2 and rolled.worst_rank == 1 for rolled in store.rolled_steps())
+
+
+def test_one_ranks_rolled_step_is_that_ranks_own_figures():
+    """A run of one rank (most runs) rolls each step from that rank's own figures, read at
+    once: every median, worst, sum and max of one record is the record's, Nones kept."""
+    import msgspec
+
+    from traceml.analysis.rollup import roll_up
+    from traceml.records import RolledStep, StepRecord
+
+    fields = msgspec.structs.fields(StepRecord)
+    full = StepRecord(*[(index + 3) * 1.5 if "float" in str(field.type) else
+                        (index % 2 == 0) if field.type is bool else index + 3 for index, field in enumerate(fields)])
+    sparse = msgspec.structs.replace(full, gpu_idle_ms=None, device_allocated_bytes=None, real_tokens=None,
+                                     device_peak_bytes=None, device_reserved_bytes=None, host_rss_bytes=None)
+    for record in (full, sparse):
+        (rolled,) = roll_up([record])
+        own = {"ranks": 1, "worst_rank": record.rank, "worst_step_ms": record.step_ms}
+        for field in msgspec.structs.fields(RolledStep):
+            expected = own[field.name] if field.name in own else getattr(record, field.name)
+            assert getattr(rolled, field.name) == expected, field.name
