@@ -852,9 +852,10 @@ time_next(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 static long long
 samples_of(Timer *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
-    int is_tensor = nargs >= 2 ? PyObject_IsInstance(args[1], self->tensor_type) : 0;
-    if (is_tensor < 0)
-        return -1;
+    /* A type check, not isinstance: torch.Tensor's metaclass makes isinstance a Python-level
+     * lookup. Whatever only claims to be a tensor goes to _batch_size, which asks isinstance. */
+    int is_tensor = nargs >= 2 && PyType_Check(self->tensor_type)
+        && PyObject_TypeCheck(args[1], (PyTypeObject *)self->tensor_type);
     if (is_tensor) {
         PyObject *shape = PyObject_GetAttr(args[1], str_shape);
         if (shape == NULL || !PyTuple_Check(shape)) {
