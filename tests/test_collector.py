@@ -167,3 +167,38 @@ def test_one_ranks_rolled_step_is_that_ranks_own_figures():
         for field in msgspec.structs.fields(RolledStep):
             expected = own[field.name] if field.name in own else getattr(record, field.name)
             assert getattr(rolled, field.name) == expected, field.name
+
+
+def test_local_steps_sees_every_step_while_a_frame_is_stuck_in_sending(tmp_path):
+    """traceml.summary() reads this rank's steps on the training thread at any moment, the
+    sender's blocked send included: the steps of the frame in flight are there too, once."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a collector that lags
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    sender = Sender(hello(), address=f"127.0.0.1:{listener.getsockname()[1]}")
+    sender.run_dir = tmp_path  # where a rank that loses its collector keeps its summary
+    sender.start()
+    peer, _ = listener.accept()  # and never reads, for now
+    try:
+        for index in range(20000):  # about 4 MiB of frames: more than the sockets hold
+            sender.push(step(index))
+        time.sleep(0.5)  # the sender takes a frame's steps and its send gets stuck
+        assert sender._buffer and sender.records_sent < 20000
+        seen = [record.step for record in sender.local_steps()]
+        assert seen == list(range(seen[0], 20000)) and seen[0] <= 20000 - 4096, (seen[0], len(seen))
+    finally:
+        peer.settimeout(5)
+        stop = time.monotonic() + 10
+        while sender._thread.is_alive() and time.monotonic() < stop:  # let the sender finish
+            try:
+                if not peer.recv(1 << 20):
+                    break
+            except socket.timeout:
+                break
+            if not sender._buffer and sender.records_sent >= 20000:
+                break
+        sender.close(exit_code=0, timeout_s=2)
+        peer.close()
+        listener.close()
+    assert sender.records_sent >= 20000

@@ -67,8 +67,10 @@ class Sender:
         self.records_dropped = 0
         self._buffer: Deque[Any] = collections.deque()  # Records, and the probe's EndedWindows
         # This rank's latest steps, for traceml.summary() inside the training process: the
-        # frames of steps sent (see RECENT_STEPS_KEPT), each with how many steps it holds.
-        self._sent_step_frames: Deque[Tuple[int, bytes]] = collections.deque()
+        # frames of steps sent (see RECENT_STEPS_KEPT) as (how many steps, frame), and last,
+        # while a frame's steps are being gathered and sent, the list of them. local_steps runs
+        # on the training thread at any moment of a round, and sees each step in one place.
+        self._sent_steps: Deque[Any] = collections.deque()
         self._sent_steps_kept = 0
         # Values still on the device (Trace.log_scalar): each has ready() and record().
         self._deferred: Deque[Any] = collections.deque()
@@ -112,8 +114,9 @@ class Sender:
         and those still waiting in the buffer; read from the training thread, the buffer left
         as it is."""
         self._take_ended_steps()
-        sent = [record for _, frame in list(self._sent_step_frames)
-                for record in decode_payload(frame[HEADER_BYTES:])]
+        sent: List[Any] = []
+        for kept in list(self._sent_steps):
+            sent.extend(list(kept) if type(kept) is list else decode_payload(kept[1][HEADER_BYTES:]))
         pending = [self.record_from(r) if type(r) is EndedWindow else r for r in list(self._buffer)]
         return sent + [r for r in pending if type(r) is StepRecord]
 
@@ -220,7 +223,7 @@ class Sender:
     def _flush(self) -> None:
         sock = self._connection()  # connecting sends the hello, even with nothing buffered yet
         if sock is not None and not self._buffer and time.monotonic() - self._last_sent_at > HEARTBEAT_S:
-            self._send(sock, [])
+            self._send(sock, encode_frame([]), 0)
             return
         if not self._buffer or sock is None:
             return  # unreachable: records wait in the bounded buffer, which drops when full
@@ -229,13 +232,15 @@ class Sender:
             # the rest (spans, scalars, reports, the goodbye last) in the frame after it.
             steps: List[Record] = []
             others: List[Record] = []
+            self._sent_steps.append(steps)
             while self._buffer and len(steps) + len(others) < RECORDS_PER_FRAME:
                 record = self._buffer.popleft()
                 kind = type(record)
                 if kind is StepRecord:
                     steps.append(record)
                 elif kind is EndedWindow:
-                    steps.append(self.record_from(record))
+                    steps.append(record)
+                    steps[-1] = self.record_from(record)  # in its place: local_steps reads either
                 elif kind is tuple:
                     others.append(self.span_record(record))
                 else:
@@ -244,31 +249,37 @@ class Sender:
                         record.records_dropped = self.records_dropped + (
                             self.timeline.dropped_steps if self.timeline is not None else 0)
                     others.append(record)
-            for batch in (steps, others):
-                frame = self._send(sock, batch) if batch else b""
-                if frame is None:
-                    self.records_dropped += len(steps) + len(others) + _drain_count(self._buffer)
+            unsent = len(steps) + len(others)
+            frames = ((self._keep_sent_steps(steps), len(steps)), (encode_frame(others), len(others)))
+            for frame, count in frames:
+                if count and not self._send(sock, frame, count):
+                    self.records_dropped += unsent + _drain_count(self._buffer)
                     return
-                if batch is steps and frame:
-                    self._keep_sent_steps(frame, len(steps))
+                unsent -= count
 
-    def _send(self, sock: socket.socket, batch: List[Record]) -> Optional[bytes]:
-        """The frame sent, or None when the connection broke (the batch is not sent)."""
-        frame = encode_frame(batch)
+    def _send(self, sock: socket.socket, frame: bytes, count: int) -> bool:
+        """Send a frame of `count` records; False when the connection broke."""
         try:
             sock.sendall(frame)
         except OSError as exc:
             self._lost_connection(exc)
-            return None
-        self.records_sent += len(batch)
+            return False
+        self.records_sent += count
         self._last_sent_at = time.monotonic()
-        return frame
+        return True
 
-    def _keep_sent_steps(self, frame: bytes, count: int) -> None:
-        self._sent_step_frames.append((count, frame))
-        self._sent_steps_kept += count
-        while self._sent_steps_kept - self._sent_step_frames[0][0] >= RECENT_STEPS_KEPT:
-            self._sent_steps_kept -= self._sent_step_frames.popleft()[0]
+    def _keep_sent_steps(self, steps: List[Record]) -> bytes:
+        """The frame of the steps gathered last (the list _sent_steps ends with), kept in the
+        list's place: one store, so local_steps sees them as the list or as the frame."""
+        if not steps:
+            self._sent_steps.pop()
+            return b""
+        frame = encode_frame(steps)
+        self._sent_steps[-1] = (len(steps), frame)
+        self._sent_steps_kept += len(steps)
+        while self._sent_steps_kept - self._sent_steps[0][0] >= RECENT_STEPS_KEPT:
+            self._sent_steps_kept -= self._sent_steps.popleft()[0]
+        return frame
 
     def _connection(self) -> Optional[socket.socket]:
         if self._socket is not None:
