@@ -282,3 +282,46 @@ def test_span_totals_match_the_scripts_own_clock(tmp_path, pure_python):
         # The span's own clock reads sit inside the script's: a little less, never more.
         assert ms - 0.5 <= stored[key][1] <= ms, (key, stored[key], ms)
         assert abs(stored[key][0] - start_s) < 0.005
+
+
+IDLE_CALLS = """
+import gc, json, sys, torch, traceml
+from torch import nn
+from traceml.probe import step
+class Net(nn.Module):  # the user's model, of its own class: the class whose call is timed
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+    def forward(self, inputs):
+        return self.layer(inputs)
+model, other = Net(), nn.Linear(4, 2)
+optimizer, other_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, other))
+for _ in range(2):
+    with traceml.trace_step(model):
+        model(torch.ones(3, 4)).sum().backward()
+        optimizer.step()
+ran = []
+def note(frame, event, arg):
+    if event == "call" and "/traceml/" in frame.f_code.co_filename:
+        ran.append(frame.f_code.co_name)
+gc.disable()  # TraceML's GC callback times collections, by design: not what is checked here
+sys.setprofile(note)
+for _ in range(3):  # between steps: a second model's training, data prep
+    other(torch.ones(3, 4)).sum().backward()
+    other_optimizer.step()
+    other_optimizer.zero_grad()
+    torch.ones(3).to(torch.float64)
+sys.setprofile(None)
+print(json.dumps({"compiled": step.fast_path is not None, "ran": ran}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the compiled timers are built on Linux and macOS")
+def test_code_outside_the_steps_runs_none_of_tracemls_python(tmp_path):
+    # Outside the traced steps, with steps not inferred, the compiled timers pass backward, the
+    # optimizer's hooks and Tensor.to straight on: each Python frame there cost idle code ~1 µs.
+    result = subprocess.run([sys.executable, "-c", IDLE_CALLS], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, env=dict(os.environ, TRACEML_RUN_DIR=str(tmp_path / "run")))
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+    assert outcome == {"compiled": True, "ran": []}

@@ -955,6 +955,8 @@ static PyObject *
 time_backward(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     ProbeState *state = (ProbeState *)self->probe;
+    if (!state->in_step && !state->auto_steps)  /* outside the steps: nothing to time, no frame */
+        return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
     if (!state->plain || state->open_phase != NO_PHASE)
         return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
     PyObject *sums = state->sums;
@@ -989,6 +991,8 @@ before_optimizer_step(Timer *self, PyObject *const *args, size_t nargsf, PyObjec
         state->optimizer_start_ns = now_ns();
         Py_RETURN_NONE;  /* None keeps step()'s arguments as they are */
     }
+    if (!state->in_step && !state->auto_steps)  /* outside the steps: nothing to time, no frame */
+        Py_RETURN_NONE;
     return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
 }
 
@@ -1031,6 +1035,9 @@ after_optimizer_step(Timer *self, PyObject *const *args, size_t nargsf, PyObject
             return optimizer_stepped(state, args[0]);
         Py_RETURN_NONE;
     }
+    /* An update not being timed, no steps to infer: after_step has nothing to do, no frame. */
+    if (nargs >= 1 && !state->auto_steps && state->optimizer_timed != (Py_ssize_t)args[0])
+        Py_RETURN_NONE;
     return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
 }
 
