@@ -1,5 +1,6 @@
 """Instructions TraceML adds per step, counted by valgrind's callgrind, on the training thread
-and on TraceML's sender thread, for the explicit `trace_step` loop of overhead.py.
+and on TraceML's sender thread, for the explicit `trace_step` loop of overhead.py (or, with
+--loop trace-api, its Trace API loop: steps inferred, a span and a scalar a step).
 
 Counts, not times: they do not drift with this machine's load, so a change to the hot path or
 to the sender shows here even when the timed benchmark's rounds scatter by more than it. They
@@ -12,7 +13,7 @@ the steps between, leaves out start-up, the first steps and the end of the run. 
 rounds and the GIL's switch interval are slowed as much as valgrind slows the program (see
 LOOP), so that the threads hand the GIL over as often per step as in a real run.
 
-    python benchmarks/instructions.py [--steps 2000]
+    python benchmarks/instructions.py [--steps 2000] [--loop explicit|trace-api]
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-traced, steps = sys.argv[1] == "traced", int(sys.argv[2])
+traced, steps, loop = sys.argv[1] == "traced", int(sys.argv[2]), sys.argv[3]
 VALGRIND_SLOWDOWN = 50
 torch.manual_seed(0)
 torch.set_num_threads(1)
@@ -54,13 +55,29 @@ untraced = contextlib.nullcontext()
 # made, so it costs about the same whichever thread it falls on (else a few million
 # instructions land on the training thread in one run and on the sender's in the next).
 gc.freeze()
-for _ in range(steps):
-    inputs, targets = next(batches)
-    with traceml.trace_step(model) if traced else untraced:
-        loss = nn.functional.cross_entropy(model(inputs), targets)
+if loop == "trace-api":
+    tracer = traceml.Trace()
+    span = tracer.span if traced else (lambda name: untraced)
+    if traced:
+        tracer.trace("instructions").__enter__()
+    for _ in range(steps):
+        inputs, targets = next(batches)
+        with span("forward"):
+            loss = nn.functional.cross_entropy(model(inputs), targets)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        loss_value = loss.item()  # the script's own logging, on both sides
+        if traced:
+            tracer.log_scalar("loss", loss_value)
+else:
+    for _ in range(steps):
+        inputs, targets = next(batches)
+        with traceml.trace_step(model) if traced else untraced:
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
 """
 
 
@@ -69,14 +86,14 @@ def _python_binary() -> str:
     return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
 
 
-def count(workdir: str, side: str, steps: int) -> dict:
+def count(workdir: str, side: str, steps: int, loop: str) -> dict:
     """Instructions of one run, per thread: {"training": n, "others": n}."""
     out = os.path.join(workdir, f"callgrind.{side}.{steps}")
     env = dict(os.environ, TRACEML_RUN_DIR=os.path.join(workdir, f"run-{side}-{steps}"),
                TRACEML_AUTO_CAPTURE="0")  # a capture's sampled steps would land in one run only
     env.pop("TRACEML_COLLECTOR", None)
     subprocess.run(["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}",
-                    _python_binary(), os.path.join(workdir, "loop.py"), side, str(steps)],
+                    _python_binary(), os.path.join(workdir, "loop.py"), side, str(steps), loop],
                    env=env, cwd=workdir, check=True, capture_output=True)
     threads = {}
     for path in glob.glob(out + "-*"):
@@ -89,6 +106,7 @@ def count(workdir: str, side: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000, help="steps between the short and the long run")
+    parser.add_argument("--loop", choices=("explicit", "trace-api"), default="explicit")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is not installed (apt-get install valgrind): nothing to count with")
@@ -98,8 +116,9 @@ def main() -> None:
         runs = [(side, steps) for side in ("untraced", "traced")
                 for steps in (WARM_UP_STEPS, WARM_UP_STEPS + args.steps)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            counted = dict(zip(runs, pool.map(lambda run: count(workdir, *run), runs)))
-    print(f"instructions per step (callgrind, explicit trace_step loop, {args.steps} steps between a "
+            counted = dict(zip(runs, pool.map(lambda run: count(workdir, *run, args.loop), runs)))
+    loop = "explicit trace_step" if args.loop == "explicit" else "Trace API"
+    print(f"instructions per step (callgrind, {loop} loop, {args.steps} steps between a "
           f"{WARM_UP_STEPS}-step and a {WARM_UP_STEPS + args.steps}-step run)")
     per_step = {(side, thread): (counted[(side, WARM_UP_STEPS + args.steps)][thread]
                                  - counted[(side, WARM_UP_STEPS)][thread]) / args.steps
