@@ -233,24 +233,26 @@ class Sender:
             steps: List[Record] = []
             others: List[Record] = []
             self._sent_steps.append(steps)
-            while self._buffer and len(steps) + len(others) < RECORDS_PER_FRAME:
-                record = self._buffer.popleft()
-                kind = type(record)
-                if kind is StepRecord:
-                    steps.append(record)
-                elif kind is EndedWindow:
-                    steps.append(record)
-                    steps[-1] = self.record_from(record)  # in its place: local_steps reads either
-                elif kind is tuple:
-                    others.append(self.span_record(record))
-                else:
-                    if kind is RankEnd:  # the goodbye carries the final counts
-                        record.records_sent = self.records_sent + len(steps) + len(others)
-                        record.records_dropped = self.records_dropped + (
-                            self.timeline.dropped_steps if self.timeline is not None else 0)
-                    others.append(record)
+            try:
+                while self._buffer and len(steps) + len(others) < RECORDS_PER_FRAME:
+                    record = self._buffer.popleft()
+                    kind = type(record)
+                    if kind is StepRecord:
+                        steps.append(record)
+                    elif kind is EndedWindow:
+                        steps.append(self.record_from(record))
+                    elif kind is tuple:
+                        others.append(self.span_record(record))
+                    else:
+                        if kind is RankEnd:  # the goodbye carries the final counts
+                            record.records_sent = self.records_sent + len(steps) + len(others)
+                            record.records_dropped = self.records_dropped + (
+                                self.timeline.dropped_steps if self.timeline is not None else 0)
+                        others.append(record)
+            finally:  # whatever happened, the list becomes its frame (or goes, when empty)
+                steps_frame = self._keep_sent_steps(steps)
             unsent = len(steps) + len(others)
-            frames = ((self._keep_sent_steps(steps), len(steps)), (encode_frame(others), len(others)))
+            frames = ((steps_frame, len(steps)), (encode_frame(others), len(others)))
             for frame, count in frames:
                 if count and not self._send(sock, frame, count):
                     self.records_dropped += unsent + _drain_count(self._buffer)
