@@ -1,4 +1,5 @@
 """Sender → real TCP socket → collector → real SQLite file, and the faults on that path."""
+import json
 import socket
 import sqlite3
 import time
@@ -83,8 +84,9 @@ def test_a_full_buffer_drops_and_counts_and_never_blocks():
     assert elapsed < 1.0  # 10k pushes; a blocking push would wait forever here
 
 
-def test_an_unreachable_collector_costs_telemetry_not_time():
+def test_an_unreachable_collector_costs_telemetry_not_time(tmp_path):
     sender = Sender(hello(), address="127.0.0.1:1")
+    sender.run_dir = tmp_path  # where a rank that loses its collector keeps its own summary
     sender.start()
     for index in range(50):
         sender.push(step(index))
@@ -92,6 +94,8 @@ def test_an_unreachable_collector_costs_telemetry_not_time():
     sender.close(exit_code=0, timeout_s=3.0)
     assert time.perf_counter() - started < 6.0  # bounded: not the 30 s a blocking connect could take
     assert sender.records_dropped >= 50
+    kept = json.loads((tmp_path / "rank0-local-summary.json").read_text())
+    assert kept["traceml/steps"] == 50 and kept["reason"] == "the collector was lost during the run"
 
 
 def test_the_port_is_the_one_the_os_gave(collector):
