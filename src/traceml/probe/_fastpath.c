@@ -301,16 +301,12 @@ publish(ProbeState *self, StepEntry *entry)
         Py_ssize_t size = RING_MOST_STEPS;
         if (self->sender == known_sender || know_sender(self->sender) == 0)
             size = known_capacity < size ? known_capacity : size;
-        /* Zeroed by hand, not calloc'd: calloc's fresh pages are only counted in the process's
-         * RSS as the ring first goes round them, 2 MiB over the first 8192 steps, which the
-         * memory rules would read as the user's creep. */
-        self->ring = PyMem_Malloc((size > 0 ? size : 1) * sizeof(StepEntry));
+        self->ring = PyMem_Calloc(size > 0 ? size : 1, sizeof(StepEntry));
         if (self->ring == NULL) {
             entry_clear(entry);
             PyErr_NoMemory();
             return -1;
         }
-        memset(self->ring, 0, (size > 0 ? size : 1) * sizeof(StepEntry));
         self->ring_size = size > 0 ? size : 1;
     }
     if (self->ring_head - self->ring_tail >= self->ring_size) {
@@ -545,8 +541,10 @@ state_drain_steps(ProbeState *self, PyObject *args)
         Py_XDECREF(step);
         entry_clear(entry);
     }
-    /* Emptied: the next steps go to its first entries again, a few KiB that stay in the caches,
-     * rather than on round all 2 MiB of it, each step's entry in memory untouched for seconds. */
+    /* Emptied: the next steps go to its first entries again, a few KiB that stay in the caches
+     * and in the process's RSS from the start, rather than on round all 2 MiB of it: each
+     * step's entry in memory untouched for seconds, and calloc's pages counted in RSS only as
+     * the ring first went round them, which the memory rules read as the user's creep. */
     self->ring_tail = self->ring_head = 0;
     PyObject *drained = Py_BuildValue("(Nn)", steps, self->steps_dropped);
     if (drained != NULL)
