@@ -325,3 +325,86 @@ def test_code_outside_the_steps_runs_none_of_tracemls_python(tmp_path):
     assert result.returncode == 0, result.stderr
     outcome = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
     assert outcome == {"compiled": True, "ran": []}
+
+
+FAULT_IN_ENTER = """
+import torch
+from torch import nn
+from traceml.probe import layers
+
+
+def broken_begin_step(self, step_index):
+    raise RuntimeError("a fault inside the step's start")
+
+
+layers.LayerProbe.begin_step = broken_begin_step  # deep-dive's work at the first step's start
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(5):
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+print("trained", round(float(loss), 6))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the compiled timers are built on Linux and macOS")
+def test_a_fault_inside_enter_during_the_models_call_leaves_the_call_whole(tmp_path):
+    """Zero-code: the model's first call opens the step (the compiled model timer calls the
+    probe's __enter__). A fault there takes TraceML out, which forgets the traced model while
+    the timer is still using its entry: the timer must hold its own reference. Python's debug
+    allocator overwrites freed memory, so a use after free ends the process."""
+    script = tmp_path / "fault_enter.py"
+    script.write_text(FAULT_IN_ENTER)
+    result = subprocess.run([sys.executable, "-X", "dev", "-m", "traceml", "run", "--deep", "--mode", "summary",
+                             str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONMALLOC="debug"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "disabled after an internal error in trace_step enter" in result.stderr
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    trained = [line for line in result.stdout.splitlines() if line.startswith("trained")]
+    assert trained == [line for line in plain.stdout.splitlines() if line.startswith("trained")]
+
+
+SPAN_TOTALS_CHURN = """
+import gc, sys
+import torch
+import traceml
+from traceml.probe import _fastpath, step
+
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+tracer = traceml.Trace()
+totals_type = _fastpath.SpanTotal
+before = sys.getrefcount(totals_type)
+with tracer.trace("churn"):
+    for i in range(3000):  # each step's first call of a name makes a SpanTotal, the next step's frees it
+        with tracer.span("load"):
+            batch = torch.ones(2, 4)
+        with tracer.span("step%d" % (i % 7)):
+            loss = model(batch).sum()
+            optimizer.zero_grad()
+            loss.backward()
+        optimizer.step()
+        if i % 500 == 0:
+            step._probe.sender._buffer.clear()  # what the sender would take: freed here
+    made = type(step._probe.span_totals["load"]) is totals_type
+gc.collect()
+assert sys.getrefcount(totals_type) == before, (sys.getrefcount(totals_type), before)
+for name in ("ProbeState", "Timer", "TraceState", "SpanTotal", "ImportTimer"):
+    delattr(_fastpath, name)  # the module's own references go: each type keeps the ones it owns
+del totals_type
+gc.collect()
+print("made", made)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the compiled timers are built on Linux and macOS")
+def test_span_totals_made_and_freed_many_times_leave_their_type_alone(tmp_path):
+    result = subprocess.run([sys.executable, "-X", "dev", "-c", SPAN_TOTALS_CHURN], capture_output=True, text=True,
+                            timeout=180, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONMALLOC="debug", TRACEML_RUN_DIR=str(tmp_path / "run")))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "made True" in result.stdout

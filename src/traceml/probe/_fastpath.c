@@ -901,18 +901,22 @@ time_model_call(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwn
     PyObject *key = PyLong_FromVoidPtr(args[0]);
     if (key == NULL)
         return NULL;
-    PyObject *traced = PyDict_GetItemWithError(self->models, key);  /* borrowed */
+    /* Owned, not borrowed: the probe's __enter__ below may take TraceML out on a fault, which
+     * pops the model from `models` and would free its entry under us. */
+    PyObject *traced = PyDict_GetItemWithError(self->models, key);
     Py_DECREF(key);
     if (traced == NULL) {
         if (PyErr_Occurred())
             PyErr_Clear();
         return PyObject_Vectorcall(self->original, args, nargsf, kwnames);  /* not a traced model */
     }
+    Py_INCREF(traced);
     PyObject *probe = PyObject_GetAttr(traced, str_probe);
     ProbeState *state = probe ? state_of(probe) : NULL;
     if (state == NULL) {
         PyErr_Clear();
         Py_XDECREF(probe);
+        Py_DECREF(traced);
         return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
     }
     if (!state->in_step && state->auto_steps) {
@@ -925,6 +929,7 @@ time_model_call(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwn
         Py_XDECREF(enabled);
     }
     PyObject *token_inputs = PyObject_GetAttr(traced, str_token_inputs);
+    Py_DECREF(traced);
     int common = token_inputs == Py_False && state->plain && state->open_phase == NO_PHASE;
     Py_XDECREF(token_inputs);
     if (!common) {
@@ -1632,6 +1637,7 @@ PyInit__fastpath(void)
     Py_INCREF(&TimerType);
     Py_INCREF(&TraceStateType);
     Py_INCREF(&ImportTimerType);
+    Py_INCREF(&SpanTotalType);  /* AddObject steals one; static types are not immortal before 3.12 */
     if (PyModule_AddObject(module, "ProbeState", (PyObject *)&ProbeStateType) < 0
             || PyModule_AddObject(module, "Timer", (PyObject *)&TimerType) < 0
             || PyModule_AddObject(module, "TraceState", (PyObject *)&TraceStateType) < 0
