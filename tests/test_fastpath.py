@@ -31,7 +31,7 @@ def test_the_compiled_timers_are_built_and_used():
 
 def test_compiled_and_python_timers_agree_on_every_shape(tmp_path):
     compiled = shapes_loop(tmp_path / "c")
-    python = shapes_loop(tmp_path / "p", TRACEML_PURE_PYTHON="1")
+    python = shapes_loop(tmp_path / "p", TRACEML_NO_FASTPATH="1")
     assert python["compiled"] is False
     assert compiled["compiled"] is (sys.platform in ("linux", "darwin"))
     # Per step: samples, forward calls, and which phases were timed, for 12 DataLoader steps
@@ -52,7 +52,7 @@ def spans_and_scalars(run_dir):
 
 def test_compiled_and_python_agree_on_inferred_steps_spans_and_scalars(tmp_path):
     compiled = shapes_loop(tmp_path / "c", script="inferred_shapes_loop.py")
-    python = shapes_loop(tmp_path / "p", script="inferred_shapes_loop.py", TRACEML_PURE_PYTHON="1")
+    python = shapes_loop(tmp_path / "p", script="inferred_shapes_loop.py", TRACEML_NO_FASTPATH="1")
     assert compiled["compiled"] is (sys.platform in ("linux", "darwin")) and python["compiled"] is False
     assert compiled["steps"] == python["steps"]
     assert compiled["sums_ok"] and python["sums_ok"]
@@ -263,7 +263,7 @@ print(json.dumps({"compiled": step.fast_path is not None, "own": own}))
 def test_span_totals_match_the_scripts_own_clock(tmp_path, pure_python):
     env = dict(os.environ, TRACEML_RUN_DIR=str(tmp_path / "run"))
     if pure_python:
-        env["TRACEML_PURE_PYTHON"] = "1"
+        env["TRACEML_NO_FASTPATH"] = "1"
     result = subprocess.run([sys.executable, "-c", SPAN_TIMES], capture_output=True, text=True, timeout=120,
                             cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr
@@ -408,3 +408,29 @@ def test_span_totals_made_and_freed_many_times_leave_their_type_alone(tmp_path):
                             env=dict(os.environ, PYTHONMALLOC="debug", TRACEML_RUN_DIR=str(tmp_path / "run")))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "made True" in result.stdout
+
+
+FREE_THREADED = """
+import sys
+sys._is_gil_enabled = lambda: False  # what a free-threaded Python (3.13t) says with the GIL off
+import torch, traceml
+from traceml.probe import step
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(4):
+    with traceml.trace_step(model):
+        loss = model(torch.ones(2, 4)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+assert "traceml.probe._fastpath" not in sys.modules  # never imported, so the GIL stays off
+assert step.fast_path is None and step.StepProbe.__mro__[1] is step._PythonProbeState
+print("steps", step._probe.step_index)
+"""
+
+
+def test_a_free_threaded_python_gets_the_python_timers(tmp_path):
+    result = subprocess.run([sys.executable, "-c", FREE_THREADED], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, env=dict(os.environ, TRACEML_RUN_DIR=str(tmp_path / "run")))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "steps 4" in result.stdout

@@ -1633,6 +1633,15 @@ PyInit__fastpath(void)
     PyObject *module = PyModule_Create(&fastpath_module);
     if (module == NULL)
         return NULL;
+#ifdef Py_GIL_DISABLED
+    /* The probe's state and its ring are shared by the training and sender threads under the
+     * GIL. step.py does not load this module on a free-threaded build; should anyone else, the
+     * interpreter keeps the GIL on for it. */
+    if (PyUnstable_Module_SetGIL(module, Py_MOD_GIL_USED) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+#endif
     Py_INCREF(&ProbeStateType);
     Py_INCREF(&TimerType);
     Py_INCREF(&TraceStateType);

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -90,10 +91,27 @@ class EndedWindow(msgspec.Struct, gc=False):
 FAST_PATH_VERSION = 7  # _fastpath.c's VERSION: a build of another version is not used
 
 
+def _free_threaded() -> bool:
+    """A free-threaded Python (3.13t and later): its build says so, or the GIL is off now."""
+    gil_enabled = getattr(sys, "_is_gil_enabled", None)
+    if gil_enabled is None:  # before 3.13: no free-threaded build exists
+        return False
+    import sysconfig
+
+    return not gil_enabled() or bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
+
+
 def _load_fast_path() -> Any:
     """The compiled timers (probe/_fastpath.c) when they are built, their clock is this module's
-    and TRACEML_PURE_PYTHON is unset; else None, and the Python patches time every call."""
-    if os.environ.get("TRACEML_PURE_PYTHON"):
+    and TRACEML_NO_FASTPATH is unset; else None, and the Python patches time every call.
+
+    Not on a free-threaded Python: the compiled state relies on the GIL between the training
+    thread and the sender's, and importing it there would turn the GIL back on for the user's
+    whole program (with a warning), so it is not imported at all."""
+    if os.environ.get("TRACEML_NO_FASTPATH"):
+        return None
+    if _free_threaded():
+        log.debug("traceml: a free-threaded Python; using the Python timers")
         return None
     try:
         from traceml.probe import _fastpath
