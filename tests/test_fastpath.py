@@ -120,26 +120,31 @@ def _step_records(probe, items):
 
 
 def test_a_full_buffer_drops_and_counts_each_new_record_and_each_sender_has_its_own():
-    """The compiled end queues each step in the probe's ring, sized to the sender's capacity;
-    the sender's round moves them to its buffer. A full ring (or buffer) drops and counts each
-    new step, never a wait, and each probe and sender has its own."""
+    """The compiled end queues each step in the probe's ring, the Python end in the sender's
+    buffer; the sender's round moves the ring's to its buffer. Either way, once the steps
+    waiting and the buffer's records fill the sender's capacity each new step is dropped and
+    counted, never waited for, and each probe and sender has its own."""
     from test_records import hello
 
     from traceml.probe.sender import Sender
     from traceml.probe.step import StepProbe
 
-    for capacity in (3, 5):
+    for capacity, held in ((3, 0), (5, 0), (5, 2)):
         sender = Sender(hello(), capacity=capacity, address="127.0.0.1:1")  # never started: nothing drains
         probe = StepProbe(sender)
         sender.drain_steps = probe.drain_steps
+        for _ in range(held):  # records already waiting in the buffer take their room
+            sender.push(("a span", None))
         for _ in range(10):
             with probe:
                 pass
         sender._take_ended_steps()  # what the sender's round does
         # Each start after the first ends the step before: 9 windows ended, the last still open.
+        # Whichever path ended them, what waits (steps and the rest) never exceeds the capacity.
         assert len(sender._buffer) == capacity
-        assert [record.step for record in _step_records(probe, sender._buffer)] == list(range(capacity))
-        assert sender.records_dropped == 9 - capacity
+        steps = capacity - held
+        assert [record.step for record in _step_records(probe, sender._buffer)] == list(range(steps))
+        assert sender.records_dropped == 9 - steps
 
 
 def test_steps_ended_by_either_path_reach_the_sender_in_order_with_their_figures():

@@ -34,7 +34,6 @@ enum { TOKENS = 7, COMM_WAIT_NS = 8 };
 enum { EVAL_NS = 7, CHECKPOINT_NS = 8, COMPILE_NS = 9, INPUT_WAIT_GAP_NS = 11 };
 /* The step list's ints (H2D .. COMM_WAIT_NS), its two objects after them, and the lists' lengths. */
 enum { STEP_INTS = 9, REAL_TOKENS = 9, TOKEN_COPIES = 10, STEP_SLOTS = 12, WINDOW_SLOTS = 12 };
-#define RING_MOST_STEPS 8192  /* the sender empties the ring every 20 ms: a step under 2.4 µs overflows it */
 #define NO_PHASE (-1)
 
 /* time.perf_counter_ns()'s clock (step.py checks the two agree before using this module). */
@@ -64,7 +63,7 @@ drop_bookkeeping_error(void)
 }
 
 /* A fault in a step's start or end: handed to the probe's on_fault (which logs it and takes
- * TraceML out of the training), as the Python short paths do from their `except`. */
+ * TraceML out of the training), as StepProbe.enter and exit do from their `except`. */
 static void
 report_fault(PyObject *probe, const char *where)
 {
@@ -292,24 +291,42 @@ push_record(PyObject *sender, PyObject *record)
 /* ---- the ring of ended steps: filled by the training thread, emptied by the sender's --------- */
 
 /* Queue a step whose window has ended (the entry's references move into the ring). The ring
- * holds the sender's capacity, at most RING_MOST_STEPS; a full ring drops the step and counts it,
- * as a full buffer does. -1 with an error set when the ring cannot be made. */
+ * and the sender's buffer together hold the sender's capacity, as the buffer alone does for
+ * Python's path: beyond it the step is dropped and counted, never waited for. -1 with an error
+ * set when the sender has no buffer or the ring cannot be made. */
 static int
 publish(ProbeState *self, StepEntry *entry)
 {
-    if (self->ring == NULL) {
-        Py_ssize_t size = RING_MOST_STEPS;
-        if (self->sender == known_sender || know_sender(self->sender) == 0)
-            size = known_capacity < size ? known_capacity : size;
-        self->ring = PyMem_Calloc(size > 0 ? size : 1, sizeof(StepEntry));
+    Py_ssize_t buffered = -1;
+    if (self->sender == known_sender || know_sender(self->sender) == 0)
+        buffered = PyObject_Size(known_buffer);
+    if (buffered < 0) {
+        entry_clear(entry);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "traceml: the probe's sender has no buffer");
+        return -1;
+    }
+    Py_ssize_t size = known_capacity > 0 ? known_capacity : 1;
+    if (self->ring == NULL || self->ring_size != size) {
+        if (self->ring_head != self->ring_tail) {  /* another sender while steps wait: the old ones go */
+            self->steps_dropped += self->ring_head - self->ring_tail;
+            for (; self->ring_tail < self->ring_head; self->ring_tail++)
+                entry_clear(&self->ring[self->ring_tail % self->ring_size]);
+        }
+        PyMem_Free(self->ring);
+        self->ring_size = size;
+        self->ring_head = self->ring_tail = 0;
+        /* calloc: pages are counted in RSS only once used, and the ring restarts at its first
+         * entry each time the sender empties it */
+        self->ring = PyMem_Calloc(self->ring_size, sizeof(StepEntry));
         if (self->ring == NULL) {
+            self->ring_size = 0;
             entry_clear(entry);
             PyErr_NoMemory();
             return -1;
         }
-        self->ring_size = size > 0 ? size : 1;
     }
-    if (self->ring_head - self->ring_tail >= self->ring_size) {
+    if (self->ring_head - self->ring_tail + buffered >= known_capacity) {
         entry_clear(entry);
         self->steps_dropped++;
         return 0;
@@ -606,7 +623,7 @@ static PyGetSetDef state_getset[] = {
 
 /* `with trace_step(model):` entering, for the common step (host clock, one level of trace_step,
  * no set-up to fold in, no work due): the step before ends its window now; everything else is
- * StepProbe.enter's, in Python. Same work as step.py's _PythonProbeState.__enter__, with the
+ * StepProbe.enter's, in Python. Same work as StepProbe.enter for that step, with the
  * ended step queued as numbers and the lists zeroed in place: no object made. */
 static PyObject *
 state_enter(ProbeState *self, PyObject *unused)

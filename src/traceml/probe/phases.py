@@ -12,7 +12,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 from traceml.probe.step import (BACKWARD, CHECKPOINT_BETWEEN_NS, CHECKPOINT_NS, EVAL_NS, FORWARD, FORWARD_CALLS, H2D,
-                                INPUT_WAIT_GAP_NS, INPUT_WAIT_NS, NO_PHASE, OPTIMIZER, REAL_TOKENS, SAMPLES,
+                                INPUT_WAIT_GAP_NS, INPUT_WAIT_NS, OPTIMIZER, REAL_TOKENS, SAMPLES,
                                 TOKEN_COPIES, TOKENS, StepProbe, _now_ns, fast_path)
 
 log = logging.getLogger("traceml")
@@ -135,21 +135,6 @@ def _patch_backward(probe: StepProbe) -> None:
     original_backward = torch.autograd.backward
 
     def backward(*args: Any, **kwargs: Any) -> Any:
-        if probe.plain and probe.open_phase == NO_PHASE:  # a plain step's backward: timed inline
-            probe.open_phase = BACKWARD
-            start_ns = _now_ns()
-            try:
-                result = original_backward(*args, **kwargs)
-            except BaseException:
-                probe.note_failure(BACKWARD)
-                raise
-            finally:
-                if probe.open_phase == BACKWARD:
-                    probe.sums[BACKWARD] += _now_ns() - start_ns
-                    probe.open_phase = NO_PHASE
-            if probe.auto_steps:
-                probe.backward_returned()
-            return result
         if not probe.in_step and not probe.auto_steps:  # outside the steps: nothing to time
             return original_backward(*args, **kwargs)
         start_ns = probe.phase_begin(BACKWARD)
@@ -334,10 +319,6 @@ def _hook_optimizers(probe: StepProbe) -> None:
                                        register_optimizer_step_pre_hook)
 
     def before_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
-        if probe.plain and probe.open_phase == NO_PHASE and len(args) == 1 and not kwargs:
-            probe.open_phase = OPTIMIZER  # a plain step's update, no closure: timed inline
-            probe._optimizer_timed, probe._optimizer_start_ns = id(optimizer), _now_ns()
-            return None
         if not probe.in_step and not probe.auto_steps:  # outside the steps: nothing to time
             return None
         # args are step()'s own, the optimizer first: step(closure) has it second.
@@ -364,11 +345,7 @@ def _hook_optimizers(probe: StepProbe) -> None:
     def after_step(optimizer: Any, args: Any, kwargs: Any, inferring: bool = True) -> None:
         if probe._optimizer_timed == id(optimizer):
             probe._optimizer_timed = 0
-            if probe.plain and probe.open_phase == OPTIMIZER:
-                probe.sums[OPTIMIZER] += _now_ns() - probe._optimizer_start_ns
-                probe.open_phase = NO_PHASE
-            else:
-                probe.phase_end(OPTIMIZER, probe._optimizer_start_ns)
+            probe.phase_end(OPTIMIZER, probe._optimizer_start_ns)
         if inferring and probe.auto_steps:
             probe.optimizer_stepped(optimizer)
 
@@ -482,31 +459,7 @@ def _timed_call(original: Callable[..., Any], tensor_type: type, compiling: Any)
         traced = _models.get(id(self))
         if traced is None or compiling._is_compiling_flag:
             return original(self, *args, **kwargs)
-        probe = traced.probe
-        if not probe.in_step and probe.auto_steps and grad_enabled():
-            probe.__enter__()  # steps inferred: the model's first call with gradients opens one
-        if not probe.plain or probe.open_phase != NO_PHASE or traced.token_inputs is not False:
-            return _call_timed_in_general(original, traced, probe, self, args, kwargs, tensor_type,
-                                          grad_enabled)
-        # The common case, the outermost call in a plain step: timed inline (see StepProbe.plain).
-        sums = probe.sums
-        sums[FORWARD_CALLS] += 1
-        if args and isinstance(args[0], tensor_type):  # model(inputs)
-            shape = args[0].shape
-            sums[SAMPLES] += shape[0] if shape else 1
-        else:
-            sums[SAMPLES] += _batch_size(args, kwargs, tensor_type)
-        probe.open_phase = FORWARD
-        start_ns = _now_ns()
-        try:
-            return original(self, *args, **kwargs)
-        except BaseException:
-            probe.note_failure(FORWARD)
-            raise
-        finally:
-            if probe.open_phase == FORWARD:
-                sums[FORWARD] += _now_ns() - start_ns
-                probe.open_phase = NO_PHASE
+        return _call_timed_in_general(original, traced, traced.probe, self, args, kwargs, tensor_type, grad_enabled)
 
     call.__wrapped__ = original  # type: ignore[attr-defined]
     _run_eagerly_under_dynamo(call)
@@ -530,8 +483,9 @@ def _timed_call(original: Callable[..., Any], tensor_type: type, compiling: Any)
 
 def _call_timed_in_general(original: Callable[..., Any], traced: _TracedModel, probe: StepProbe, model: Any,
                            args: tuple, kwargs: dict, tensor_type: type, grad_enabled: Callable[[], bool]) -> Any:
-    """_timed_call's call, for any call but the common one: inside another phase, outside the
-    steps (evaluation), the first call, token inputs, on CUDA, or on a deep-dive step."""
+    """_timed_call's call: every call of a traced model in Python, and, where the compiled
+    timer stands in front, every call but a plain step's outermost one (inside another phase,
+    outside the steps, the first call, token inputs, on CUDA, a deep-dive step)."""
     start_ns = probe.phase_begin(FORWARD)
     if start_ns:
         probe.sums[FORWARD_CALLS] += 1

@@ -135,9 +135,10 @@ fast_path = _load_fast_path()
 
 
 class _PythonProbeState:
-    """The fields a step's patches read and write on every call, and the short paths of a
-    step's start and end, where the compiled timers are not built; else _fastpath.ProbeState,
-    the same fields in a C struct its timers read directly, and the same short paths in C."""
+    """The fields a step's patches read and write on every call, where the compiled timers are
+    not built; else _fastpath.ProbeState, the same fields in a C struct its timers read
+    directly, whose __enter__ and __exit__ do the common step's start and end in C and hand
+    every other to enter and exit."""
 
     __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "in_evaluation", "layers_active",
                  "comm_timed", "step_index", "_step_start_ns", "setup_started_ns", "due_step", "_closed",
@@ -147,53 +148,11 @@ class _PythonProbeState:
                  "_step_optimizer", "_last_optimizer", "_turn_known", "_model_wait_ends")
 
     # -- step boundaries: `with trace_step(model):` enters and exits the probe itself ---------
-    #
-    # __enter__ and __exit__ run every step, so each has a short path for the common step (the
-    # host clock, one level of trace_step, steps from trace_step, no deep-dive sample due) and
-    # leaves everything else to enter and exit. The short paths do the same as the long ones
-    # for that step, with fewer lines: a line costs several times its tight-loop cost there,
-    # the training having pushed TraceML's code out of the caches.
     def __enter__(self) -> "StepProbe":
-        if (self.in_step or self.timeline is not None or self.setup_started_ns
-                or self.step_index >= self.due_step):
-            return self.enter()
-        now = _now_ns()
-        try:
-            closed = self._closed
-            if closed is not None:  # see enter
-                self._closed = None
-                if self.auto_steps:
-                    self._unconfirmed = EndedWindow(closed, now, self.window, None)
-                else:
-                    self.sender.push(EndedWindow(closed, now, self.window, None))
-            self.window = [*_WINDOW_ZEROS]
-            self.sums = [*_STEP_ZEROS]
-            self._step_start_ns = now
-            self.in_step = 1
-            self.plain = not self.layers_active and not self.comm_timed
-        except Exception:  # the training comes first: a fault here costs telemetry only
-            self.on_fault("trace_step enter")
-        return self
+        return self.enter()  # type: ignore[attr-defined]
 
     def __exit__(self, exc_type: Any, failed: Optional[BaseException], tb: Any) -> None:
-        now = _now_ns()
-        if failed is not None or not self.plain or self.in_step > 1:
-            return self.exit(failed=failed, now=now)
-        try:
-            unconfirmed = self._unconfirmed
-            if unconfirmed is not None:  # inferred steps: this one proved a step (see _settle_inferred)
-                self._unconfirmed = None
-                self.sender.push(unconfirmed)
-            self.in_step = 0
-            self.plain = False
-            self.open_phase = NO_PHASE
-            host_rss = self.host_rss
-            self._closed = ClosedStep(self.step_index, self._step_start_ns, now, self.sums, None, None, None, None,
-                                      None, None, host_rss.latest_bytes if host_rss is not None else None, False)
-            self.step_index += 1
-        except Exception:  # the training comes first: a fault here costs telemetry only
-            self.on_fault("trace_step exit")
-        return None
+        self.exit(failed=failed)  # type: ignore[attr-defined]
 
     # -- ended steps: the compiled state queues them in a ring of numbers, taken by the sender
     # (drain_steps), so that a step's end makes no object; here they go to its buffer at once.
@@ -324,9 +283,9 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
                 self._begin_due_work()
             self._step_start_ns = now
             self.in_step = 1
-            # The common step: host clock, no deep-dive sample, no DDP. The patches then time a
-            # phase inline (a call of phase_begin and phase_end costs about a µs inside a
-            # training step, whose own work has pushed them out of the cache).
+            # The common step: host clock, no deep-dive sample, no DDP. The compiled timers
+            # then time a phase themselves (a call of phase_begin and phase_end costs about a µs
+            # inside a training step, whose own work has pushed them out of the cache).
             self.plain = timeline is None and not self.layers_active and not self.comm_timed
         except Exception:  # the training comes first: a fault here costs telemetry only
             self.on_fault("trace_step enter")
