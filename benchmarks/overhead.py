@@ -1,5 +1,18 @@
-"""What TraceML costs: µs added per step in each way of tracing, per DDP bucket, and the fixed
-cost of `traceml run` over plain python.
+"""What TraceML costs: µs added per step end to end and in each way of tracing, per DDP bucket,
+and the fixed cost of `traceml run` over plain python.
+
+End to end: what the user pays. The same script, a ~3,000-step loop (a tiny MLP fed by a torch
+DataLoader with num_workers=0, the optimizer's step included), launched as `python loop.py` and
+as `traceml run --mode summary loop.py` (the mode `traceml run` takes with no terminal: the
+collector, the sender thread and the auto-captures run as in any real run), alternating plain, traced, plain,
+traced, ... for a number of pairs, after one unmeasured launch of each. Two loop styles: the
+explicit loop (`with traceml.trace_step(model):` under `traceml run`; under plain python the
+script sees no TRACEML_COLLECTOR and enters a no-op context instead, TraceML never imported),
+and zero-code (the loop with no trace_step, traced by `traceml run` alone). The script times its
+own loop (perf_counter around it, after 300 warm-up steps), so the launch, the imports and the
+end-of-run files (the fixed cost, below) are left out: a pair's figure is (traced loop s - plain
+loop s) / steps, in µs. The figure printed is the median of the pairs, with their range; and,
+beside it, the median of the pairs' whole-command wall time differences.
 
 Per step, for each way a loop is traced (an explicit `trace_step` with a DataLoader, the same
 loop in zero-code mode, the Trace API), one process runs blocks of 50 sub-millisecond steps (a
@@ -38,8 +51,8 @@ outside, after one unmeasured launch of each (TraceML's bytecode cached, as afte
 the figure is the median of each back-to-back pair's difference. The script's own clock splits
 it: launch to torch imported, the steps, the last line to the command's end.
 
-    python benchmarks/overhead.py [--rounds 5] [--blocks 20] [--launches 21]
-                                  [--only steps|calls|background|ddp|wakes|fixed]
+    python benchmarks/overhead.py [--rounds 5] [--blocks 20] [--launches 21] [--pairs 7] [--steps 3000]
+                                  [--only e2e|steps|calls|background|ddp|wakes|fixed]
 """
 from __future__ import annotations
 
@@ -222,6 +235,60 @@ print(json.dumps({"rounds": figures, "calls": dict(zip(CALLS, zip(*call_figures)
                   "sender_us": sender_s * 1e6 / traced_steps, "collector_us": collector_s * 1e6 / traced_steps}))
 """
 
+E2E = r"""
+import contextlib, json, os, sys, threading, time
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+style, steps, warm_up = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+traced = bool(os.environ.get("TRACEML_COLLECTOR"))  # set by `traceml run` for the script it runs
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+data = TensorDataset(torch.randn((warm_up + steps) * 8, 32), torch.randint(0, 10, ((warm_up + steps) * 8,)))
+loader = DataLoader(data, batch_size=8)  # num_workers=0: batches made on the training thread
+untraced = contextlib.nullcontext()
+if style == "explicit" and traced:
+    import traceml
+
+
+def explicit():  # with trace_step under traceml run; a no-op context under plain python
+    start_s = None
+    for step, (inputs, targets) in enumerate(loader):
+        if step == warm_up:
+            start_s = time.perf_counter()
+        with traceml.trace_step(model) if traced else untraced:
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return time.perf_counter() - start_s
+
+
+def zero_code():  # the loop as written without TraceML: traced by traceml run alone
+    start_s = None
+    for step, (inputs, targets) in enumerate(loader):
+        if step == warm_up:
+            start_s = time.perf_counter()
+        loss = nn.functional.cross_entropy(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return time.perf_counter() - start_s
+
+
+loop_s = {"explicit": explicit, "zero-code": zero_code}[style]()
+probe = sender = False
+if traced:  # TraceML is at work: its probe made, its sender thread running
+    from traceml.probe import step as probe_step
+
+    probe = probe_step._probe is not None
+    sender = any(thread.name == "traceml-sender" for thread in threading.enumerate())
+print(json.dumps({"loop_s": loop_s, "traced": traced, "probe": probe, "sender": sender}))
+"""
+
 DDP = r"""
 import json, os, random, statistics, sys, tempfile, time
 import torch
@@ -382,6 +449,81 @@ def _run_json(command: list, env: dict, cwd: str) -> dict:
     return json.loads(lines[-1])
 
 
+def _launch_env() -> dict:
+    """The environment of a launch timed from outside: as a user's shell would give it."""
+    env = dict(os.environ)
+    # As after any install, TraceML's modules load from cached bytecode: with
+    # PYTHONDONTWRITEBYTECODE set (as in some sandboxes and containers), every launch would
+    # compile them from source again, some 15 ms in the launcher and as much in the script.
+    for name in ("TRACEML_COLLECTOR", "TRACEML_RUN_DIR", "PYTHONDONTWRITEBYTECODE"):
+        env.pop(name, None)
+    return env
+
+
+E2E_WARM_UP = 300
+E2E_STYLES = ("explicit", "zero-code")
+
+
+def end_to_end(pairs: int, steps: int, workdir: str) -> None:
+    """The whole loop's time under `traceml run` against plain python, launch by launch."""
+    script = _write_script(workdir, "e2e.py", E2E)
+    env = _launch_env()
+
+    def commands(style: str, launch: object, count: int, warm_up: int) -> dict:
+        args = [script, style, str(count), str(warm_up)]
+        return {"python": [sys.executable, *args],
+                "traceml run": [sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir",
+                                os.path.join(workdir, f"e2e-{style}-{launch}"), *args]}
+
+    def launch(command: list, traced: bool) -> tuple:
+        start_s = time.perf_counter()
+        result = _run_json(command, env, workdir)
+        wall_s = time.perf_counter() - start_s
+        if result["traced"] != traced or (traced and not (result["probe"] and result["sender"])):
+            sys.exit(f"benchmark child not {'traced' if traced else 'untraced'} as meant: {result}")
+        return result["loop_s"], wall_s
+
+    for style in E2E_STYLES:  # writes the bytecode, fills the page cache: not counted
+        for name, command in commands(style, "warm-up", 20, 10).items():
+            launch(command, name == "traceml run")
+    loops: dict = {style: {"python": [], "traceml run": []} for style in E2E_STYLES}
+    walls: dict = {style: {"python": [], "traceml run": []} for style in E2E_STYLES}
+    started_s = time.perf_counter()
+    for pair in range(pairs):
+        for style in E2E_STYLES:
+            for name, command in commands(style, pair, steps, E2E_WARM_UP).items():  # plain, then traced
+                loop_s, wall_s = launch(command, name == "traceml run")
+                loops[style][name].append(loop_s)
+                walls[style][name].append(wall_s)
+    taken_s = time.perf_counter() - started_s
+    added = {style: [1e6 * (traced - plain) / steps
+                     for plain, traced in zip(loops[style]["python"], loops[style]["traceml run"])]
+             for style in E2E_STYLES}
+    print(f"end to end: `traceml run --mode summary` against `python`, the whole loop's time ({steps} steps after "
+          f"{E2E_WARM_UP} warm-up, the script's own clock), {pairs} pairs alternating plain, traced "
+          f"({taken_s:.0f} s); added: (traced loop s - plain loop s) / steps")
+    print(f"  {'pair':>4}  " + "   ".join(f"{style + ': python s':>19} {'traced s':>8} {'added µs':>8}"
+                                           for style in E2E_STYLES))
+    for pair in range(pairs):
+        print(f"  {pair + 1:>4}  " + "   ".join(
+            f"{loops[style]['python'][pair]:19.3f} {loops[style]['traceml run'][pair]:8.3f} "
+            f"{added[style][pair]:+8.1f}" for style in E2E_STYLES))
+    print(f"  {'loop style':<12} {'python µs':>9} {'traced µs':>10} {'added µs':>9}  {'range':>16} {'ratio':>6}  "
+          f"{'target':<19} whole command added s")
+    for style in E2E_STYLES:
+        plain_us = 1e6 * statistics.median(loops[style]["python"]) / steps
+        traced_us = 1e6 * statistics.median(loops[style]["traceml run"]) / steps
+        added_us = statistics.median(added[style])
+        command_added_s = statistics.median(t - p for p, t in zip(walls[style]["python"], walls[style]["traceml run"]))
+        verdict = "ok" if added_us <= TARGET_STEP_US else "OVER"
+        print(f"  {style:<12} {plain_us:9.1f} {traced_us:10.1f} {added_us:+9.1f}  "
+              f"[{min(added[style]):+6.1f}, {max(added[style]):+6.1f}] {(plain_us + added_us) / plain_us:6.3f}  "
+              f"<= {TARGET_STEP_US:g} µs {verdict:<5}  {command_added_s:+.3f}")
+    print("  everything a traced step costs the training, the sender's and the collector's work included "
+          "(on this 2-core machine they share the cores with it); the whole command's difference adds the "
+          "launch, the warm-up steps and the end-of-run files (see the fixed cost)")
+
+
 def per_step(rounds: int, blocks: int, workdir: str) -> None:
     script = _write_script(workdir, "loop.py", LOOP)
     print(f"per step: {rounds} rounds, each {blocks} blocks of 50 steps traced and {blocks} untraced, "
@@ -492,12 +634,7 @@ def wakes(rounds: int, workdir: str) -> None:
 
 def fixed_cost(launches: int, workdir: str) -> None:
     script = _write_script(workdir, "short.py", SHORT)
-    env = dict(os.environ)
-    # As after any install, TraceML's modules load from cached bytecode: with
-    # PYTHONDONTWRITEBYTECODE set (as in some sandboxes and containers), every launch would
-    # compile them from source again, some 15 ms in the launcher and as much in the script.
-    for name in ("TRACEML_COLLECTOR", "TRACEML_RUN_DIR", "PYTHONDONTWRITEBYTECODE"):
-        env.pop(name, None)
+    env = _launch_env()
 
     def commands(launch: object) -> dict:
         return {"python": [sys.executable, script],
@@ -541,10 +678,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per way of tracing")
     parser.add_argument("--blocks", type=int, default=20, help="blocks of 50 steps on each side, per round")
     parser.add_argument("--launches", type=int, default=21, help="launches on each side, fixed cost")
-    parser.add_argument("--only", choices=("steps", "calls", "background", "ddp", "wakes", "fixed"),
+    parser.add_argument("--pairs", type=int, default=7, help="pairs of launches per loop style, end to end")
+    parser.add_argument("--steps", type=int, default=3000, help="steps a launch times, end to end")
+    parser.add_argument("--only", choices=("e2e", "steps", "calls", "background", "ddp", "wakes", "fixed"),
                         help="run one part")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
+        if args.only in (None, "e2e"):
+            end_to_end(args.pairs, args.steps, workdir)
         if args.only in (None, "steps"):
             per_step(args.rounds, args.blocks, workdir)
         if args.only in (None, "calls"):
