@@ -34,6 +34,44 @@ def test_the_compiled_timers_are_built_and_used():
     assert step.StepProbe.__mro__[1] is step.fast_path.ProbeState
 
 
+def test_the_step_layout_is_declared_once_and_the_build_says_it_back():
+    """layout.py declares the slots; setup.py writes the C header from it; the module says back
+    what it was built from, and the records it makes by position, and step.py checks each."""
+    from pathlib import Path
+
+    from traceml.probe import _fastpath, layout, step
+    from traceml.records import StepRecord
+
+    probe_dir = Path(layout.__file__).parent
+    assert (probe_dir / "_layout.h").read_text() == layout.c_header()  # the header is the table's
+    slots, window, closed, ended, record = _fastpath.LAYOUT
+    assert slots == tuple(name for name, _ in layout.STEP_SLOTS) and window == layout.WINDOW_SLOTS
+    assert closed == step.ClosedStep.__struct_fields__ and ended == step.EndedWindow.__struct_fields__
+    assert record == StepRecord.__struct_fields__[:len(record)] and len(record) >= 33
+    assert step._STEP_ZEROS[step.FAILED_PHASE] == layout.NO_PHASE == step.NO_PHASE
+    assert [step.H2D, step.FORWARD, step.BACKWARD, step.OPTIMIZER] == [
+        slots.index(phase) for phase in step.PHASE_NAMES]
+
+
+ANOTHER_LAYOUT = """
+import sys
+from traceml.probe import layout
+window = list(layout.WINDOW_SLOTS)
+window[7], window[8] = window[8], window[7]  # eval and checkpoint swapped since the build
+layout.WINDOW_SLOTS = tuple(window)
+from traceml.probe import step
+print("compiled", step.fast_path is not None, "eval slot", step.EVAL_NS)
+"""
+
+
+@compiled
+def test_a_build_from_another_layout_is_not_used(tmp_path):
+    result = subprocess.run([sys.executable, "-c", ANOTHER_LAYOUT], capture_output=True, text=True, timeout=60,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "compiled False eval slot 8" in result.stdout
+
+
 @compiled
 def test_compiled_and_python_timers_agree_on_every_shape(tmp_path):
     compiled = shapes_loop(tmp_path / "c")

@@ -28,13 +28,11 @@ static inline PyObject *new_reference(PyObject *object) { Py_INCREF(object); ret
 #define Py_NewRef(object) new_reference((PyObject *)(object))
 #endif
 
-/* The indices of step.py's lists; step.py compares them with its own (INDICES) before use. */
-enum { H2D, FORWARD, BACKWARD, OPTIMIZER, INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES };
-enum { TOKENS = 7, COMM_WAIT_NS = 8 };
-enum { EVAL_NS = 7, CHECKPOINT_NS = 8, COMPILE_NS = 9, INPUT_WAIT_GAP_NS = 11 };
-/* The step list's ints (H2D .. COMM_WAIT_NS), its two objects after them, and the lists' lengths. */
-enum { STEP_INTS = 9, REAL_TOKENS = 9, TOKEN_COPIES = 10, STEP_SLOTS = 12, WINDOW_SLOTS = 12 };
-#define NO_PHASE (-1)
+/* The slots of a step's and a window's lists (H2D .. FAILED_PHASE, GC_NS .. INPUT_WAIT_GAP_NS),
+ * generated from layout.py by setup.py; the module says them back (LAYOUT) and step.py uses it
+ * only when they are its own. */
+#include "_layout.h"
+enum { STEP_INTS = REAL_TOKENS };  /* the step list's ints come first (layout.py) */
 
 /* time.perf_counter_ns()'s clock (step.py checks the two agree before using this module). */
 static inline long long
@@ -88,7 +86,7 @@ typedef struct {
     PyObject *ended;            /* an EndedWindow made in Python, else NULL (and the rest holds it) */
     long long step, start_ns, end_ns, window_end_ns;
     long long host_rss_bytes;   /* -1: no reading */
-    long long sums[STEP_INTS];  /* step.py's _STEP_ZEROS ints */
+    long long sums[STEP_INTS];  /* the step list's ints */
     PyObject *real_tokens;      /* owned, NULL for None */
     PyObject *token_copies;     /* owned, NULL for None */
     long long window[WINDOW_SLOTS];
@@ -442,6 +440,20 @@ list_of_ints(const long long *values, Py_ssize_t ints, Py_ssize_t slots)
     return list;
 }
 
+/* The fields of step.py's ClosedStep and EndedWindow, and the first fields of records.py's
+ * StepRecord, in the order they are made here, by position (said back in LAYOUT). */
+static const char *const CLOSED_STEP_FIELDS[] = {
+    "step", "start_ns", "end_ns", "sums", "device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes",
+    "start_event", "end_event", "phase_events", "host_rss_bytes", "instrumented"};
+static const char *const ENDED_WINDOW_FIELDS[] = {"closed", "window_end_ns", "window", "next_start_event"};
+static const char *const STEP_RECORD_FIELDS[] = {
+    "rank", "step", "start_unix_s", "step_ms", "input_wait_ms", "outside_ms", "h2d_ms", "forward_ms", "backward_ms",
+    "optimizer_ms", "untraced_ms", "gc_ms", "gc_collections", "forward_calls", "samples", "device_timed",
+    "gpu_idle_ms", "device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes", "host_rss_bytes",
+    "comm_wait_ms", "gc_max_pause_ms", "gc_full_collections", "gc_gen0_ms", "gc_gen1_ms", "gc_gen2_ms", "tokens",
+    "real_tokens", "eval_ms", "checkpoint_ms", "instrumented", "compile_ms"};
+#define COUNT(names) ((Py_ssize_t)(sizeof(names) / sizeof(names[0])))
+
 /* What Python sees of a closed step: step.py's ClosedStep, its list of sums made again. */
 static PyObject *
 closed_step_of(StepEntry *entry)
@@ -457,10 +469,10 @@ closed_step_of(StepEntry *entry)
     PyObject *no_phase = PyLong_FromLong(NO_PHASE);
     if (no_phase == NULL)
         goto done;
-    PyList_SET_ITEM(sums, STEP_SLOTS - 1, no_phase);
+    PyList_SET_ITEM(sums, FAILED_PHASE, no_phase);
     PyObject *fields[] = {step, start, end, sums, Py_None, Py_None, Py_None, Py_None, Py_None, Py_None, rss,
                           Py_False};
-    closed = PyObject_Vectorcall(closed_step_type, fields, 12, NULL);
+    closed = PyObject_Vectorcall(closed_step_type, fields, COUNT(CLOSED_STEP_FIELDS), NULL);
 done:
     Py_XDECREF(sums);
     Py_XDECREF(step);
@@ -480,7 +492,7 @@ ended_window_of(StepEntry *entry)
     PyObject *end = PyLong_FromLongLong(entry->window_end_ns), *ended = NULL;
     if (closed != NULL && window != NULL && end != NULL) {
         PyObject *fields[] = {closed, end, window, Py_None};
-        ended = PyObject_Vectorcall(ended_window_type, fields, 4, NULL);
+        ended = PyObject_Vectorcall(ended_window_type, fields, COUNT(ENDED_WINDOW_FIELDS), NULL);
     }
     Py_XDECREF(closed);
     Py_XDECREF(window);
@@ -498,8 +510,8 @@ step_record_of(ProbeState *self, StepEntry *entry, PyObject *record_type, double
     long long untraced_ns = entry->end_ns - entry->start_ns - sums[H2D] - sums[FORWARD] - sums[BACKWARD]
         - sums[OPTIMIZER] - sums[INPUT_WAIT_NS];
     long long gap_wait_ns = window[INPUT_WAIT_GAP_NS] < gap_ns ? window[INPUT_WAIT_GAP_NS] : gap_ns;
-    enum { FIELDS = 33 };
-    PyObject *fields[FIELDS] = {
+    enum { FIELDS = COUNT(STEP_RECORD_FIELDS) };
+    PyObject *fields[FIELDS] = {  /* in STEP_RECORD_FIELDS' order */
         PyLong_FromLong(self->rank), PyLong_FromLongLong(entry->step),
         PyFloat_FromDouble(unix_at_zero_s + (double)entry->start_ns / 1e9),  /* start_unix_s */
         PyFloat_FromDouble((double)(entry->window_end_ns - entry->start_ns) / 1e6),  /* step_ms */
@@ -508,15 +520,15 @@ step_record_of(ProbeState *self, StepEntry *entry, PyObject *record_type, double
         PyFloat_FromDouble((double)sums[H2D] / 1e6), PyFloat_FromDouble((double)sums[FORWARD] / 1e6),
         PyFloat_FromDouble((double)sums[BACKWARD] / 1e6), PyFloat_FromDouble((double)sums[OPTIMIZER] / 1e6),
         PyFloat_FromDouble((double)(untraced_ns > 0 ? untraced_ns : 0) / 1e6),  /* untraced_ms */
-        PyFloat_FromDouble((double)window[0] / 1e6), PyLong_FromLongLong(window[1]),  /* gc_ms, gc_collections */
+        PyFloat_FromDouble((double)window[GC_NS] / 1e6), PyLong_FromLongLong(window[GC_COLLECTIONS]),
         PyLong_FromLongLong(sums[FORWARD_CALLS]), PyLong_FromLongLong(sums[SAMPLES]),
         Py_NewRef(Py_False), Py_NewRef(Py_None),  /* device_timed, gpu_idle_ms: on CUDA only */
         Py_NewRef(Py_None), Py_NewRef(Py_None), Py_NewRef(Py_None),  /* device memory: on CUDA only */
         entry->host_rss_bytes < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(entry->host_rss_bytes),
         self->comm_timed ? PyFloat_FromDouble((double)sums[COMM_WAIT_NS] / 1e6) : Py_NewRef(Py_None),
-        PyFloat_FromDouble((double)window[2] / 1e6), PyLong_FromLongLong(window[3]),  /* longest, full */
-        PyFloat_FromDouble((double)window[4] / 1e6), PyFloat_FromDouble((double)window[5] / 1e6),
-        PyFloat_FromDouble((double)window[6] / 1e6),  /* gc by generation */
+        PyFloat_FromDouble((double)window[GC_MAX_NS] / 1e6), PyLong_FromLongLong(window[GC_FULL]),
+        PyFloat_FromDouble((double)window[GC_GEN0_NS] / 1e6), PyFloat_FromDouble((double)window[GC_GEN1_NS] / 1e6),
+        PyFloat_FromDouble((double)window[GC_GEN2_NS] / 1e6),
         PyLong_FromLongLong(sums[TOKENS]), Py_NewRef(entry->real_tokens ? entry->real_tokens : Py_None),
         PyFloat_FromDouble((double)window[EVAL_NS] / 1e6), PyFloat_FromDouble((double)window[CHECKPOINT_NS] / 1e6),
         Py_NewRef(Py_False),  /* instrumented: a deep-dive step takes Python's path */
@@ -1628,6 +1640,31 @@ static struct PyModuleDef fastpath_module = {
     module_methods,
 };
 
+static PyObject *
+names_of(const char *const *names, Py_ssize_t count)
+{
+    PyObject *tuple = PyTuple_New(count);
+    for (Py_ssize_t i = 0; tuple != NULL && i < count; i++) {
+        PyObject *name = PyUnicode_FromString(names[i]);
+        if (name == NULL)
+            Py_CLEAR(tuple);
+        else
+            PyTuple_SET_ITEM(tuple, i, name);
+    }
+    return tuple;
+}
+
+/* What this build was made from: the step's and window's slots, and the fields it makes
+ * ClosedStep, EndedWindow and StepRecord with, by position. */
+static PyObject *
+layout_of(void)
+{
+    return Py_BuildValue("(NNNNN)", names_of(STEP_SLOT_NAMES, STEP_SLOTS), names_of(WINDOW_SLOT_NAMES, WINDOW_SLOTS),
+                         names_of(CLOSED_STEP_FIELDS, COUNT(CLOSED_STEP_FIELDS)),
+                         names_of(ENDED_WINDOW_FIELDS, COUNT(ENDED_WINDOW_FIELDS)),
+                         names_of(STEP_RECORD_FIELDS, COUNT(STEP_RECORD_FIELDS)));
+}
+
 PyMODINIT_FUNC
 PyInit__fastpath(void)
 {
@@ -1669,17 +1706,14 @@ PyInit__fastpath(void)
             || PyModule_AddObject(module, "TraceState", (PyObject *)&TraceStateType) < 0
             || PyModule_AddObject(module, "SpanTotal", (PyObject *)&SpanTotalType) < 0
             || PyModule_AddObject(module, "ImportTimer", (PyObject *)&ImportTimerType) < 0
-            || PyModule_AddIntConstant(module, "VERSION", 7) < 0
+            || PyModule_AddIntConstant(module, "VERSION", LAYOUT_VERSION) < 0
+            || PyModule_AddObject(module, "LAYOUT", layout_of()) < 0
             || PyModule_AddIntConstant(module, "NEXT", NEXT) < 0
             || PyModule_AddIntConstant(module, "MODEL_CALL", MODEL_CALL) < 0
             || PyModule_AddIntConstant(module, "BACKWARD_CALL", BACKWARD_CALL) < 0
             || PyModule_AddIntConstant(module, "OPTIMIZER_BEFORE", OPTIMIZER_BEFORE) < 0
             || PyModule_AddIntConstant(module, "OPTIMIZER_AFTER", OPTIMIZER_AFTER) < 0
-            || PyModule_AddIntConstant(module, "TENSOR_TO", TENSOR_TO) < 0
-            || PyModule_AddObject(module, "INDICES", Py_BuildValue("(iiiiiiiiiiiiiiiii)", FORWARD, BACKWARD, OPTIMIZER,
-                                  INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, EVAL_NS, INPUT_WAIT_GAP_NS, NO_PHASE,
-                                  REAL_TOKENS, TOKEN_COPIES, STEP_SLOTS, WINDOW_SLOTS, TOKENS, COMM_WAIT_NS,
-                                  CHECKPOINT_NS, COMPILE_NS)) < 0) {
+            || PyModule_AddIntConstant(module, "TENSOR_TO", TENSOR_TO) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -21,29 +21,28 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import msgspec
 
+from traceml.probe import layout
 from traceml.records import STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, SpanRecord, StepRecord
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
 
-# Accumulators of a step's whole window (the step and the gap after it), a new list for each
-# window (the old one goes out with the step): garbage-collector pauses [pause ns, collections,
-# longest pause ns, full (generation 2) collections, pause ns of generations 0, 1 and 2], then
-# evaluation, checkpoint-save and torch.compile ns, of the saves the ns between steps (a save
-# after the last step is not that step's: see finish), and the DataLoader's wait between steps.
-_WINDOW_ZEROS = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-EVAL_NS, CHECKPOINT_NS, COMPILE_NS, CHECKPOINT_BETWEEN_NS, INPUT_WAIT_GAP_NS = 7, 8, 9, 10, 11
+# The lists a step's patches add to, laid out in layout.py (see there for each slot): the
+# window's (a new list for each window: the old one goes out with the step) and the step's.
+_WINDOW_ZEROS = (0,) * len(layout.WINDOW_SLOTS)
+_window_slot = {name: index for index, name in enumerate(layout.WINDOW_SLOTS)}.__getitem__
+EVAL_NS, CHECKPOINT_NS, COMPILE_NS, CHECKPOINT_BETWEEN_NS, INPUT_WAIT_GAP_NS = map(_window_slot, (
+    "eval_ns", "checkpoint_ns", "compile_ns", "checkpoint_between_ns", "input_wait_gap_ns"))
+GC_NS, GC_COLLECTIONS, GC_MAX_NS, GC_FULL, GC_GEN0_NS = map(_window_slot, (
+    "gc_ns", "gc_collections", "gc_max_ns", "gc_full", "gc_gen0_ns"))
 _NOT_A_STEP = RuntimeError("not a step")  # ends an inferred step without a record
-# The step in flight, a new list for each step (the old one goes out with the step): the
-# phases' ns (their order matches the StepRecord fields), the input wait inside the block, the
-# traced model's outermost calls, the samples and tokens given to it, under DDP the collective
-# wait inside backward; then the real tokens per attention_mask (None: no mask seen), the
-# device copies of masks' sums still in flight (None: none), and the phase an exception left
-# through (for an OOM report). One list, so that starting a step is one store.
+_STEP_ZEROS = tuple(zero for _, zero in layout.STEP_SLOTS)
+_step_slot = {name: index for index, (name, _) in enumerate(layout.STEP_SLOTS)}.__getitem__
 (H2D, FORWARD, BACKWARD, OPTIMIZER, INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, TOKENS, COMM_WAIT_NS, REAL_TOKENS,
- TOKEN_COPIES, FAILED_PHASE) = range(12)
-NO_PHASE = -1
-_STEP_ZEROS = (0, 0, 0, 0, 0, 0, 0, 0, 0, None, None, NO_PHASE)
+ TOKEN_COPIES, FAILED_PHASE) = map(_step_slot, (
+    "h2d", "forward", "backward", "optimizer", "input_wait_ns", "forward_calls", "samples", "tokens",
+    "comm_wait_ns", "real_tokens", "token_copies", "failed_phase"))
+NO_PHASE = layout.NO_PHASE
 PHASE_NAMES = ("h2d", "forward", "backward", "optimizer")
 # Inferred steps: another optimizer updating this many times with no step ended between means
 # the one that ended steps has stopped (a new phase of training with optimizers of its own).
@@ -88,9 +87,6 @@ class EndedWindow(msgspec.Struct, gc=False):
     next_start_event: Any  # on CUDA the next step's start event, the window's end (else None)
 
 
-FAST_PATH_VERSION = 7  # _fastpath.c's VERSION: a build of another version is not used
-
-
 def _free_threaded() -> bool:
     """A free-threaded Python (3.13t and later): its build says so, or the GIL is off now."""
     gil_enabled = getattr(sys, "_is_gil_enabled", None)
@@ -117,11 +113,12 @@ def _load_fast_path() -> Any:
         from traceml.probe import _fastpath
     except ImportError:
         return None
-    if getattr(_fastpath, "VERSION", None) != FAST_PATH_VERSION or _fastpath.INDICES != (
-            FORWARD, BACKWARD, OPTIMIZER, INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, EVAL_NS, INPUT_WAIT_GAP_NS, NO_PHASE,
-            REAL_TOKENS, TOKEN_COPIES, len(_STEP_ZEROS), len(_WINDOW_ZEROS), TOKENS, COMM_WAIT_NS, CHECKPOINT_NS,
-            COMPILE_NS):
-        log.debug("traceml: the compiled timers were built from another version; using Python's")
+    built_from = (tuple(name for name, _ in layout.STEP_SLOTS), layout.WINDOW_SLOTS, ClosedStep.__struct_fields__,
+                  EndedWindow.__struct_fields__)
+    made = getattr(_fastpath, "LAYOUT", ())
+    if (getattr(_fastpath, "VERSION", None) != layout.VERSION or made[:4] != built_from
+            or StepRecord.__struct_fields__[:len(made[4])] != made[4]):
+        log.debug("traceml: the compiled timers were built from another layout; using Python's")
         return None
     before_ns, fast_ns, after_ns = _now_ns(), _fastpath.now_ns(), _now_ns()
     if not before_ns <= fast_ns <= after_ns:  # another clock than perf_counter_ns: not comparable
@@ -407,15 +404,14 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
     def record_from(self, ending: EndedWindow) -> StepRecord:
         """The StepRecord of a closed step whose window has ended (sender's thread)."""
         closed, window_end_ns = ending.closed, ending.window_end_ns
-        (gc_ns, gc_collections, gc_max_ns, gc_full, gen0_ns, gen1_ns, gen2_ns, eval_ns, checkpoint_ns,
-         compile_ns, _, input_wait_gap_ns) = ending.window
+        window = ending.window
         step, start_ns, end_ns, sums = closed.step, closed.start_ns, closed.end_ns, closed.sums
-        (h2d_ns, forward_ns, backward_ns, optimizer_ns, input_wait_inside_ns, forward_calls, samples, tokens,
-         comm_wait_ns, real_tokens, token_copies, _) = sums
+        h2d_ns, forward_ns, backward_ns, optimizer_ns = sums[H2D], sums[FORWARD], sums[BACKWARD], sums[OPTIMIZER]
+        input_wait_inside_ns = sums[INPUT_WAIT_NS]
         gap_ns = window_end_ns - end_ns
         untraced_ns = (end_ns - start_ns - h2d_ns - forward_ns - backward_ns - optimizer_ns
                        - input_wait_inside_ns)
-        input_wait_gap_ns = min(input_wait_gap_ns, gap_ns)
+        input_wait_gap_ns = min(window[INPUT_WAIT_GAP_NS], gap_ns)
         # Positional, in StepRecord's field order: the sender makes one a step, and keywords
         # would cost it a 31-entry dict each time (about a third of its work per step).
         record = StepRecord(
@@ -425,14 +421,15 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
             (gap_ns - input_wait_gap_ns) / 1e6,  # outside_ms
             h2d_ns / 1e6, forward_ns / 1e6, backward_ns / 1e6, optimizer_ns / 1e6,  # h2d .. optimizer_ms
             max(0, untraced_ns) / 1e6,  # untraced_ms
-            gc_ns / 1e6, gc_collections, forward_calls, samples,  # gc_ms .. samples
+            window[GC_NS] / 1e6, window[GC_COLLECTIONS], sums[FORWARD_CALLS], sums[SAMPLES],  # gc_ms .. samples
             False, None,  # device_timed, gpu_idle_ms: the DeviceTimeline's, on CUDA
             closed.device_allocated_bytes, closed.device_peak_bytes, closed.device_reserved_bytes,
             closed.host_rss_bytes,
-            comm_wait_ns / 1e6 if self.comm_timed else None,  # comm_wait_ms
-            gc_max_ns / 1e6, gc_full, gen0_ns / 1e6, gen1_ns / 1e6, gen2_ns / 1e6,  # gc_max_pause_ms .. gc_gen2_ms
-            tokens, _real_tokens(real_tokens, token_copies),
-            eval_ns / 1e6, checkpoint_ns / 1e6, closed.instrumented, compile_ns / 1e6)
+            sums[COMM_WAIT_NS] / 1e6 if self.comm_timed else None,  # comm_wait_ms
+            window[GC_MAX_NS] / 1e6, window[GC_FULL],  # gc_max_pause_ms, gc_full_collections
+            window[GC_GEN0_NS] / 1e6, window[GC_GEN0_NS + 1] / 1e6, window[GC_GEN0_NS + 2] / 1e6,  # by generation
+            sums[TOKENS], _real_tokens(sums[REAL_TOKENS], sums[TOKEN_COPIES]),
+            window[EVAL_NS] / 1e6, window[CHECKPOINT_NS] / 1e6, closed.instrumented, window[COMPILE_NS] / 1e6)
         layers = self.layers
         if layers is not None and layers.watch is not None:
             layers.watch.observe(record)
@@ -700,15 +697,15 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         elif self._gc_start_ns:
             pause_ns = _now_ns() - self._gc_start_ns
             self._gc_start_ns = 0
-            stats = self.window
-            stats[0] += pause_ns
-            stats[1] += 1
-            if pause_ns > stats[2]:
-                stats[2] = pause_ns
+            window = self.window
+            window[GC_NS] += pause_ns
+            window[GC_COLLECTIONS] += 1
+            if pause_ns > window[GC_MAX_NS]:
+                window[GC_MAX_NS] = pause_ns
             generation = info.get("generation", 0)
-            stats[4 + generation] += pause_ns  # generations are 0, 1 and 2
+            window[GC_GEN0_NS + generation] += pause_ns  # generations 0, 1 and 2 follow each other
             if generation == 2:
-                stats[3] += 1
+                window[GC_FULL] += 1
 
 
 # The process's one probe, made by process.py at the first trace_step or inferred step; the
