@@ -288,21 +288,26 @@ push_record(PyObject *sender, PyObject *record)
 
 /* ---- the ring of ended steps: filled by the training thread, emptied by the sender's --------- */
 
+static PyObject *ended_window_of(StepEntry *entry);
+
 /* Queue a step whose window has ended (the entry's references move into the ring). The ring
  * and the sender's buffer together hold the sender's capacity, as the buffer alone does for
  * Python's path: beyond it the step is dropped and counted, never waited for. -1 with an error
- * set when the sender has no buffer or the ring cannot be made. */
+ * set when the step cannot be queued. */
 static int
 publish(ProbeState *self, StepEntry *entry)
 {
     Py_ssize_t buffered = -1;
     if (self->sender == known_sender || know_sender(self->sender) == 0)
         buffered = PyObject_Size(known_buffer);
-    if (buffered < 0) {
+    if (buffered < 0) {  /* a sender without a buffer of its own: its push decides, as in Python */
+        PyErr_Clear();
+        PyObject *ended = ended_window_of(entry);
         entry_clear(entry);
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "traceml: the probe's sender has no buffer");
-        return -1;
+        PyObject *pushed = ended ? PyObject_CallMethodOneArg(self->sender, str_push, ended) : NULL;
+        Py_XDECREF(ended);
+        Py_XDECREF(pushed);
+        return pushed ? 0 : -1;
     }
     Py_ssize_t size = known_capacity > 0 ? known_capacity : 1;
     if (self->ring == NULL || self->ring_size != size) {
