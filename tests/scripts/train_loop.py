@@ -29,6 +29,8 @@ def main():
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU checks")
     parser.add_argument("--keep-graph", action="store_true",
                         help="the classic leak: keep each step's loss tensor and outputs in a list")
+    parser.add_argument("--retain-graph", action="store_true",
+                        help="backward(retain_graph=True): a kept graph keeps its saved activations too")
     parser.add_argument("--gc-heap", type=int, default=0,
                         help="build this many Python objects, then gc.collect() in every step")
     parser.add_argument("--save-every", type=int, default=0,
@@ -82,7 +84,7 @@ def main():
             outputs = model(inputs)
             loss = nn.functional.cross_entropy(outputs, targets)
             optimizer.zero_grad()
-            loss.backward()
+            loss.backward(retain_graph=args.retain_graph)
             optimizer.step()
             if args.read_loss:
                 logged_loss = loss.item()  # READ LOSS
