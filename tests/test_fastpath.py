@@ -11,9 +11,11 @@ import time
 import pytest
 from conftest import SCRIPTS
 
+from traceml.probe import step
+
 # The tests of the compiled timers themselves; the rest here hold for whichever path runs, and
 # run again with TRACEML_NO_FASTPATH=1 in CI's Python pass (see the README's test command).
-compiled = pytest.mark.skipif(sys.platform != "linux" or bool(os.environ.get("TRACEML_NO_FASTPATH")),
+compiled = pytest.mark.skipif(sys.platform != "linux" or step.python_timers_asked(),
                               reason="the compiled timers are built on Linux and macOS, and not turned off")
 
 
@@ -24,6 +26,14 @@ def shapes_loop(tmp_path, script="shapes_loop.py", **env):
                             env=dict(os.environ, TRACEML_RUN_DIR=str(tmp_path / "run"), **env))
     assert result.returncode == 0, result.stderr
     return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+
+
+@compiled
+@pytest.mark.parametrize("value, compiled_used", [("0", True), ("", True), ("1", False), ("yes", False)])
+def test_the_switch_turns_the_compiled_timers_off_only_when_set(value, compiled_used):
+    probe = subprocess.run([sys.executable, "-c", "from traceml.probe import step; print(step.fast_path is not None)"],
+                           capture_output=True, text=True, timeout=60, env=dict(os.environ, TRACEML_NO_FASTPATH=value))
+    assert probe.stdout.split() == [str(compiled_used)], probe.stderr
 
 
 @compiled
@@ -318,7 +328,7 @@ def test_span_totals_match_the_scripts_own_clock(tmp_path, pure_python):
                             cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr
     outcome = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
-    python_asked = pure_python or bool(os.environ.get("TRACEML_NO_FASTPATH"))
+    python_asked = pure_python or step.python_timers_asked()
     assert outcome["compiled"] is (not python_asked and sys.platform in ("linux", "darwin"))
     with sqlite3.connect(tmp_path / "run" / "telemetry.sqlite") as db:
         stored = {f"{step} {name}": (start_s, ms, count) for step, name, start_s, ms, count in db.execute(

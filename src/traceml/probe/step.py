@@ -97,6 +97,14 @@ def _free_threaded() -> bool:
     return not gil_enabled() or bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 
 
+ENV_NO_FASTPATH = "TRACEML_NO_FASTPATH"  # set to anything but "" or "0": the Python timers only
+
+
+def python_timers_asked(environ: Any = os.environ) -> bool:
+    """Whether the environment turns the compiled timers off (TRACEML_NO_FASTPATH=1; =0 does not)."""
+    return environ.get(ENV_NO_FASTPATH, "") not in ("", "0")
+
+
 def _load_fast_path() -> Any:
     """The compiled timers (probe/_fastpath.c) when they are built, their clock is this module's
     and TRACEML_NO_FASTPATH is unset; else None, and the Python patches time every call.
@@ -104,7 +112,7 @@ def _load_fast_path() -> Any:
     Not on a free-threaded Python: the compiled state relies on the GIL between the training
     thread and the sender's, and importing it there would turn the GIL back on for the user's
     whole program (with a warning), so it is not imported at all."""
-    if os.environ.get("TRACEML_NO_FASTPATH"):
+    if python_timers_asked():
         return None
     if _free_threaded():
         log.debug("traceml: a free-threaded Python; using the Python timers")
