@@ -86,7 +86,7 @@ CASES: List[Case] = [
          "GC_PRESSURE"),
     # Memory.
     Case("a leak of every step's graph", TRAIN, ("--steps", "60", "--no-loader", "--keep-graph",
-                                                 "--batch-size", "512", "--features", "256",
+                                                 "--retain-graph", "--batch-size", "512", "--features", "256",
                                                  "--width", "1024", "--outside-ms", "10"),
          "MEMORY_CREEP"),
     Case("out of memory in a layer", SCRIPTS / "tiny_transformer.py",
