@@ -18,7 +18,7 @@ def test_keeping_loss_and_activations_is_memory_creep_with_a_forecast(traceml_ru
     # too few in the first 50 for the early forecast; at 20 ms another went 650 ms, 16 steps,
     # without a new reading, and the middle of the window looked flat). One intra-op thread, as
     # in test_deep_dive's GPT test: one thread fewer to compete with the sender's on a busy machine.
-    # --retain-graph: each kept graph holds its saved activations (~4.5 MiB a step), a leak RSS
+    # --retain-graph: each kept graph holds its saved activations (~8 MiB of RSS a step), a leak RSS
     # shows step by step. The kept loss and outputs alone are ~20 KiB a step: what RSS showed of
     # them was the heap fragmenting around them, which glibc's allocator paused for a second or
     # more at times by filling old holes (the collector's own RSS samples were flat too), and a

@@ -487,10 +487,11 @@ def test_compare_into_a_file_keeps_every_figure_and_path_whole(straggler, single
     # A phase that grows from nothing has no percent: the loader's wait, absent from the DDP loop.
     assert result["phases"]["input_wait"]["median_a_ms"] == 0 and result["phases"]["input_wait"]["delta_share"] is None
     # Backward grows twentyfold from the one-rank run to the straggler's: thousands of percent, whole.
-    backwards = subprocess.run(command[:-2] + [str(single.run_dir), str(straggler.run_dir)], capture_output=True,
-                               text=True, timeout=120, check=True, env=_env()).stdout
-    reverse = json.loads(subprocess.run(command[:-2] + [str(single.run_dir), str(straggler.run_dir), "--json"],
-                                        capture_output=True, text=True, timeout=120, check=True, env=_env()).stdout)
+    reverse_command = command[:-2] + [str(single.run_dir), str(straggler.run_dir)]
+    backwards = subprocess.run(reverse_command, capture_output=True, text=True, timeout=120, check=True,
+                               env=_env()).stdout
+    reverse = json.loads(subprocess.run(reverse_command + ["--json"], capture_output=True, text=True, timeout=120,
+                                        check=True, env=_env()).stdout)
     largest = max((row["delta_share"] for row in reverse["phases"].values() if row["delta_share"] is not None),
                   key=abs)
     assert largest > 10 and f"{largest:+.0%}" in set(backwards.split())
