@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Memory-safety check of the C fast path (src/traceml/probe/_fastpath.c).
 #
-#   scripts/memcheck.sh            both parts
+#   scripts/memcheck.sh            all three parts
 #   scripts/memcheck.sh valgrind   part 1 only
 #   scripts/memcheck.sh dev        part 2 only
 #   scripts/memcheck.sh refs       part 3 only
