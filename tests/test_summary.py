@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from traceml.collector.store import Store
-from traceml.records import GpuSample, RankEnd, SystemSample
+from traceml.records import GpuSample, RankEnd, SpanRecord, SystemSample
 from traceml.views.report import render_report
 from traceml.analysis.summary import RunData, RunFacts, build_summary
 from traceml.views.summary import CARD_WIDTH, card_text
@@ -126,3 +126,29 @@ def test_a_long_run_reads_rolled_steps_and_samples_records_for_rank_figures(tmp_
     assert rank0["step_median_ms"] == 10.0 and rank1["step_median_ms"] == 15.0
     assert summary["missing_ranks"] == [{"rank": 1, "from_step": 24_990}]
     assert summary["phases"]["step"]["median_ms"] == 12.5  # the rolled steps: median across ranks
+
+
+def test_span_figures_of_a_long_two_rank_run_count_only_measured_steps(tmp_path):
+    """Spans over 25k steps of two ranks (medians sampled, every 2nd of each name's steps): a
+    span on odd steps only still has its median; calls in warm-up, or in a step with no record
+    (the unfinished last one), count nowhere; shares are of every rank's step time."""
+    from traceml.analysis.rollup import roll_up
+
+    store = Store(str(tmp_path / "telemetry.sqlite"))
+    store.write([msgspec.structs.replace(hello(), rank=rank, world_size=2) for rank in (0, 1)])
+    records = [msgspec.structs.replace(step(n), rank=rank, step_ms=10.0 + 10.0 * rank)
+               for n in range(25_000) for rank in (0, 1)]
+    # rank 0's odd steps: two calls, 4 ms in all, and 100 ms in every fourth of them.
+    spans = [SpanRecord(0, n, "odd", 1.0 + n, 100.0 if n % 8 == 1 else 4.0, 2) for n in range(1, 25_000, 2)]
+    spans += [SpanRecord(1, 25_000, "odd", 1.0, 50.0, 1), SpanRecord(1, 0, "warmup_only", 1.0, 7.0, 1)]
+    store.write(records + spans)
+    store.write_rolled(roll_up(records))
+    store.set_meta({"rolled_complete": True})
+    data = RunData(store)
+    assert data.rank_sample_every == 2 and data.warmup == 5
+    summary = build_summary(data, FACTS)
+    measured = [n for n in range(5, 25_000) if n % 2 == 1]  # rank 0's odd steps after warm-up
+    total_ms = sum(100.0 if n % 8 == 1 else 4.0 for n in measured)
+    assert summary["spans"] == {"odd": {"count": 2 * len(measured), "steps": len(measured), "median_ms": 4.0,
+                                        "total_ms_per_step": round(total_ms / (2 * 24_995), 4),
+                                        "share": round(total_ms / (24_995 * (10.0 + 20.0)), 4)}}

@@ -75,6 +75,8 @@ class RunData:
         self.ranks = rank_medians(self.records, skip_steps=self.warmup)
         if self.rank_sample_every > 1:
             self._exact_rank_counts(store)
+        self.spans = span_figures(store, self.window.steps[0].step if len(self.window) else None,
+                                  sample_every=self.rank_sample_every)
         self.ooms = store.ooms()
         self.compiles = store.compiles()
         self.host_syncs = store.host_syncs()
@@ -141,6 +143,37 @@ def deep_dive_figures(report: Optional[LayerReport]) -> Dict[str, Any]:
             "deep_dive": {"sampled_steps": report.sampled_steps, "every_n_steps": report.every_n_steps,
                           "forward_coverage": report.forward_coverage,
                           "backward_coverage": report.backward_coverage, "coverage_note": note}}
+
+
+def span_figures(store: Store, first_step: Optional[int], sample_every: int = 1) -> Dict[str, Dict[str, Any]]:
+    """The user spans (Trace.span) over the measured steps (first_step on: the steps the phase
+    table reads, warm-up left out), per name, the most time first:
+
+    count: its calls; steps: the steps it ran in (each rank's step counts once per rank);
+    median_ms: its summed time in a step, the median over the steps it ran in;
+    total_ms_per_step: its time over all measured steps divided by their number (a step
+        without it counts as 0); share: its time over all measured steps divided by those
+        steps' summed step time (every rank's), which is total_ms_per_step over the mean step.
+
+    A call between steps counts in the step whose window it falls in (the window runs to the
+    next step's start), one after the last step in the last step, one in a step that never
+    finished (work after the last update) nowhere: the store holds no record of that step.
+    Each name is timed on its own: a span inside another counts in both, so shares need not
+    add up, and spans overlap the phases. In a run sampled for its per-rank figures
+    (sample_every > 1), the median reads every sample_every-th step of each name, its first
+    included."""
+    if first_step is None:
+        return {}
+    steps, step_total_ms = store.step_time_ms(first_step)
+    step_ms: Dict[str, List[float]] = {}
+    for name, ms in store.span_step_ms(first_step, sample_every):
+        step_ms.setdefault(name, []).append(ms)
+    rows = {name: {"count": calls, "steps": span_steps,
+                   "median_ms": statistics.median(step_ms[name]),
+                   "total_ms_per_step": total_ms / steps if steps else 0.0,
+                   "share": total_ms / step_total_ms if step_total_ms > 0 else 0.0}
+            for name, calls, span_steps, total_ms in store.span_totals(first_step)}
+    return dict(sorted(rows.items(), key=lambda item: -item[1]["total_ms_per_step"]))
 
 
 def device_names(hellos: List[RankHello]) -> List[str]:
@@ -215,6 +248,7 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "rank_spread": rank_spread(data.records, skip_steps=data.warmup),
         "missing_ranks": _missing_ranks(data),
         **data.deep_dive,  # "layers", "deep_dive"
+        "spans": data.spans,
         "captures": [{"rank": c.rank, "step": c.step, "reason": c.reason, "detail": c.detail,
                       "layers": grown_layers(c)[:10]} for c in data.captures],
         "primary_diagnosis": findings[0] if findings else None,

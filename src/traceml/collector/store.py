@@ -361,6 +361,30 @@ class Store:
             "SELECT rank, step, name, start_unix_s, duration_ms, count FROM spans WHERE step BETWEEN ? AND ? "
             "ORDER BY rank, step, start_unix_s LIMIT ?", (first, last, limit))]
 
+    # A span name's time in each step (of a rank) that has a step record, from since_step on:
+    # a call in the unfinished last step, or in a step whose record was lost, is in no step.
+    _SPAN_STEPS = ("SELECT spans.name AS name, SUM(spans.count) AS calls, SUM(spans.duration_ms) AS ms "
+                   "FROM spans JOIN steps ON steps.rank = spans.rank AND steps.step = spans.step "
+                   "WHERE spans.step >= ? GROUP BY spans.name, spans.step, spans.rank")  # the index's order
+
+    def span_totals(self, since_step: int) -> List[Tuple[str, int, int, float]]:
+        """Per span name, over the step records from since_step on: (name, calls, the steps of a
+        rank it ran in, its summed ms)."""
+        return self._rows(f"SELECT name, SUM(calls), COUNT(*), SUM(ms) FROM ({self._SPAN_STEPS}) "
+                          "GROUP BY name ORDER BY name", (since_step,))
+
+    def span_step_ms(self, since_step: int, every: int = 1) -> List[Tuple[str, float]]:
+        """(name, ms) of each span name in each step of a rank it ran in (as span_totals counts
+        them), from since_step on; with `every` > 1, every `every`-th of each name's steps only,
+        its first included (counted per name, so sampling never misses a span on a few steps)."""
+        return self._rows(f"SELECT name, ms FROM (SELECT name, ms, ROW_NUMBER() OVER (PARTITION BY name) AS nth "
+                          f"FROM ({self._SPAN_STEPS})) WHERE (nth - 1) % ? = 0", (since_step, every))
+
+    def step_time_ms(self, since_step: int) -> Tuple[int, float]:
+        """(how many step records, their summed step_ms), every rank's, from since_step on."""
+        count, total = self._rows("SELECT COUNT(*), SUM(step_ms) FROM steps WHERE step >= ?", (since_step,))[0]
+        return count, total or 0.0
+
     def scalars_between(self, first: int, last: int) -> List[ScalarRecord]:
         return [ScalarRecord(*row) for row in self._rows(
             "SELECT rank, step, name, value FROM scalars WHERE step BETWEEN ? AND ? ORDER BY rank, step",
