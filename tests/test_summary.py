@@ -152,3 +152,5 @@ def test_span_figures_of_a_long_two_rank_run_count_only_measured_steps(tmp_path)
     assert summary["spans"] == {"odd": {"count": 2 * len(measured), "steps": len(measured), "median_ms": 4.0,
                                         "total_ms_per_step": round(total_ms / (2 * 24_995), 4),
                                         "share": round(total_ms / (24_995 * (10.0 + 20.0)), 4)}}
+    card = card_text(summary)
+    assert "user spans" in card and "warmup_only" not in card

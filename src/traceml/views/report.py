@@ -36,6 +36,7 @@ def render_report(summary: Dict[str, Any], steps: Sequence[RolledStep]) -> str:
         "<h2>Where step time goes</h2>",
         _phase_bar(phases),
         _phase_table(phases),
+        *(["<h2>User spans</h2>", _span_table(summary["spans"])] if summary.get("spans") else []),
         "<h2>Step time over steps</h2>",
         _line_chart("step-chart", {"step (median rank)": [(s.step, s.step_ms) for s in shown],
                                    "slowest rank": [(s.step, s.worst_step_ms) for s in shown]
@@ -101,6 +102,17 @@ def _phase_table(phases: Dict[str, Any]) -> str:
                    f"<td>{stats['mean_ms']:.2f}</td><td>{stats['share']:.1%}</td></tr>"
                    for name, stats in phases.items() if name != "step")
     return f"<table><tr><th>phase</th><th>median ms</th><th>mean ms</th><th>% of step</th></tr>{rows}</table>"
+
+
+def _span_table(spans: Dict[str, Any]) -> str:
+    """The user spans, as analysis/summary.py's span_figures defines their figures."""
+    rows = "".join(f"<tr><td>{_e(name)}</td><td>{span['count']}</td><td>{span['steps']}</td>"
+                   f"<td>{span['median_ms']:.2f}</td><td>{span['total_ms_per_step']:.2f}</td>"
+                   f"<td>{span['share']:.1%}</td></tr>" for name, span in spans.items())
+    return ("<p>Spans overlap the phases. Median: the span's time in a step it ran in; ms per step "
+            "and % of step: over every measured step, warm-up left out.</p><table id='span-table'><tr>"
+            "<th>span</th><th>calls</th><th>steps</th><th>median ms</th><th>ms per step</th>"
+            f"<th>% of step</th></tr>{rows}</table>")
 
 
 def _line_chart(chart_id: str, series: Dict[str, List[Tuple[float, float]]], unit: str,

@@ -114,6 +114,8 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
                       f"{stats['share']:.1%}", Text(bar, style="cyan"))
 
     parts = [facts, table] if steps["count"] else [facts]
+    if summary.get("spans"):  # a run without user spans gets no block: its card is as before
+        parts.append(_span_table(summary["spans"]))
     if run["world_size"] > 1 and summary["rank_spread"]:
         parts.append(_rank_table(summary))
     if summary["layers"]:
@@ -147,6 +149,25 @@ def _captured_row(verdict: Any, finding: Dict[str, Any]) -> None:
     captured = (finding.get("evidence") or {}).get("captured_layers")
     if captured:
         verdict.add_row("Captured", Text(captured))
+
+
+def _span_table(spans: Dict[str, Any]) -> Any:
+    """The user spans (Trace.span), as analysis/summary.py's span_figures defines their figures."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), title="user spans (overlap the phases)",
+                  title_justify="left", caption="median: a step it ran in; ms/step, %: all measured steps",
+                  caption_justify="left")
+    table.add_column("span", overflow="fold")  # the user's name is kept whole: wrapped, not cut
+    for header in ("calls", "steps", "median ms", "ms/step", "% of step"):
+        table.add_column(header, justify="right", no_wrap=True)
+    for name, span in spans.items():
+        # Text, not markup: the user's name may hold brackets rich must not interpret.
+        table.add_row(Text(name), str(span["count"]), str(span["steps"]), f"{span['median_ms']:.2f}",
+                      f"{span['total_ms_per_step']:.2f}", f"{span['share']:.1%}")
+    return table
 
 
 def _rank_table(summary: Dict[str, Any]) -> Any:
