@@ -59,6 +59,8 @@ CASES: List[Case] = [
          "COMPUTE_BOUND"),
     Case("healthy transformer, deep-dive", SCRIPTS / "tiny_transformer.py", ("--steps", "60"),
          "COMPUTE_BOUND", traceml_args=("--deep",)),
+    Case("healthy LoRA fine-tune, deep-dive", FIELD / "llama_lora.py", ("--out", "out", "--steps", "80"),
+         "COMPUTE_BOUND", traceml_args=("--deep",)),
     Case("healthy HF Trainer, eval every 20", SCRIPTS / "hf_trainer.py",
          ("--max-steps", "100", "--accumulate", "2", "--eval-every", "20", "--eval-rows", "80"),
          "COMPUTE_BOUND", also=("EVAL_HEAVY", {"period_steps": 20})),

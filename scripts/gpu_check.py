@@ -436,7 +436,7 @@ def _short(frame: str) -> str:
 
 # -- MFU ---------------------------------------------------------------------------------------------------
 def hand_counted_flops(batch: int, width: int, layers: int) -> int:
-    """One step of mlp_loop.py's bias-free MLP, counted by hand as torch's FlopCounterMode counts
+    """One step of mlp_loop.py's bias-free MLP, counted by hand as TraceML counts
     (matrix products only, 2 FLOPs a multiply-add): forward 2·B·W² a layer; backward the weight
     gradient of every layer and the input gradient of all but the first (its input needs none)."""
     per_product = 2 * batch * width * width

@@ -1,5 +1,14 @@
-"""Deep-dive on a small transformer: per-layer time and exact saved memory; OOM post-mortem."""
+"""Deep-dive on a small transformer: per-layer time and exact saved memory; OOM post-mortem;
+FLOPs from the sampled steps' shapes."""
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
 from conftest import SCRIPTS
+from test_probe import probe  # noqa: F401 (the fixture)
+from traceml.probe import phases
+from traceml.probe.layers import LayerProbe
 
 TRANSFORMER = SCRIPTS / "tiny_transformer.py"
 BATCH, SEQ, WIDTH = 4, 16, 64
@@ -101,3 +110,53 @@ def test_a_gpt_script_under_deep_dive_ranks_its_linears_and_explains_its_coverag
     card = (run.run_dir / "final_summary.txt").read_text()
     top = card[card.index("top by time"):card.index("top by memory")]
     assert "Dropout" not in top
+
+
+class ConvAndLinears(nn.Module):
+    """Every product in a module: convolutions, a transposed convolution, a frozen Linear over
+    (batch, tokens, channels) and a block recomputed in backward (checkpointed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.middle = nn.Conv2d(8, 8, 3, padding=1)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+        self.frozen = nn.Linear(4, 16).requires_grad_(False)
+        self.block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, images):
+        features = torch.relu(self.up(torch.relu(self.middle(torch.relu(self.stem(images))))))
+        tokens = self.frozen(features.flatten(2).transpose(1, 2))
+        tokens = checkpoint(self.block, tokens, use_reentrant=False)
+        return self.head(tokens).mean()
+
+
+def sampled_flops(probe, model, inputs):
+    """Deep-dive's FLOPs a step over five steps of model(inputs).backward(), two of them sampled."""
+    phases.hook_model(probe, model)
+    probe.layers = LayerProbe(probe, model, every_n_steps=2)
+    for _ in range(5):
+        with probe:
+            model(inputs).sum().backward()
+    assert probe.layers.sampled_steps == 2
+    return probe.layers.flops_per_step
+
+
+def test_flops_from_the_sampled_steps_shapes_are_torchs_count_of_the_same_step(probe):
+    """What torch's FlopCounterMode counts for a step of a model whose products all run in
+    modules (backward's, and the checkpointed block's recompute, included), without that mode
+    anywhere near the traced steps."""
+    torch.manual_seed(0)
+    model, images = ConvAndLinears(), torch.randn(2, 3, 8, 8)
+    with FlopCounterMode(display=False) as counter:
+        model(images).backward()
+    assert sampled_flops(probe, model, images) == counter.get_total_flops() > 0
+
+
+def test_a_grouped_convolution_counts_a_groupth_of_its_products(probe):
+    """(torch's counter counts its weight gradient as if ungrouped, 4 times too many here.)"""
+    conv = nn.Conv2d(8, 8, 3, padding=1, groups=4)
+    inputs = torch.randn(2, 8, 8, 8, requires_grad=True)
+    forward = 2 * (2 * 8 * 8 * 8) * (8 // 4) * 3 * 3  # 2 x output elements x products each
+    assert sampled_flops(probe, conv, inputs) == 3 * forward  # and the input's and weight's gradients

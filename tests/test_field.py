@@ -1,6 +1,7 @@
 """The field corpus: training scripts in the shapes real loops take (tests/field/, and the
 trainer scripts), each run plain and under TraceML. TraceML must be invisible in them: the same
 exit code, the same output (times aside), byte-identical files, and one step per update."""
+import importlib.util
 import re
 import subprocess
 import sys
@@ -131,6 +132,71 @@ def test_every_way_of_tracing_leaves_the_model_as_it_was(tmp_path, every_style_p
     assert_invisible(plain, traced.process, plain_dir / "out", tmp_path / "out")
     assert "'__main__.Classifier'" in plain.stdout and "traceml" not in plain.stdout
     assert traced.summary()["steps"]["count"] == updates_printed(plain.stdout)
+
+
+def field_module(name):
+    spec = importlib.util.spec_from_file_location(f"field_{name}", FIELD / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_torchs_flop_counter_changes_the_lora_llamas_gradients():
+    """What makes llama_lora.py the test below's case: under FlopCounterMode (which deep-dive
+    once ran a step in) silu's backward is decomposed, and the gradients' low bits move."""
+    import torch
+    from torch.nn import functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    llama = field_module("llama_lora")
+
+    def gradients(counting):
+        torch.manual_seed(0)
+        model = llama.TinyLlama()
+        llama.add_adapters(model)
+        inputs, targets = next(llama.token_batches(1, 8, torch.Generator().manual_seed(1)))
+        with FlopCounterMode(display=False) if counting else torch.enable_grad():
+            F.cross_entropy(model(inputs).reshape(-1, llama.VOCAB), targets.reshape(-1)).backward()
+        return [p.grad for p in model.parameters() if p.requires_grad]
+
+    plain, counted = gradients(False), gradients(True)
+    assert not all(torch.equal(a, b) for a, b in zip(plain, counted))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(plain, counted))
+
+
+def lora_llama_flops(tokens):
+    """llama_lora.py's Linears' products a step, by hand: 2·in·out·tokens forward, as much again
+    for each gradient backward computes (the input's, the weight's). The first layer's inputs
+    come from the frozen embedding and need none; the frozen weights need none."""
+    llama = field_module("llama_lora")
+    width, hidden, rank = llama.WIDTH, 4 * llama.WIDTH, 8
+
+    def linear(fan_in, fan_out, products):
+        return 2 * fan_in * fan_out * tokens * products
+
+    attention_first = 3 * linear(width, width, 1) + linear(width, width, 2)  # q, k, v; o
+    attention_after = 4 * linear(width, width, 2)
+    adapters_first = 2 * (linear(width, rank, 2) + linear(rank, width, 3))  # q's and v's A and B
+    adapters_after = 2 * (linear(width, rank, 3) + linear(rank, width, 3))
+    mlp = 2 * linear(width, hidden, 2) + linear(hidden, width, 2)
+    head = linear(width, llama.VOCAB, 2)
+    return attention_first + adapters_first + attention_after + adapters_after + llama.BLOCKS * mlp + head
+
+
+@pytest.mark.parametrize("traceml_args, sampled_steps", [
+    pytest.param([], [20, 21], id="auto-capture-sample"),  # the sample a capture compares with
+    pytest.param(["--deep"], [10, 20], id="deep-dive"),
+])
+def test_a_lora_fine_tune_saves_the_same_adapter_with_layers_sampled(tmp_path, traceml_args, sampled_steps):
+    """Sampled steps (deep-dive's, or the ones anomaly capture samples) run the model under
+    module hooks and saved-tensor hooks only: the adapter saved is the plain run's, byte for byte."""
+    command = [str(FIELD / "llama_lora.py"), "--out", "out"]
+    plain, traced = side_by_side(tmp_path, [sys.executable, *command],
+                                 traceml_run(*command, traceml_args=traceml_args))
+    assert_invisible(plain, traced, tmp_path / "plain" / "out", tmp_path / "traced" / "out")
+    assert [row["step"] for row in traced.step_rows() if row["instrumented"]] == sampled_steps
+    if traceml_args:  # the FLOPs from the sampled steps' shapes: the matrix products, exactly
+        assert traced.summary()["throughput"]["flops_per_step"] == lora_llama_flops(tokens=8 * 32)
 
 
 def test_hugging_face_trainer_saves_the_same_model(tmp_path):

@@ -105,7 +105,7 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     # outside_ms between steps, untraced_ms inside one).
     eval_ms: float = 0.0
     checkpoint_ms: float = 0.0
-    instrumented: bool = False  # TraceML slowed this step on purpose (deep-dive sample, FLOP count)
+    instrumented: bool = False  # TraceML slowed this step on purpose (a deep-dive sample)
     # Overlapping too: torch.compile compiling (first compilations and recompilations) in the
     # window, wherever it happened (forward, the lazy backward compile, evaluation).
     compile_ms: float = 0.0
@@ -144,7 +144,7 @@ class RolledStep(msgspec.Struct):
     real_tokens: Optional[int] = None  # summed over the ranks that had an attention mask
     eval_ms: float = 0.0  # overlapping, like gc_ms: evaluation and checkpoint saves in the window
     checkpoint_ms: float = 0.0
-    instrumented: bool = False  # TraceML slowed it on purpose on some rank (deep-dive, FLOPs)
+    instrumented: bool = False  # TraceML slowed it on purpose on some rank (a deep-dive sample)
     compile_ms: float = 0.0  # overlapping: torch.compile compiling in the window
 
 class OomRecord(msgspec.Struct, tag="oom", array_like=True):
@@ -186,7 +186,7 @@ class LayerReport(msgspec.Struct, tag="layers", array_like=True):
     forward_coverage: float  # leaf modules' share of the model's forward time
     backward_coverage: float
     layers: List[LayerStat]
-    flops_per_step: Optional[int] = None  # one whole step's, by torch's FlopCounterMode (once)
+    flops_per_step: Optional[int] = None  # Linear and conv products a step, mean of the samples
 
 
 class LayerCapture(msgspec.Struct, tag="capture", array_like=True):

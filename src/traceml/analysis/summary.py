@@ -288,8 +288,8 @@ def flat_summary(records: List[Any]) -> Dict[str, Any]:
 
 
 def _model_flops(data: RunData) -> Dict[str, Any]:
-    """Under deep-dive: FLOPs of a step (rank 0's, counted once), what the device achieves, and
-    MFU where the device's peak is known (not for CPUs)."""
+    """Under deep-dive: FLOPs of a step (the mean of rank 0's sampled steps), what the device
+    achieves, and MFU where the device's peak is known (not for CPUs)."""
     report = data.layer_report
     flops = report.flops_per_step if report is not None else None
     if not flops:

@@ -6,7 +6,7 @@ A slow step is far above the median (robust z-score) and at least twice it. Cons
 steps are one episode (a stall lasts as long as it lasts); a period needs at least three
 episodes at the same gap of two steps or more. Episodes early in the run that never come back
 are warm-up (the allocator, optimizer state, caches): noted, never a finding. Steps TraceML
-slowed on purpose (a deep-dive sample, the FLOP count) are left out. When every phase grows in
+slowed on purpose (a deep-dive sample) are left out. When every phase grows in
 the slow steps, no single part of the step is to blame: the machine stalled, and the system
 sampler says whether other processes were using the CPU at the time.
 """

@@ -99,7 +99,7 @@ typedef struct {
     char plain;           /* the patches may time inline */
     char in_evaluation;   /* a trainer's evaluation runs */
     char auto_steps;      /* steps are inferred (no trace_step) */
-    char layers_active;   /* this step runs deep-dive's hooks or FLOP counter */
+    char layers_active;   /* this step runs deep-dive's hooks */
     char comm_timed;      /* DDP's collective wait is timed */
     char turn_known;      /* inferred steps: the optimizer ending steps is known (step.py _turn_known) */
     int rank;

@@ -14,6 +14,12 @@ exact activation memory per module. Figures are inclusive of child modules; leav
 marked, and the share of the model's time its leaves account for is the coverage (the rest
 runs in functional code or custom autograd functions inside parents).
 
+The same hooks count a step's FLOPs from the shapes they see: the matrix products of Linear and
+convolution modules, forward, and the input and weight gradients backward will compute (see
+_count_flops). Nothing else runs inside the step to count them: torch's FlopCounterMode, which
+this ran one step under before, decomposes some backward ops (silu's) into others, which
+changed the low bits of gradients, and a checkpoint with them.
+
 On CUDA the times come from pooled CUDA events, read later with query() when the next
 sampled step begins: never a synchronize.
 """
@@ -83,13 +89,16 @@ class LayerProbe:
         self._watched_step = 0  # the sampled step they come from
         self.alive: Dict[str, int] = {}
         self._device_spans: List[Tuple[List[float], int, Any, Any]] = []  # CUDA: (row, slot, begin, end)
-        # FLOPs of one whole step, counted once by torch's FlopCounterMode (it slows the step it
-        # watches): on the step after the first sampled one, so no layer timing sees it.
-        self.flops_per_step: Optional[int] = None
-        self._flop_step = self.every_n_steps + 1 if self.every_n_steps else -1
+        # FLOPs: id(module) -> (FLOPs a forward element, whether the element is the input's
+        # rather than the output's) for Linear and convolution modules; this step's sum, and
+        # the regular samples' (their mean is a step's figure).
+        self._flops_per_element = _matmul_modules(model, torch.nn)
+        # Which backward pass runs now, -1 outside one (private, hence the fallback).
+        self._graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+        self._step_flops = 0
+        self._sampled_flops = 0
         self._said_paused = False  # deep-dive paused under torch.compile, said once
         self._graphs_at_start = _compiled_graphs()  # torch.compile compiling after this: pause
-        self._flop_counter: Any = None
 
     def _wake(self) -> None:
         """The watch asked for a capture (sender thread): the next step calls begin_step."""
@@ -110,14 +119,12 @@ class LayerProbe:
 
     def _next_due_step(self, step_index: int) -> float:
         """The next step at which begin_step has work: checking what a sample left alive,
-        reading device times, sending a capture, counting FLOPs, or sampling."""
-        if self.active or self._capture is not None or self._device_spans or self._flop_counter is not None:
+        reading device times, sending a capture, or sampling."""
+        if self.active or self._capture is not None or self._device_spans:
             return step_index + 1
         due = [math.inf]
         if self._watched:
             due.append(self._watched_step + 2)
-        if self.flops_per_step is None and self._flop_step > step_index:
-            due.append(self._flop_step)
         if self.every_n_steps:
             due.append((step_index // self.every_n_steps + 1) * self.every_n_steps)
         elif self.watch is not None and step_index + 1 < BASELINE_STEP + BASELINE_STEPS:
@@ -135,8 +142,6 @@ class LayerProbe:
         if (self.every_n_steps or self._capture is not None) and _compiled_graphs() != self._graphs_at_start:
             self._pause_for_compile()
             return
-        if step_index == self._flop_step and self.flops_per_step is None:
-            self._count_flops()
         if self._capture is None and self.watch is not None and self.watch.request is not None:
             self._start_capture()
         if self._capture is not None:
@@ -156,9 +161,9 @@ class LayerProbe:
         self.active = True
 
     def _pause_for_compile(self) -> None:
-        """torch.compile has compiled in this process: global module hooks (and the FLOP
-        counter's dispatch mode) inside its graphs would break them and make them recompile, so
-        per-layer sampling stops, said once. Step phases go on as before."""
+        """torch.compile has compiled in this process: global module hooks inside its graphs
+        would break them and make them recompile, so per-layer sampling stops, said once. Step
+        phases go on as before."""
         if self.every_n_steps and not self._said_paused:
             self._said_paused = True
             log.warning("traceml: deep-dive paused: torch.compile compiled the model, and per-layer "
@@ -166,13 +171,6 @@ class LayerProbe:
         self._capture = None
 
     def end_step(self) -> None:
-        if self._flop_counter is not None:
-            counter, self._flop_counter = self._flop_counter, None
-            try:
-                counter.__exit__(None, None, None)
-                self.flops_per_step = int(counter.get_total_flops())
-            except Exception:
-                log.debug("traceml: FLOPs not counted", exc_info=True)
         if not self.active:
             self.probe.layers_active = False
             return
@@ -183,10 +181,12 @@ class LayerProbe:
         self._stack.clear()
         self.active = False
         self.probe.layers_active = False
+        step_flops, self._step_flops = self._step_flops, 0
         if self._capture is not None:
             self._capture.steps_left -= 1
             return
         self.sampled_steps += 1
+        self._sampled_flops += step_flops
         if self.every_n_steps and self.sampled_steps % REPORT_EVERY_SAMPLES == 0:
             self.report()
 
@@ -227,22 +227,16 @@ class LayerProbe:
             self._send_capture(finishing=True)
         self.report()
 
-    def _count_flops(self) -> None:
-        try:
-            from torch.utils.flop_counter import FlopCounterMode
-
-            counter = FlopCounterMode(display=False)
-            counter.__enter__()
-            self._flop_counter = counter
-        except Exception:  # an old torch, or a mode already active: no MFU, nothing else lost
-            log.debug("traceml: FLOPs not counted", exc_info=True)
-            self.flops_per_step = 0
-
     @property
     def instrumenting(self) -> bool:
-        """Whether this step runs with deep-dive hooks or the FLOP counter: slower by TraceML's
-        doing, so never read as a slow step of the user's."""
-        return self.active or self._flop_counter is not None
+        """Whether this step runs with deep-dive hooks: slower by TraceML's doing, so never read
+        as a slow step of the user's."""
+        return self.active
+
+    @property
+    def flops_per_step(self) -> int:
+        """The regular samples' mean FLOPs a step (0 before the first)."""
+        return self._sampled_flops // self.sampled_steps if self.sampled_steps else 0
 
     def saved_tensors_context(self) -> Any:
         """The context the model's forward runs in on a sampled step (see TimedForward)."""
@@ -288,8 +282,28 @@ class LayerProbe:
             self._watch(name, tensor, size)
         if first_node is not None:
             self._time_backward(name, first_node, outputs)
+        flops = self._flops_per_element.get(id(module))
+        if flops is not None and outputs:
+            self._count_flops(module, args, outputs[0], flops, first_node is not None)
         if timeline is None:
             self._charge(_now_ns() - ended_ns)
+
+    def _count_flops(self, module: Any, args: tuple, output: Any, flops: Tuple[int, bool],
+                     grad_enabled: bool) -> None:
+        """A Linear's or convolution's call: its product forward, and the ones backward will
+        compute for the gradients that need one (its input's, its weight's). A forward run
+        inside backward (activation checkpointing's recompute) has no backward of its own."""
+        per_element, of_input = flops
+        first = args[0] if args and isinstance(args[0], self._torch.Tensor) else None
+        if of_input and first is None:
+            return
+        forward = per_element * (first.numel() if of_input else output.numel())
+        products = 1
+        if grad_enabled and self._graph_task_id() == -1:
+            weight = getattr(module, "weight", None)
+            products += bool(first is None or first.requires_grad)  # no tensor input: assume it does
+            products += bool(weight is not None and weight.requires_grad)
+        self._step_flops += forward * products
 
     def _charge(self, own_ns: int) -> None:
         """TraceML's own time (its hooks, counting saved tensors) spent inside the modules in
@@ -429,6 +443,24 @@ class LayerProbe:
             forward_coverage=min(1.0, leaf_forward / root[FORWARD_NS]) if root[FORWARD_NS] else 0.0,
             backward_coverage=min(1.0, leaf_backward / root[BACKWARD_NS]) if root[BACKWARD_NS] else 0.0,
             layers=layers, flops_per_step=self.flops_per_step or None))
+
+
+def _matmul_modules(model: Any, nn: Any) -> Dict[int, Tuple[int, bool]]:
+    """id(module) -> (FLOPs a forward element, whether of its input) for each Linear and
+    convolution in the model: 2 a multiply-add of the product, the bias add not counted (as
+    torch.utils.flop_counter counts them). A Linear's output element takes in_features of them;
+    a convolution's, in_channels/groups x the kernel's size; a transposed convolution's input
+    element, out_channels/groups x the kernel's size."""
+    conv, transposed = nn.modules.conv._ConvNd, nn.modules.conv._ConvTransposeNd
+    found = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            found[id(module)] = (2 * module.in_features, False)
+        elif isinstance(module, transposed):
+            found[id(module)] = (2 * (module.out_channels // module.groups) * math.prod(module.kernel_size), True)
+        elif isinstance(module, conv):
+            found[id(module)] = (2 * (module.in_channels // module.groups) * math.prod(module.kernel_size), False)
+    return found
 
 
 def _unpack(tensor: Any) -> Any:

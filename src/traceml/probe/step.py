@@ -74,7 +74,7 @@ class ClosedStep(msgspec.Struct, gc=False):
     end_event: Any
     phase_events: Any  # on CUDA [(phase, begin event, end event)]
     host_rss_bytes: Optional[int]
-    instrumented: bool  # a deep-dive sample or the FLOP count ran: not the user's speed
+    instrumented: bool  # a deep-dive sample ran: not the user's speed
 
 
 class EndedWindow(msgspec.Struct, gc=False):
@@ -216,7 +216,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self._layers = self._syncs = None  # LayerProbe under deep-dive, HostSyncSampler on CUDA: see each
         # The next step whose start has work to do (due_step: the first of the next steps that
         # call layers.begin_step and syncs.begin_step, each saying after each call), and whether
-        # this step runs deep-dive's hooks or FLOP counter: most steps skip all of it.
+        # this step runs deep-dive's hooks: most steps skip all of it.
         self.due_step = self._layers_due_step = self.sync_due_step = math.inf
         self.layers_active = False
         self.tail_eval_ns = self.tail_checkpoint_ns = 0  # after the last step (see finish)
@@ -308,7 +308,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
             if failed is not None and _is_out_of_memory(failed):
                 self._report_oom(failed)
             self.open_phase = NO_PHASE
-            instrumented = self.layers_active  # a deep-dive sample or the FLOP count: not the user's speed
+            instrumented = self.layers_active  # a deep-dive sample: not the user's speed
             if instrumented:
                 self.layers.end_step()
             if (failed is not None or self._unconfirmed is not None) and not self._settle_inferred(failed):
