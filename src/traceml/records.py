@@ -100,8 +100,8 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     tokens: int = 0  # token inputs (an integer 2-D first input or input_ids): ids given, padding included
     real_tokens: Optional[int] = None  # of them, the ones attention_mask keeps (None: no mask)
     # Overlapping figures, like gc_ms: the user's planned work in the window. Evaluation: the
-    # traced model's calls with gradients off outside steps, and the DataLoader waits between
-    # steps with gradients off (within outside_ms). Checkpoints: time inside torch.save (within
+    # no-grad regions between steps in which the model runs (probe/evaluation.py), and the
+    # DataLoader waits between steps with gradients off (within outside_ms). Checkpoints: time inside torch.save (within
     # outside_ms between steps, untraced_ms inside one).
     eval_ms: float = 0.0
     checkpoint_ms: float = 0.0

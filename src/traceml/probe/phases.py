@@ -27,6 +27,7 @@ def install_patches(probe: StepProbe) -> None:
     _patch_backward(probe)
     _hook_optimizers(probe)
     _patch_checkpoint_saves(probe)
+    _time_evaluation_regions(probe)
     when_imported("transformers.trainer", _not_training_in_trainer_evaluation)
     when_imported("torch._dynamo.callback", lambda callbacks: _watch_compilations(probe, callbacks))
     gc.callbacks.append(probe.gc_callback)
@@ -84,6 +85,8 @@ def _patch_h2d(probe: StepProbe) -> None:
     """
     import torch
 
+    grad_enabled = torch.is_grad_enabled
+
     def wrap(original: Any) -> Any:
         def moved(self: Any, *args: Any, **kwargs: Any) -> Any:
             if not probe.in_step and probe.auto_steps and self.is_cpu:
@@ -107,10 +110,11 @@ def _patch_h2d(probe: StepProbe) -> None:
 
         def first_copy(self: Any, *args: Any, **kwargs: Any) -> Any:
             """Steps inferred: the batch's copy to the device is what starts the step (once it
-            is known to have moved something; a `.to(dtype)` on the CPU starts nothing)."""
+            is known to have moved something; a `.to(dtype)` on the CPU starts nothing; nor
+            does an evaluation's copy, made with gradients off)."""
             start_ns = _now_ns()
             result = original(self, *args, **kwargs)
-            if result is not self and not result.is_cpu and not probe.in_step:
+            if result is not self and not result.is_cpu and not probe.in_step and grad_enabled():
                 probe.enter(start_ns)
                 probe.sums[H2D] += _now_ns() - start_ns
             return result
@@ -270,6 +274,46 @@ def _patch_checkpoint_saves(probe: StepProbe) -> None:
     when_imported("transformers.trainer", lambda module: patch_methods(module.Trainer, "_save_checkpoint"))
     for lightning in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
         when_imported(lightning, lambda module: patch_methods(module.Trainer, "save_checkpoint"))
+
+
+_evaluation: Any = None  # the EvaluationRegions the model's calls between steps report to
+
+
+def _time_evaluation_regions(probe: StepProbe) -> None:
+    """Time no-grad regions between steps in which the model runs as evaluation (see
+    probe/evaluation.py): torch's grad-mode context managers' enter and exit, on their classes."""
+    global _evaluation
+    from torch.autograd import grad_mode
+
+    from traceml.probe.evaluation import EvaluationRegions
+
+    regions = EvaluationRegions(probe, lambda: [traced.model() for traced in list(_models.values())])
+    for manager in (grad_mode.no_grad, grad_mode.inference_mode, grad_mode.set_grad_enabled):
+        _replace(manager, "__enter__", regions.entering(manager.__enter__))
+        _replace(manager, "__exit__", regions.leaving(manager.__exit__))
+    _evaluation = regions
+    when_imported("torch._dynamo.callback", lambda callbacks: _stop_watching_at_compilations(regions, callbacks))
+
+    def remove() -> None:
+        global _evaluation
+        regions.stop()
+        _evaluation = None
+
+    _undo.append(remove)
+
+
+def _stop_watching_at_compilations(regions: Any, callbacks: Any) -> None:
+    """What torch compiles is traced with no hook of the regions' in place (see evaluation.py)."""
+    handler = callbacks.callback_handler
+    handler.register_start_callback(regions.compilation_started)
+
+    def remove() -> None:
+        try:
+            handler.remove_start_callback(regions.compilation_started)
+        except ValueError:  # torch._dynamo.reset() took it out already
+            pass
+
+    _undo.append(remove)
 
 
 def _not_training_in_trainer_evaluation(module: Any) -> None:
@@ -439,10 +483,11 @@ def _run_bookkeeping_eagerly() -> None:
 class _TracedModel:
     """What the probe keeps about one traced model, away from the model itself."""
 
-    __slots__ = ("probe", "token_inputs")
+    __slots__ = ("probe", "model", "token_inputs")
 
-    def __init__(self, probe: StepProbe):
+    def __init__(self, probe: StepProbe, model: Any):
         self.probe = probe
+        self.model = weakref.ref(model)  # for evaluation: the modules of its kind (a copy, a part)
         # Whether this model is given token ids, decided at its first call: the check then
         # costs one attribute read a call, not a look at the inputs.
         self.token_inputs: Optional[bool] = None
@@ -494,12 +539,8 @@ def _call_timed_in_general(original: Callable[..., Any], traced: _TracedModel, p
             traced.token_inputs = _token_ids(args, kwargs, tensor_type) is not None
         if traced.token_inputs:
             _count_tokens(probe, args, kwargs, tensor_type)
-    elif not probe.in_step and not grad_enabled() and not probe.in_evaluation:  # evaluation
-        start_ns = _now_ns()
-        try:
-            return original(model, *args, **kwargs)
-        finally:
-            probe.window[EVAL_NS] += _now_ns() - start_ns
+    elif not probe.in_step and not grad_enabled() and not probe.in_evaluation and _evaluation is not None:
+        return _evaluation.model_called(original, model, args, kwargs)  # evaluation
     try:
         if probe.layers_active and probe.layers.active:  # a deep-dive step: count saved tensors
             with probe.layers.saved_tensors_context():
@@ -567,7 +608,7 @@ def hook_model(probe: StepProbe, model: Any) -> List[Any]:
         inherited = getattr(inherited, "traceml_original", inherited)  # not a first-call wait
         setattr(cls, attribute, _timed_call(inherited, torch.Tensor, _compiling()))
     entry[1] += 1
-    _models[id(model)] = _TracedModel(probe)
+    _models[id(model)] = _TracedModel(probe, model)
     _time_ddp_collectives(probe, model)
     return [_ModelHandle(model, _time_compiled_call(model, torch.Tensor))]
 
