@@ -66,6 +66,10 @@ CASES: List[Case] = [
          "COMPUTE_BOUND"),
     Case("healthy compiled model", FIELD / "compiled_ema.py",
          ("--out", "out", "--steps", "60", "--backend", "aot_eager"), "COMPUTE_BOUND"),
+    Case("healthy HF causal LM, padded labels", SCRIPTS / "trained_tokens.py",
+         ("--shape", "hf", "--padded", "--steps", "80"), "COMPUTE_BOUND"),
+    Case("healthy decoder slicing its chunk", SCRIPTS / "trained_tokens.py", ("--shape", "chunk", "--steps", "80"),
+         "COMPUTE_BOUND"),
     # Waiting for data.
     Case("slow Dataset", TRAIN, ("--steps", "40", "--load-ms", "2"), "INPUT_BOUND"),
     Case("slow collate, zero-code", SCRIPTS / "untouched_loop.py", ("--steps", "40", "--collate-ms", "8"),

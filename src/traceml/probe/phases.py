@@ -475,15 +475,15 @@ def _run_eagerly_under_dynamo(function: Any, callees_too: bool = False) -> None:
 
 def _run_bookkeeping_eagerly() -> None:
     """What the forward wrapper calls on the model's way in and out, kept out of dynamo."""
-    for function in (StepProbe.phase_begin, StepProbe.phase_end, StepProbe.note_failure,
-                     _batch_size, _token_ids, _count_tokens):
+    for function in (StepProbe.phase_begin, StepProbe.phase_end, StepProbe.note_failure, _batch_size,
+                     _token_ids, _count_tokens, _add_real_tokens, _labels_mirror_inputs, _slices_by_one):
         _run_eagerly_under_dynamo(function, callees_too=True)
 
 
 class _TracedModel:
     """What the probe keeps about one traced model, away from the model itself."""
 
-    __slots__ = ("probe", "model", "token_inputs")
+    __slots__ = ("probe", "model", "token_inputs", "slices_inputs", "labels_mirror_inputs")
 
     def __init__(self, probe: StepProbe, model: Any):
         self.probe = probe
@@ -491,6 +491,11 @@ class _TracedModel:
         # Whether this model is given token ids, decided at its first call: the check then
         # costs one attribute read a call, not a look at the inputs.
         self.token_inputs: Optional[bool] = None
+        # How many of them it trains on (see _count_tokens), each decided once: whether it
+        # slices its ids by one inside (its output is one shorter), and whether its labels
+        # are its ids, which it shifts by one inside.
+        self.slices_inputs = False
+        self.labels_mirror_inputs: Optional[bool] = None
 
 
 def _timed_call(original: Callable[..., Any], tensor_type: type, compiling: Any) -> Callable[..., Any]:
@@ -532,26 +537,32 @@ def _call_timed_in_general(original: Callable[..., Any], traced: _TracedModel, p
     timer stands in front, every call but a plain step's outermost one (inside another phase,
     outside the steps, the first call, token inputs, on CUDA, a deep-dive step)."""
     start_ns = probe.phase_begin(FORWARD)
+    first_token_call = False  # how many tokens it trains is read once its output is known
     if start_ns:
         probe.sums[FORWARD_CALLS] += 1
         probe.sums[SAMPLES] += _batch_size(args, kwargs, tensor_type)
         if traced.token_inputs is None:
-            traced.token_inputs = _token_ids(args, kwargs, tensor_type) is not None
-        if traced.token_inputs:
-            _count_tokens(probe, args, kwargs, tensor_type)
+            traced.token_inputs = first_token_call = _token_ids(args, kwargs, tensor_type) is not None
+        elif traced.token_inputs:
+            _count_tokens(probe, traced, model, args, kwargs, tensor_type)
     elif not probe.in_step and not grad_enabled() and not probe.in_evaluation and _evaluation is not None:
         return _evaluation.model_called(original, model, args, kwargs)  # evaluation
     try:
         if probe.layers_active and probe.layers.active:  # a deep-dive step: count saved tensors
             with probe.layers.saved_tensors_context():
-                return original(model, *args, **kwargs)
-        return original(model, *args, **kwargs)
+                result = original(model, *args, **kwargs)
+        else:
+            result = original(model, *args, **kwargs)
     except BaseException:
         probe.note_failure(FORWARD)
         raise
     finally:
         if start_ns:
             probe.phase_end(FORWARD, start_ns)
+    if first_token_call:
+        traced.slices_inputs = _slices_by_one(result, _token_ids(args, kwargs, tensor_type), tensor_type)
+        _count_tokens(probe, traced, model, args, kwargs, tensor_type)
+    return result
 
 
 class _ModelHandle:
@@ -754,26 +765,80 @@ def _token_ids(args: tuple, kwargs: dict, tensor_type: type) -> Any:
     return ids
 
 
-def _count_tokens(probe: StepProbe, args: tuple, kwargs: dict, tensor_type: type) -> None:
-    """Token inputs: input_ids (or an integer first input) of shape (batch, length), and the
-    real tokens per attention_mask. A mask on the device is summed there and copied to pinned
-    host memory without waiting; the step's record reads it once the step is done."""
+IGNORED_LABEL = -100  # the label torch's cross_entropy (and so Hugging Face's losses) leaves out
+
+
+def _count_tokens(probe: StepProbe, traced: _TracedModel, model: Any, args: tuple, kwargs: dict,
+                  tensor_type: type) -> None:
+    """The tokens a step trains on: of the token ids (batch, length) a call is given, the
+    positions a next token is predicted for, and the real ones among them.
+    - labels= the ids (Hugging Face's causal LMs, which shift them by one inside): batch x
+      (length - 1), the real ones those whose label is not -100 (padding, a masked prompt);
+    - ids sliced by one inside the model (fed a (batch, length + 1) chunk; seen from its
+      output, one shorter): batch x (length - 1), the real ones per attention_mask;
+    - else (inputs and targets given apart, nanoGPT's model(x, y)): all the ids given, the real
+      ones per attention_mask.
+    A count on the device (a mask's or the labels' sum) is copied to pinned host memory without
+    waiting; the step's record reads it once the step is done."""
     ids = _token_ids(args, kwargs, tensor_type)
     if ids is None:
         return
-    probe.sums[TOKENS] += ids.numel()
-    mask = kwargs.get("attention_mask")
-    if not isinstance(mask, tensor_type):
-        return
-    sums = probe.sums
-    if mask.is_cpu:
-        sums[REAL_TOKENS] = (sums[REAL_TOKENS] or 0) + int(mask.sum())
+    labels = kwargs.get("labels") if kwargs else None
+    if isinstance(labels, tensor_type) and labels.shape == ids.shape:
+        if traced.labels_mirror_inputs is None:
+            traced.labels_mirror_inputs = _labels_mirror_inputs(model, ids, labels)
+        if traced.labels_mirror_inputs:
+            probe.sums[TOKENS] += ids.shape[0] * (ids.shape[1] - 1)
+            _add_real_tokens(probe.sums, (labels[:, 1:] != IGNORED_LABEL).sum(), labels.is_cpu)
+            return
+    if traced.slices_inputs:
+        probe.sums[TOKENS] += ids.shape[0] * (ids.shape[1] - 1)
     else:
-        if sums[TOKEN_COPIES] is None:
-            sums[TOKEN_COPIES] = []
-        sums[TOKEN_COPIES].append(mask.sum().to("cpu", non_blocking=True))
-        if sums[REAL_TOKENS] is None:
-            sums[REAL_TOKENS] = 0
+        probe.sums[TOKENS] += ids.numel()
+    mask = kwargs.get("attention_mask") if kwargs else None
+    if isinstance(mask, tensor_type):
+        _add_real_tokens(probe.sums, (mask[:, 1:] if traced.slices_inputs else mask).sum(), mask.is_cpu)
+
+
+def _add_real_tokens(sums: list, count: Any, on_cpu: bool) -> None:
+    if on_cpu:
+        sums[REAL_TOKENS] = (sums[REAL_TOKENS] or 0) + int(count)
+        return
+    if sums[TOKEN_COPIES] is None:
+        sums[TOKEN_COPIES] = []
+    sums[TOKEN_COPIES].append(count.to("cpu", non_blocking=True))
+    if sums[REAL_TOKENS] is None:
+        sums[REAL_TOKENS] = 0
+
+
+def _labels_mirror_inputs(model: Any, ids: Any, labels: Any) -> bool:
+    """Whether a model's labels are its own ids (where not -100): then it trains on them shifted
+    by one (trained unshifted, they would teach it to copy its input). Not for an encoder-
+    decoder, whose labels are its decoder's. Asked once a model: one look at the values."""
+    try:
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            return False
+        if labels is ids:
+            return True
+        kept = labels != IGNORED_LABEL
+        return bool(((labels == ids) | ~kept).all())
+    except Exception:  # labels we cannot compare: counted as the ids given
+        return False
+
+
+def _slices_by_one(result: Any, ids: Any, tensor_type: type) -> bool:
+    """Whether a model's output (its logits: the tensor, the first of a tuple, `logits` of a
+    dict or ModelOutput) is one position shorter than its ids: it predicts each next token of a
+    chunk it slices inside. A model that returns only its loss cannot be seen doing so."""
+    try:
+        if isinstance(result, dict):
+            result = result.get("logits")
+        elif isinstance(result, (tuple, list)):
+            result = next((value for value in result if isinstance(value, tensor_type)), None)
+        return (ids is not None and isinstance(result, tensor_type) and result.dim() >= 2
+                and result.shape[0] == ids.shape[0] and result.shape[1] == ids.shape[1] - 1)
+    except Exception:
+        return False
 
 
 def _batch_size(args: tuple, kwargs: dict, tensor_type: type) -> int:
