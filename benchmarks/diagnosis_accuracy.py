@@ -68,6 +68,10 @@ CASES: List[Case] = [
          "COMPUTE_BOUND"),
     Case("healthy compiled model", FIELD / "compiled_ema.py",
          ("--out", "out", "--steps", "60", "--backend", "aot_eager"), "COMPUTE_BOUND"),
+    Case("healthy HF causal LM, padded labels", SCRIPTS / "trained_tokens.py",
+         ("--shape", "hf", "--padded", "--steps", "80"), "COMPUTE_BOUND"),
+    Case("healthy decoder slicing its chunk", SCRIPTS / "trained_tokens.py", ("--shape", "chunk", "--steps", "80"),
+         "COMPUTE_BOUND"),
     # Waiting for data.
     Case("slow Dataset", TRAIN, ("--steps", "40", "--load-ms", "2"), "INPUT_BOUND"),
     Case("slow collate, zero-code", SCRIPTS / "untouched_loop.py", ("--steps", "40", "--collate-ms", "8"),
@@ -102,6 +106,10 @@ CASES: List[Case] = [
          "CHECKPOINT_STALL", {"period_steps": 10}),
     Case("evaluation every 2 iterations", FIELD / "gpt_memmap.py",
          ("--out", "out", "--iters", "40", "--eval-every", "2"), "EVAL_HEAVY", {"period_steps": 2}),
+    # Sampling through the model's inner network under no_grad, never through the traced model.
+    Case("sampling through an inner net every 3", FIELD / "sampled_lm.py",
+         ("--out", "out", "--steps", "60", "--sample-every", "3", "--eval-every", "1000"), "EVAL_HEAVY",
+         {"period_steps": 3}),
     # Slow steps with no share-based cause.
     Case("every 10th batch 8x larger", TRAIN, ("--steps", "100", *WIDE, "--long-batch-every", "10"),
          "STEP_SPIKES", {"period_steps": 10}),

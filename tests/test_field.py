@@ -87,6 +87,10 @@ def updates_printed(stdout):
     pytest.param("autoencoder.py", [], "optimizer.step() (inferred)", id="encoder-decoder-one-optimizer"),
     pytest.param("process_habits.py", [], "optimizer.step() (inferred)",
                  id="own-logging-unclosed-file-atexit-late-thread"),
+    pytest.param("sampled_lm.py", ["--steps", "30"], "optimizer.step() (inferred)",
+                 id="generate-through-inner-net-ema-copy"),
+    pytest.param("sampled_lm.py", ["--steps", "30", "--compile-ema", "eager"], "optimizer.step() (inferred)",
+                 id="generate-through-inner-net-compiled-ema-copy"),
 ])
 def test_a_field_script_runs_as_it_would_without_traceml(tmp_path, script, args, found_by):
     plain, traced = side_by_side(tmp_path, [sys.executable, str(FIELD / script), "--out", "out", *args],

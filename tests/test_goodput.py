@@ -6,6 +6,7 @@ import re
 import pytest
 
 from conftest import SCRIPTS
+from test_field import FIELD
 from traceml.analysis.goodput import PARTS, RunTime
 from traceml.diagnose.run_time import (STARTUP_MIN_RUN_S, plain_reason, recompilations,
                                        slow_startup)
@@ -14,6 +15,8 @@ from traceml.records import CompileRecord, RankEnd, RankHello, StepRecord
 EVAL_SAVE = SCRIPTS / "eval_save_loop.py"
 COMPILED = SCRIPTS / "compiled_loop.py"
 HF = SCRIPTS / "hf_trainer.py"
+SAMPLED = FIELD / "sampled_lm.py"
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # a busy machine's two cores: its times, not torch's threads'
 
 
 def measured(run):
@@ -64,6 +67,37 @@ def test_hf_trainer_evaluation_and_checkpoints_match_its_own_figures(traceml_run
     assert goodput["checkpoint"]["seconds"] == pytest.approx(own["save_s"], rel=0.2, abs=0.03)
     found = kinds(run.summary())
     assert found["EVAL_HEAVY"]["evidence"]["period_steps"] == 10
+
+
+def sampled_lm_times_s(stdout):
+    """What sampled_lm.py timed itself: its sampling, EMA evaluation and EMA updates, in seconds."""
+    found = re.search(r"sampling took ([\d.]+) ms, ema evaluation ([\d.]+) ms, ema updates ([\d.]+) ms", stdout)
+    return {name: float(value) / 1e3 for name, value in zip(("sample", "ema_eval", "ema_update"), found.groups())}
+
+
+@pytest.mark.parametrize("mode", [[], ["--trace-step"]], ids=["zero-code", "trace_step"])
+def test_sampling_through_an_inner_module_and_an_ema_copys_evaluation_are_evaluation(traceml_run, mode):
+    # generate() under no_grad calls the model's inner network, never the traced model, and the
+    # EMA copy shares no parameter with it; the EMA's in-place update after each step is no model run.
+    run = traceml_run("--out", "out", "--steps", 60, "--sample-every", 10, "--eval-every", 20, *mode,
+                      script=SAMPLED, timeout=240, env=ONE_THREAD)
+    assert run.returncode == 0, run.stderr
+    own, goodput = sampled_lm_times_s(run.stdout), run.summary()["goodput"]
+    evaluation_s = own["sample"] + own["ema_eval"]
+    assert goodput["evaluation"]["seconds"] == pytest.approx(evaluation_s, rel=0.2, abs=0.05)
+    wall_s = sum(part["seconds"] for part in goodput.values())
+    assert goodput["evaluation"]["share"] == pytest.approx(evaluation_s / wall_s, abs=0.02)
+    assert goodput["other"]["seconds"] < own["sample"] / 2  # not left between steps as other work
+    assert "UNTRACED_WORK" not in kinds(run.summary())
+
+
+def test_an_ema_update_under_no_grad_is_not_evaluation(traceml_run):
+    run = traceml_run("--out", "out", "--steps", 60, "--sample-every", 1000, "--eval-every", 1000,
+                      script=SAMPLED, timeout=240, env=ONE_THREAD)
+    assert run.returncode == 0, run.stderr
+    own, goodput = sampled_lm_times_s(run.stdout), run.summary()["goodput"]
+    assert own["sample"] == own["ema_eval"] == 0 and own["ema_update"] > 0
+    assert goodput["evaluation"]["seconds"] == 0
 
 
 def test_growing_sequence_lengths_are_recompilations_with_their_reason(traceml_run):

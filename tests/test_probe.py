@@ -322,6 +322,74 @@ def test_evaluation_and_checkpoint_saves_are_counted_where_they_happen(probe, tm
     assert torch.save.__wrapped__ is not None and torch.save.__name__ == "save"
 
 
+class Sampler(nn.Module):
+    """Trains through forward; samples through its inner network, never through itself."""
+
+    def __init__(self, sleep_ms):
+        super().__init__()
+        self.net = SlowForward(sleep_ms=sleep_ms)
+
+    def forward(self, inputs):
+        return self.net(inputs)
+
+    @torch.no_grad()
+    def generate(self, inputs, calls):
+        for _ in range(calls):
+            inputs = torch.cat([inputs[:, 1:], self.net(inputs)[:, :1]], dim=1)
+            time.sleep(0.005)  # the sampling around the network's calls: evaluation too
+        return inputs
+
+
+def test_no_grad_regions_between_steps_are_evaluation_when_the_model_runs_in_them(probe):
+    from torch.nn.modules import module as torch_module
+
+    model = Sampler(sleep_ms=5)
+    ema, foreign = copy.deepcopy(model.net).requires_grad_(False), nn.Linear(3, 5)
+    phases.hook_model(probe, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    has_any_global_hook = torch_module._has_any_global_hook
+    inputs = torch.randn(2, 4)
+    hooks_seen = []
+
+    def train():
+        with probe:
+            with torch.no_grad():  # inside a step: no region, no hook
+                hooks_seen.append(len(torch_module._global_forward_pre_hooks))
+            model(inputs).sum().backward()
+            optimizer.step()
+
+    train()
+    with torch.no_grad():  # the inner network, twice, each time nested in generate's own no_grad
+        model.generate(inputs, 2)
+        hooks_seen.append(len(torch_module._global_forward_pre_hooks))  # gone once the model ran
+        model.generate(inputs, 2)
+    train()
+    with torch.no_grad():  # an EMA update: no module runs
+        for averaged, current in zip(ema.parameters(), model.net.parameters()):
+            averaged.lerp_(current, 0.5)
+        time.sleep(0.01)
+    with torch.inference_mode():  # someone else's module
+        foreign(torch.randn(2, 3))
+        time.sleep(0.01)
+    train()
+    with torch.inference_mode():  # the EMA copy: no parameter shared, its shapes the inner network's
+        ema(inputs)
+        time.sleep(0.01)
+    train()
+    sampled, updated, copied, last = records(probe)
+    assert sampled.eval_ms >= 2 * 2 * (5 + 5) and sampled.forward_calls == 1
+    assert sampled.eval_ms <= sampled.outside_ms  # the nested regions counted once
+    assert updated.eval_ms == 0.0 and updated.outside_ms >= 20.0
+    assert copied.eval_ms >= 5 + 10 and copied.eval_ms <= copied.outside_ms
+    assert last.eval_ms == 0.0
+    assert hooks_seen == [0, 0, 0, 0, 0] and not torch_module._global_forward_pre_hooks
+    assert torch_module._has_any_global_hook is has_any_global_hook
+    phases.remove_patches()
+    grad_modes = (torch.no_grad, torch.inference_mode, torch.set_grad_enabled)
+    assert all("traceml" not in method.__code__.co_filename
+               for manager in grad_modes for method in (manager.__enter__, manager.__exit__))
+
+
 def test_steps_traceml_slows_on_purpose_are_marked(probe):
     from traceml.probe.layers import LayerProbe
 
@@ -333,6 +401,26 @@ def test_steps_traceml_slows_on_purpose_are_marked(probe):
             model(torch.randn(2, 4)).sum().backward()
     marked = [record.step for record in records(probe) if record.instrumented]
     assert marked == [4, 8]  # sampled every 4th step (not the first); the FLOPs come from those
+
+
+def test_an_evaluations_copy_to_the_device_starts_no_inferred_step(probe):
+    model = SlowForward(sleep_ms=5)
+    phases.hook_model(probe, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe.auto_steps = True  # steps inferred: a batch's copy to the device starts one
+    probe._grad_enabled = torch.is_grad_enabled  # as process.py sets it
+    for step in range(3):
+        torch.randn(2, 4).to("meta")  # the training batch's copy: the step starts here
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        if step == 0:
+            with torch.no_grad():  # an evaluation loop: its batches' copies are not steps
+                for _ in range(2):
+                    torch.randn(2, 4).to("meta")
+                    model(torch.randn(2, 4))
+    first, second, _ = records(probe)
+    assert first.eval_ms >= 2 * 5 and first.eval_ms <= first.outside_ms
+    assert second.forward_calls == 1 and second.forward_ms < first.eval_ms
 
 
 def test_an_inferred_step_that_never_ends_leaves_the_step_before_as_it_was(probe):

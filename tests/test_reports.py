@@ -1,5 +1,6 @@
 """After a run: compare two runs, export a trace, scrape /metrics live, traceml.summary()."""
 import json
+import re
 import subprocess
 import sys
 import time
@@ -221,6 +222,27 @@ def test_tokens_per_second_counts_real_tokens_and_padding(traceml_run):
     expected = real * len(measured) / (sum(row["step_ms"] for row in measured) / 1000)
     assert throughput["tokens_per_s"] == pytest.approx(expected, rel=1e-3)
     assert f"{throughput['tokens_per_s']:,.0f} tokens/s ({1 - real / 256:.0%} padding)" in run.stdout
+
+
+@pytest.mark.parametrize("shape, given", [
+    (["hf"], 4 * 31), (["hf", "--padded"], 4 * 31), (["xy"], 4 * 32), (["chunk"], 4 * 32)],
+    ids=["hf-labels-are-the-ids", "hf-padded-labels", "nanogpt-x-y-views", "decoder-slices-the-chunk"])
+def test_tokens_per_second_counts_the_tokens_a_step_trains_on(traceml_run, shape, given):
+    if shape[0] == "hf":
+        pytest.importorskip("transformers")
+    run = traceml_run("--shape", *shape, script=SCRIPTS / "trained_tokens.py", timeout=240,
+                      env={"OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr
+    (trained,) = json.loads(re.search(r"^trained tokens a step (\[.*\])$", run.stdout, re.MULTILINE).group(1))
+    rows = run.step_rows()
+    assert len(rows) == 12
+    # tokens: the positions a next token is predicted for (a causal LM given labels=input_ids
+    # predicts none for its first); real tokens: those the loss counts (labels of -100 left out).
+    assert all(row["tokens"] == given and (row["real_tokens"] or row["tokens"]) == trained for row in rows)
+    summary = run.summary()
+    measured = rows[summary["steps"]["warmup_excluded"]:]
+    expected = trained * len(measured) / (sum(row["step_ms"] for row in measured) / 1000)
+    assert summary["throughput"]["tokens_per_s"] == pytest.approx(expected, rel=1e-3)
 
 
 def test_report_html_holds_every_chart_of_a_ddp_deep_dive_run(traceml_run):

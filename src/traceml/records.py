@@ -97,11 +97,11 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     gc_gen0_ms: float = 0.0  # gc_ms, by the generation collected
     gc_gen1_ms: float = 0.0
     gc_gen2_ms: float = 0.0
-    tokens: int = 0  # token inputs (an integer 2-D first input or input_ids): ids given, padding included
-    real_tokens: Optional[int] = None  # of them, the ones attention_mask keeps (None: no mask)
+    tokens: int = 0  # token inputs (an integer 2-D first input or input_ids): positions trained, padding in
+    real_tokens: Optional[int] = None  # of them, those trained: labels not -100, or mask kept (None: neither)
     # Overlapping figures, like gc_ms: the user's planned work in the window. Evaluation: the
-    # traced model's calls with gradients off outside steps, and the DataLoader waits between
-    # steps with gradients off (within outside_ms). Checkpoints: time inside torch.save (within
+    # no-grad regions between steps in which the model runs (probe/evaluation.py), and the
+    # DataLoader waits between steps with gradients off (within outside_ms). Checkpoints: time inside torch.save (within
     # outside_ms between steps, untraced_ms inside one).
     eval_ms: float = 0.0
     checkpoint_ms: float = 0.0
@@ -141,7 +141,7 @@ class RolledStep(msgspec.Struct):
     device_reserved_bytes: Optional[int]
     host_rss_bytes: Optional[int]
     tokens: int = 0  # summed over ranks, padding included
-    real_tokens: Optional[int] = None  # summed over the ranks that had an attention mask
+    real_tokens: Optional[int] = None  # summed over the ranks that counted them (labels, a mask)
     eval_ms: float = 0.0  # overlapping, like gc_ms: evaluation and checkpoint saves in the window
     checkpoint_ms: float = 0.0
     instrumented: bool = False  # TraceML slowed it on purpose on some rank (a deep-dive sample)

@@ -129,14 +129,14 @@ class Window:
 
     @property
     def tokens_per_s(self) -> Optional[float]:
-        """Real tokens a second (per attention_mask; all tokens given where there is no mask),
-        summed over ranks; None without token inputs."""
+        """Real tokens trained a second (labels not -100, or per attention_mask; all the positions
+        trained where neither is given), summed over ranks; None without token inputs."""
         tokens = sum(s.tokens if s.real_tokens is None else s.real_tokens for s in self.steps)
         return tokens * 1000.0 / self.total_ms if tokens and self.total_ms > 0 else None
 
     @property
     def padding_share(self) -> Optional[float]:
-        """Of the tokens given in steps with an attention mask, the share that was padding."""
+        """Of the tokens in steps with real tokens counted (labels, a mask), the share not trained."""
         masked = [s for s in self.steps if s.real_tokens is not None and s.tokens]
         given = sum(s.tokens for s in masked)
         return 1.0 - sum(s.real_tokens for s in masked) / given if given else None

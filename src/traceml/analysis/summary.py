@@ -233,7 +233,7 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
             "samples_per_s": window.samples_per_s,
             # The global batch: samples a step, summed over ranks (the median step's).
             "samples_per_step": statistics.median(s.samples for s in window.steps) if len(window) else None,
-            "tokens_per_s": window.tokens_per_s,  # real tokens (attention_mask), summed over ranks
+            "tokens_per_s": window.tokens_per_s,  # real tokens trained (labels, attention_mask), summed over ranks
             "padding_share": window.padding_share,
             **_model_flops(data),
         },

@@ -27,6 +27,7 @@ def install_patches(probe: StepProbe) -> None:
     _patch_backward(probe)
     _hook_optimizers(probe)
     _patch_checkpoint_saves(probe)
+    _time_evaluation_regions(probe)
     when_imported("transformers.trainer", _not_training_in_trainer_evaluation)
     when_imported("torch._dynamo.callback", lambda callbacks: _watch_compilations(probe, callbacks))
     gc.callbacks.append(probe.gc_callback)
@@ -84,6 +85,8 @@ def _patch_h2d(probe: StepProbe) -> None:
     """
     import torch
 
+    grad_enabled = torch.is_grad_enabled
+
     def wrap(original: Any) -> Any:
         def moved(self: Any, *args: Any, **kwargs: Any) -> Any:
             if not probe.in_step and probe.auto_steps and self.is_cpu:
@@ -107,10 +110,11 @@ def _patch_h2d(probe: StepProbe) -> None:
 
         def first_copy(self: Any, *args: Any, **kwargs: Any) -> Any:
             """Steps inferred: the batch's copy to the device is what starts the step (once it
-            is known to have moved something; a `.to(dtype)` on the CPU starts nothing)."""
+            is known to have moved something; a `.to(dtype)` on the CPU starts nothing; nor
+            does an evaluation's copy, made with gradients off)."""
             start_ns = _now_ns()
             result = original(self, *args, **kwargs)
-            if result is not self and not result.is_cpu and not probe.in_step:
+            if result is not self and not result.is_cpu and not probe.in_step and grad_enabled():
                 probe.enter(start_ns)
                 probe.sums[H2D] += _now_ns() - start_ns
             return result
@@ -272,6 +276,46 @@ def _patch_checkpoint_saves(probe: StepProbe) -> None:
         when_imported(lightning, lambda module: patch_methods(module.Trainer, "save_checkpoint"))
 
 
+_evaluation: Any = None  # the EvaluationRegions the model's calls between steps report to
+
+
+def _time_evaluation_regions(probe: StepProbe) -> None:
+    """Time no-grad regions between steps in which the model runs as evaluation (see
+    probe/evaluation.py): torch's grad-mode context managers' enter and exit, on their classes."""
+    global _evaluation
+    from torch.autograd import grad_mode
+
+    from traceml.probe.evaluation import EvaluationRegions
+
+    regions = EvaluationRegions(probe, lambda: [traced.model() for traced in list(_models.values())])
+    for manager in (grad_mode.no_grad, grad_mode.inference_mode, grad_mode.set_grad_enabled):
+        _replace(manager, "__enter__", regions.entering(manager.__enter__))
+        _replace(manager, "__exit__", regions.leaving(manager.__exit__))
+    _evaluation = regions
+    when_imported("torch._dynamo.callback", lambda callbacks: _stop_watching_at_compilations(regions, callbacks))
+
+    def remove() -> None:
+        global _evaluation
+        regions.stop()
+        _evaluation = None
+
+    _undo.append(remove)
+
+
+def _stop_watching_at_compilations(regions: Any, callbacks: Any) -> None:
+    """What torch compiles is traced with no hook of the regions' in place (see evaluation.py)."""
+    handler = callbacks.callback_handler
+    handler.register_start_callback(regions.compilation_started)
+
+    def remove() -> None:
+        try:
+            handler.remove_start_callback(regions.compilation_started)
+        except ValueError:  # torch._dynamo.reset() took it out already
+            pass
+
+    _undo.append(remove)
+
+
 def _not_training_in_trainer_evaluation(module: Any) -> None:
     """Hugging Face Trainer's evaluation fetches its batches with gradients on: its DataLoader
     waits are evaluation, not the training's input, with or without the integration."""
@@ -431,21 +475,27 @@ def _run_eagerly_under_dynamo(function: Any, callees_too: bool = False) -> None:
 
 def _run_bookkeeping_eagerly() -> None:
     """What the forward wrapper calls on the model's way in and out, kept out of dynamo."""
-    for function in (StepProbe.phase_begin, StepProbe.phase_end, StepProbe.note_failure,
-                     _batch_size, _token_ids, _count_tokens):
+    for function in (StepProbe.phase_begin, StepProbe.phase_end, StepProbe.note_failure, _batch_size,
+                     _token_ids, _count_tokens, _add_real_tokens, _labels_mirror_inputs, _slices_by_one):
         _run_eagerly_under_dynamo(function, callees_too=True)
 
 
 class _TracedModel:
     """What the probe keeps about one traced model, away from the model itself."""
 
-    __slots__ = ("probe", "token_inputs")
+    __slots__ = ("probe", "model", "token_inputs", "slices_inputs", "labels_mirror_inputs")
 
-    def __init__(self, probe: StepProbe):
+    def __init__(self, probe: StepProbe, model: Any):
         self.probe = probe
+        self.model = weakref.ref(model)  # for evaluation: the modules of its kind (a copy, a part)
         # Whether this model is given token ids, decided at its first call: the check then
         # costs one attribute read a call, not a look at the inputs.
         self.token_inputs: Optional[bool] = None
+        # How many of them it trains on (see _count_tokens), each decided once: whether it
+        # slices its ids by one inside (its output is one shorter), and whether its labels
+        # are its ids, which it shifts by one inside.
+        self.slices_inputs = False
+        self.labels_mirror_inputs: Optional[bool] = None
 
 
 def _timed_call(original: Callable[..., Any], tensor_type: type, compiling: Any) -> Callable[..., Any]:
@@ -487,30 +537,32 @@ def _call_timed_in_general(original: Callable[..., Any], traced: _TracedModel, p
     timer stands in front, every call but a plain step's outermost one (inside another phase,
     outside the steps, the first call, token inputs, on CUDA, a deep-dive step)."""
     start_ns = probe.phase_begin(FORWARD)
+    first_token_call = False  # how many tokens it trains is read once its output is known
     if start_ns:
         probe.sums[FORWARD_CALLS] += 1
         probe.sums[SAMPLES] += _batch_size(args, kwargs, tensor_type)
         if traced.token_inputs is None:
-            traced.token_inputs = _token_ids(args, kwargs, tensor_type) is not None
-        if traced.token_inputs:
-            _count_tokens(probe, args, kwargs, tensor_type)
-    elif not probe.in_step and not grad_enabled() and not probe.in_evaluation:  # evaluation
-        start_ns = _now_ns()
-        try:
-            return original(model, *args, **kwargs)
-        finally:
-            probe.window[EVAL_NS] += _now_ns() - start_ns
+            traced.token_inputs = first_token_call = _token_ids(args, kwargs, tensor_type) is not None
+        elif traced.token_inputs:
+            _count_tokens(probe, traced, model, args, kwargs, tensor_type)
+    elif not probe.in_step and not grad_enabled() and not probe.in_evaluation and _evaluation is not None:
+        return _evaluation.model_called(original, model, args, kwargs)  # evaluation
     try:
         if probe.layers_active and probe.layers.active:  # a deep-dive step: count saved tensors
             with probe.layers.saved_tensors_context():
-                return original(model, *args, **kwargs)
-        return original(model, *args, **kwargs)
+                result = original(model, *args, **kwargs)
+        else:
+            result = original(model, *args, **kwargs)
     except BaseException:
         probe.note_failure(FORWARD)
         raise
     finally:
         if start_ns:
             probe.phase_end(FORWARD, start_ns)
+    if first_token_call:
+        traced.slices_inputs = _slices_by_one(result, _token_ids(args, kwargs, tensor_type), tensor_type)
+        _count_tokens(probe, traced, model, args, kwargs, tensor_type)
+    return result
 
 
 class _ModelHandle:
@@ -567,7 +619,7 @@ def hook_model(probe: StepProbe, model: Any) -> List[Any]:
         inherited = getattr(inherited, "traceml_original", inherited)  # not a first-call wait
         setattr(cls, attribute, _timed_call(inherited, torch.Tensor, _compiling()))
     entry[1] += 1
-    _models[id(model)] = _TracedModel(probe)
+    _models[id(model)] = _TracedModel(probe, model)
     _time_ddp_collectives(probe, model)
     return [_ModelHandle(model, _time_compiled_call(model, torch.Tensor))]
 
@@ -713,26 +765,80 @@ def _token_ids(args: tuple, kwargs: dict, tensor_type: type) -> Any:
     return ids
 
 
-def _count_tokens(probe: StepProbe, args: tuple, kwargs: dict, tensor_type: type) -> None:
-    """Token inputs: input_ids (or an integer first input) of shape (batch, length), and the
-    real tokens per attention_mask. A mask on the device is summed there and copied to pinned
-    host memory without waiting; the step's record reads it once the step is done."""
+IGNORED_LABEL = -100  # the label torch's cross_entropy (and so Hugging Face's losses) leaves out
+
+
+def _count_tokens(probe: StepProbe, traced: _TracedModel, model: Any, args: tuple, kwargs: dict,
+                  tensor_type: type) -> None:
+    """The tokens a step trains on: of the token ids (batch, length) a call is given, the
+    positions a next token is predicted for, and the real ones among them.
+    - labels= the ids (Hugging Face's causal LMs, which shift them by one inside): batch x
+      (length - 1), the real ones those whose label is not -100 (padding, a masked prompt);
+    - ids sliced by one inside the model (fed a (batch, length + 1) chunk; seen from its
+      output, one shorter): batch x (length - 1), the real ones per attention_mask;
+    - else (inputs and targets given apart, nanoGPT's model(x, y)): all the ids given, the real
+      ones per attention_mask.
+    A count on the device (a mask's or the labels' sum) is copied to pinned host memory without
+    waiting; the step's record reads it once the step is done."""
     ids = _token_ids(args, kwargs, tensor_type)
     if ids is None:
         return
-    probe.sums[TOKENS] += ids.numel()
-    mask = kwargs.get("attention_mask")
-    if not isinstance(mask, tensor_type):
-        return
-    sums = probe.sums
-    if mask.is_cpu:
-        sums[REAL_TOKENS] = (sums[REAL_TOKENS] or 0) + int(mask.sum())
+    labels = kwargs.get("labels") if kwargs else None
+    if isinstance(labels, tensor_type) and labels.shape == ids.shape:
+        if traced.labels_mirror_inputs is None:
+            traced.labels_mirror_inputs = _labels_mirror_inputs(model, ids, labels)
+        if traced.labels_mirror_inputs:
+            probe.sums[TOKENS] += ids.shape[0] * (ids.shape[1] - 1)
+            _add_real_tokens(probe.sums, (labels[:, 1:] != IGNORED_LABEL).sum(), labels.is_cpu)
+            return
+    if traced.slices_inputs:
+        probe.sums[TOKENS] += ids.shape[0] * (ids.shape[1] - 1)
     else:
-        if sums[TOKEN_COPIES] is None:
-            sums[TOKEN_COPIES] = []
-        sums[TOKEN_COPIES].append(mask.sum().to("cpu", non_blocking=True))
-        if sums[REAL_TOKENS] is None:
-            sums[REAL_TOKENS] = 0
+        probe.sums[TOKENS] += ids.numel()
+    mask = kwargs.get("attention_mask") if kwargs else None
+    if isinstance(mask, tensor_type):
+        _add_real_tokens(probe.sums, (mask[:, 1:] if traced.slices_inputs else mask).sum(), mask.is_cpu)
+
+
+def _add_real_tokens(sums: list, count: Any, on_cpu: bool) -> None:
+    if on_cpu:
+        sums[REAL_TOKENS] = (sums[REAL_TOKENS] or 0) + int(count)
+        return
+    if sums[TOKEN_COPIES] is None:
+        sums[TOKEN_COPIES] = []
+    sums[TOKEN_COPIES].append(count.to("cpu", non_blocking=True))
+    if sums[REAL_TOKENS] is None:
+        sums[REAL_TOKENS] = 0
+
+
+def _labels_mirror_inputs(model: Any, ids: Any, labels: Any) -> bool:
+    """Whether a model's labels are its own ids (where not -100): then it trains on them shifted
+    by one (trained unshifted, they would teach it to copy its input). Not for an encoder-
+    decoder, whose labels are its decoder's. Asked once a model: one look at the values."""
+    try:
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            return False
+        if labels is ids:
+            return True
+        kept = labels != IGNORED_LABEL
+        return bool(((labels == ids) | ~kept).all())
+    except Exception:  # labels we cannot compare: counted as the ids given
+        return False
+
+
+def _slices_by_one(result: Any, ids: Any, tensor_type: type) -> bool:
+    """Whether a model's output (its logits: the tensor, the first of a tuple, `logits` of a
+    dict or ModelOutput) is one position shorter than its ids: it predicts each next token of a
+    chunk it slices inside. A model that returns only its loss cannot be seen doing so."""
+    try:
+        if isinstance(result, dict):
+            result = result.get("logits")
+        elif isinstance(result, (tuple, list)):
+            result = next((value for value in result if isinstance(value, tensor_type)), None)
+        return (ids is not None and isinstance(result, tensor_type) and result.dim() >= 2
+                and result.shape[0] == ids.shape[0] and result.shape[1] == ids.shape[1] - 1)
+    except Exception:
+        return False
 
 
 def _batch_size(args: tuple, kwargs: dict, tensor_type: type) -> int:

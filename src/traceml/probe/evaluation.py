@@ -1,0 +1,222 @@
+"""Evaluation between steps: a stretch with gradients off in which the model runs.
+
+A region is a `with` block or a decorated function of torch.no_grad, torch.inference_mode or
+torch.set_grad_enabled(False), entered between steps on the training thread; the outermost
+one is timed. It is evaluation, all of it (the forwards and the work around them: sampling the
+next token, decoding, a metric), when the model runs in it:
+- a traced model is called (`model(x)`, a `generate()` calling `self(...)`), or
+- the first module with parameters called in it is of the model's kind: it holds a traced
+  model's parameters (an inner `self.net` a `generate()` loop calls, a submodule), or its
+  parameters' shapes, in order, are a run of a traced model's (a copy of the model or of a part
+  of it: an EMA or SWA copy made with deepcopy, which shares no parameter with it).
+A region in which no such module runs is not evaluation: an EMA update (arithmetic on the
+weights, no module called), metrics, someone else's frozen encoder applied to the batch.
+A traced model called with gradients off outside any region is a region of its own.
+
+Cost: inside a step, entering and leaving a region reads `in_step` and one attribute; no module
+call pays anything, ever. Between steps a region puts a global forward pre-hook in place that
+takes itself out at the first module with parameters (or at the region's end).
+
+torch.compile: compiled code is guarded on the global hooks there are; code entered with ours in
+place would be compiled again without it (and torch.compile's module wrapper warns of global
+hooks). So ours is taken out before any compiled code runs: where torch's module wrapper asks
+whether there are global hooks, and where every compiled function is entered (the callback it
+sets), both looked up by torch at each call; and, should neither be found, at each compilation's
+start. A region whose first module is compiled code is evaluation only if a traced model is
+called in it.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import threading
+import weakref
+from typing import Any, Callable, Iterable, List, Tuple
+
+from traceml.probe.step import EVAL_NS, StepProbe, _now_ns
+
+log = logging.getLogger("traceml")
+
+# Where torch looks up, at each call, what runs before compiled code (see the module's text).
+BEFORE_COMPILED_CODE = (("torch.nn.modules.module", "_has_any_global_hook"),
+                        ("torch._dynamo.eval_frame", "_callback_from_stance"))
+
+
+def _shapes(parameters: Iterable[Any]) -> str:
+    """';4x8;8;' for a (4, 8) weight and an (8,) bias: a run of shapes is a substring."""
+    return ";" + ";".join("x".join(map(str, parameter.shape)) for parameter in parameters) + ";"
+
+
+def of_the_model(module: Any, model: Any) -> bool:
+    """Whether module holds the model's parameters, or is a copy of it or of a part of it."""
+    model_parameters = list(model.parameters())
+    held = {id(parameter) for parameter in model_parameters}
+    own = list(module.parameters())
+    return any(id(parameter) in held for parameter in own) or _shapes(own) in _shapes(model_parameters)
+
+
+class EvaluationRegions:
+    """The region open between steps, if any, and whether the model has run in it."""
+
+    def __init__(self, probe: StepProbe, traced_models: Callable[[], List[Any]]):
+        import torch
+        from torch.nn.modules import module as torch_module
+
+        self.probe = probe
+        self.traced_models = traced_models
+        self.owner: Any = None  # the context manager (or the model call) whose region is open
+        self.qualified = False  # the model ran in it: evaluation
+        self._step = -1  # the step index it opened at: a step started since drops it
+        self._start_ns = self._eval_ns_before = 0
+        self._register_hook = torch_module.register_module_forward_pre_hook
+        self._hook: Any = None  # the global pre-hook's handle, while it waits for a first module
+        self._swapped: List[Tuple[Any, str, Any, Any]] = []  # (module, name, torch's, ours) meanwhile
+        self._is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+        self._grad_enabled = torch.is_grad_enabled
+        self._thread, self._process = threading.get_ident(), os.getpid()
+        # module -> of the model's kind; made anew when the traced models change
+        self._verdicts: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+        self._verdicts_for: tuple = ()
+
+    # -- the context managers' __enter__ and __exit__ ------------------------------------------
+    def entering(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        probe = self.probe
+
+        @functools.wraps(original)
+        def __enter__(manager: Any) -> Any:
+            entered = original(manager)
+            if not probe.in_step:  # inside a step: nothing more
+                self.open(manager)
+            return entered
+
+        return __enter__
+
+    def leaving(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def __exit__(manager: Any, exc_type: Any, exc: Any, tb: Any) -> Any:
+            suppressed = original(manager, exc_type, exc, tb)
+            if manager is self.owner:
+                self.close()
+            return suppressed
+
+        return __exit__
+
+    def open(self, owner: Any, qualified: bool = False) -> bool:
+        """A region starts, unless one is open (nested: the outermost is timed), gradients are
+        on, a trainer's evaluation is timed whole, or this is not the training thread. True
+        when it opened."""
+        probe = self.probe
+        try:
+            if (self.owner is not None and self._step == probe.step_index) or probe.in_evaluation:
+                return False
+            if self._grad_enabled() or threading.get_ident() != self._thread or os.getpid() != self._process:
+                return False
+            self._stop_watching()  # a region left open in an earlier window (never exited)
+            self.owner, self.qualified, self._step = owner, qualified, probe.step_index
+            self._eval_ns_before = probe.window[EVAL_NS]
+            if not qualified:
+                self._watch()
+            self._start_ns = _now_ns()
+            return True
+        except Exception:  # less telemetry, never the user's run
+            log.debug("traceml: an evaluation region was not timed", exc_info=True)
+            self.owner = None
+            self._stop_watching()
+            return False
+
+    def close(self) -> None:
+        """The region ends: evaluation when the model ran in it and no step started meanwhile.
+        What was counted as evaluation inside it (the loader's waits) is part of it, not more."""
+        probe = self.probe
+        self.owner = None
+        self._stop_watching()
+        if not self.qualified or probe.in_step or probe.step_index != self._step:
+            return
+        window = probe.window
+        counted_inside_ns = window[EVAL_NS] - self._eval_ns_before
+        window[EVAL_NS] += max(0, _now_ns() - self._start_ns - counted_inside_ns)
+
+    def model_called(self, call: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
+        """A traced model called between steps with gradients off: the open region is
+        evaluation, or the call is a region of its own."""
+        if self.owner is not None and self._step == self.probe.step_index:
+            self.qualified = True
+            self._stop_watching()
+            return call(model, *args, **kwargs)
+        token = object()
+        if not self.open(token, qualified=True):
+            return call(model, *args, **kwargs)
+        try:
+            return call(model, *args, **kwargs)
+        finally:
+            if self.owner is token:
+                self.close()
+
+    # -- the first module with parameters called in the region ---------------------------------
+    def _first_module_call(self, module: Any, args: Any) -> None:
+        if self._is_compiling() or threading.get_ident() != self._thread:
+            return None  # code torch.compile traces, or another thread's module: not this region's
+        try:
+            if self.owner is None or self.probe.in_step:
+                self._stop_watching()
+            elif next(module.parameters(), None) is not None:  # parameterless modules do not decide
+                self._stop_watching()
+                self.qualified = self._of_the_models(module)
+        except Exception:  # a module that cannot say what it holds is not the model
+            log.debug("traceml: could not tell whether a module is the model's", exc_info=True)
+            self._stop_watching()
+        return None  # the module's inputs as they are
+
+    def _of_the_models(self, module: Any) -> bool:
+        models = [model for model in self.traced_models() if model is not None]
+        traced = tuple(id(model) for model in models)
+        if traced != self._verdicts_for:
+            self._verdicts, self._verdicts_for = weakref.WeakKeyDictionary(), traced
+        try:
+            known = self._verdicts.get(module)
+        except TypeError:  # a module that is not hashable: asked each time
+            return any(of_the_model(module, model) for model in models)
+        if known is None:
+            known = self._verdicts[module] = any(of_the_model(module, model) for model in models)
+        return known
+
+    # -- the hook, and taking it out before compiled code runs ---------------------------------
+    def _watch(self) -> None:
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        if eval_frame is not None and not hasattr(eval_frame, "_callback_from_stance"):
+            return  # a torch whose compiled code cannot be seen coming: no hook
+        self._hook = self._register_hook(self._first_module_call)
+        for module_name, name in BEFORE_COMPILED_CODE:
+            module = sys.modules.get(module_name)
+            theirs = getattr(module, name, None)
+            if theirs is not None:
+                ours = self._stopping_first(theirs)
+                setattr(module, name, ours)
+                self._swapped.append((module, name, theirs, ours))
+
+    def _stopping_first(self, theirs: Callable[..., Any]) -> Callable[..., Any]:
+        def before_compiled_code(*args: Any, **kwargs: Any) -> Any:
+            self._stop_watching()
+            return theirs(*args, **kwargs)
+
+        return before_compiled_code
+
+    def compilation_started(self, *args: Any) -> None:
+        """torch's compile-start callback: what compiles now is traced without the hook."""
+        self._stop_watching()
+
+    def _stop_watching(self) -> None:
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
+        while self._swapped:
+            module, name, theirs, ours = self._swapped.pop()
+            if module.__dict__.get(name) is ours:  # not if someone replaced it since
+                setattr(module, name, theirs)
+
+    def stop(self) -> None:
+        """TraceML is taken out: no region open, no hook left behind."""
+        self.owner = None
+        self._stop_watching()
