@@ -86,6 +86,8 @@ def updates_printed(stdout):
     pytest.param("autoencoder.py", [], "optimizer.step() (inferred)", id="encoder-decoder-one-optimizer"),
     pytest.param("process_habits.py", [], "optimizer.step() (inferred)",
                  id="own-logging-unclosed-file-atexit-late-thread"),
+    pytest.param("char_transformer.py", ["--steps", "120", "--epochs", "2"], "optimizer.step() (inferred)",
+                 id="char-transformer-loader-workers-two-epochs"),
 ])
 def test_a_field_script_runs_as_it_would_without_traceml(tmp_path, script, args, found_by):
     plain, traced = side_by_side(tmp_path, [sys.executable, str(FIELD / script), "--out", "out", *args],
