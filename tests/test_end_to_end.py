@@ -26,7 +26,13 @@ def test_slow_dataset_is_input_bound(traceml_run):
     assert summary["phases"]["input_wait"]["median_ms"] >= 40.0
     assert summary["phases"]["input_wait"]["share"] > 0.5
     assert f"{primary['evidence']['share']:.0%}" in primary["summary"]
-    assert "num_workers" in primary["action"]
+    # The DataLoader as it was set up, and advice that can help there: workers, not pinning
+    # (there is no accelerator to pin for).
+    evidence = primary["evidence"]
+    assert (evidence["num_workers"], evidence["device"], evidence["batch_size"]) == (0, "cpu", 8)
+    assert evidence["loader_cause"] == "no_workers" and evidence["input_wait_ms_per_batch"] >= 40.0
+    assert "Set num_workers" in primary["action"] and "pin_memory" not in primary["action"]
+    assert "DataLoader(num_workers=0, batch_size=8)" in primary["summary"]
     # The card went to stdout, between the script's own output and the end.
     assert "trained 30 steps" in run.stdout
     assert "INPUT BOUND" in run.stdout

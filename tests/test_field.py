@@ -91,6 +91,8 @@ def updates_printed(stdout):
                  id="generate-through-inner-net-ema-copy"),
     pytest.param("sampled_lm.py", ["--steps", "30", "--compile-ema", "eager"], "optimizer.step() (inferred)",
                  id="generate-through-inner-net-compiled-ema-copy"),
+    pytest.param("char_transformer.py", ["--steps", "120", "--epochs", "2"], "optimizer.step() (inferred)",
+                 id="char-transformer-loader-workers-two-epochs"),
 ])
 def test_a_field_script_runs_as_it_would_without_traceml(tmp_path, script, args, found_by):
     plain, traced = side_by_side(tmp_path, [sys.executable, str(FIELD / script), "--out", "out", *args],

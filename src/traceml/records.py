@@ -312,6 +312,32 @@ class HostSyncSample(msgspec.Struct, tag="sync", array_like=True):
     sites: List[SyncSite] = []
 
 
+class LoaderSample(msgspec.Struct, tag="loader", array_like=True, gc=False):
+    """One training DataLoader iterator of one rank, as its configuration says and as its
+    sender saw it work: cumulative figures since it was first seen, sent about once a second
+    while it hands batches over. An iterator is one epoch's (or, with persistent_workers, the
+    run's); `loader` numbers them in the order the rank made them."""
+
+    rank: int
+    loader: int
+    unix_s: float
+    num_workers: int
+    pin_memory: bool  # batches pinned: pin_memory=True with an accelerator to pin for
+    persistent_workers: bool
+    prefetch_factor: Optional[int]  # None without workers
+    batch_size: Optional[int]  # None when the loader does not batch (batch_size=None, a batch sampler of its own)
+    usable_cores: int  # CPUs this process may run on (its affinity)
+    batches: int  # handed over so far
+    worker_cpu_s: float = 0.0  # its worker processes' CPU time so far (user + system)
+    # Of the sender's readings (every 20 ms) of the batches made and waiting to be taken: how
+    # many, and in how many at least one was waiting (without workers: none are read).
+    ready_readings: int = 0
+    ready_readings_with_a_batch: int = 0
+    # Of its workers' main threads (where the Dataset runs), the time spent ready to run but
+    # waiting for a CPU (Linux's schedstat; 0 where it is not known): the cores were taken.
+    worker_cpu_wait_s: float = 0.0
+
+
 class Finding(msgspec.Struct, omit_defaults=False):
     """One diagnosis: what is wrong, by how much, and the next thing to try."""
 
@@ -324,7 +350,7 @@ class Finding(msgspec.Struct, omit_defaults=False):
 
 
 Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord, LayerReport, LayerCapture,
-               SpanRecord, ScalarRecord, CompileRecord, HostSyncSample]
+               SpanRecord, ScalarRecord, CompileRecord, HostSyncSample, LoaderSample]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(List[Record])

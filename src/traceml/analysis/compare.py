@@ -6,25 +6,23 @@ The verdict reads the 95% interval of the relative change in median step time (B
 entirely below zero: IMPROVEMENT; entirely above: REGRESSION; otherwise, inside
 ±EQUIVALENCE_MARGIN: EQUIVALENT (any change is too small to matter), else INCONCLUSIVE (the runs
 are too short or too noisy to tell). Steps are resampled in blocks (a moving-block bootstrap),
-since neighbouring steps are not independent (a slow stretch lasts several steps).
+since neighbouring steps are not independent (analysis/bootstrap.py).
 """
 from __future__ import annotations
 
 import json
-import math
 import random
 import statistics
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from traceml import rundir
+from traceml.analysis.bootstrap import CONFIDENCE, block_resample, evenly, interval
 from traceml.records import ALL_PHASES
 
-CONFIDENCE = 0.95
 EQUIVALENCE_MARGIN = 0.05  # an interval within 5% of the step either way: no change that matters
 RESAMPLES = 2000
 PHASE_RESAMPLES = 500
-MAX_POINTS = 1000  # steps per run the bootstrap resamples (evenly spaced when there are more)
 
 
 class ComparedRun:
@@ -89,33 +87,13 @@ def _compare_series(a: Sequence[float], b: Sequence[float], resamples: int, rng:
                               "ci_ms": None, "ci_share": None, "steps_a": len(a), "steps_b": len(b)}
     if len(a) < 5 or len(b) < 5:
         return result
-    a, b = _evenly(a), _evenly(b)
-    deltas = sorted(statistics.median(_block_resample(b, rng)) - statistics.median(_block_resample(a, rng))
-                    for _ in range(resamples))
-    tail = (1.0 - CONFIDENCE) / 2.0
-    low, high = deltas[int(tail * (resamples - 1))], deltas[int(math.ceil((1.0 - tail) * (resamples - 1)))]
+    a, b = evenly(a), evenly(b)
+    low, high = interval(sorted(statistics.median(block_resample(b, rng)) - statistics.median(block_resample(a, rng))
+                                for _ in range(resamples)))
     result["ci_ms"] = [low, high]
     if median_a:
         result["ci_share"] = [low / median_a, high / median_a]
     return result
-
-
-def _evenly(values: Sequence[float]) -> List[float]:
-    if len(values) <= MAX_POINTS:
-        return list(values)
-    stride = len(values) / MAX_POINTS
-    return [values[int(i * stride)] for i in range(MAX_POINTS)]
-
-
-def _block_resample(values: List[float], rng: random.Random) -> List[float]:
-    """A moving-block bootstrap sample: blocks of neighbouring steps, as long as the series."""
-    count = len(values)
-    block = max(1, round(count ** (1 / 3)))
-    sample: List[float] = []
-    while len(sample) < count:
-        start = rng.randrange(count - block + 1)
-        sample.extend(values[start:start + block])
-    return sample[:count]
 
 
 def _verdict(step: Dict[str, Any]) -> Tuple[str, str]:

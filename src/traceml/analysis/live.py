@@ -6,6 +6,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from traceml.analysis.goodput import Goodput
+from traceml.analysis.loaders import loader_figures
 from traceml.analysis.rollup import RankRow, Window, max_present, rank_medians, rank_spread, warmup_steps
 from traceml.diagnose import MemoryLimits, diagnose
 from traceml.records import Finding, LayerReport, SystemSample
@@ -51,7 +52,8 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
                             steps_found_by=hellos[0].steps_from if hellos else None,
                             system=[system] if system is not None else [],
                             captures=list(collector.captures), goodput=goodput,
-                            compiles=list(collector.compiles), host_syncs=list(collector.host_syncs))
+                            compiles=list(collector.compiles), host_syncs=list(collector.host_syncs),
+                            loader=loader_figures(list(collector.loaders), window, hellos))
     seen = {finding.kind for _, finding in alerts}
     for finding in findings:
         if finding.kind not in seen and finding.kind != "INSUFFICIENT_DATA" and finding.severity != "info":

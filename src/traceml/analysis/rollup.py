@@ -10,10 +10,11 @@ import functools
 import operator
 import statistics
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, TypedDict, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypedDict, Union
 
 import msgspec
 
+from traceml.analysis.bootstrap import share_interval
 from traceml.records import ALL_PHASES, STEP_PHASES, RolledStep, StepRecord
 
 MAX_WARMUP_STEPS = 5
@@ -161,6 +162,11 @@ class Window:
 
     def share(self, *names: str) -> float:
         return sum(self.phases[name].share for name in names)
+
+    def share_interval(self, *names: str) -> Tuple[float, float]:
+        """The 95% interval of these phases' share of the step, steps resampled in blocks."""
+        return share_interval([sum(getattr(s, f"{name}_ms") for name in names) for s in self.steps],
+                              [s.step_ms for s in self.steps])
 
     def planned_share(self, name: str) -> float:
         """The share of the window's time in planned work: `eval` or `checkpoint` (overlapping

@@ -12,6 +12,7 @@ import msgspec
 from traceml import rundir
 from traceml.analysis.goodput import RunTime
 from traceml.analysis.hardware import device_peak_tflops
+from traceml.analysis.loaders import loader_figures
 from traceml.analysis.rollup import (Window, max_present, rank_medians, rank_row, rank_spread,
                                       roll_up, warmup_steps)
 from traceml.collector.store import Store
@@ -90,13 +91,15 @@ class RunData:
         self.found_by = _steps_found_by(self)
         self.stalls = Stalls(self.window, self.samples)
         self.captures: List[LayerCapture] = store.captures()
+        self.loader = loader_figures(store.loader_samples(), self.window, self.hellos)
         self.findings: List[Finding] = diagnose(
             self.window, steps_seen=len(self.rolled), ranks=self.ranks if len(self.ranks) > 1 else None,
             limits=self.limits, peak_device_bytes=max_present(s.device_peak_bytes for s in self.rolled),
             peak_rss_bytes=max_present(s.host_rss_bytes for s in self.rolled),
             oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive(),
             steps_found_by=self.found_by, system=self.samples, stalls=self.stalls,
-            captures=self.captures, goodput=self.goodput, compiles=self.compiles, host_syncs=self.host_syncs)
+            captures=self.captures, goodput=self.goodput, compiles=self.compiles, host_syncs=self.host_syncs,
+            loader=self.loader)
 
     def _exact_rank_counts(self, store: Store) -> None:
         """Sampled records give the medians; each rank's step count and last step (which say

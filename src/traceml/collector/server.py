@@ -18,11 +18,12 @@ import msgspec
 
 from traceml.collector.store import Store
 from traceml.records import (HEADER_BYTES, CompileRecord, FrameError, HostSyncSample, LayerCapture, LayerReport,
-                             RankEnd, RankHello, StepRecord, SystemSample, decode_payload, parse_header)
+                             LoaderSample, RankEnd, RankHello, StepRecord, SystemSample, decode_payload, parse_header)
 
 log = logging.getLogger("traceml")
 COMMIT_INTERVAL_S = 0.5
 RECENT_STEPS = 512  # per rank, for the live views
+RECENT_LOADER_SAMPLES = 1024  # every rank's DataLoader figures (two a second each), for the live views
 # A connection must greet within HELLO_TIMEOUT_S, send each frame's rest within FRAME_TIMEOUT_S
 # of its header, and say something at least every IDLE_TIMEOUT_S (ranks send a heartbeat
 # every HEARTBEAT_S when they have nothing else: a model compiling for minutes is not dead).
@@ -61,6 +62,8 @@ class Collector:
         self.run_time = run_time  # every rank's wall time so far, for goodput
         self.compiles: List[CompileRecord] = []  # torch.compile's compilations, for RECOMPILATION
         self.host_syncs: List[HostSyncSample] = []  # the sampled steps' host syncs, for HOST_SYNC
+        # The training DataLoaders' latest figures, for INPUT_BOUND's advice.
+        self.loaders: Deque[LoaderSample] = collections.deque(maxlen=RECENT_LOADER_SAMPLES)
         # Ranks whose connection dropped with no goodbye while other ranks were still there:
         # they died or were killed, and the summary reports them missing.
         self.lost_ranks: Set[int] = set()
@@ -146,6 +149,8 @@ class Collector:
                 self.compiles.append(record)
             elif kind is HostSyncSample:
                 self.host_syncs.append(record)
+            elif kind is LoaderSample:
+                self.loaders.append(record)
             if self.run_time is not None and (kind is StepRecord or kind is CompileRecord
                                               or kind is RankHello or kind is RankEnd):
                 self.run_time.add(record)

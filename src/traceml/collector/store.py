@@ -12,7 +12,7 @@ import msgspec
 
 from traceml import rundir
 from traceml.records import (ALL_PHASES, CompileRecord, Finding, GpuSample, HostSyncSample, LayerCapture, LayerReport,
-                             OomRecord, RankEnd, RankHello, RolledStep, ScalarRecord, SpanRecord, StepRecord,
+                             LoaderSample, OomRecord, RankEnd, RankHello, RolledStep, ScalarRecord, SpanRecord, StepRecord,
                              SystemSample)
 
 STEP_COLUMNS = msgspec.structs.fields(StepRecord)
@@ -61,6 +61,7 @@ CREATE TABLE IF NOT EXISTS layer_reports (rank INTEGER PRIMARY KEY, report TEXT)
 CREATE TABLE IF NOT EXISTS captures (rank INTEGER, step INTEGER, reason TEXT, capture TEXT);
 CREATE TABLE IF NOT EXISTS compiles (rank INTEGER, step INTEGER, compile TEXT);
 CREATE TABLE IF NOT EXISTS host_syncs (rank INTEGER, first_step INTEGER, sample TEXT);
+CREATE TABLE IF NOT EXISTS loaders (rank INTEGER, loader INTEGER, unix_s REAL, sample TEXT);
 CREATE TABLE IF NOT EXISTS spans (rank INTEGER, step INTEGER, name TEXT, start_unix_s REAL,
                                   duration_ms REAL, count INTEGER);
 CREATE TABLE IF NOT EXISTS scalars (rank INTEGER, step INTEGER, name TEXT, value REAL);
@@ -230,6 +231,9 @@ class Store:
             elif type(record) is HostSyncSample:
                 self._db.execute("INSERT INTO host_syncs VALUES (?, ?, ?)", (
                     record.rank, record.first_step, msgspec.json.encode(record).decode()))
+            elif type(record) is LoaderSample:
+                self._db.execute("INSERT INTO loaders VALUES (?, ?, ?, ?)", (
+                    record.rank, record.loader, record.unix_s, msgspec.json.encode(record).decode()))
             elif type(record) is OomRecord:
                 self._db.execute("INSERT INTO ooms VALUES (?, ?, ?)", (
                     record.rank, record.step, msgspec.json.encode(record).decode()))
@@ -449,6 +453,10 @@ class Store:
     def host_syncs(self) -> List[HostSyncSample]:
         """The sampled steps' host syncs, in the order they came."""
         return self._decoded("SELECT sample FROM host_syncs ORDER BY rowid", HostSyncSample)
+
+    def loader_samples(self) -> List[LoaderSample]:
+        """The training DataLoaders' figures, each rank's in the order they came."""
+        return self._decoded("SELECT sample FROM loaders ORDER BY rank, rowid", LoaderSample)
 
     def ooms(self) -> List[OomRecord]:
         return self._decoded("SELECT oom FROM ooms ORDER BY step, rank", OomRecord)

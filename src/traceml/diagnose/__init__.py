@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 from traceml.analysis.goodput import Goodput
+from traceml.analysis.loaders import LoaderFigures
 from traceml.analysis.rollup import RankRow, Window
 from traceml.diagnose.captures import attach_captures
 from traceml.diagnose.host_sync import host_sync
@@ -46,7 +47,7 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[RankRow]] = N
              steps_found_by: Optional[str] = None, system: Sequence[SystemSample] = (),
              stalls: Optional[Stalls] = None, captures: Sequence[LayerCapture] = (),
              goodput: Optional[Goodput] = None, compiles: Sequence[CompileRecord] = (),
-             host_syncs: Sequence[HostSyncSample] = ()) -> List[Finding]:
+             host_syncs: Sequence[HostSyncSample] = (), loader: Optional[LoaderFigures] = None) -> List[Finding]:
     """Every finding for this window, the primary diagnosis first (see the ranking above).
 
     ranks: per-rank medians (rollup.rank_medians) when there are several; limits and peaks:
@@ -57,14 +58,15 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[RankRow]] = N
     taken when a rule fired in the probe, named in the evidence of the finding it belongs to;
     goodput: the run's wall time by part (planned work and startup are measured against it);
     compiles: torch.compile's compilations, for RECOMPILATION; host_syncs: the probe's sampled
-    host syncs (CUDA), for HOST_SYNC.
+    host syncs (CUDA), for HOST_SYNC; loader: the training DataLoader's figures
+    (analysis.loaders), for what INPUT_BOUND advises.
     """
     limits = limits or MemoryLimits()
     findings: List[Finding] = [out_of_memory(oom, limits)] if oom is not None else []
     if steps_seen < MIN_STEPS:
         return findings + [insufficient_data(steps_seen, steps_found_by)]
     stalls = stalls if stalls is not None else Stalls(window, system)
-    shares = [finding for finding in (input_bound(window), h2d_bound(window),
+    shares = [finding for finding in (input_bound(window, loader), h2d_bound(window),
                                       untraced_work(window, steps_found_by), gc_pressure(window))
               if finding is not None]
     findings += _one_finding_per_cause(shares, stalls) + planned_work(window, goodput)

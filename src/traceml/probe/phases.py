@@ -72,8 +72,52 @@ def _patch_dataloader(probe: StepProbe) -> None:
 
     __next__.__wrapped__ = original_next  # type: ignore[attr-defined]
     # Compiled where built: the same work (it has no other path).
-    _replace(iterator_class, "__next__", __next__ if fast_path is None else fast_path.Timer(
-        fast_path.NEXT, original_next, __next__, probe, grad_enabled=grad_enabled))
+    timed_next = __next__ if fast_path is None else fast_path.Timer(
+        fast_path.NEXT, original_next, __next__, probe, grad_enabled=grad_enabled)
+    watch = getattr(probe.sender, "loaders", None)
+    if watch is None:
+        _replace(iterator_class, "__next__", timed_next)
+    else:
+        _watch_training_iterators(probe, iterator_class, timed_next, grad_enabled, watch)
+
+
+def _watch_training_iterators(probe: StepProbe, iterator_class: Any, timed_next: Any,
+                              grad_enabled: Callable[[], bool], watch: Any) -> None:
+    """Note each training iterator for the sender thread's watch (probe/loaders.py) once: when
+    it is made, or, for one made before TraceML attached, at its first batch after. Nothing of
+    this runs per batch."""
+
+    def training() -> bool:
+        return bool(probe.in_step) or (not probe.in_evaluation and grad_enabled())
+
+    def first_next(self: Any) -> Any:
+        """The first batch after TraceML attached: the iterator the loop was already in (a
+        `for` loop makes it before the first step) is noted; then the timer alone runs."""
+        if iterator_class.__dict__.get("__next__") is first_next:
+            setattr(iterator_class, "__next__", timed_next)
+        if training():
+            _note_iterator(watch, self)
+        return timed_next(self)
+
+    first_next.__wrapped__ = getattr(timed_next, "__wrapped__", timed_next)  # type: ignore[attr-defined]
+    _replace(iterator_class, "__next__", first_next)
+    original_init = iterator_class.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if training():  # an evaluation's iterator is not the training's input
+            _note_iterator(watch, self)
+
+    __init__.__wrapped__ = original_init  # type: ignore[attr-defined]
+    _replace(iterator_class, "__init__", __init__)
+
+
+def _note_iterator(watch: Any, iterator: Any) -> None:
+    """Hand a training iterator to the sender thread's watch (probe.loaders), once."""
+    try:
+        watch.note(iterator)
+    except Exception:  # a loader we cannot watch: INPUT_BOUND's advice without its figures
+        log.debug("traceml: a DataLoader iterator is not watched", exc_info=True)
 
 
 def _patch_h2d(probe: StepProbe) -> None:

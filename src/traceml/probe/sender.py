@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from traceml import rendezvous
+from traceml.probe.loaders import LoaderWatch
 from traceml.probe.step import EndedWindow
 from traceml.records import HEADER_BYTES, RankEnd, RankHello, Record, StepRecord, decode_payload, encode_frame
 
@@ -91,6 +92,8 @@ class Sender:
         self.run_name: Optional[str] = None
         self.steps_from = hello.steps_from  # the probe updates it; the goodbye carries it
         self.compile_watch: Any = None  # a probe.compile.CompileWatch once torch compiles
+        # The training's DataLoader iterators: the patches note them, this thread reads them.
+        self.loaders: Optional[LoaderWatch] = LoaderWatch(hello.rank)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
 
@@ -135,6 +138,7 @@ class Sender:
             log.warning("traceml: telemetry sender did not stop in time; the last records are lost")
             return
         self._take_ended_steps()
+        self._watch_loaders(flushing=False, final=True)
         # Let the device finish the last steps' events and scalar copies.
         while ((self.timeline is not None and self.timeline.pending_count) or self._deferred) \
                 and time.monotonic() < deadline - 1.0:
@@ -185,6 +189,7 @@ class Sender:
         # before its first steps are done, so even a rank that dies early is known to the run.
         rounds = 0
         while True:
+            self._watch_loaders(flushing=rounds % ROUNDS_PER_FLUSH == 0)
             try:
                 if self.host_rss is not None:
                     self.host_rss.refresh()
@@ -197,6 +202,20 @@ class Sender:
             rounds += 1
             if self._stop.wait(FLUSH_INTERVAL_S / ROUNDS_PER_FLUSH):
                 return
+
+    def _watch_loaders(self, flushing: bool, final: bool = False) -> None:
+        """Read the DataLoader iterators each round; their figures go out with the flushes."""
+        loaders = self.loaders
+        if loaders is None:
+            return
+        try:
+            loaders.read_ready()
+            if flushing or final:
+                for sample in loaders.samples(final=final):
+                    self.push(sample)
+        except Exception:  # a loader that cannot be read: no figures, the rest goes on
+            log.debug("traceml: DataLoader watch failed; it stops", exc_info=True)
+            self.loaders = None
 
     def _take_ended_steps(self) -> None:
         ended, dropped = self.drain_steps()

@@ -1,0 +1,78 @@
+"""Moving-block bootstrap over a run's steps: how sure a figure read from them is.
+
+Neighbouring steps are not independent (a slow stretch lasts several steps), so steps are
+resampled in blocks of neighbours, as long as the series. `traceml compare` reads the interval
+of a change in median step time from it; the rules read the interval of a phase's share of the
+step, so that a share sitting on a rule's line does not flip the verdict from run to run.
+"""
+from __future__ import annotations
+
+import math
+import random
+from typing import List, Sequence, Tuple
+
+CONFIDENCE = 0.95
+MAX_POINTS = 1000  # steps a bootstrap resamples (evenly spaced when there are more)
+SHARE_RESAMPLES = 400  # for a share's interval: the rules read it each time they run, live too
+
+
+def evenly(values: Sequence, max_points: int = MAX_POINTS) -> List:
+    """At most max_points of the values, evenly spaced."""
+    if len(values) <= max_points:
+        return list(values)
+    stride = len(values) / max_points
+    return [values[int(i * stride)] for i in range(max_points)]
+
+
+def block_starts(count: int, rng: random.Random) -> Tuple[List[int], int]:
+    """Where one resample's blocks start, and their length: blocks of about count^(1/3)
+    neighbours, enough of them to cover `count` (the last one cut to fit)."""
+    block = max(1, round(count ** (1 / 3)))
+    return [rng.randrange(count - block + 1) for _ in range(-(-count // block))], block
+
+
+def block_resample(values: List[float], rng: random.Random) -> List[float]:
+    """A moving-block bootstrap sample of the values, as long as the series."""
+    starts, block = block_starts(len(values), rng)
+    sample: List[float] = []
+    for start in starts:
+        sample.extend(values[start:start + block])
+    return sample[:len(values)]
+
+
+def interval(sorted_estimates: Sequence[float]) -> Tuple[float, float]:
+    """The CONFIDENCE interval of sorted bootstrap estimates (percentile method)."""
+    last = len(sorted_estimates) - 1
+    tail = (1.0 - CONFIDENCE) / 2.0
+    return sorted_estimates[int(tail * last)], sorted_estimates[int(math.ceil((1.0 - tail) * last))]
+
+
+def share_interval(parts: Sequence[float], totals: Sequence[float], resamples: int = SHARE_RESAMPLES,
+                   seed: int = 0) -> Tuple[float, float]:
+    """The CONFIDENCE interval of sum(parts) / sum(totals) (a phase's share of the step), over
+    steps resampled in blocks. Seeded: the same steps give the same interval. Its ends are
+    rounded to 1e-6, so that steps all alike give their share itself, not a rounding of it."""
+    parts, totals = evenly(parts), evenly(totals)
+    count = len(parts)
+    if count < 2:
+        share = sum(parts) / sum(totals) if count and sum(totals) > 0 else 0.0
+        return share, share
+    rng = random.Random(seed)
+    # Running sums: a block's sum is two lookups, so a resample costs its blocks, not its steps.
+    part_sums, total_sums = [0.0], [0.0]
+    for part, total in zip(parts, totals):
+        part_sums.append(part_sums[-1] + part)
+        total_sums.append(total_sums[-1] + total)
+    shares = []
+    for _ in range(resamples):
+        starts, block = block_starts(count, rng)
+        part = total = 0.0
+        left = count
+        for start in starts:
+            end = start + min(block, left)
+            part += part_sums[end] - part_sums[start]
+            total += total_sums[end] - total_sums[start]
+            left -= block
+        shares.append(part / total if total > 0 else 0.0)
+    low, high = interval(sorted(shares))
+    return round(low, 6), round(high, 6)
