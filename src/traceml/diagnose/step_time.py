@@ -32,8 +32,8 @@ READY_SHARE = 0.8
 WORKERS_BUSY_SHARE = 0.5
 WORKERS_CPU_WAIT_SHARE = 0.2  # waiting for a CPU this share of their time or more: the cores are taken
 # A batch made in less than this costs about as much to hand over from a worker process (through
-# shared memory and the workers' queue) as to make: on this project's VM a cheap batch took 0.4 ms
-# from next() without workers and 1.4 ms with 2 (tests/field/char_transformer.py).
+# shared memory and the workers' queue) as to make: on this project's VM a cheap batch took 0.4-0.5
+# ms from next() without workers and 2.0-3.7 ms with 2 (tests/field/char_transformer.py).
 CHEAP_BATCH_MS = 1.0
 SMALL_BATCH = 32  # samples: a worker's fixed cost of a hand-over weighs on batches this small
 
