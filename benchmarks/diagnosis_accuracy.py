@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
 FIELD = ROOT / "tests" / "field"
 TRAIN = SCRIPTS / "train_loop.py"
+CHAR = FIELD / "char_transformer.py"
 WIDE = ("--no-loader", "--batch-size", "64", "--features", "512", "--width", "2048")
 
 
@@ -80,6 +81,15 @@ CASES: List[Case] = [
          "INPUT_BOUND"),
     Case("slow collate, HF Trainer", SCRIPTS / "hf_trainer.py",
          ("--max-steps", "20", "--accumulate", "2", "--collate-ms", "20"), "INPUT_BOUND"),
+    # What the DataLoader's figures say the wait is (the finding's loader_cause).
+    Case("cheap batches, 2 workers", CHAR, ("--out", "out", "--workers", "2", "--steps", "300"),
+         "INPUT_BOUND", {"loader_cause": "handover", "num_workers": 2}),
+    Case("slow reads, 2 workers", CHAR, ("--out", "out", "--workers", "2", "--steps", "200", "--read-ms", "4"),
+         "INPUT_BOUND", {"loader_cause": "waiting_workers", "num_workers": 2}),
+    # Input wait on INPUT_BOUND's 10% line (9-10% of the step, run after run): told under Also,
+    # never the verdict, quiet or loaded.
+    Case("input wait at the line", CHAR, ("--out", "out", "--workers", "0", "--steps", "500", "--augment", "10"),
+         "COMPUTE_BOUND", also=("INPUT_BOUND", {"loader_cause": "no_workers"})),
     # Work of the user's outside the model.
     Case("logging between steps", TRAIN, ("--steps", "60", *WIDE[:3], "--outside-ms", "25"), "UNTRACED_WORK"),
     Case("a sync inside every 10th step", TRAIN, ("--steps", "100", *WIDE, "--stall-every", "10",

@@ -196,8 +196,8 @@ def test_the_handover_finding_states_both_costs():
 
 def test_cheap_batches_cost_more_with_two_workers_than_without(traceml_run):
     """The char-level transformer's windows are cheap to cut: handing each batch over from two
-    worker processes costs the training more than making it itself would (measured: 0.3-0.5 ms
-    a batch from next() without workers, 1.4-3.3 ms with two, on this project's VM)."""
+    worker processes costs the training more than making it itself would (measured: 0.4-0.5 ms
+    a batch from next() without workers, 2.0-3.7 ms with two, on this project's VM)."""
     run = traceml_run("--out", "out", "--workers", 2, "--steps", 300, script=FIELD / "char_transformer.py",
                       traceml_args=("--mode", "summary"), timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]

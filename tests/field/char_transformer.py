@@ -5,10 +5,11 @@ pinned memory shuffles them into batches. Each window is cheap to cut, so the wo
 little to do.
 
     python char_transformer.py --out DIR [--steps 300] [--workers 2] [--pin-memory]
-                               [--batch-size 16] [--augment 0] [--epochs 1] [--threads 1]
+                               [--batch-size 16] [--augment 0] [--read-ms 0] [--epochs 1] [--threads 1]
 
 --augment N runs N passes of a per-character corruption (a pure-Python loop) over each
-window: per-sample work the workers must do.
+window: per-sample work the workers must do. --read-ms M makes each window wait M ms first, as
+a read from a slow or remote disk would: work that needs no CPU.
 """
 import argparse
 import os
@@ -36,13 +37,15 @@ def make_corpus(characters, seed=7):
 
 
 class CharWindows(Dataset):
-    def __init__(self, ids, context, augment=0):
-        self.ids, self.context, self.augment = ids, context, augment
+    def __init__(self, ids, context, augment=0, read_ms=0.0):
+        self.ids, self.context, self.augment, self.read_s = ids, context, augment, read_ms / 1000.0
 
     def __len__(self):
         return len(self.ids) - self.context - 1
 
     def __getitem__(self, index):
+        if self.read_s:
+            time.sleep(self.read_s)  # the window's bytes coming from a slow disk
         window = self.ids[index:index + self.context + 1]
         if self.augment:  # swap a few characters for their neighbours, one by one
             chars = window.tolist()
@@ -83,6 +86,7 @@ def main():
     parser.add_argument("--context", type=int, default=32)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--augment", type=int, default=0)
+    parser.add_argument("--read-ms", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads: one, so that the loader's workers have the other cores")
     args = parser.parse_args()
@@ -94,7 +98,7 @@ def main():
     vocab = sorted(set(text))
     index_of = {c: i for i, c in enumerate(vocab)}
     ids = torch.tensor([index_of[c] for c in text], dtype=torch.long)
-    dataset = CharWindows(ids, args.context, args.augment)
+    dataset = CharWindows(ids, args.context, args.augment, args.read_ms)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
                         pin_memory=args.pin_memory, persistent_workers=args.persistent_workers and args.workers > 0,
                         drop_last=True, generator=torch.Generator().manual_seed(0))

@@ -21,7 +21,6 @@ def main():
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--load-ms", type=float, default=0.0, help="per-sample sleep in the Dataset")
     parser.add_argument("--no-loader", action="store_true", help="batches built by hand, no DataLoader")
-    parser.add_argument("--workers", type=int, default=0, help="the DataLoader's num_workers")
     parser.add_argument("--outside-ms", type=float, default=0.0, help="sleep between steps")
     parser.add_argument("--close-stdout-at", type=int, default=-1, help="the script closes its stdout")
     parser.add_argument("--crash-at", type=int, default=-1, help="raise inside this step")
@@ -66,7 +65,7 @@ def main():
 
         batches = (batch(index) for index in range(args.steps))
     else:
-        batches = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers)
+        batches = DataLoader(dataset, batch_size=args.batch_size)
 
     kept, heap = [], [[index] for index in range(args.gc_heap)]
     checkpoint = torch.zeros(int(args.save_mb * 2 ** 20 / 4))

@@ -20,8 +20,9 @@ GC_CRIT_SHARE = 0.20
 # A share's interval sees the noise inside one run, not the machine's drift between runs: on
 # this project's shared 2-core VM one loop's input wait was 4%, 11% and 8% of its step in three
 # runs (tests/field/char_transformer.py), each interval under a point wide. So a waiting phase is
-# the verdict only once its interval clears its warn line by this much (12.5% for the 10% line),
-# and an interval that reaches within it of the line (7.5%) is at the line: told, not the verdict.
+# the verdict only once its share clears its warn line by this much (12.5% for the 10% line) and
+# its interval stays above the line less this much (7.5%); short of that, one whose interval
+# reaches 7.5% is at the line: told, not the verdict.
 LINE_MARGIN = 0.25
 # INPUT_BOUND's advice follows the DataLoader's figures (analysis/loaders.py). Workers that keep
 # up leave a batch made and waiting in nearly every reading (all of them, in the hand-over runs of
@@ -32,8 +33,8 @@ READY_SHARE = 0.8
 WORKERS_BUSY_SHARE = 0.5
 WORKERS_CPU_WAIT_SHARE = 0.2  # waiting for a CPU this share of their time or more: the cores are taken
 # A batch made in less than this costs about as much to hand over from a worker process (through
-# shared memory and the workers' queue) as to make: on this project's VM a cheap batch took 0.4 ms
-# from next() without workers and 1.4 ms with 2 (tests/field/char_transformer.py).
+# shared memory and the workers' queue) as to make: on this project's VM a cheap batch took 0.4-0.5
+# ms from next() without workers and 2.0-3.7 ms with 2 (tests/field/char_transformer.py).
 CHEAP_BATCH_MS = 1.0
 SMALL_BATCH = 32  # samples: a worker's fixed cost of a hand-over weighs on batches this small
 
@@ -48,20 +49,21 @@ def _severity(share: float, warn: float, crit: float) -> Optional[str]:
 
 def _severity_clear_of_the_line(window: Window, phase: str, warn: float, crit: float) -> Tuple[
         Optional[str], Optional[Tuple[float, float]]]:
-    """A waiting phase's severity read from its share's 95% interval (analysis/bootstrap.py),
-    and the interval: warn only when the whole interval clears the warn line by LINE_MARGIN,
-    crit when it clears the crit line, so that a share sitting on the line gives the same
-    verdict run after run. An interval that reaches within LINE_MARGIN of the warn line is
-    "info" (told, under Also, never the verdict); one below that, no finding."""
+    """A waiting phase's severity, and its share's 95% interval (analysis/bootstrap.py). The
+    verdict (warn, or crit from the crit line) needs both: the share above the warn line by
+    LINE_MARGIN (for the machine's drift between runs) and its whole interval above the line less
+    LINE_MARGIN (for the noise inside this run: a short run on a busy machine), so that a share
+    sitting on the line gives the same verdict run after run. Short of that, a share whose
+    interval reaches the line less LINE_MARGIN is "info" (told, under Also, never the verdict);
+    one further below, no finding."""
     # Rounded: 0.1 * 1.25 is 0.125 to the reader, 0.12500000000000003 to the float.
     above, below = round(warn * (1 + LINE_MARGIN), 6), round(warn * (1 - LINE_MARGIN), 6)
-    if window.share(phase) < below / 2:  # far below: no interval needed
+    share = window.share(phase)
+    if share < below / 2:  # far below: no interval needed
         return None, None
     low, high = window.share_interval(phase)
-    if low >= crit:
-        return "crit", (low, high)
-    if low >= above:
-        return "warn", (low, high)
+    if share >= above and low >= below:
+        return ("crit" if share >= crit else "warn"), (low, high)
     return ("info" if high >= below else None), (low, high)
 
 
@@ -105,8 +107,8 @@ def _waiting(window: Window, phase: str, kind: str, what: str,
     summary = _of_step(what, share, wait_ms, window)
     if severity == "info":
         summary += (f", at the {WAIT_WARN_SHARE:.0%} line (95% interval {interval[0]:.1%} to "
-                    f"{interval[1]:.1%}; {WAIT_WARN_SHARE * (1 + LINE_MARGIN):.1%} needed): too close to "
-                    "call the run bound by it")
+                    f"{interval[1]:.1%}; {WAIT_WARN_SHARE * (1 + LINE_MARGIN):.1%} needed, the interval "
+                    f"above {WAIT_WARN_SHARE * (1 - LINE_MARGIN):.1%}): too close to call the run bound by it")
     cause, action, cause_evidence = advise()
     if cause:
         summary += f"; {cause}"
