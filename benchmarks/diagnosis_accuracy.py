@@ -58,6 +58,8 @@ CASES: List[Case] = [
          "COMPUTE_BOUND"),
     Case("healthy GPT, eval every 10", FIELD / "gpt_memmap.py", ("--out", "out", "--iters", "40"),
          "COMPUTE_BOUND"),
+    Case("healthy MLP, first eval 10x slower", FIELD / "cached_validation.py", ("--out", "out"),
+         "COMPUTE_BOUND", also=("EVAL_HEAVY", {"period_steps": 10})),
     Case("healthy transformer, deep-dive", SCRIPTS / "tiny_transformer.py", ("--steps", "60"),
          "COMPUTE_BOUND", traceml_args=("--deep",)),
     Case("healthy LoRA fine-tune, deep-dive", FIELD / "llama_lora.py", ("--out", "out", "--steps", "80"),

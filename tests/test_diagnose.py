@@ -291,6 +291,7 @@ def test_out_of_memory_is_the_primary_finding_even_in_a_short_run():
 
 # -- Calibrated verdicts: episodes, periods, warm-up, one cause one finding, the ranking ------
 from traceml.diagnose import VERDICT_SHARE, rank
+from traceml.analysis.goodput import PARTS, Goodput
 from traceml.records import (STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP,
                              Finding, SystemSample)
 
@@ -315,7 +316,32 @@ def test_consecutive_slow_steps_are_one_stall_never_every_1_steps():
     assert [(e.first_step, e.steps) for e in stalls.episodes] == [(50, 6)]
     assert stalls.period is None
     found = step_spikes(stalls)
-    assert "every 1 steps" not in found.summary and "the longest 6 steps in a row" in found.summary
+    assert "every 1 steps" not in found.summary and "once, 6 steps in a row" in found.summary
+    # One slow step alone: "1 step takes", "once", "it costs".
+    found = step_spikes(Stalls(stalled_window({50}, extra_ms=1000.0)))
+    assert found.summary == ("1 step takes 1100.0 ms against a median of 100.0 ms, once; untraced grows "
+                             "by 1000.0 ms in it; it costs 9% of the run's time")
+
+
+def test_one_stall_ten_times_longer_hides_neither_the_period_nor_its_cost():
+    # A sync inside every 10th step: 150 ms; the one at step 49 waited 2000 ms.
+    window = stalled_window(set(range(9, 100, 10)), extra_ms=150.0)
+    window.steps[49].step_ms += 1850.0
+    window.steps[49].untraced_ms += 1850.0
+    window = Window(window.steps)
+    stalls = Stalls(window)
+    assert stalls.period == 10 and [s.step for s in stalls.outliers] == [49]
+    said_ms = 9 * 150.0 + 2000.0  # nine typical stalls and the outlier, as the words give them
+    (untraced,) = [f for f in diagnose(window, steps_seen=100) if f.kind == "UNTRACED_WORK"]
+    assert untraced.evidence["period_steps"] == 10 and untraced.evidence["outliers"] == [{"step": 49, "ms": 2000.0}]
+    assert untraced.summary == ("every 10 steps, untraced work inside the step takes 150 ms (one of them "
+                                "2000 ms) against a median step of 100.0 ms: 25% of the run")
+    assert untraced.evidence["stall_share"] == pytest.approx(said_ms / window.total_ms, abs=1e-4)
+    # Told as slow steps, the same stalls add up to their cost the same way.
+    spikes = step_spikes(stalls)
+    assert spikes.summary.startswith("10 steps take 250.0 ms (one of them 2100.0 ms) against a median of "
+                                     "100.0 ms, every 10 steps;")
+    assert spikes.evidence["share"] == pytest.approx(said_ms / window.total_ms, abs=1e-4)
 
 
 def test_a_period_needs_three_repeats_two_or_more_steps_apart():
@@ -449,6 +475,74 @@ def test_evaluation_every_n_steps_is_noted_under_a_compute_bound_verdict():
     assert [f.kind for f in findings] == ["COMPUTE_BOUND", "EVAL_HEAVY"]
     assert findings[1].severity == "info" and findings[1].evidence["period_steps"] == 20
     assert findings[1].summary == "every 20 steps, evaluation between steps takes 180 ms: 8% of the run"
+
+
+def evaluated_window(evaluations_ms, count=100, step_ms=100.0):
+    """Steps of step_ms, mostly forward, with evaluation between steps: {step: its ms}."""
+    steps = []
+    for index in range(count):
+        step = rolled(index, backward=30.0, optimizer=10.0)
+        for name in ("step", "forward", "backward", "optimizer"):
+            setattr(step, f"{name}_ms", getattr(step, f"{name}_ms") * step_ms / 100.0)
+        step.eval_ms = evaluations_ms.get(index, 0.0)
+        step.outside_ms += step.eval_ms
+        step.step_ms += step.eval_ms
+        steps.append(step)
+    return Window(steps)
+
+
+def said_ms(evidence):
+    """The time a planned-work finding's words account for: the typical one times the count,
+    the outliers as named, and what fell outside the windows counted."""
+    regular = evidence["count"] - len(evidence["outliers"])
+    return regular * evidence["each_ms"] + sum(o["ms"] for o in evidence["outliers"]) + evidence["elsewhere_ms"]
+
+
+def test_an_evaluation_ten_times_slower_is_named_apart_and_keeps_the_period():
+    # Every 10 steps an evaluation of 100 ms; the first took 1200 ms (it loaded its data set).
+    evaluations = {step: 100.0 for step in range(9, 100, 10)}
+    evaluations[9] = 1200.0
+    window = evaluated_window(evaluations)
+    findings = diagnose(window, steps_seen=100)
+    assert [f.kind for f in findings] == ["EVAL_HEAVY", "COMPUTE_BOUND"]
+    found = findings[0]
+    assert found.evidence["period_steps"] == 10 and found.evidence["count"] == 10
+    assert found.evidence["each_ms"] == 100.0 and found.evidence["outliers"] == [{"step": 9, "ms": 1200.0}]
+    assert said_ms(found.evidence) / window.total_ms == pytest.approx(found.evidence["share"], abs=1e-4)
+    assert found.summary == ("every 10 steps, evaluation between steps takes 100 ms (one of them 1200 ms): "
+                             "17% of the run")
+
+
+def test_irregular_evaluations_are_counted_all_and_once_is_once():
+    # What a field run stored: five evaluations over 996 steps of 15 ms, one of them 458 ms.
+    evaluations = dict(zip((120, 310, 500, 730, 905), (68.6, 56.1, 457.6, 42.6, 41.3)))
+    window = evaluated_window(evaluations, count=996, step_ms=15.0)
+    (found,) = [f for f in diagnose(window, steps_seen=996) if f.kind == "EVAL_HEAVY"]
+    assert found.evidence["count"] == 5 and found.evidence["period_steps"] is None
+    assert found.evidence["outliers"] == [{"step": 500, "ms": 457.6}]
+    assert said_ms(found.evidence) / window.total_ms == pytest.approx(found.evidence["share"], abs=1e-4)
+    assert found.summary == ("5 times in 996 steps, evaluation between steps takes 52 ms (one of them 458 ms): "
+                             "4% of the run")
+    window = evaluated_window({50: 3000.0})
+    (found,) = [f for f in diagnose(window, steps_seen=100) if f.kind == "EVAL_HEAVY"]
+    assert found.summary == "once in 100 steps, evaluation between steps takes 3000 ms: 23% of the run"
+    assert found.evidence["count"] == 1 and found.evidence["outliers"] == []
+
+
+def test_evaluation_outside_the_steps_counted_is_said_and_added_up():
+    # Ten evaluations of 100 ms in the steps, and a final one of 1000 ms after the last step:
+    # goodput holds all of it.
+    window = evaluated_window({step: 100.0 for step in range(9, 100, 10)})
+    run_s = window.total_ms / 1e3 + 2.0  # startup, and the final evaluation
+    evaluation_s = 2.0
+    parts = {part: {"seconds": 0.0, "share": 0.0} for part in PARTS}
+    parts["evaluation"] = {"seconds": evaluation_s, "share": evaluation_s / run_s}
+    goodput = Goodput(wall_s=run_s, parts=parts, startup={})
+    (found,) = [f for f in diagnose(window, steps_seen=100, goodput=goodput) if f.kind == "EVAL_HEAVY"]
+    assert found.evidence["elsewhere_ms"] == pytest.approx(1000.0)
+    assert said_ms(found.evidence) / (run_s * 1e3) == pytest.approx(found.evidence["share"], abs=1e-4)
+    assert found.summary == ("every 10 steps, evaluation between steps takes 100 ms, and 1000 ms more "
+                             "elsewhere in the run: 15% of the run")
 
 
 def test_a_finding_worth_less_than_a_tenth_of_the_run_is_never_the_verdict():

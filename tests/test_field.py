@@ -224,6 +224,29 @@ def test_lightning_fit_saves_the_same_model(tmp_path):
     assert traced.summary()["steps"]["count"] == 30
 
 
+def test_a_first_evaluation_ten_times_slower_is_named_apart_and_keeps_the_period(tmp_path):
+    # The validation set is decoded on first use: the first evaluation (after update 10) reads
+    # the whole file, every later one (each 10 updates) reads memory.
+    plain, traced = side_by_side(tmp_path, [sys.executable, str(FIELD / "cached_validation.py"), "--out", "out"],
+                                 traceml_run(FIELD / "cached_validation.py", "--out", "out"))
+    assert_invisible(plain, traced, tmp_path / "plain" / "out", tmp_path / "traced" / "out")
+    summary = traced.summary()
+    assert summary["primary_diagnosis"]["kind"] == "COMPUTE_BOUND", summary["findings"]
+    (found,) = [f for f in summary["findings"] if f["kind"] == "EVAL_HEAVY"]
+    evidence = found["evidence"]
+    # Eleven evaluations in the steps (the twelfth comes after the last one), every 10 steps.
+    assert evidence["period_steps"] == 10 and evidence["count"] == 11, found
+    ((first, first_ms),) = [(o["step"], o["ms"]) for o in evidence["outliers"]]
+    assert first < 15 and first_ms >= 5 * evidence["each_ms"]
+    assert found["summary"].startswith(f"every 10 steps, evaluation between steps takes {evidence['each_ms']:.0f} ms "
+                                       f"(one of them {first_ms:.0f} ms)")
+    # The numbers add up to the share of the run goodput gives evaluation.
+    wall_ms = sum(part["seconds"] for part in summary["goodput"].values()) * 1e3
+    said_ms = (evidence["count"] - 1) * evidence["each_ms"] + first_ms + evidence["elsewhere_ms"]
+    assert said_ms / wall_ms == pytest.approx(summary["goodput"]["evaluation"]["share"], abs=1e-3)
+    assert "STEP_SPIKES" not in {f["kind"] for f in summary["findings"]}
+
+
 def test_a_loop_whose_steps_cannot_be_found_says_so_in_one_line(tmp_path):
     plain, traced = side_by_side(tmp_path, [sys.executable, str(FIELD / "grad_only.py"), "--out", "out"],
                                  traceml_run(FIELD / "grad_only.py", "--out", "out"))

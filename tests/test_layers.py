@@ -11,7 +11,7 @@ SRC = Path(__file__).parent.parent / "src"
 # Bottom to top; a module belongs to the longest prefix that names it ("traceml" alone is the
 # package's public API, which loads the rest lazily: the top).
 LAYERS = [
-    ("records", ("traceml.records", "traceml.rendezvous", "traceml.rundir")),
+    ("records", ("traceml.records", "traceml.rendezvous", "traceml.rundir", "traceml.words")),
     ("probe and collector", ("traceml.probe", "traceml.collector", "traceml.integrations")),
     ("analysis", ("traceml.analysis", "traceml.diagnose")),
     ("views", ("traceml.views",)),

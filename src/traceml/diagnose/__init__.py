@@ -102,9 +102,11 @@ def _one_finding_per_cause(shares: List[Finding], stalls: Stalls) -> List[Findin
     if stalls.period and stalls.phase in STALL_WORDS and stalls.explained_by(stalls.phase):
         # A part that stalls on a period is that part's cause even when its mean share stays
         # under the cause's own line (a sync every 10th step on a busy machine).
+        # Its share is the part's own time in the stalls, the figure its words add up to.
         cause = next(kind for kind, phases in STALL_CAUSES.items() if stalls.phase in phases)
-        base = Finding(kind=cause, severity="warn" if stalls.cost_share >= WARN_COST_SHARE else "info",
-                       summary="", action="", evidence={"share": round(stalls.cost_share, 4)})
+        share = stalls.phase_cost_share(stalls.phase)
+        base = Finding(kind=cause, severity="warn" if share >= WARN_COST_SHARE else "info",
+                       summary="", action="", evidence={"share": round(share, 4)})
         return shares + [periodic(base, stalls, STALL_WORDS[stalls.phase], stalls.phase)]
     spikes = step_spikes(stalls)
     return shares + ([spikes] if spikes is not None else [])

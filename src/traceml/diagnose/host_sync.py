@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from traceml.analysis.rollup import Window
 from traceml.records import Finding, HostSyncSample
+from traceml.words import counted
 
 EVERY_STEP_LINE = 0.5  # calls per sampled step from one line: below, an occasional read (logging every N steps)
 WARN_SHARE = 0.05  # what removing the syncs could win, as a share of the step: warn
@@ -67,7 +68,7 @@ def host_sync(samples: Sequence[HostSyncSample], window: Window) -> Optional[Fin
                f"{top['wait_ms_per_step']:.1f} ms a step for the GPU, {top['wait_ms_per_step'] / step_ms:.0%} of it")
     if len(every_step) > 1:
         others = len(every_step) - 1
-        summary += (f" (and {others} other line{'s' if others > 1 else ''} every step: "
+        summary += (f" (and {counted(others, 'other line')} every step: "
                     f"{wait_ms - top['wait_ms_per_step']:.1f} ms)")
     advice = ADVICE.get(top["call"], _COPY_ADVICE)
     action = (f"{advice[0].upper()}{advice[1:]}. While the host waits it cannot load the next batch or "

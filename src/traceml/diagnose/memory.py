@@ -10,6 +10,7 @@ import msgspec
 
 from traceml.analysis.rollup import Window
 from traceml.records import Finding, OomRecord, RankHello, SystemSample
+from traceml.words import counted
 
 MIN_POINTS = 20  # steps of memory readings before a trend can be called
 MIN_READINGS = 9  # distinct readings among them: three to each third of the window
@@ -79,7 +80,7 @@ def memory_creep(window: Window, limits: MemoryLimits,
                 "projected_oom_step": oom_step, "phase": "held across steps", "headroom_bytes": headroom if headroom > 0 else None,
                 "share": round(min(1.0, growth / held[-1]), 4) if held[-1] else None}
     summary = (f"{where} at step end grows {_gib(slope)} a step ({_gib(growth)} over "
-               f"{steps[-1] - steps[0]} steps): it outlives backward and the optimizer step, "
+               f"{counted(steps[-1] - steps[0], 'step')}): it outlives backward and the optimizer step, "
                f"held from one step to the next; {forecast}")
     if layers_alive:
         top = ", ".join(f"{layer['name']} ({_gib(layer['alive_bytes'])})" for layer in layers_alive[:3])

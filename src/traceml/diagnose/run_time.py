@@ -8,6 +8,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from traceml.analysis.goodput import Goodput
 from traceml.records import CompileRecord, Finding
+from traceml.words import counted
 
 STARTUP_LINE = 0.20  # startup at this share of a run ...
 STARTUP_MIN_RUN_S = 60.0  # ... longer than this: SLOW_STARTUP
@@ -100,10 +101,10 @@ def recompilations(compiles: Sequence[CompileRecord], after_step: int, run_ms: f
     reasons = Counter(plain_reason(r.recompile_reason) for r in frames)
     (what, action), _ = reasons.most_common(1)[0]
     first = min(r.step for r in frames)
-    summary = (f"{count} recompilation{'s' if count != 1 else ''} after step {after_step} (first at "
+    summary = (f"{counted(count, 'recompilation')} after step {after_step} (first at "
                f"step {first}), {seconds:.1f} s, {share:.0%} of the run: {what}")
     if len(reasons) > 1:
-        summary += f" (and {len(reasons) - 1} other reason{'s' if len(reasons) > 2 else ''})"
+        summary += f" (and {counted(len(reasons) - 1, 'other reason')})"
     return Finding(
         kind="RECOMPILATION", severity="crit" if share >= RECOMPILE_CRIT else "warn",
         summary=summary,

@@ -4,11 +4,13 @@ CHECKPOINT_STALL.
 
 A slow step is far above the median (robust z-score) and at least twice it. Consecutive slow
 steps are one episode (a stall lasts as long as it lasts); a period needs at least three
-episodes at the same gap of two steps or more. Episodes early in the run that never come back
-are warm-up (the allocator, optimizer state, caches): noted, never a finding. Steps TraceML
-slowed on purpose (a deep-dive sample) are left out. When every phase grows in
-the slow steps, no single part of the step is to blame: the machine stalled, and the system
-sampler says whether other processes were using the CPU at the time.
+episodes at the same gap of two steps or more. A few stalls far above the rest (an evaluation
+that compiled, one long pause) are outliers: named apart, never the typical figure, and never
+hiding the period of the others. Episodes early in the run that never come back are warm-up
+(the allocator, optimizer state, caches): noted, never a finding. Steps TraceML slowed on
+purpose (a deep-dive sample) are left out. When every phase grows in the slow steps, no single
+part of the step is to blame: the machine stalled, and the system sampler says whether other
+processes were using the CPU at the time.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import msgspec
 from traceml.analysis.goodput import Goodput
 from traceml.analysis.rollup import Window
 from traceml.records import ALL_PHASES, STEP_PHASES, Finding, RolledStep, SystemSample
+from traceml.words import counted, every, times
 
 MIN_Z = 6.0  # robust z-score (median and MAD) a step must pass to be slow
 MIN_RATIO = 2.0  # ... and it must take this many times the median step (a busy machine's
@@ -42,6 +45,15 @@ BIGGER_INPUT_RATIO = 1.5  # slow steps with this many times the usual samples or
 EVAL_LINE = 0.15  # evaluation at this share of the run bounds it; below, it is noted
 CHECKPOINT_LINE = 0.05  # checkpoint saves at this share of the run bound it
 PLANNED_NOTE_SHARE = 0.01  # planned work below this share of the run is not worth a line
+PLANNED_FLOOR_MS = 0.5  # a window holds an evaluation (a save) when it holds this much of one...
+PLANNED_NOISE_SHARE = 0.1  # ... and this share of the median window that holds any: a median,
+                           # which one evaluation ten times slower cannot inflate as it does the largest
+PLANNED_ELSEWHERE_SHARE = 0.1  # planned work outside the windows counted (the warm-up steps, after
+                               # the last step): said when it is this share of all of it
+OUTLIER_RATIO = 5.0  # a slow step, an evaluation or a save this many times the median one is an
+                     # outlier: named apart and left out of the typical figure (a busy machine
+                     # stretches short work two or three times; a first evaluation that loads its
+                     # data or compiles takes ten)
 
 ACTIONS = {
     "outside": ("A periodic task between steps (logging, metrics, a sync) stalls training: "
@@ -97,7 +109,10 @@ class Stalls:
         self.episodes: List[Episode] = []
         self.warmup: List[Episode] = []
         self.slow: List[RolledStep] = []
+        self.outliers: List[RolledStep] = []  # slow steps far slower than the typical one
+        self._regular: List[RolledStep] = []  # the other slow steps: the typical figures' own
         self._normal: List[RolledStep] = []  # the steps in no stall
+        self.usual_ms: Dict[str, float] = {}  # each figure's median in the steps in no stall
         self.period: Optional[int] = None
         self.growth_ms: Dict[str, float] = {}
         self.phase = ""  # the phase that grows most in the slow steps
@@ -128,15 +143,21 @@ class Stalls:
         stalled = {e.first_step + i for e in found.episodes + found.minor + found.warmup
                    for i in range(e.steps)}
         self.slow = [s for s in steps if s.step in in_episode]
+        _, outliers = _typical([s.step_ms - self.median_ms for s in self.slow])
+        self.outliers = [self.slow[i] for i in outliers]
+        self._regular = [s for i, s in enumerate(self.slow) if i not in outliers]
         normal = self._normal = [s for s in steps if s.step not in stalled]
-        self.growth_ms = {name: statistics.median(getattr(s, f"{name}_ms") for s in self.slow)
-                          - (statistics.median(getattr(s, f"{name}_ms") for s in normal) if normal else 0.0)
-                          for name in ALL_PHASES + ("eval", "checkpoint")}
+        self.usual_ms = {name: statistics.median(getattr(s, f"{name}_ms") for s in normal) if normal else 0.0
+                         for name in ALL_PHASES + ("eval", "checkpoint")}
+        # How much longer each part is in the typical slow step (the mean of all but the
+        # outliers, which tell their own): so many slow steps times it, and the outliers, are the cost.
+        self.growth_ms = {name: statistics.fmean(getattr(s, f"{name}_ms") for s in self._regular) - usual
+                          for name, usual in self.usual_ms.items()}
         self.phase = max(ALL_PHASES, key=lambda name: self.growth_ms[name])
         self.period = _period([e.first_step for e in self.episodes])
         self.other_cpu_cores = _other_cpu_cores(system, self.slow)
         self.input_ratio, self.input_measure = _input_ratio(self.slow, normal)
-        self.machine_wide = self._machine_wide(normal)
+        self.machine_wide = self._machine_wide()
 
     @property
     def cost_ms(self) -> float:
@@ -148,8 +169,17 @@ class Stalls:
 
     @property
     def excess_ms(self) -> float:
-        """How much longer the typical slow step is than the median step."""
-        return statistics.median(s.step_ms for s in self.slow) - self.median_ms if self.slow else 0.0
+        """How much longer the typical slow step (outliers aside) is than the median step."""
+        return statistics.fmean(s.step_ms for s in self._regular) - self.median_ms if self._regular else 0.0
+
+    def phase_excess_ms(self, phase: str, steps: Optional[List[RolledStep]] = None) -> List[float]:
+        """Each slow step's time in this phase over its usual time (or these steps')."""
+        usual_ms = self.usual_ms[phase]
+        return [getattr(s, f"{phase}_ms") - usual_ms for s in (self.slow if steps is None else steps)]
+
+    def phase_cost_share(self, phase: str) -> float:
+        """The share of the run's time this phase takes over its usual in the slow steps."""
+        return sum(self.phase_excess_ms(phase)) / self.total_ms if self.total_ms else 0.0
 
     def explained_by(self, *names: str) -> bool:
         """Whether these figures (phases, eval, checkpoint) account for the slow steps' excess."""
@@ -160,17 +190,19 @@ class Stalls:
         def together(step: RolledStep) -> float:
             return sum(getattr(step, f"{name}_ms") for name in names)
 
-        growth = statistics.median(map(together, self.slow)) - (
+        growth = statistics.fmean(map(together, self._regular)) - (
             statistics.median(map(together, self._normal)) if self._normal else 0.0)
         return growth >= EXPLAINED_SHARE * self.excess_ms
 
     def when(self) -> str:
         """How often: "every 20 steps", or how many times."""
         if self.period:
-            return f"every {self.period} steps"
-        lengths = [e.steps for e in self.episodes]
-        longest = f", the longest {max(lengths)} steps in a row" if max(lengths) > 1 else ""
-        return f"{len(self.episodes)} times, irregularly{longest}"
+            return every(self.period, "step")
+        longest = max(e.steps for e in self.episodes)
+        if len(self.episodes) == 1:
+            return "once" + (f", {longest} steps in a row" if longest > 1 else "")
+        in_a_row = f", the longest {longest} steps in a row" if longest > 1 else ""
+        return f"{times(len(self.episodes))}, irregularly{in_a_row}"
 
     def evidence(self) -> dict:
         return {"episodes": len(self.episodes), "slow_steps": len(self.slow),
@@ -179,7 +211,8 @@ class Stalls:
                 "spike_median_ms": round(self.median_ms + self.excess_ms, 3),
                 "step_median_ms": round(self.median_ms, 3),
                 "first_spike_step": self.episodes[0].first_step if self.episodes else None,
-                "longest_episode_steps": max((e.steps for e in self.episodes), default=0)}
+                "longest_episode_steps": max((e.steps for e in self.episodes), default=0),
+                "outliers": [{"step": s.step, "ms": round(s.step_ms, 3)} for s in self.outliers]}
 
     def warmup_note(self) -> List[dict]:
         """The warm-up transients, for the summary: slow early steps that did not come back."""
@@ -191,15 +224,14 @@ class Stalls:
         """The slow steps carry more samples or tokens than the usual ones: more work, not a stall."""
         return self.input_ratio is not None and self.input_ratio >= BIGGER_INPUT_RATIO
 
-    def _machine_wide(self, normal: List[RolledStep]) -> bool:
+    def _machine_wide(self) -> bool:
         """Every part of the step that counts slowed at once (a stall of one cause grows one
         part), or, while other processes took the CPU, stalls that no part explains or that come
         at no period (a descheduled process stalls in whichever phase it was in). Never when the
         slow steps carry bigger inputs: their work grows every phase."""
         if self.bigger_inputs:
             return False
-        usual = {name: statistics.median(getattr(s, f"{name}_ms") for s in normal) if normal else 0.0
-                 for name in STEP_PHASES}
+        usual = self.usual_ms
         parts = [name for name in STEP_PHASES if usual[name] >= MACHINE_PART_SHARE * self.median_ms]
         if parts and all(self.growth_ms[name] >= MACHINE_GROWTH * usual[name] for name in parts):
             return True
@@ -215,23 +247,27 @@ def step_spikes(stalls: Stalls) -> Optional[Finding]:
     if stalls.period is None and cost < WARN_COST_SHARE:
         return None  # a few irregular hiccups that cost little: noise, not a finding
     slow_ms = stalls.median_ms + stalls.excess_ms
+    one = len(stalls.slow) == 1
+    they, them, cost_verb = ("it", "it", "costs") if one else ("they", "them", "cost")
+    slow_steps = (f"{counted(len(stalls.slow), 'step')} take{'s' if one else ''} {slow_ms:.1f} ms"
+                  f"{_outlier_words([s.step_ms for s in stalls.outliers], digits=1)} against a median of "
+                  f"{stalls.median_ms:.1f} ms")
     evidence = {**stalls.evidence(), "share": round(cost, 4), "machine_wide": stalls.machine_wide,
                 "input_ratio": None if stalls.input_ratio is None else round(stalls.input_ratio, 2),
                 "other_cpu_cores": None if stalls.other_cpu_cores is None else round(stalls.other_cpu_cores, 2)}
     if stalls.machine_wide:
         busy = (f"; other processes used {stalls.other_cpu_cores:.1f} CPU cores meanwhile"
                 if stalls.other_cpu_cores is not None and stalls.other_cpu_cores >= OTHER_CPU_CORES else "")
-        summary = (f"the machine stalls the training {stalls.when()}: {len(stalls.slow)} steps take "
-                   f"{slow_ms:.1f} ms against a median of {stalls.median_ms:.1f} ms, every phase "
-                   f"slower at once{busy}; they cost {cost:.0%} of the run's time")
+        summary = (f"the machine stalls the training {stalls.when()}: {slow_steps}, every phase "
+                   f"slower at once{busy}; {they} {cost_verb} {cost:.0%} of the run's time")
         action = MACHINE_ACTION
     else:
         phase = stalls.phase
-        inputs = (f"; they carry {stalls.input_ratio:.1f}x the usual step's {stalls.input_measure}"
-                  if stalls.bigger_inputs else "")
-        summary = (f"{len(stalls.slow)} steps take {slow_ms:.1f} ms against a median of "
-                   f"{stalls.median_ms:.1f} ms, {stalls.when()}; {phase.replace('_', ' ')} grows by "
-                   f"{stalls.growth_ms[phase]:.1f} ms in them{inputs}; they cost {cost:.0%} of the run's time")
+        inputs = (f"; {they} carr{'ies' if one else 'y'} {stalls.input_ratio:.1f}x the usual step's "
+                  f"{stalls.input_measure}" if stalls.bigger_inputs else "")
+        summary = (f"{slow_steps}, {stalls.when()}; {phase.replace('_', ' ')} grows by "
+                   f"{stalls.growth_ms[phase]:.1f} ms in {them}{inputs}; {they} {cost_verb} {cost:.0%} of "
+                   f"the run's time")
         action = (BIGGER_INPUT_ACTION if stalls.bigger_inputs
                   else ACTIONS.get(phase, DEFAULT_ACTION.format(phase=phase)))
     return Finding(kind="STEP_SPIKES", severity="warn" if cost >= WARN_COST_SHARE else "info",
@@ -240,11 +276,19 @@ def step_spikes(stalls: Stalls) -> Optional[Finding]:
 
 def periodic(finding: Finding, stalls: Stalls, what: str, phase: str) -> Finding:
     """A share-based finding whose time comes from the stalls: told once, by its cause and
-    period ("every 20 steps, untraced work inside the step takes 104 ms: 66% of the run")."""
+    period ("every 20 steps, untraced work inside the step takes 104 ms against a median step of
+    8.0 ms: 60% of the run, 66% with its time in the other steps"). The share said first is the
+    stalls' own (their count times the typical figure, with the outliers named); the finding's,
+    when it reads otherwise, after it: the same work in the other steps as well."""
     share = finding.evidence["share"]
-    summary = (f"{stalls.when()}, {what} takes {stalls.growth_ms[phase]:.0f} ms (against a median step "
-               f"of {stalls.median_ms:.1f} ms): {share:.0%} of the run")
-    evidence = {**finding.evidence, **stalls.evidence(), "share": share, "periodic": True}
+    stall_share = stalls.phase_cost_share(phase)
+    outliers_ms = stalls.phase_excess_ms(phase, stalls.outliers)
+    rest = f", {share:.0%} with its time in the other steps" if f"{share:.0%}" != f"{stall_share:.0%}" else ""
+    summary = (f"{stalls.when()}, {what} takes {stalls.growth_ms[phase]:.0f} ms{_outlier_words(outliers_ms)} "
+               f"against a median step of {stalls.median_ms:.1f} ms: {stall_share:.0%} of the run{rest}")
+    evidence = {**finding.evidence, **stalls.evidence(), "share": share, "stall_share": round(stall_share, 4),
+                "periodic": True,
+                "outliers": [{"step": s.step, "ms": round(ms, 3)} for s, ms in zip(stalls.outliers, outliers_ms)]}
     return Finding(kind=finding.kind, severity=finding.severity, summary=summary,
                    action=ACTIONS.get(phase, finding.action), rank=finding.rank, evidence=evidence)
 
@@ -252,36 +296,80 @@ def periodic(finding: Finding, stalls: Stalls, what: str, phase: str) -> Finding
 def planned_work(window: Window, goodput: Optional[Goodput] = None) -> List[Finding]:
     """Evaluation and checkpoint saves, with their share of the run and how often they come.
     The run's plan, not a fault: a note, unless they take more than their line. The share is
-    of the run's wall time (goodput) when known, else of the window's steps."""
+    of the run's wall time (goodput) when known, else of the window's steps. The numbers add
+    up: the windows that held the work, each the typical time but for the outliers named apart,
+    and what fell outside those windows (the warm-up steps, a final evaluation), make the share."""
     found = []
+    run_ms = goodput.wall_s * 1e3 if goodput is not None else window.total_ms
     for kind, name, part, line, what, action in (
             ("EVAL_HEAVY", "eval", "evaluation", EVAL_LINE, "evaluation", EVAL_ACTION),
             ("CHECKPOINT_STALL", "checkpoint", "checkpoint", CHECKPOINT_LINE, "a checkpoint save",
              CHECKPOINT_ACTION)):
-        values = [getattr(s, f"{name}_ms") for s in window.steps]
+        figure = f"{name}_ms"
         if goodput is not None:
             share = goodput.share(part)
         else:
-            share = sum(values) / window.total_ms if window.total_ms else 0.0
-        if share < PLANNED_NOTE_SHARE or not any(values):
+            share = sum(getattr(s, figure) for s in window.steps) / run_ms if run_ms else 0.0
+        occurrences = _occurrences(window.steps, figure)
+        if share < PLANNED_NOTE_SHARE or not occurrences:
             continue
-        # The windows it happened in (a save's time varies with the disk's mood; a DataLoader
-        # wait of an evaluation loop's is not an evaluation).
-        largest = max(values)
-        occurrences = [s for s in window.steps if getattr(s, f"{name}_ms") >= 0.1 * largest]
-        each_ms = statistics.median(getattr(s, f"{name}_ms") for s in occurrences)
+        durations_ms = [getattr(s, figure) for s in occurrences]
+        each_ms, outlier_indexes = _typical(durations_ms)
+        # Outliers keep their place: an evaluation every 10 steps that once took 10 times longer
+        # is still every 10 steps.
         period = _period([s.step for s in occurrences])
-        when = f"every {period} steps" if period else f"{len(occurrences)} times in {len(window)} steps"
-        inside = sum(s.untraced_ms >= 0.8 * getattr(s, f"{name}_ms") for s in occurrences) > len(occurrences) / 2
+        when = every(period, "step") if period else f"{times(len(occurrences))} in {counted(len(window), 'step')}"
+        elsewhere_ms = max(0.0, share * run_ms - sum(durations_ms))
+        elsewhere = (f", and {elsewhere_ms:.0f} ms more elsewhere in the run"
+                     if elsewhere_ms >= PLANNED_ELSEWHERE_SHARE * share * run_ms else "")
+        inside = sum(s.untraced_ms >= 0.8 * getattr(s, figure) for s in occurrences) > len(occurrences) / 2
         where = "inside the step" if inside else "between steps"
         severity = "crit" if share >= 2 * line else "warn" if share >= line else "info"
+        outliers = [{"step": occurrences[i].step, "ms": round(durations_ms[i], 3)} for i in outlier_indexes]
         found.append(Finding(
             kind=kind, severity=severity,
-            summary=f"{when}, {what} {where} takes {each_ms:.0f} ms: {share:.0%} of the run",
+            summary=(f"{when}, {what} {where} takes {each_ms:.0f} ms"
+                     f"{_outlier_words([o['ms'] for o in outliers])}{elsewhere}: {share:.0%} of the run"),
             action=action,
             evidence={"share": round(share, 4), "each_ms": round(each_ms, 3), "period_steps": period,
-                      "count": len(occurrences), "where": where, "line": line}))
+                      "count": len(occurrences), "outliers": outliers,
+                      "elsewhere_ms": round(elsewhere_ms, 3), "where": where, "line": line}))
     return found
+
+
+def _occurrences(steps: Sequence[RolledStep], figure: str) -> List[RolledStep]:
+    """The windows that held an evaluation (or a save): over an absolute floor, and over a share
+    of the median window that held any. A stray batch fetched without gradients is not an
+    evaluation; and a median, unlike the largest, stays where the others are when one of them
+    takes ten times longer."""
+    held = [s for s in steps if getattr(s, figure) >= PLANNED_FLOOR_MS]
+    if not held:
+        return []
+    median_ms = statistics.median(getattr(s, figure) for s in held)
+    return [s for s in held if getattr(s, figure) >= PLANNED_NOISE_SHARE * median_ms]
+
+
+def _typical(values: Sequence[float]) -> Tuple[float, List[int]]:
+    """The typical value of some occurrences and the outliers' indexes: those OUTLIER_RATIO times
+    the median or more (fewer than half, always). The typical value is the mean of the others,
+    so that their count times it, and the outliers, add up to the whole."""
+    if not values:
+        return 0.0, []
+    median = statistics.median(values)
+    outliers = [i for i, value in enumerate(values) if median > 0 and value >= OUTLIER_RATIO * median]
+    return statistics.fmean(v for i, v in enumerate(values) if i not in outliers), outliers
+
+
+def _outlier_words(values_ms: Sequence[float], digits: int = 0) -> str:
+    """" (one of them 1200 ms)", " (2 of them: 1200 and 1500 ms)", " (5 of them, 800 to 1500 ms)"."""
+    values = sorted(values_ms)
+    if not values:
+        return ""
+    if len(values) == 1:
+        return f" (one of them {values[0]:.{digits}f} ms)"
+    if len(values) == 2:
+        return f" (2 of them: {values[0]:.{digits}f} and {values[1]:.{digits}f} ms)"
+    return f" ({len(values)} of them, {values[0]:.{digits}f} to {values[-1]:.{digits}f} ms)"
 
 
 class _Found(NamedTuple):
@@ -307,10 +395,21 @@ def _stall_episodes(steps: List[RolledStep], values_ms: List[float], min_excess_
     if not episodes:
         return None if not warmup else _Found([], [], warmup)
     # Short steps have jittery hiccups too: the stalls that matter are those of the same order
-    # as the largest one; smaller ones would blur the period.
-    largest = max(e.peak_excess_ms for e in episodes)
-    return _Found([e for e in episodes if e.peak_excess_ms >= MAJOR_SHARE * largest],
-                  [e for e in episodes if e.peak_excess_ms < MAJOR_SHARE * largest], warmup)
+    # as the largest one; smaller ones would blur the period. But a few outliers (OUTLIER_RATIO
+    # times the next largest, fewer than a period's repeats) must not hide the period of the
+    # others: measured against the largest of the others, when that finds a period.
+    def period_above(reference: float) -> Optional[int]:
+        return _period([e.first_step for e in episodes if e.peak_excess_ms >= MAJOR_SHARE * reference])
+
+    peaks = sorted((e.peak_excess_ms for e in episodes), reverse=True)
+    reference = peaks[0]
+    if period_above(reference) is None:
+        for above, below in zip(peaks[:MIN_REPEATS - 1], peaks[1:MIN_REPEATS]):
+            if above >= OUTLIER_RATIO * below and period_above(below):
+                reference = below
+                break
+    return _Found([e for e in episodes if e.peak_excess_ms >= MAJOR_SHARE * reference],
+                  [e for e in episodes if e.peak_excess_ms < MAJOR_SHARE * reference], warmup)
 
 
 def _episodes(slow: List[Tuple[int, float]]) -> List[Episode]:

@@ -8,6 +8,7 @@ from traceml.analysis.loaders import LoaderFigures
 from traceml.analysis.rollup import Window
 from traceml.records import (COMPUTE_PHASES, STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER,
                              STEPS_FROM_TRACE_STEP, Finding)
+from traceml.words import counted
 
 MIN_STEPS = 10
 WAIT_WARN_SHARE = 0.10  # input wait or H2D at this share of step time: warn
@@ -90,7 +91,7 @@ def insufficient_data(steps_seen: int, steps_found_by: Optional[str] = None) -> 
             evidence={"steps": 0, "min_steps": MIN_STEPS, "found_by": steps_found_by})
     return Finding(
         kind="INSUFFICIENT_DATA", severity="info",
-        summary=f"only {steps_seen} steps recorded; at least {MIN_STEPS} are needed for a verdict",
+        summary=f"only {counted(steps_seen, 'step')} recorded; at least {MIN_STEPS} are needed for a verdict",
         action="Run longer (or trace more steps) before reading the breakdown as a diagnosis.",
         evidence={"steps": steps_seen, "min_steps": MIN_STEPS})
 

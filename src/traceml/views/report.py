@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from traceml.records import ALL_PHASES, STEP_PHASES, RolledStep
 from traceml.views.summary import PHASE_COLOURS, PHASE_LABELS
+from traceml.words import counted, every
 
 MAX_CHART_POINTS = 2000
 
@@ -28,7 +29,7 @@ def render_report(summary: Dict[str, Any], steps: Sequence[RolledStep]) -> str:
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>TraceML · {_e(run['script'])}</title><style>{_STYLE}</style></head><body>",
         f"<h1>TraceML · {_e(run['script'])}</h1>",
-        f"<p>{summary['steps']['count']} steps · {run['duration_s']:.1f} s · exit code "
+        f"<p>{counted(summary['steps']['count'], 'step')} · {run['duration_s']:.1f} s · exit code "
         f"{_e(run['exit_code'])} · world size {run['world_size']} · torch {_e(run['torch_version'])}"
         f"{_throughput_text(summary['throughput'])}</p>",
         "<h2>Diagnosis</h2>",
@@ -216,7 +217,7 @@ def _layer_table(summary: Dict[str, Any], limit: int = 25) -> str:
                    for row in leaves)
     coverage = deep.get("coverage_note") or (f"leaf modules cover {deep['forward_coverage']:.0%} of forward, "
                                              f"{deep['backward_coverage']:.0%} of backward")
-    return (f"<p>Sampled {deep['sampled_steps']} steps (every {deep['every_n_steps']}); {_e(coverage)}. "
+    return (f"<p>Sampled {counted(deep['sampled_steps'], 'step')} ({every(deep['every_n_steps'], 'step')}); {_e(coverage)}. "
             f"Per step, slowest first.</p><table id='layer-table'><tr><th>layer</th><th>calls</th>"
             f"<th>forward ms</th><th>backward ms</th><th>saved MiB</th><th>output MiB</th></tr>{rows}</table>")
 

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from traceml.analysis.goodput import goodput_text
 from traceml.records import ALL_PHASES, OVERLAPPING_PHASES, STEP_PHASES
+from traceml.words import counted, every
 
 CARD_WIDTH = 100
 
@@ -197,7 +198,7 @@ def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
 
     deep = summary["deep_dive"]
     leaves = [row for row in summary["layers"] if row["leaf"]]
-    title = (f"layers (deep-dive every {deep['every_n_steps']} steps, {deep['sampled_steps']} sampled;"
+    title = (f"layers (deep-dive {every(deep['every_n_steps'], 'step')}, {deep['sampled_steps']} sampled;"
              f" leaves cover {deep['forward_coverage']:.0%} of forward, "
              f"{deep['backward_coverage']:.0%} of backward)")
     tables = []
@@ -241,9 +242,6 @@ def _flops_text(throughput: Dict[str, Any]) -> str:
 
 def _compile_line(compiled: Dict[str, Any]) -> str:
     """torch.compile's work: "1 compilation, 7 recompilations (0.9 s) · 1.7 s in all · 1 graph break"."""
-    def counted(count: int, what: str) -> str:
-        return f"{count} {what}{'s' if count != 1 else ''}"
-
     line = f"{counted(compiled['compilations'], 'compilation')}, {counted(compiled['recompilations'], 'recompilation')}"
     if compiled["recompilations"]:
         line += f" ({compiled['recompile_s']:.1f} s)"

@@ -19,6 +19,7 @@ from traceml.analysis.live import LiveState, snapshot
 from traceml.records import STEP_PHASES, Finding
 from traceml.analysis.summary import layer_rows
 from traceml.views.summary import PHASE_LABELS, SEVERITY_STYLE, straggler_rank
+from traceml.words import counted
 
 REFRESH_S = 0.5
 WIDE_COLUMNS = 100  # at this width and above, panels sit two by two
@@ -119,7 +120,7 @@ def _step_panel(state: LiveState, width: int) -> Any:
         body.append(f"   goodput {goodput_text(state.goodput.parts)}")
     body.append("\n")
     body.append(sparkline(times, spark_width), style="cyan")
-    return _panel(f"step time (last {len(window)} steps)", body, 2)
+    return _panel(f"step time (last {counted(len(window), 'step')})", body, 2)
 
 
 def _phase_panel(state: LiveState) -> Any:

@@ -657,7 +657,9 @@ function renderLayers(data) {
   const dd = data.deep_dive;
   const rows = (data.layers || []).slice();
   if (!dd && !rows.length) { meta.textContent = ''; setMsg('layers-table', LAYERS_HINT); return; }
-  meta.textContent = dd ? 'sampled ' + dd.sampled_steps + ' steps (every ' + dd.every_n_steps + ') · coverage forward ' +
+  const stepsWord = (n) => n + (n === 1 ? ' step' : ' steps');  // the card's words (traceml.words)
+  meta.textContent = dd ? 'sampled ' + stepsWord(dd.sampled_steps) + ' (every ' +
+    (dd.every_n_steps === 1 ? 'step' : stepsWord(dd.every_n_steps)) + ') · coverage forward ' +
     fmtPct(dd.forward_coverage) + ', backward ' + fmtPct(dd.backward_coverage) +
     (dd.coverage_note ? ' · ' + dd.coverage_note : '') : '';
   setMsg('layers-table', rows.length ? '' : 'no layers recorded yet');
