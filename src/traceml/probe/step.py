@@ -107,7 +107,8 @@ def python_timers_asked(environ: Any = os.environ) -> bool:
 
 def _load_fast_path() -> Any:
     """The compiled timers (probe/_fastpath.c) when they are built, their clock is this module's
-    and TRACEML_NO_FASTPATH does not turn them off (python_timers_asked); else None, and the Python patches time every call.
+    and TRACEML_NO_FASTPATH does not turn them off (python_timers_asked); else None, and the
+    Python patches time every call.
 
     Not on a free-threaded Python: the compiled state relies on the GIL between the training
     thread and the sender's, and importing it there would turn the GIL back on for the user's
