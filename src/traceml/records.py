@@ -338,6 +338,50 @@ class LoaderSample(msgspec.Struct, tag="loader", array_like=True, gc=False):
     worker_cpu_wait_s: float = 0.0
 
 
+class MemoryLedger(msgspec.Struct, tag="ledger", array_like=True):
+    """What holds one rank's memory, as its sender read it (probe/ledger.py): sent when a
+    figure moves. Bytes count each storage once (tied weights, views); a sharded parameter
+    counts its local shard. What else memory holds (the rest, the allocator's cache) is the
+    step records' figures minus these (analysis/ledger.py)."""
+
+    rank: int
+    step: int  # the last step ended when it was read
+    unix_s: float
+    trainable_bytes: int  # parameters with requires_grad
+    frozen_bytes: int
+    trainable_dtypes: Dict[str, int]  # bytes by dtype ("float32", "bfloat16", "uint8" for 4-bit)
+    frozen_dtypes: Dict[str, int]
+    parameters: int  # elements, trainable and frozen (a sharded one's full size)
+    trainable_parameters: int
+    gradient_bytes: int  # of trainable parameters, the last gradient each had
+    optimizer_state_bytes: Dict[str, int]  # by optimizer ("AdamW", "SGD 2"): its state's tensors
+    # Saved for backward at the peak of the latest sampled step (None: no step sampled yet).
+    activation_bytes: Optional[int] = None
+    activation_step: Optional[int] = None
+    # Adapters (PEFT: lora_* parameters, modules_to_save): a part of the parameters above, with
+    # their gradients and optimizer state, and their parameter bytes by target module kind.
+    adapter: str = ""  # "LoRA"; "" without adapters
+    adapter_rank: Optional[int] = None  # LoRA's r
+    adapter_parameters: int = 0  # elements
+    adapter_parameter_bytes: int = 0
+    adapter_gradient_bytes: int = 0
+    adapter_optimizer_bytes: int = 0
+    adapter_targets: Dict[str, int] = {}  # "q_proj" -> bytes
+    # Sharded parameters (FSDP): what they would take unsharded; None when none is sharded.
+    unsharded_parameter_bytes: Optional[int] = None
+
+
+def adapter_target(name: str) -> Optional[str]:
+    """For the ledger's adapter group: the target module kind an adapter parameter belongs to ("q_proj" for
+    `...self_attn.q_proj.lora_A.default.weight`, "lm_head" for `lm_head.modules_to_save.default.weight`),
+    or None when the parameter is no adapter's."""
+    parts = name.split(".")
+    for index, part in enumerate(parts):
+        if part.startswith("lora_") or part == "modules_to_save":
+            return parts[index - 1] if index else part
+    return None
+
+
 class Finding(msgspec.Struct, omit_defaults=False):
     """One diagnosis: what is wrong, by how much, and the next thing to try."""
 
@@ -350,7 +394,7 @@ class Finding(msgspec.Struct, omit_defaults=False):
 
 
 Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord, LayerReport, LayerCapture,
-               SpanRecord, ScalarRecord, CompileRecord, HostSyncSample, LoaderSample]
+               SpanRecord, ScalarRecord, CompileRecord, HostSyncSample, LoaderSample, MemoryLedger]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(List[Record])

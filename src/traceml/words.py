@@ -1,5 +1,6 @@
-"""How counts read in the findings and on the cards: "1 step", "once", "every step", never
-"1 steps", "1 times" or "every 1 steps". Every noun they count takes an s."""
+"""How counts and sizes read in the findings and on the cards: "1 step", "once", "every step",
+never "1 steps", "1 times" or "every 1 steps" (every noun they count takes an s); "848 B",
+"1.5 MiB", "2.00 GiB"."""
 from __future__ import annotations
 
 
@@ -16,3 +17,15 @@ def times(count: int) -> str:
 def every(count: int, noun: str) -> str:
     """"every step", "every 10 steps"."""
     return f"every {noun}" if count == 1 else f"every {count} {noun}s"
+
+
+def size(count_bytes: float) -> str:
+    """"848 B", "3.0 KiB", "1.5 MiB", "2.00 GiB": binary units, the unit the figure needs."""
+    value = float(count_bytes)
+    if abs(value) < 1024:
+        return f"{value:.0f} B"
+    if abs(value) < 1024 ** 2:
+        return f"{value / 1024:.1f} KiB"
+    if abs(value) < 1024 ** 3:
+        return f"{value / 1024 ** 2:.1f} MiB"
+    return f"{value / 1024 ** 3:.2f} GiB"

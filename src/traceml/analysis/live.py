@@ -6,6 +6,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from traceml.analysis.goodput import Goodput
+from traceml.analysis.ledger import ledger_rows
 from traceml.analysis.loaders import loader_figures
 from traceml.analysis.rollup import RankRow, Window, max_present, rank_medians, rank_spread, warmup_steps
 from traceml.diagnose import MemoryLimits, diagnose
@@ -26,6 +27,7 @@ class LiveState:
         self.layers, self.findings, self.alerts = layers, findings, alerts
         self.spread: Dict[str, dict] = {}  # across ranks, per phase (rollup.rank_spread)
         self.goodput: Optional[Goodput] = None  # the run's wall time so far, by part
+        self.ledger: List[Dict[str, Any]] = []  # what holds each rank's memory (analysis.ledger)
 
 
 def snapshot(collector: Any, script: str, elapsed_s: float,
@@ -44,6 +46,7 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
     limits = MemoryLimits.of_run(list(collector.hellos.values()), system)
     findings: List[Finding] = []
     goodput = collector.run_time.goodput(now_unix_s=time.time())
+    ledger = ledger_rows(list(collector.ledgers), records, first_step=window.steps[0].step if len(window) else None)
     if rolled:
         hellos = list(collector.hellos.values())
         findings = diagnose(window, steps_seen=steps_seen, ranks=ranks or None, limits=limits,
@@ -53,7 +56,7 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
                             system=[system] if system is not None else [],
                             captures=list(collector.captures), goodput=goodput,
                             compiles=list(collector.compiles), host_syncs=list(collector.host_syncs),
-                            loader=loader_figures(list(collector.loaders), window, hellos))
+                            loader=loader_figures(list(collector.loaders), window, hellos), ledger=ledger)
     seen = {finding.kind for _, finding in alerts}
     for finding in findings:
         if finding.kind not in seen and finding.kind != "INSUFFICIENT_DATA" and finding.severity != "info":
@@ -61,6 +64,7 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
     state = LiveState(script, elapsed_s, window, steps_seen, ranks, collector.world_size, system,
                       limits, collector.latest_layers, findings, alerts)
     state.goodput = goodput
+    state.ledger = ledger
     if ranks:
         state.spread = rank_spread(records, skip_steps=warmup)
     return state

@@ -12,6 +12,7 @@ import msgspec
 from traceml import rundir
 from traceml.analysis.goodput import RunTime
 from traceml.analysis.hardware import device_peak_tflops
+from traceml.analysis.ledger import ledger_history, ledger_rows
 from traceml.analysis.loaders import loader_figures
 from traceml.analysis.rollup import (Window, max_present, rank_medians, rank_row, rank_spread,
                                       roll_up, warmup_steps)
@@ -92,6 +93,9 @@ class RunData:
         self.stalls = Stalls(self.window, self.samples)
         self.captures: List[LayerCapture] = store.captures()
         self.loader = loader_figures(store.loader_samples(), self.window, self.hellos)
+        self.ledgers = store.ledgers()
+        self.ledger = ledger_rows(self.ledgers, self.records, self.deep_dive["layers"],
+                                  first_step=self.window.steps[0].step if len(self.window) else None)
         self.findings: List[Finding] = diagnose(
             self.window, steps_seen=len(self.rolled), ranks=self.ranks if len(self.ranks) > 1 else None,
             limits=self.limits, peak_device_bytes=max_present(s.device_peak_bytes for s in self.rolled),
@@ -99,7 +103,7 @@ class RunData:
             oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive(),
             steps_found_by=self.found_by, system=self.samples, stalls=self.stalls,
             captures=self.captures, goodput=self.goodput, compiles=self.compiles, host_syncs=self.host_syncs,
-            loader=self.loader)
+            loader=self.loader, ledger=self.ledger)
 
     def _exact_rank_counts(self, store: Store) -> None:
         """Sampled records give the medians; each rank's step count and last step (which say
@@ -351,6 +355,8 @@ def _memory(data: RunData) -> Dict[str, Any]:
         "host_rss_peak_bytes": max_present(s.host_rss_bytes for s in data.rolled),
         "creep_bytes_per_step": round(trend.bytes_per_step, 1),
         "creep_measured_on": trend.measured_on,
+        "ledger": data.ledger,
+        "ledger_history": ledger_history(data.ledgers),
     }
 
 

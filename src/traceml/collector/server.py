@@ -18,11 +18,12 @@ import msgspec
 
 from traceml.collector.store import Store
 from traceml.records import (HEADER_BYTES, CompileRecord, FrameError, HostSyncSample, LayerCapture, LayerReport,
-                             LoaderSample, RankEnd, RankHello, StepRecord, SystemSample, decode_payload, parse_header)
+                             LoaderSample, MemoryLedger, RankEnd, RankHello, StepRecord, SystemSample, decode_payload, parse_header)
 
 log = logging.getLogger("traceml")
 COMMIT_INTERVAL_S = 0.5
 RECENT_STEPS = 512  # per rank, for the live views
+RECENT_LEDGERS = 4096  # memory ledger readings, sent when a figure moves
 RECENT_LOADER_SAMPLES = 1024  # every rank's DataLoader figures (two a second each), for the live views
 # A connection must greet within HELLO_TIMEOUT_S, send each frame's rest within FRAME_TIMEOUT_S
 # of its header, and say something at least every IDLE_TIMEOUT_S (ranks send a heartbeat
@@ -64,6 +65,8 @@ class Collector:
         self.host_syncs: List[HostSyncSample] = []  # the sampled steps' host syncs, for HOST_SYNC
         # The training DataLoaders' latest figures, for INPUT_BOUND's advice.
         self.loaders: Deque[LoaderSample] = collections.deque(maxlen=RECENT_LOADER_SAMPLES)
+        # What holds each rank's memory: every reading that moved (a few a run), for the live views.
+        self.ledgers: Deque[MemoryLedger] = collections.deque(maxlen=RECENT_LEDGERS)
         # Ranks whose connection dropped with no goodbye while other ranks were still there:
         # they died or were killed, and the summary reports them missing.
         self.lost_ranks: Set[int] = set()
@@ -151,6 +154,8 @@ class Collector:
                 self.host_syncs.append(record)
             elif kind is LoaderSample:
                 self.loaders.append(record)
+            elif kind is MemoryLedger:
+                self.ledgers.append(record)
             if self.run_time is not None and (kind is StepRecord or kind is CompileRecord
                                               or kind is RankHello or kind is RankEnd):
                 self.run_time.add(record)

@@ -12,7 +12,7 @@ import msgspec
 
 from traceml import rundir
 from traceml.records import (ALL_PHASES, CompileRecord, Finding, GpuSample, HostSyncSample, LayerCapture, LayerReport,
-                             LoaderSample, OomRecord, RankEnd, RankHello, RolledStep, ScalarRecord, SpanRecord, StepRecord,
+                             LoaderSample, MemoryLedger, OomRecord, RankEnd, RankHello, RolledStep, ScalarRecord, SpanRecord, StepRecord,
                              SystemSample)
 
 STEP_COLUMNS = msgspec.structs.fields(StepRecord)
@@ -62,6 +62,7 @@ CREATE TABLE IF NOT EXISTS captures (rank INTEGER, step INTEGER, reason TEXT, ca
 CREATE TABLE IF NOT EXISTS compiles (rank INTEGER, step INTEGER, compile TEXT);
 CREATE TABLE IF NOT EXISTS host_syncs (rank INTEGER, first_step INTEGER, sample TEXT);
 CREATE TABLE IF NOT EXISTS loaders (rank INTEGER, loader INTEGER, unix_s REAL, sample TEXT);
+CREATE TABLE IF NOT EXISTS ledgers (rank INTEGER, step INTEGER, ledger TEXT);
 CREATE TABLE IF NOT EXISTS spans (rank INTEGER, step INTEGER, name TEXT, start_unix_s REAL,
                                   duration_ms REAL, count INTEGER);
 CREATE TABLE IF NOT EXISTS scalars (rank INTEGER, step INTEGER, name TEXT, value REAL);
@@ -234,6 +235,9 @@ class Store:
             elif type(record) is LoaderSample:
                 self._db.execute("INSERT INTO loaders VALUES (?, ?, ?, ?)", (
                     record.rank, record.loader, record.unix_s, msgspec.json.encode(record).decode()))
+            elif type(record) is MemoryLedger:
+                self._db.execute("INSERT INTO ledgers VALUES (?, ?, ?)", (
+                    record.rank, record.step, msgspec.json.encode(record).decode()))
             elif type(record) is OomRecord:
                 self._db.execute("INSERT INTO ooms VALUES (?, ?, ?)", (
                     record.rank, record.step, msgspec.json.encode(record).decode()))
@@ -457,6 +461,10 @@ class Store:
     def loader_samples(self) -> List[LoaderSample]:
         """The training DataLoaders' figures, each rank's in the order they came."""
         return self._decoded("SELECT sample FROM loaders ORDER BY rank, rowid", LoaderSample)
+
+    def ledgers(self) -> List[MemoryLedger]:
+        """What held each rank's memory, each reading that moved, each rank's in the order they came."""
+        return self._decoded("SELECT ledger FROM ledgers ORDER BY rank, rowid", MemoryLedger)
 
     def ooms(self) -> List[OomRecord]:
         return self._decoded("SELECT oom FROM ooms ORDER BY step, rank", OomRecord)

@@ -47,7 +47,8 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[RankRow]] = N
              steps_found_by: Optional[str] = None, system: Sequence[SystemSample] = (),
              stalls: Optional[Stalls] = None, captures: Sequence[LayerCapture] = (),
              goodput: Optional[Goodput] = None, compiles: Sequence[CompileRecord] = (),
-             host_syncs: Sequence[HostSyncSample] = (), loader: Optional[LoaderFigures] = None) -> List[Finding]:
+             host_syncs: Sequence[HostSyncSample] = (), loader: Optional[LoaderFigures] = None,
+             ledger: Optional[List[dict]] = None) -> List[Finding]:
     """Every finding for this window, the primary diagnosis first (see the ranking above).
 
     ranks: per-rank medians (rollup.rank_medians) when there are several; limits and peaks:
@@ -59,7 +60,8 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[RankRow]] = N
     goodput: the run's wall time by part (planned work and startup are measured against it);
     compiles: torch.compile's compilations, for RECOMPILATION; host_syncs: the probe's sampled
     host syncs (CUDA), for HOST_SYNC; loader: the training DataLoader's figures
-    (analysis.loaders), for what INPUT_BOUND advises.
+    (analysis.loaders), for what INPUT_BOUND advises; ledger: what holds each rank's memory
+    (analysis.ledger), for which part the memory rules name.
     """
     limits = limits or MemoryLimits()
     findings: List[Finding] = [out_of_memory(oom, limits)] if oom is not None else []
@@ -75,10 +77,10 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[RankRow]] = N
     findings += [finding for finding in (recompilations(compiles, after_step, run_ms), slow_startup(goodput),
                                          host_sync(host_syncs, window))
                  if finding is not None]
-    findings += [finding for finding in (compute_bound(window), memory_creep(window, limits, layers_alive))
+    findings += [finding for finding in (compute_bound(window), memory_creep(window, limits, layers_alive, ledger))
                  if finding is not None]
     if oom is None:  # the post-mortem already says how full memory was
-        findings += [f for f in (memory_pressure(window, limits, peak_device_bytes, peak_rss_bytes),) if f]
+        findings += [f for f in (memory_pressure(window, limits, peak_device_bytes, peak_rss_bytes, ledger),) if f]
     if ranks:
         findings += [f for f in (straggler(ranks, window.step_median_ms),) if f]
     if not any(_group(f) <= 3 for f in findings):

@@ -8,6 +8,7 @@ from typing import Iterable, List, Optional
 
 import msgspec
 
+from traceml.analysis.ledger import PART_WORDS, part_bytes
 from traceml.analysis.rollup import Window
 from traceml.records import Finding, OomRecord, RankHello, SystemSample
 from traceml.words import counted
@@ -27,6 +28,48 @@ LEAK_CAUSES = ("Something keeps every step's tensors alive. The usual causes: ac
                "loss tensor (`total += loss`; use `loss.item()` or `loss.detach()`), keeping "
                "outputs or activations in a list, `backward(retain_graph=True)`, or a cache "
                "that grows with every batch.")
+
+
+# What to do about the part of memory that dominates (MEMORY_PRESSURE) or grows (MEMORY_CREEP).
+PART_ADVICE = {
+    "parameters_frozen": ("Store the frozen weights smaller: load the base in bf16, or quantized (4-bit or 8-bit, "
+                          "QLoRA), or shard them across ranks (FSDP)."),
+    "parameters_trainable": ("Train fewer weights (an adapter such as LoRA), keep them in bf16, or shard them "
+                             "across ranks (FSDP, ZeRO-3)."),
+    "gradients": ("Gradients follow the trainable weights: train fewer (LoRA), in bf16, or shard the gradients "
+                  "across ranks (ZeRO-2, FSDP)."),
+    "optimizer_state": ("Keep less optimizer state: a fused or 8-bit optimizer (bitsandbytes' AdamW8bit), "
+                        "one with less state (Adafactor, SGD), or shard it across ranks (ZeRO-1/2, FSDP)."),
+    "activations": ("Keep fewer activations for backward: activation checkpointing on the blocks, or a smaller "
+                    "micro-batch with more gradient accumulation steps."),
+    "cache": ("The allocator holds memory it cannot reuse (fragmentation): set "
+              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."),
+    "rest": LEAK_CAUSES,
+}
+GROWTH_EXPLAINED = 0.5  # a counted part that adds this share of the trend's growth is what grows
+
+
+def largest_part(ledger: Optional[List[dict]]) -> Optional[tuple]:
+    """(part, bytes, its share of what the rank held, the row): the part that holds the most
+    of the rank whose memory is fullest."""
+    rows = [row for row in ledger or () if row.get("held")]
+    if not rows:
+        return None
+    row = max(rows, key=lambda r: r["held"])
+    parts = part_bytes(row)
+    part = max(parts, key=lambda name: parts[name])
+    return part, parts[part], parts[part] / row["held"] if row["held"] else 0.0, row
+
+
+def growing_part(ledger: Optional[List[dict]], growth_bytes: float) -> str:
+    """The ledger's part that adds most of a memory trend's growth ("rest" when none of the
+    counted parts does: tensors the ledger does not count are kept from step to step)."""
+    best, best_bytes = "rest", 0
+    for row in ledger or ():
+        for part, added in (row.get("growth") or {}).items():
+            if added > best_bytes:
+                best, best_bytes = part, added
+    return best if best_bytes >= GROWTH_EXPLAINED * growth_bytes else "rest"
 
 
 class MemoryLimits(msgspec.Struct):
@@ -50,8 +93,8 @@ def _gib(value: float) -> str:
     return f"{value / 2 ** 30:.2f} GiB" if abs(value) >= 2 ** 30 else f"{value / 2 ** 20:.1f} MiB"
 
 
-def memory_creep(window: Window, limits: MemoryLimits,
-                 layers_alive: Optional[List[dict]] = None) -> Optional[Finding]:
+def memory_creep(window: Window, limits: MemoryLimits, layers_alive: Optional[List[dict]] = None,
+                 ledger: Optional[List[dict]] = None) -> Optional[Finding]:
     trend = window.memory_trend
     if trend.window_steps < MIN_POINTS:
         return None
@@ -73,7 +116,9 @@ def memory_creep(window: Window, limits: MemoryLimits,
     else:
         headroom = limits.host_available_bytes or 0
     oom_step = steps[-1] + int(headroom / slope) if headroom > 0 else None
-    forecast = (f"at this rate it runs out near step {oom_step:,} ({_gib(headroom)} left)"
+    part = growing_part(ledger, growth) if ledger else None
+    driven = f", {PART_WORDS[part]} growing" if part is not None else ""
+    forecast = (f"at this rate it runs out near step {oom_step:,} ({_gib(headroom)} left{driven})"
                 if oom_step is not None else "the memory limit is not known")
     evidence = {"bytes_per_step": round(slope, 1), "held_bytes": held[-1], "growth_bytes": round(growth),
                 "measured_on": trend.measured_on, "steps": trend.window_steps,
@@ -82,6 +127,13 @@ def memory_creep(window: Window, limits: MemoryLimits,
     summary = (f"{where} at step end grows {_gib(slope)} a step ({_gib(growth)} over "
                f"{counted(steps[-1] - steps[0], 'step')}): it outlives backward and the optimizer step, "
                f"held from one step to the next; {forecast}")
+    if part == "rest":
+        summary += ("; the ledger's parts (parameters, gradients, optimizer state, activations) stay flat: "
+                    "the growth is tensors outside them, kept from step to step")
+    elif part is not None:
+        summary += f"; of the ledger's parts, {PART_WORDS[part]} grows"
+    if part is not None:
+        evidence["growing_part"] = part
     if layers_alive:
         top = ", ".join(f"{layer['name']} ({_gib(layer['alive_bytes'])})" for layer in layers_alive[:3])
         summary += f"; layers whose outputs or saved tensors outlive the step: {top}"
@@ -91,7 +143,7 @@ def memory_creep(window: Window, limits: MemoryLimits,
     soon = oom_step is not None and oom_step - steps[-1] <= OOM_SOON_WINDOWS * (steps[-1] - steps[0])
     fast = oom_step is not None and held[-1] and growth >= CRIT_GROWTH_SHARE * held[-1]
     return Finding(kind="MEMORY_CREEP", severity="crit" if soon or fast else "warn",
-                   summary=summary, action=LEAK_CAUSES, evidence=evidence)
+                   summary=summary, action=PART_ADVICE.get(part or "rest", LEAK_CAUSES), evidence=evidence)
 
 
 def _persists(steps: List[int], held: List[int], slope: float) -> bool:
@@ -119,7 +171,7 @@ def _concordance(values: List[int], pairs: int = 2000) -> float:
 
 
 def memory_pressure(window: Window, limits: MemoryLimits, peak_device_bytes: Optional[int],
-                    peak_rss_bytes: Optional[int]) -> Optional[Finding]:
+                    peak_rss_bytes: Optional[int], ledger: Optional[List[dict]] = None) -> Optional[Finding]:
     if peak_device_bytes is not None and limits.device_capacity_bytes:
         peak, capacity, what = peak_device_bytes, limits.device_capacity_bytes, "device memory"
     elif peak_rss_bytes is not None and limits.host_total_bytes:
@@ -129,15 +181,21 @@ def memory_pressure(window: Window, limits: MemoryLimits, peak_device_bytes: Opt
     ratio = peak / capacity
     if ratio < PRESSURE_WARN:
         return None
-    return Finding(
-        kind="MEMORY_PRESSURE", severity="crit" if ratio >= PRESSURE_CRIT else "warn",
-        summary=(f"{what} peaks at {ratio:.0%} of capacity: {_gib(peak)} of {_gib(capacity)}, "
-                 f"{_gib(capacity - peak)} of headroom"),
-        action=("One larger batch or sequence will not fit. Cut activation memory: activation "
-                "checkpointing, mixed precision (bf16), a smaller micro-batch with gradient "
-                "accumulation, or an optimizer that keeps less state."),
-        evidence={"peak_bytes": peak, "capacity_bytes": capacity, "share": round(ratio, 4),
-                  "headroom_bytes": capacity - peak})
+    summary = (f"{what} peaks at {ratio:.0%} of capacity: {_gib(peak)} of {_gib(capacity)}, "
+               f"{_gib(capacity - peak)} of headroom")
+    action = ("One larger batch or sequence will not fit. Cut activation memory: activation "
+              "checkpointing, mixed precision (bf16), a smaller micro-batch with gradient "
+              "accumulation, or an optimizer that keeps less state.")
+    evidence = {"peak_bytes": peak, "capacity_bytes": capacity, "share": round(ratio, 4),
+                "headroom_bytes": capacity - peak}
+    largest = largest_part(ledger)
+    if largest is not None:
+        part, size, share, row = largest
+        summary += f"; the largest part is {PART_WORDS[part]}: {_gib(size)}, {share:.0%} of rank {row['rank']}'s"
+        action = "One larger batch or sequence will not fit. " + PART_ADVICE[part]
+        evidence.update(largest_part=part, largest_part_bytes=size, largest_part_rank=row["rank"])
+    return Finding(kind="MEMORY_PRESSURE", severity="crit" if ratio >= PRESSURE_CRIT else "warn",
+                   summary=summary, action=action, evidence=evidence)
 
 
 def out_of_memory(oom: OomRecord, limits: MemoryLimits) -> Finding:

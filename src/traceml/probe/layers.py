@@ -87,6 +87,9 @@ class LayerProbe:
         self._handles: List[Any] = []
         self._watched: List[Tuple[str, Any, int]] = []  # weakrefs to outputs and saved tensors
         self._watched_step = 0  # the sampled step they come from
+        # Activations for the memory ledger: bytes saved for backward since the last backward
+        # (what is alive at once), and this step's most.
+        self._saved_since_backward = self._step_peak_saved = 0
         self.alive: Dict[str, int] = {}
         self._device_spans: List[Tuple[List[float], int, Any, Any]] = []  # CUDA: (row, slot, begin, end)
         # FLOPs: id(module) -> (FLOPs a forward element, whether the element is the input's
@@ -180,6 +183,10 @@ class LayerProbe:
         self.backward_done()
         self._stack.clear()
         self.active = False
+        ledger = getattr(self.probe.sender, "ledger", None)
+        if ledger is not None:
+            ledger.note_activations(self._watched_step, self._step_peak_saved)
+        self._saved_since_backward = self._step_peak_saved = 0
         self.probe.layers_active = False
         step_flops, self._step_flops = self._step_flops, 0
         if self._capture is not None:
@@ -349,6 +356,9 @@ class LayerProbe:
         if storage in self._param_pointers or not self._stack:
             return tensor
         size = tensor.numel() * tensor.element_size()
+        if storage not in self._stack[0][3]:  # new to the outermost call: alive until backward
+            self._saved_since_backward += size
+            self._step_peak_saved = max(self._step_peak_saved, self._saved_since_backward)
         for name, _, _, seen, _, _ in self._stack:
             if storage not in seen:
                 seen.add(storage)
@@ -394,6 +404,10 @@ class LayerProbe:
                     if event is not None:
                         timeline.release(event)
         self._backward_spans = []  # a call whose backward did not run by now never will
+        self._saved_since_backward = 0  # backward freed them
+        ledger = getattr(self.probe.sender, "ledger", None)
+        if self.active and ledger is not None:
+            ledger.note_gradients()
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def _check_alive(self) -> None:

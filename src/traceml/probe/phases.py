@@ -409,6 +409,8 @@ def _hook_optimizers(probe: StepProbe) -> None:
     def before_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
         if not probe.in_step and not probe.auto_steps:  # outside the steps: nothing to time
             return None
+        if probe.layers_active:  # a sampled step (a plain one's update never comes here)
+            probe.watch_optimizer(optimizer)
         # args are step()'s own, the optimizer first: step(closure) has it second.
         closure = (args[1] if len(args) > 1 else kwargs.get("closure")) if kwargs or len(args) > 1 else None
         if closure is None:

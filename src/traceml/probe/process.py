@@ -115,6 +115,8 @@ def _hook(model: Any) -> None:
     """Time this model's forward (and, under `traceml run --deep`, deep-dive on it)."""
     probe = step._probe
     _hooked_models[model] = hook_model(probe, model)
+    if probe.sender.ledger is not None:
+        probe.sender.ledger.watch_model(model)
     if probe.layers is None and (os.environ.get(ENV_DEEP) or _auto_capture()):
         from traceml.probe.layers import DEFAULT_EVERY_N_STEPS, LayerProbe
 
@@ -256,6 +258,7 @@ def _create_probe(model: Any) -> StepProbe:
     sender.record_from = probe.record_from
     sender.drain_steps = probe.drain_steps
     sender.span_record = probe.span_record
+    sender.steps_ended = lambda: probe.step_index
     if timeline is not None:
         timeline.record_from = probe.record_from
         probe.syncs = _host_sync_sampler(probe)

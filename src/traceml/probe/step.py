@@ -554,6 +554,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         steps, and the model each one trains. False when this update does not end a step."""
         if optimizer_id not in self._optimizers_seen:
             self._optimizers_seen.add(optimizer_id)
+            self.watch_optimizer(optimizer)
             if self.time_the_model_of(optimizer):
                 self._model_wait_ends = self.step_index + 2
         elif self._model_wait_ends is not None and self.step_index > self._model_wait_ends:
@@ -574,6 +575,13 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
                 self._step_optimizer = last_id  # another stepped since: it ends the turn
                 return False
         return True
+
+    def watch_optimizer(self, optimizer: Any) -> None:
+        """An optimizer seen stepping (first seen while inferring steps, or on a sampled step):
+        the memory ledger reads its state from now on."""
+        ledger = self.sender.ledger
+        if ledger is not None:
+            ledger.watch_optimizer(optimizer)
 
     def _takes_over_the_turn(self, optimizer_id: int) -> bool:
         """Another optimizer's update: when it has updated TURN_LEFT_UPDATES times with no step

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Iterator, List
 
 from traceml.analysis.hardware import device_peak_tflops
+from traceml.analysis.ledger import part_bytes
 from traceml.analysis.rollup import Window, percentile
 from traceml.records import ALL_PHASES, StepRecord
 
@@ -79,8 +80,14 @@ class LiveMetrics:
             for part, figures in state.goodput.parts.items():
                 goodput_share.add_metric([part], figures["share"])
                 goodput_seconds.add_metric([part], figures["seconds"])
+        ledger = GaugeMetricFamily("traceml_memory_ledger_bytes", "What holds each rank's memory, by part: "
+                                   "parameters (frozen, trainable), gradients, optimizer state, activations "
+                                   "saved for backward, the rest, the allocator's cache", labels=["rank", "part"])
+        for row in state.ledger:
+            for part, value in part_bytes(row).items():
+                ledger.add_metric([str(row["rank"]), part], value)
         yield from (step_time, phase_share, memory, steps_per_s, samples_per_s, tokens_per_s, mfu,
-                    steps_total, findings, goodput_share, goodput_seconds)
+                    steps_total, findings, goodput_share, goodput_seconds, ledger)
         yield from self._system()
 
     def _system(self) -> Iterator[Any]:

@@ -3,11 +3,12 @@ the end-of-run card, printed from the summary analysis/summary.py builds."""
 from __future__ import annotations
 
 import io
+import re
 from typing import Any, Dict, List, Optional, Sequence
 
 from traceml.analysis.goodput import goodput_text
 from traceml.records import ALL_PHASES, OVERLAPPING_PHASES, STEP_PHASES
-from traceml.words import counted, every
+from traceml.words import counted, every, size
 
 CARD_WIDTH = 100
 
@@ -93,6 +94,8 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     facts.add_row("System", _system_line(system))
     if steps["count"]:
         facts.add_row("Memory", _memory_line(memory))
+    for label, line in ledger_lines(memory.get("ledger") or [], run["world_size"]):
+        facts.add_row(label, line)
     for missing in summary["missing_ranks"]:
         facts.add_row("Missing", f"[bold red]rank {missing['rank']} from step {missing['from_step']}[/]"
                                  " (stopped reporting without a goodbye: died or killed)")
@@ -198,19 +201,24 @@ def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
 
     deep = summary["deep_dive"]
     leaves = [row for row in summary["layers"] if row["leaf"]]
+    by_time = sorted(leaves, key=lambda r: -(r["forward_ms"] + r["backward_ms"]))[:5]
+    by_memory = sorted(leaves, key=lambda r: -r["memory_bytes"])[:5]
+    prefix = shared_prefix([row["name"] for row in by_time + by_memory])
     title = (f"layers (deep-dive {every(deep['every_n_steps'], 'step')}, {deep['sampled_steps']} sampled;"
              f" leaves cover {deep['forward_coverage']:.0%} of forward, "
              f"{deep['backward_coverage']:.0%} of backward)")
+    if prefix:
+        title += f"\nunder {prefix}"
     tables = []
-    for heading, key in (("top by time", lambda r: -(r["forward_ms"] + r["backward_ms"])),
-                         ("top by memory", lambda r: -r["memory_bytes"])):
+    for heading, rows in (("top by time", by_time), ("top by memory", by_memory)):
         table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), title=title if not tables else None,
                       title_justify="left")
-        table.add_column(heading, overflow="fold")  # a module's name is kept whole: wrapped, not cut
+        table.add_column(heading, overflow="fold")  # wrapped at dots (wrap_at_dots); folded only past that
         for header in ("calls", "fwd ms", "bwd ms", "saved MiB", "output MiB"):
             table.add_column(header, justify="right", no_wrap=True)
-        for row in sorted(leaves, key=key)[:5]:
-            table.add_row(f"{row['name']} ({row['type']})", f"{row['calls_per_step']:.0f}",
+        for row in rows:
+            table.add_row(wrap_at_dots(f"{row['name'][len(prefix):]} ({row['type']})", LAYER_NAME_WIDTH),
+                          f"{row['calls_per_step']:.0f}",
                           f"{row['forward_ms']:.2f}", f"{row['backward_ms']:.2f}",
                           f"{row['memory_bytes'] / 2 ** 20:.2f}", f"{row['output_bytes'] / 2 ** 20:.2f}")
         tables.append(table)
@@ -219,6 +227,37 @@ def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
 
         tables.append(Text(f"Coverage: {deep['coverage_note']}."))
     return tables
+
+
+LAYER_NAME_WIDTH = 44  # the layer tables' name column, beside five figure columns on a CARD_WIDTH card
+
+
+def shared_prefix(names: Sequence[str]) -> str:
+    """The dotted prefix every name starts with ("base_model.model.model."), whole parts only,
+    leaving each name at least its last part; "" when there is none."""
+    if len(names) < 2:
+        return ""
+    split = [name.split(".")[:-1] for name in names]
+    common: List[str] = []
+    for parts in zip(*split):
+        if any(part != parts[0] for part in parts):
+            break
+        common.append(parts[0])
+    return ".".join(common) + "." if common else ""
+
+
+def wrap_at_dots(text: str, width: int) -> str:
+    """Lines of at most `width` characters, broken after a dot or a space, never inside a word
+    (a part longer than the width is left whole)."""
+    lines, line = [], ""
+    for piece in re.findall(r"[^. ]*[. ]|[^. ]+$", text):
+        if line and len(line) + len(piece.rstrip()) > width:
+            lines.append(line.rstrip())
+            line = ""
+        line += piece
+    if line:
+        lines.append(line.rstrip())
+    return "\n".join(lines)
 
 
 def _tokens_text(throughput: Dict[str, Any]) -> str:
@@ -269,6 +308,58 @@ def _system_line(system: Dict[str, Any]) -> str:
         if gpu.get("power_w"):
             line += f", {gpu['power_w']['avg']:.0f} W avg"
     return line
+
+
+def ledger_lines(ledger: List[Dict[str, Any]], world_size: int = 1) -> List[tuple]:
+    """(label, text) rows for the card: what holds the fullest rank's memory, and its adapters."""
+    rows = [row for row in ledger if row.get("held")] or ledger
+    if not rows:
+        return []
+    row = max(rows, key=lambda r: r.get("held") or 0)
+    parameters = row["parameters"]
+    text = (f"parameters {size(parameters['trainable'] + parameters['frozen'])}"
+            f" ({size(parameters['trainable'])} trainable)")
+    if parameters.get("unsharded") is not None:
+        text += f", this rank's shard of {size(parameters['unsharded'])}"
+    text += f"  ·  gradients {size(row['gradients'])}  ·  optimizer state {size(row['optimizer_state'])}\n"
+    text += (f"activations {size(row['activations'])} (step {row['activations_step']})" if row["activations"] is not None
+             else "activations not sampled yet")
+    if row["rest"] is not None:
+        where = "device peak" if row["measured_on"] == "device_peak" else "host RSS"
+        text += f"  ·  rest {size(row['rest'])} of {size(row['held'])} {where}"
+    if row.get("cache"):
+        text += f"  ·  allocator cache {size(row['cache'])}"
+    if world_size > 1:
+        text = f"rank {row['rank']}: " + text
+    lines = [("Ledger", text)]
+    adapters = row.get("adapters")
+    if adapters:
+        lines.append((adapters["kind"] or "Adapters", adapter_text(adapters, parameters)))
+    return lines
+
+
+def adapter_text(adapters: Dict[str, Any], parameters: Dict[str, Any]) -> str:
+    """"LoRA r=8 on q_proj, v_proj: 1.0 MiB trainable (0.5% of parameters), optimizer state 2.0 MiB;
+    frozen base 190 MiB (bf16)", and under deep-dive the adapters' share of the time."""
+    rank = f" r={adapters['r']}" if adapters.get("r") else ""
+    share = adapters.get("share_of_parameters")
+    text = (f"{adapters['kind']}{rank} on {', '.join(adapters['targets'])}: {size(adapters['parameters'])} trainable"
+            + (f" ({share:.1%} of parameters)" if share is not None else "")
+            + f", optimizer state {size(adapters['optimizer_state'])}")
+    frozen_dtypes = parameters.get("frozen_dtypes") or {}
+    if parameters["frozen"]:
+        dtypes = ", ".join(DTYPE_WORDS.get(dtype, dtype) for dtype, _ in
+                           sorted(frozen_dtypes.items(), key=lambda item: -item[1]))
+        text += f"; frozen base {size(parameters['frozen'])}" + (f" ({dtypes})" if dtypes else "")
+    if adapters.get("forward_share") is not None:
+        text += f"; adapters take {adapters['forward_share']:.0%} of their layers' forward"
+        if adapters.get("backward_share") is not None:
+            text += f", {adapters['backward_share']:.0%} of backward"
+    return text
+
+
+DTYPE_WORDS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "uint8": "uint8 (quantized)",
+               "int8": "int8", "float8_e4m3fn": "fp8"}
 
 
 def _memory_line(memory: Dict[str, Any]) -> str:
