@@ -32,6 +32,9 @@ def test_keeping_loss_and_activations_is_memory_creep_with_a_forecast(traceml_ru
     assert creep["evidence"]["measured_on"] == "host_rss"
     assert creep["evidence"]["projected_oom_step"] > 60
     assert "loss.item()" in creep["action"] and "retain_graph=True" in creep["action"]
+    # The kept graphs are none of the ledger's parts: parameters, gradients, optimizer state and
+    # the sampled step's activations stay as they were.
+    assert creep["evidence"]["growing_part"] == "rest" and "stay flat" in creep["summary"]
     assert summary["memory"]["creep_bytes_per_step"] == creep["evidence"]["bytes_per_step"]
 
     # Detected early: the first 50 steps are enough.

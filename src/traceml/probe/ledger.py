@@ -41,22 +41,29 @@ class LedgerWatch:
         self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
         # Gradients come and go (zero_grad(set_to_none=True)); each parameter keeps the size of
         # the last one seen, which backward makes again at every step: id(parameter) -> (a
-        # weak reference to it, its gradient's storage key, bytes). Keyed by id: a tensor's ==
-        # is elementwise, so tensors cannot key a WeakKeyDictionary.
-        self._gradients: Dict[int, Tuple[Any, Any, int]] = {}
+        # weak reference to it, its gradient's bytes). Keyed by id: a tensor's == is
+        # elementwise, so tensors cannot key a WeakKeyDictionary. A gradient gone now counts
+        # by its size alone: its storage's address may be another gradient's by now.
+        self._gradients: Dict[int, Tuple[Any, int]] = {}
         self.activation_bytes: Optional[int] = None
         self.activation_step: Optional[int] = None
         self._last_sent: Optional[MemoryLedger] = None
+        self._watched = 0  # models and optimizers handed over so far, freed ones included
 
     # -- the training thread hands these over ------------------------------------------------
     def watch_model(self, model: Any) -> None:
-        self._models.add(model)
+        if model not in self._models:
+            self._models.add(model)
+            self._watched += 1
 
     def watch_optimizer(self, optimizer: Any) -> None:
         """An optimizer seen stepping: its state is read from now on (a trainer's wrapper,
         Accelerate's AcceleratedOptimizer say, is read through the optimizer it wraps)."""
         inner = getattr(optimizer, "optimizer", None)
-        self._optimizers.add(inner if inner is not None and hasattr(inner, "state") else optimizer)
+        optimizer = inner if inner is not None and hasattr(inner, "state") else optimizer
+        if optimizer not in self._optimizers:
+            self._optimizers.add(optimizer)
+            self._watched += 1
 
     def note_gradients(self) -> None:
         """Backward has returned on a sampled step: every gradient is there now."""
@@ -68,10 +75,13 @@ class LedgerWatch:
         self.activation_bytes, self.activation_step = saved_bytes, step
 
     # -- the sender thread reads -------------------------------------------------------------
-    def reading(self, step: int) -> Optional[MemoryLedger]:
+    def reading(self, step: int, final: bool = False) -> Optional[MemoryLedger]:
         """The ledger now, when it differs from the one last sent (None: nothing moved, or
-        nothing to read yet). step: the last step ended."""
-        if not self._models and not self._optimizers:
+        nothing to read yet). step: the last step ended. final: the process is ending, and a
+        model or optimizer the training freed (a loop inside a function has returned) leaves
+        the last reading standing: that is what held the memory while it trained."""
+        alive = len(self._models) + len(self._optimizers)
+        if not alive or (final and self._last_sent is not None and alive < self._watched):
             return None
         ledger = self._read(step)
         last = self._last_sent
@@ -99,7 +109,7 @@ class LedgerWatch:
     def _note_gradient(self, parameter: Any) -> None:
         grad = parameter.grad
         if grad is not None:
-            self._gradients[id(parameter)] = (weakref.ref(parameter), *_storage(grad))
+            self._gradients[id(parameter)] = (weakref.ref(parameter), _storage(grad)[1])
 
     def _read(self, step: int) -> MemoryLedger:
         counted = set()  # storages already in some part
@@ -129,12 +139,16 @@ class LedgerWatch:
                 if adapter.take(name, parameter, size):
                     adapter_ids.add(id(parameter))
             self._note_gradient(parameter)
-        for parameter_id, (ref, key, size) in list(self._gradients.items()):
+        for parameter_id, (ref, size) in list(self._gradients.items()):
             parameter = ref()
             if parameter is None:  # its model is gone
                 del self._gradients[parameter_id]
-            elif key not in counted and parameter.requires_grad:
-                counted.add(key)
+                continue
+            grad = parameter.grad
+            key = _storage(grad)[0] if grad is not None else None
+            if parameter.requires_grad and (key is None or key not in counted):
+                if key is not None:
+                    counted.add(key)
                 gradient_bytes += size
                 if id(parameter) in adapter_ids:
                     adapter.gradient_bytes += size

@@ -143,7 +143,7 @@ class Sender:
             return
         self._take_ended_steps()
         self._watch_loaders(flushing=False, final=True)
-        self._read_ledger()
+        self._read_ledger(final=True)
         # Let the device finish the last steps' events and scalar copies.
         while ((self.timeline is not None and self.timeline.pending_count) or self._deferred) \
                 and time.monotonic() < deadline - 1.0:
@@ -224,13 +224,13 @@ class Sender:
             log.debug("traceml: DataLoader watch failed; it stops", exc_info=True)
             self.loaders = None
 
-    def _read_ledger(self) -> None:
+    def _read_ledger(self, final: bool = False) -> None:
         """Read what holds the memory; a reading that moved goes out with the next flush."""
         ledger = self.ledger
         if ledger is None:
             return
         try:
-            reading = ledger.reading(self.steps_ended())
+            reading = ledger.reading(self.steps_ended(), final=final)
             if reading is not None:
                 self.push(reading)
         except RuntimeError:  # a dict the training thread changed while it was read: next time

@@ -213,7 +213,9 @@ def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
     for heading, rows in (("top by time", by_time), ("top by memory", by_memory)):
         table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), title=title if not tables else None,
                       title_justify="left")
-        table.add_column(heading, overflow="fold")  # wrapped at dots (wrap_at_dots); folded only past that
+        # Wrapped at dots beforehand (wrap_at_dots), to a width the column is then given; a
+        # single part longer than that is folded.
+        table.add_column(heading, overflow="fold", min_width=LAYER_NAME_WIDTH)
         for header in ("calls", "fwd ms", "bwd ms", "saved MiB", "output MiB"):
             table.add_column(header, justify="right", no_wrap=True)
         for row in rows:
@@ -229,7 +231,7 @@ def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
     return tables
 
 
-LAYER_NAME_WIDTH = 44  # the layer tables' name column, beside five figure columns on a CARD_WIDTH card
+LAYER_NAME_WIDTH = 40  # the layer tables' name column, beside five figure columns on a CARD_WIDTH card
 
 
 def shared_prefix(names: Sequence[str]) -> str:
@@ -321,7 +323,7 @@ def ledger_lines(ledger: List[Dict[str, Any]], world_size: int = 1) -> List[tupl
             f" ({size(parameters['trainable'])} trainable)")
     if parameters.get("unsharded") is not None:
         text += f", this rank's shard of {size(parameters['unsharded'])}"
-    text += f"  ·  gradients {size(row['gradients'])}  ·  optimizer state {size(row['optimizer_state'])}\n"
+    text += f"  ·  gradients {size(row['gradients'])}  ·  optimizer {size(row['optimizer_state'])}\n"
     text += (f"activations {size(row['activations'])} (step {row['activations_step']})" if row["activations"] is not None
              else "activations not sampled yet")
     if row["rest"] is not None:
@@ -334,7 +336,7 @@ def ledger_lines(ledger: List[Dict[str, Any]], world_size: int = 1) -> List[tupl
     lines = [("Ledger", text)]
     adapters = row.get("adapters")
     if adapters:
-        lines.append((adapters["kind"] or "Adapters", adapter_text(adapters, parameters)))
+        lines.append(("Adapters", adapter_text(adapters, parameters)))
     return lines
 
 

@@ -1,0 +1,295 @@
+"""The memory ledger is exact on the CPU: each part held against sums computed by hand from the
+model, the optimizer and the batch; and it finds PEFT's adapters as PEFT counts them, under the
+Trace API, `traceml run` and Hugging Face Trainer.
+
+The in-process tests read a LedgerWatch (and, for activations, a LayerProbe) on real models and
+real autograd; only the sender they hand their figures to is replaced by a list.
+"""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import SCRIPTS
+from traceml.analysis.ledger import ledger_rows, part_bytes
+from traceml.probe.layers import LayerProbe
+from traceml.probe.ledger import LedgerWatch
+from traceml.records import StepRecord
+
+FP32 = 4
+
+
+def bytes_of(parameters):
+    return sum(p.numel() * p.element_size() for p in parameters)
+
+
+def read(models=(), optimizers=()):
+    ledger = LedgerWatch(rank=0, clock=lambda: 0.0)
+    for model in models:
+        ledger.watch_model(model)
+    for optimizer in optimizers:
+        ledger.watch_optimizer(optimizer)
+    return ledger.reading(step=1)
+
+
+def one_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    model(batch).sum().backward()
+    optimizer.step()
+
+
+def half_frozen():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    for parameter in model[0].parameters():
+        parameter.requires_grad_(False)
+    return model
+
+
+def test_tied_weights_and_views_count_once():
+    torch.manual_seed(0)
+    embed = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = embed.weight  # tied, as language models tie input and output embeddings
+    norm = nn.LayerNorm(4)
+    norm.requires_grad_(False)
+    model = nn.ModuleDict({"embed": embed, "head": head, "norm": norm})
+    ledger = read([model])
+    assert ledger.trainable_bytes == 10 * 4 * FP32
+    assert ledger.frozen_bytes == 2 * 4 * FP32
+    assert ledger.parameters == 10 * 4 + 2 * 4
+    assert ledger.trainable_dtypes == {"float32": 10 * 4 * FP32}
+
+
+def test_adam_keeps_two_fp32_states_per_trainable_parameter_and_a_frozen_half_no_gradients():
+    model = half_frozen()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable)
+    one_step(model, optimizer, torch.randn(4, 16))
+    ledger = read([model], [optimizer])
+    assert ledger.trainable_bytes == bytes_of(trainable) == (32 * 8 + 8) * FP32
+    assert ledger.frozen_bytes == bytes_of(model[0].parameters()) == (16 * 32 + 32) * FP32
+    assert ledger.gradient_bytes == bytes_of(trainable)  # the frozen half has none
+    # exp_avg and exp_avg_sq, each the parameter's size, and the step count, one fp32 scalar each.
+    assert ledger.optimizer_state_bytes == {"Adam": 2 * bytes_of(trainable) + FP32 * len(trainable)}
+
+
+def test_sgd_with_momentum_keeps_one_state_and_two_optimizers_are_told_apart():
+    torch.manual_seed(0)
+    encoder, decoder = nn.Linear(8, 8), nn.Linear(8, 2)
+    model = nn.Sequential(encoder, decoder)
+    first = torch.optim.SGD(encoder.parameters(), lr=0.1, momentum=0.9)
+    second = torch.optim.SGD(decoder.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 8)).sum().backward()
+    first.step()
+    second.step()
+    ledger = read([model], [first, second])
+    assert ledger.optimizer_state_bytes == {"SGD": bytes_of(encoder.parameters()),
+                                            "SGD 2": bytes_of(decoder.parameters())}
+    assert ledger.gradient_bytes == bytes_of(model.parameters())
+
+
+def test_reading_an_optimizer_adds_nothing_to_its_state():
+    model = half_frozen()
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+    read([model], [optimizer])  # before its first step: its state is empty, and must stay so
+    assert len(optimizer.state) == 0
+
+
+def test_dtypes_are_told_and_an_unmoved_reading_is_not_sent_again():
+    model = half_frozen()
+    model[0].to(torch.bfloat16)
+    ledger = LedgerWatch(rank=0)
+    ledger.watch_model(model)
+    first = ledger.reading(step=1)
+    assert first.frozen_dtypes == {"bfloat16": (16 * 32 + 32) * 2}
+    assert ledger.reading(step=2) is None  # nothing moved
+    model[2].weight.requires_grad_(False)  # requires_grad flips: the split moves
+    assert ledger.reading(step=3).frozen_bytes == first.frozen_bytes + 32 * 8 * FP32
+
+
+class _Sender:
+    def __init__(self):
+        self.ledger = LedgerWatch(rank=0)
+        self.sent = []
+
+    def push(self, record):
+        self.sent.append(record)
+
+
+class _ProbeOnCpu:
+    timeline = None
+    device_memory = None
+    rank = 0
+
+    def __init__(self):
+        self.sender = _Sender()
+
+
+def sampled_activations(model, batch, micro_batches=1):
+    """The activations a sampled step of this model records, and the step's gradients."""
+    probe = _ProbeOnCpu()
+    probe.sender.ledger.watch_model(model)
+    layers = LayerProbe(probe, model, every_n_steps=1, auto_capture=False)
+    layers.begin_step(1)
+    for _ in range(micro_batches):
+        with layers.saved_tensors_context():
+            output = model(batch)
+        output.sum().backward()
+        layers.backward_done()
+    layers.end_step()
+    return probe.sender.ledger
+
+
+def test_a_linears_activation_is_its_input():
+    torch.manual_seed(0)
+    ledger = sampled_activations(nn.Linear(8, 16), torch.randn(32, 8))
+    assert ledger.activation_bytes == 32 * 8 * FP32  # the weight is saved too, but it is a parameter
+
+
+def test_a_small_mlps_activations_are_its_input_and_its_hidden_layer_once():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ledger = sampled_activations(model, torch.randn(32, 8))
+    # ReLU saves its output, which the second Linear saves as its input: one storage.
+    assert ledger.activation_bytes == 32 * (8 + 16) * FP32
+
+
+def test_accumulated_micro_batches_peak_at_one_micro_batchs_activations():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ledger = sampled_activations(model, torch.randn(32, 8), micro_batches=3)
+    assert ledger.activation_bytes == 32 * (8 + 16) * FP32  # each backward frees its micro-batch's
+    assert ledger.reading(step=2).gradient_bytes == bytes_of(model.parameters())
+
+
+def test_the_rest_is_what_the_host_holds_beyond_the_parts():
+    model = half_frozen()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    one_step(model, optimizer, torch.randn(4, 16))
+    ledger = read([model], [optimizer])
+    steps = [StepRecord(rank=0, step=s, start_unix_s=0.0, step_ms=1.0, input_wait_ms=0, outside_ms=0, h2d_ms=0,
+                        forward_ms=0, backward_ms=0, optimizer_ms=0, untraced_ms=0, gc_ms=0, gc_collections=0,
+                        forward_calls=1, samples=4, host_rss_bytes=rss)
+             for s, rss in ((1, 300 * 2 ** 20), (2, 310 * 2 ** 20))]
+    (row,) = ledger_rows([ledger], steps)
+    parts = part_bytes(row)
+    assert row["measured_on"] == "host_rss" and row["held"] == 310 * 2 ** 20
+    assert sum(parts.values()) == row["held"]  # the parts and the rest add up to what was held
+    assert parts["optimizer_state"] == parts["parameters_trainable"] == parts["gradients"]
+
+
+def run_peft(traceml_run, plain_run, how):
+    """The Trace API under plain python; the plain loop (zero-code) and Trainer under `traceml run`."""
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    runner = plain_run if how == "trace-api" else traceml_run
+    run = runner("--how", how, script=SCRIPTS / "peft_lora.py", timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counted = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("PEFT "))[5:])
+    return run, counted
+
+
+@pytest.mark.parametrize("how", ["trace-api", "plain", "trainer"])
+def test_a_peft_lora_fine_tunes_adapters_are_peft_s_trainable_parameters(traceml_run, plain_run, how):
+    run, counted = run_peft(traceml_run, plain_run, how)
+    summary = run.summary()
+    (row,) = summary["memory"]["ledger"]
+    adapters = row["adapters"]
+    assert adapters["kind"] == "LoRA" and adapters["r"] == 8
+    assert adapters["count"] == counted["trainable"]
+    assert adapters["parameters"] == row["parameters"]["trainable"] == counted["trainable"] * FP32
+    assert row["parameters"]["frozen"] == (counted["total"] - counted["trainable"]) * FP32
+    assert set(adapters["targets"]) == {"q_proj", "v_proj"}
+    assert adapters["targets"]["q_proj"] == adapters["targets"]["v_proj"] == adapters["parameters"] // 2
+    assert adapters["gradients"] == adapters["parameters"]
+    # AdamW: two states the size of each adapter weight, and a step count (lora_A and lora_B in
+    # each of 2 layers' q_proj and v_proj: 8 tensors).
+    assert adapters["optimizer_state"] == row["optimizer_state"] == 2 * adapters["parameters"] + 8 * FP32
+    assert row["activations"] and row["rest"] is not None
+    card = run.run_dir.joinpath("final_summary.txt").read_text()
+    assert "LoRA r=8 on q_proj, v_proj: 16.0 KiB trainable (4.0% of parameters)" in " ".join(card.split())
+
+
+# -- the memory rules name the part -----------------------------------------------------------
+MIB = 2 ** 20
+
+
+def ledger_row(**parts):
+    """A ledger row as analysis.ledger makes it, on a device whose peak held `held` bytes."""
+    row = {"rank": 0, "parameters": {"trainable": parts.get("trainable", 0), "frozen": parts.get("frozen", 0)},
+           "gradients": parts.get("gradients", 0), "optimizer_state": parts.get("optimizer_state", 0),
+           "activations": parts.get("activations", 0), "cache": parts.get("cache", 0),
+           "measured_on": "device_peak", "growth": parts.get("growth", {})}
+    counted = sum(v for k, v in parts.items() if k not in ("growth", "cache", "held"))
+    row["held"] = parts.get("held", counted)
+    row["rest"] = row["held"] - counted
+    return row
+
+
+@pytest.mark.parametrize("largest, words, advice", [
+    ("optimizer_state", "optimizer state", "8-bit optimizer"),
+    ("activations", "activations", "activation checkpointing"),
+    ("frozen", "frozen parameters", "quantized"),
+    ("cache", "the allocator's cache", "expandable_segments:True"),
+])
+def test_memory_pressure_names_the_part_that_holds_most_and_what_to_do_about_it(largest, words, advice):
+    from test_diagnose import window
+    from traceml.diagnose.memory import MemoryLimits, memory_pressure
+
+    parts = {"trainable": 100 * MIB, "gradients": 100 * MIB, "optimizer_state": 200 * MIB,
+             "activations": 150 * MIB, "frozen": 50 * MIB, "cache": 0}
+    parts[largest] = 500 * MIB
+    row = ledger_row(**parts, held=sum(v for k, v in parts.items() if k != "cache") + 10 * MIB)
+    found = memory_pressure(window(), MemoryLimits(device_capacity_bytes=1100 * MIB),
+                            peak_device_bytes=1050 * MIB, peak_rss_bytes=None, ledger=[row])
+    assert found.evidence["largest_part"] == {"frozen": "parameters_frozen"}.get(largest, largest)
+    assert f"the largest part is {words}: 500.0 MiB" in found.summary
+    assert advice in found.action
+
+
+def test_memory_creep_names_the_part_that_grows_or_the_rest():
+    from test_diagnose import memory_window
+    from traceml.diagnose.memory import MemoryLimits, memory_creep
+
+    held = memory_window([1024 * MIB + i * 2 * MIB for i in range(50)])
+    limits = MemoryLimits(device_capacity_bytes=2048 * MIB)
+    grows = memory_creep(held, limits, ledger=[ledger_row(optimizer_state=200 * MIB,
+                                                          growth={"optimizer_state": 98 * MIB, "activations": 0})])
+    assert grows.evidence["growing_part"] == "optimizer_state"
+    assert "optimizer state grows" in grows.summary and "optimizer state growing)" in grows.summary
+    assert "8-bit optimizer" in grows.action
+    flat = memory_creep(held, limits, ledger=[ledger_row(optimizer_state=200 * MIB, growth={"optimizer_state": 0})])
+    assert flat.evidence["growing_part"] == "rest"
+    assert "stay flat" in flat.summary and "loss.item()" in flat.action
+
+
+def test_under_deep_dive_the_adapters_time_is_told_and_layer_names_wrap_whole(traceml_run):
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    run = traceml_run("--how", "plain", script=SCRIPTS / "peft_lora.py", traceml_args=("--deep",), timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = run.summary()["memory"]["ledger"]
+    adapters = row["adapters"]
+    assert 0 < adapters["forward_share"] < 1 and 0 < adapters["backward_share"] < 1
+    card = run.run_dir.joinpath("final_summary.txt").read_text()
+    assert "adapters take" in " ".join(card.split())
+    # The prefix every layer shares is written once, above the tables; each name is cut only
+    # after a dot or a space, never inside a word.
+    assert "│ under base_model.model." in card
+    table = card[card.index("top by time"):card.index("Coverage")]
+    assert "base_model." not in table
+    cells, in_rows = [], False
+    for line in table.splitlines():
+        cell = line.strip("│ ").split("  ")[0]
+        if cell.startswith("───"):
+            in_rows = True
+        elif not cell:
+            in_rows = False
+        elif in_rows:
+            cells.append(cell)
+    assert len(cells) >= 10, table
+    for cell, after in zip(cells, cells[1:] + [""]):  # cut after a dot, or before the type
+        if not (cell.endswith((".", ")")) or after.startswith("(")):
+            pytest.fail(f"a layer's name wraps inside a word: {cell!r}\n{table}")
