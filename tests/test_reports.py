@@ -150,7 +150,9 @@ def test_metrics_are_scraped_from_a_live_run(tmp_path):
     p90 = samples[("traceml_step_time_ms", (("quantile", "0.9"), ("rank", "0")))]
     assert 48.0 <= median <= p90  # 8 samples x 6 ms of loading, at least
     share = samples[("traceml_phase_share", (("phase", "input_wait"), ("rank", "0")))]
-    assert 0.5 < share < 1.0
+    # 48 ms of sleep a step against about 1 ms of compute on a quiet machine; a machine busy
+    # enough to make the rest of the step as long as the sleep still leaves it above 0.3.
+    assert 0.3 < share < 1.0
     assert samples[("traceml_steps_total", (("rank", "0"),))] >= 40
     assert samples[("traceml_memory_bytes", (("kind", "host_rss"), ("rank", "0")))] > 2 ** 20
     assert samples[("traceml_samples_per_second", (("rank", "0"),))] > 0
@@ -201,7 +203,7 @@ def test_summary_in_the_training_process_is_flat(plain_run):
     flat = json.loads(line[len("SUMMARY "):])
     assert flat["traceml/steps"] >= 58  # all but the step still open when it was asked
     assert flat["traceml/diagnosis/primary"] == "INPUT_BOUND"
-    assert 0.5 < flat["traceml/phase/input_wait/share"] < 1.0
+    assert 0.3 < flat["traceml/phase/input_wait/share"] < 1.0  # as in the /metrics test above
     assert flat["traceml/step/median_ms"] >= 48.0  # 8 samples x 6 ms
     assert all(isinstance(value, (int, float, str, type(None))) for value in flat.values())
     card = run.summary()

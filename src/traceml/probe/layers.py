@@ -186,6 +186,9 @@ class LayerProbe:
         ledger = getattr(self.probe.sender, "ledger", None)
         if ledger is not None:
             ledger.note_activations(self._watched_step, self._step_peak_saved)
+            reading = ledger.reading(self._watched_step + 1)
+            if reading is not None:
+                self.probe.sender.push(reading)
         self._saved_since_backward = self._step_peak_saved = 0
         self.probe.layers_active = False
         step_flops, self._step_flops = self._step_flops, 0

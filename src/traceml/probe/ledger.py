@@ -10,7 +10,9 @@ entry to the user's defaultdict). The training thread only hands over what the s
 find on its own, on steps it already slows on purpose: the optimizers it sees stepping on a
 sampled step (or while steps are being inferred), the gradients as backward returns on a
 sampled step (a loop that sets them to None after each update shows none to the sender), and
-the activations a sampled step saved for backward (probe/layers.py counts them).
+the activations a sampled step saved for backward (probe/layers.py counts them); that step's end
+then takes a reading itself, while everything it read is still alive (a loop inside a function
+frees its optimizer when it returns, and a short run may end before the sender's next reading).
 
 Tensors that share storage count once: tied weights, views, a gradient that is a view of a
 bucket. A sharded parameter (a DTensor under FSDP2) counts its local shard, and its full size
@@ -20,6 +22,7 @@ modules_to_save are the adapters; each target module kind (q_proj, v_proj) gets 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -49,6 +52,7 @@ class LedgerWatch:
         self.activation_step: Optional[int] = None
         self._last_sent: Optional[MemoryLedger] = None
         self._watched = 0  # models and optimizers handed over so far, freed ones included
+        self._reading = threading.Lock()  # the sender reads, and a sampled step's end (training thread)
 
     # -- the training thread hands these over ------------------------------------------------
     def watch_model(self, model: Any) -> None:
@@ -80,15 +84,16 @@ class LedgerWatch:
         nothing to read yet). step: the last step ended. final: the process is ending, and a
         model or optimizer the training freed (a loop inside a function has returned) leaves
         the last reading standing: that is what held the memory while it trained."""
-        alive = len(self._models) + len(self._optimizers)
-        if not alive or (final and self._last_sent is not None and alive < self._watched):
-            return None
-        ledger = self._read(step)
-        last = self._last_sent
-        if last is not None and _same_figures(last, ledger):
-            return None
-        self._last_sent = ledger
-        return ledger
+        with self._reading:
+            alive = len(self._models) + len(self._optimizers)
+            if not alive or (final and self._last_sent is not None and alive < self._watched):
+                return None
+            ledger = self._read(step)
+            last = self._last_sent
+            if last is not None and _same_figures(last, ledger):
+                return None
+            self._last_sent = ledger
+            return ledger
 
     def _parameters(self) -> Iterator[Tuple[str, Any]]:
         """(name, parameter) of every watched model, then the optimizers' parameters no model

@@ -323,14 +323,14 @@ def ledger_lines(ledger: List[Dict[str, Any]], world_size: int = 1) -> List[tupl
             f" ({size(parameters['trainable'])} trainable)")
     if parameters.get("unsharded") is not None:
         text += f", this rank's shard of {size(parameters['unsharded'])}"
-    text += f"  ·  gradients {size(row['gradients'])}  ·  optimizer {size(row['optimizer_state'])}\n"
-    text += (f"activations {size(row['activations'])} (step {row['activations_step']})" if row["activations"] is not None
-             else "activations not sampled yet")
-    if row["rest"] is not None:
-        where = "device peak" if row["measured_on"] == "device_peak" else "host RSS"
-        text += f"  ·  rest {size(row['rest'])} of {size(row['held'])} {where}"
+    text += f"  ·  gradients {size(row['gradients'])}"
     if row.get("cache"):
         text += f"  ·  allocator cache {size(row['cache'])}"
+    text += f"\noptimizer state {size(row['optimizer_state'])}  ·  "
+    text += (f"activations {size(row['activations'])} (step {row['activations_step']})" if row["activations"] is not None
+             else "activations not sampled yet")
+    if row["rest"] is not None:  # of the device peak or the host RSS, which the Memory line gives
+        text += f"  ·  rest {size(row['rest'])}"
     if world_size > 1:
         text = f"rank {row['rank']}: " + text
     lines = [("Ledger", text)]
