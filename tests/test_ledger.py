@@ -15,7 +15,7 @@ from conftest import SCRIPTS
 from traceml.analysis.ledger import ledger_rows, part_bytes
 from traceml.probe.layers import LayerProbe
 from traceml.probe.ledger import LedgerWatch
-from traceml.records import StepRecord
+from traceml.records import StepRecord, adapter_target
 
 FP32 = 4
 
@@ -45,6 +45,17 @@ def half_frozen():
     for parameter in model[0].parameters():
         parameter.requires_grad_(False)
     return model
+
+
+@pytest.mark.parametrize("name, target", [
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", "q_proj"),
+    ("base_model.model.model.layers.1.mlp.down_proj.lora_magnitude_vector.default.weight", "down_proj"),
+    ("base_model.model.lm_head.modules_to_save.default.weight", "lm_head"),
+    ("base_model.model.lm_head.original_module.weight", None),  # the frozen copy modules_to_save keeps
+    ("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight", None),
+])
+def test_adapter_parameters_are_told_by_name_with_their_target(name, target):
+    assert adapter_target(name) == target
 
 
 def test_tied_weights_and_views_count_once():

@@ -153,6 +153,11 @@ def test_metrics_are_scraped_from_a_live_run(tmp_path):
     # 48 ms of sleep a step against about 1 ms of compute on a quiet machine; a machine busy
     # enough to make the rest of the step as long as the sleep still leaves it above 0.3.
     assert 0.3 < share < 1.0
+    # The ledger: the loop's MLP, 32 -> 64 -> 64 -> 10 in fp32, all of it trained.
+    ledger = {dict(labels)["part"]: value for (name, labels), value in samples.items()
+              if name == "traceml_memory_ledger_bytes" and dict(labels)["rank"] == "0"}
+    assert ledger["parameters_trainable"] == (32 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10) * 4
+    assert ledger["parameters_frozen"] == 0 and ledger["rest"] > 0
     assert samples[("traceml_steps_total", (("rank", "0"),))] >= 40
     assert samples[("traceml_memory_bytes", (("kind", "host_rss"), ("rank", "0")))] > 2 ** 20
     assert samples[("traceml_samples_per_second", (("rank", "0"),))] > 0
