@@ -328,7 +328,7 @@ def ledger_lines(ledger: List[Dict[str, Any]], world_size: int = 1) -> List[tupl
         text += f"  ·  allocator cache {size(row['cache'])}"
     text += f"\noptimizer state {size(row['optimizer_state'])}  ·  "
     text += (f"activations {size(row['activations'])} (step {row['activations_step']})" if row["activations"] is not None
-             else "activations not sampled yet")
+             else "activations not sampled")
     if row["rest"] is not None:  # of the device peak or the host RSS, which the Memory line gives
         text += f"  ·  rest {size(row['rest'])}"
     if world_size > 1:
