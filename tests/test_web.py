@@ -149,6 +149,21 @@ def test_spans_scalars_and_layers(served):
     assert ranks["heatmap"]["ranks"] == [0] and len(ranks["heatmap"]["own_ms"][0]) == 60
 
 
+def test_the_memory_ledger_is_the_summarys(served):
+    base, run_dir = served
+    summary = json.loads((run_dir / "final_summary.json").read_text())
+    (row,) = summary["memory"]["ledger"]
+    memory = get(base, "/api/memory")
+    (served_row,) = memory["ledger"]
+    parts = served_row["parts"]
+    assert parts["parameters_trainable"] == row["parameters"]["trainable"] > 0
+    assert parts["parameters_frozen"] == row["parameters"]["frozen"] == 0
+    assert parts["optimizer_state"] == row["optimizer_state"] and parts["rest"] == row["rest"]
+    assert all(isinstance(value, int) and value >= 0 for value in parts.values())
+    assert set(parts) <= set(memory["parts"]) and memory["history"]
+    assert [h["step"] for h in memory["history"]] == sorted(h["step"] for h in memory["history"])
+
+
 @pytest.mark.parametrize("query", ["/api/steps?points=abc", "/api/steps?points=0",
                                    f"/api/steps?points={MAX_POINTS + 1}", "/api/steps?start=-3",
                                    "/api/timeline?steps=1000", "/api/system?points=1.5",
@@ -428,6 +443,11 @@ def test_browser_renders_the_live_page_mid_run(tmp_path):
             assert all(trace[1] >= 20 for trace in stacked)
             assert page.evaluate("document.getElementById('chart-timeline').data.length") >= 4
             assert page.evaluate("document.getElementById('chart-memory').data.length") >= 1
+            # The ledger: a stacked bar per rank, a part a trace, and the readings over steps.
+            ledger = page.evaluate("document.getElementById('chart-ledger').data.map(t => [t.name, t.y])")
+            assert {"trainable parameters", "gradients", "the rest"} <= {name for name, _ in ledger}
+            assert all(ranks == ["rank 0"] for _, ranks in ledger)
+            assert page.evaluate("document.getElementById('chart-ledger-history').data.length") >= 2
             assert page.locator("#phase-breakdown tr[data-phase]").count() >= len(STEP_PHASES)
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"), full_page=True)

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from traceml import rundir
+from traceml.analysis.ledger import LEDGER_PARTS, PART_WORDS, ledger_history, part_bytes
 from traceml.analysis.live import snapshot
 from traceml.analysis.rollup import warmup_steps
 from traceml.analysis.summary import RunData, RunFacts, build_summary, deep_dive_figures, device_names
 from traceml.collector.store import Store
 from traceml.records import ALL_PHASES
-from traceml.views.summary import phase_display, straggler_finding, straggler_rank
+from traceml.views.summary import adapter_text, phase_display, straggler_finding, straggler_rank
 from traceml.views.web import queries
 
 log = logging.getLogger("traceml")
@@ -187,6 +188,21 @@ class RunSource:
             return {"deep_dive": summary.get("deep_dive"), "layers": summary.get("layers", [])}
         return deep_dive_figures(self.collector.latest_layers)
 
+    def memory(self) -> Dict[str, Any]:
+        """The memory ledger: each rank's parts now (bytes by analysis.ledger.LEDGER_PARTS, the
+        parts not measured left out), and every reading's counted parts over steps."""
+        if self.live:
+            rows = self.live_state().ledger
+            history = ledger_history(list(self.collector.ledgers))
+        else:
+            memory = (self.summary or {}).get("memory") or {}
+            rows, history = memory.get("ledger") or [], memory.get("ledger_history") or []
+        return {"parts": list(LEDGER_PARTS), "words": PART_WORDS, "history": history,
+                "ledger": [{"rank": row["rank"], "parts": part_bytes(row), "held": row["held"],
+                            "measured_on": row["measured_on"], "activations_step": row["activations_step"],
+                            "adapters": (adapter_text(row["adapters"], row["parameters"])
+                                         if row.get("adapters") else None)} for row in rows]}
+
     def spans(self) -> Dict[str, Any]:
         with self._lock:
             self._steps.refresh()
@@ -327,6 +343,7 @@ def create_app(source: RunSource) -> Any:
         Route("/api/ranks", api(lambda request: source.ranks(points(request)))),
         Route("/api/layers", api(lambda request: source.layers())),
         Route("/api/spans", api(lambda request: source.spans())),
+        Route("/api/memory", api(lambda request: source.memory())),
         Route("/api/scalars", api(lambda request: source.scalars(points(request)))),
         Route("/api/stream", stream),
         Route("/metrics", metrics),

@@ -406,6 +406,53 @@ function memoryChart(s) {
   return [traces, lay];
 }
 
+// ---------- the memory ledger ----------
+
+// One colour per part, in the order the bars stack them (analysis.ledger.LEDGER_PARTS).
+const LEDGER_COLOURS = {
+  parameters_frozen: '#9ecae9', parameters_trainable: '#4c78a8', gradients: '#f58518', optimizer_state: '#e45756',
+  activations: '#54a24b', rest: '#bab0ac', cache: '#d6d6d6',
+};
+
+function renderMemoryLedger(data) {
+  const rows = data.ledger || [];
+  const words = data.words || {};
+  const adapters = $('ledger-adapters');
+  const withAdapters = rows.filter((r) => r.adapters);
+  adapters.textContent = withAdapters.map((r) => (rows.length > 1 ? 'rank ' + r.rank + ': ' : '') + r.adapters).join(' · ');
+  adapters.hidden = !withAdapters.length;
+  const empty = 'no ledger yet: it comes with the first steps';
+  if (!rows.length) {
+    plot('chart-ledger', [], {}, empty);
+    plot('chart-ledger-history', [], {}, empty);
+    return;
+  }
+  const unit = byteUnit(rows.map((r) => Object.values(r.parts).reduce((a, b) => a + b, 0)));
+  const ranks = rows.map((r) => 'rank ' + r.rank);
+  const bars = data.parts.filter((p) => rows.some((r) => isNum(r.parts[p]))).map((p) => ({
+    type: 'bar', orientation: 'h', name: words[p] || p, y: ranks, x: rows.map((r) => (isNum(r.parts[p]) ? r.parts[p] / unit.div : null)),
+    marker: { color: LEDGER_COLOURS[p] }, hovertemplate: '%{x:.2f} ' + unit.name + '<extra>' + (words[p] || p) + '</extra>',
+  }));
+  plot('chart-ledger', bars, layout({ barmode: 'stack', xaxis: { title: { text: unit.name }, rangemode: 'tozero' },
+    yaxis: { autorange: 'reversed' } }));
+  // Over steps: the first rank's readings (each sent when a figure moved), its counted parts stacked.
+  const first = rows[0].rank;
+  const history = (data.history || []).filter((h) => h.rank === first);
+  const counted = data.parts.filter((p) => history.some((h) => isNum(h[p])));
+  if (!history.length) {
+    plot('chart-ledger-history', [], {}, empty);
+    return;
+  }
+  const historyUnit = byteUnit(history.map((h) => counted.reduce((a, p) => a + (h[p] || 0), 0)));
+  const lines = counted.map((p) => ({
+    type: 'scatter', mode: 'lines', stackgroup: 'ledger', line: { shape: 'hv', color: LEDGER_COLOURS[p] }, name: words[p] || p,
+    x: history.map((h) => h.step), y: history.map((h) => (isNum(h[p]) ? h[p] / historyUnit.div : 0)),
+    hovertemplate: '%{y:.2f} ' + historyUnit.name,
+  }));
+  plot('chart-ledger-history', lines, layout({ hovermode: 'x unified', xaxis: { title: { text: 'step (rank ' + first + ')' } },
+    yaxis: { title: { text: historyUnit.name }, rangemode: 'tozero' } }));
+}
+
 // ---------- timeline ----------
 
 function renderTimeline(tl) {
@@ -757,6 +804,7 @@ function refreshCharts() {
     load('/api/ranks', renderRanks, RANK_CHARTS),
     load('/api/spans', renderSpans, ['spans-table']),
     load('/api/scalars', renderScalars, ['chart-scalars']),
+    load('/api/memory', renderMemoryLedger, ['chart-ledger', 'chart-ledger-history']),
   ]);
 }
 
