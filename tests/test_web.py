@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from traceml.collector.store import Store
-from traceml.records import STEP_PHASES, GpuSample, RankHello, ScalarRecord, StepRecord, SystemSample
+from traceml.records import (STEP_PHASES, GpuSample, MemoryLedger, RankHello, ScalarRecord, StepRecord,
+                             SystemSample)
 from traceml.views.web.app import RunSource, WebServer
 from traceml.views.web import queries
 from traceml.views.web.queries import MAX_POINTS
@@ -162,6 +163,39 @@ def test_the_memory_ledger_is_the_summarys(served):
     assert all(isinstance(value, int) and value >= 0 for value in parts.values())
     assert set(parts) <= set(memory["parts"]) and memory["history"]
     assert [h["step"] for h in memory["history"]] == sorted(h["step"] for h in memory["history"])
+
+
+def test_the_memory_ledger_of_a_lora_run_on_a_device(tmp_path):
+    # A store as a CUDA LoRA fine-tune leaves it, summarized as a run cut short is (no
+    # final_summary.json): the device peak bounds the bar, the adapters get their line.
+    store = Store(str(tmp_path / "telemetry.sqlite"))
+    mib = 2 ** 20
+    store.write([RankHello(0, 0, 1, 0, "h", 1, "cuda:0", "H200", 140 * 2 ** 30, "2", ["lora.py"], 0.0)])
+    store.write([StepRecord(0, step, step * 0.01, 10.0, 0, 0, 0, 5, 4, 1, 0, 0, 0, 1, 8,
+                            device_peak_bytes=(500 + step) * mib, device_reserved_bytes=600 * mib)
+                 for step in range(20)])
+    ledger = dict(trainable_bytes=mib, frozen_bytes=200 * mib, trainable_dtypes={"float32": mib},
+                  frozen_dtypes={"bfloat16": 200 * mib}, parameters=100_262_144, trainable_parameters=262_144,
+                  gradient_bytes=mib, optimizer_state_bytes={"AdamW": 2 * mib}, adapter="LoRA", adapter_rank=8,
+                  adapter_parameters=262_144, adapter_parameter_bytes=mib, adapter_gradient_bytes=mib,
+                  adapter_optimizer_bytes=2 * mib, adapter_targets={"v_proj": mib // 2, "q_proj": mib // 2})
+    store.write([MemoryLedger(0, 0, 0.0, **ledger),
+                 MemoryLedger(0, 10, 0.1, **ledger, activation_bytes=50 * mib, activation_step=10)])
+    store.commit()
+    store.close()
+    source = RunSource.of_finished_run(tmp_path)
+    try:
+        memory = source.memory()
+    finally:
+        source.close()
+    (row,) = memory["ledger"]
+    assert row["measured_on"] == "device_peak" and row["held"] == 519 * mib and row["activations_step"] == 10
+    assert row["parts"] == {"parameters_frozen": 200 * mib, "parameters_trainable": mib, "gradients": mib,
+                            "optimizer_state": 2 * mib, "activations": 50 * mib, "rest": 265 * mib, "cache": 81 * mib}
+    assert list(row["parts"]) == [part for part in memory["parts"] if part in row["parts"]]  # the bar's order
+    assert row["adapters"].startswith("LoRA r=8 on q_proj, v_proj: 1.0 MiB trainable")
+    assert [(h["step"], h["activations"]) for h in memory["history"]] == [(0, 0), (10, 50 * mib)]
+    assert memory["words"]["optimizer_state"] == "optimizer state"
 
 
 @pytest.mark.parametrize("query", ["/api/steps?points=abc", "/api/steps?points=0",
@@ -328,6 +362,13 @@ def test_live_dashboard_follows_the_run_then_closes(tmp_path):
         while len((series := get(base, "/api/steps"))["step"]) < 30 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert len(series["step"]) >= 30 and series["phases"]["input_wait"][-1] > 5.0
+        # The ledger, live: the collector's readings, the live state's rows.
+        while not (memory := get(base, "/api/memory"))["ledger"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (row,) = memory["ledger"]
+        assert row["rank"] == 0 and row["measured_on"] == "host_rss" and row["parts"]["parameters_trainable"] > 0
+        assert all(isinstance(value, int) and value >= 0 for value in row["parts"].values())
+        assert memory["history"] and {h["rank"] for h in memory["history"]} == {0}
         stdout, stderr = process.communicate(timeout=120)
     finally:
         process.kill()
@@ -448,6 +489,8 @@ def test_browser_renders_the_live_page_mid_run(tmp_path):
             assert {"trainable parameters", "gradients", "the rest"} <= {name for name, _ in ledger}
             assert all(ranks == ["rank 0"] for _, ranks in ledger)
             assert page.evaluate("document.getElementById('chart-ledger-history').data.length") >= 2
+            memory_text = page.inner_text("#sec-memory")
+            assert "optimizer state" in memory_text and "host RSS at its highest" in memory_text
             assert page.locator("#phase-breakdown tr[data-phase]").count() >= len(STEP_PHASES)
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"), full_page=True)

@@ -414,6 +414,26 @@ const LEDGER_COLOURS = {
   activations: '#54a24b', rest: '#bab0ac', cache: '#d6d6d6',
 };
 
+// What a bar's length is, by how the rank's memory was measured (the ledger row's measured_on):
+// a person reading a bar that is mostly "the rest" needs to know what the rest is.
+const LEDGER_MEASURES = {
+  device_peak: "Each bar is the rank's device memory at its fullest step (peak allocated): the rest is what "
+    + 'else was allocated then, beyond the parts counted; the cache is what the allocator reserved beyond that.',
+  host_rss: "Each bar is the rank's host RSS at its highest: the rest is what the process holds beyond the "
+    + "parts counted (the interpreter, torch's libraries, the DataLoader's buffers).",
+};
+
+// The ledger's note: how the bars were measured, and which step the activations are from.
+function ledgerNote(rows) {
+  const measures = [...new Set(rows.map((r) => r.measured_on))];
+  const said = measures.map((m) => LEDGER_MEASURES[m] || 'No memory figure from the steps yet: the bars are the parts counted alone.');
+  const first = rows[0];
+  said.push(isNum(first.activations_step)
+    ? 'Activations: saved for backward at the peak of step ' + first.activations_step + ', the latest sampled.'
+    : 'Activations: not measured yet (they come with a sampled step).');
+  return said.join(' ');
+}
+
 function renderMemoryLedger(data) {
   const rows = data.ledger || [];
   const words = data.words || {};
@@ -421,12 +441,14 @@ function renderMemoryLedger(data) {
   const withAdapters = rows.filter((r) => r.adapters);
   adapters.textContent = withAdapters.map((r) => (rows.length > 1 ? 'rank ' + r.rank + ': ' : '') + r.adapters).join(' · ');
   adapters.hidden = !withAdapters.length;
-  const empty = 'no ledger yet: it comes with the first steps';
   if (!rows.length) {
+    const empty = 'no ledger yet: it comes with the first steps';
+    setNote('chart-ledger', '');
     plot('chart-ledger', [], {}, empty);
     plot('chart-ledger-history', [], {}, empty);
     return;
   }
+  setNote('chart-ledger', ledgerNote(rows));
   const unit = byteUnit(rows.map((r) => Object.values(r.parts).reduce((a, b) => a + b, 0)));
   const ranks = rows.map((r) => 'rank ' + r.rank);
   const bars = data.parts.filter((p) => rows.some((r) => isNum(r.parts[p]))).map((p) => ({
@@ -440,12 +462,15 @@ function renderMemoryLedger(data) {
   const history = (data.history || []).filter((h) => h.rank === first);
   const counted = data.parts.filter((p) => history.some((h) => isNum(h[p])));
   if (!history.length) {
-    plot('chart-ledger-history', [], {}, empty);
+    plot('chart-ledger-history', [], {}, 'no readings over steps yet');
     return;
   }
   const historyUnit = byteUnit(history.map((h) => counted.reduce((a, p) => a + (h[p] || 0), 0)));
+  // Markers as well as lines: the readings are few, and the latest (often the first sampled
+  // step's activations) would otherwise be a bare edge at the chart's right border.
   const lines = counted.map((p) => ({
-    type: 'scatter', mode: 'lines', stackgroup: 'ledger', line: { shape: 'hv', color: LEDGER_COLOURS[p] }, name: words[p] || p,
+    type: 'scatter', mode: 'lines+markers', stackgroup: 'ledger', line: { shape: 'hv', color: LEDGER_COLOURS[p] },
+    marker: { size: 4, color: LEDGER_COLOURS[p] }, name: words[p] || p,
     x: history.map((h) => h.step), y: history.map((h) => (isNum(h[p]) ? h[p] / historyUnit.div : 0)),
     hovertemplate: '%{y:.2f} ' + historyUnit.name,
   }));
