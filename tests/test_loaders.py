@@ -204,12 +204,16 @@ def test_cheap_batches_cost_more_with_two_workers_than_without(traceml_run):
     primary = run.summary()["primary_diagnosis"]
     evidence = primary["evidence"]
     assert primary["kind"] == "INPUT_BOUND", primary
-    assert evidence["loader_cause"] == "handover", evidence
+    # The hand-over is the wait; near_handover when the wait per batch came out a little under
+    # the workers' CPU per batch (seen in 2 of 6 runs on this project's VM): both say fewer workers.
+    assert evidence["loader_cause"] in ("handover", "near_handover"), evidence
     assert (evidence["num_workers"], evidence["pin_memory"], evidence["persistent_workers"],
             evidence["prefetch_factor"], evidence["batch_size"], evidence["device"]) == (2, False, False, 2, 16, "cpu")
-    assert evidence["input_wait_ms_per_batch"] > evidence["worker_cpu_ms_per_batch"] > 0
+    if evidence["loader_cause"] == "handover":
+        assert evidence["input_wait_ms_per_batch"] > evidence["worker_cpu_ms_per_batch"] > 0
     assert evidence["ready_share"] >= 0.5
     assert "num_workers=0" in primary["action"] and "pin_memory" not in primary["action"]
-    assert "a batch costs more with workers than without" in primary["summary"]
+    assert ("a batch costs more with workers than without" in primary["summary"]
+            or "close to what handing a batch over from a worker costs" in primary["summary"])
     card = " ".join(" ".join(line.strip("│ ").split()) for line in run.stdout.splitlines())  # unwrapped
     assert "DataLoader(num_workers=2, persistent_workers=False, prefetch_factor=2, batch_size=16)" in card

@@ -227,9 +227,11 @@ def _handover(loader: LoaderFigures, wait_ms: float, cost_ms: float, ready: floa
         return cause, action, "handover"
     cause = (f"{seen}, and each takes {wait_ms:.1f} ms to arrive, close to what handing a batch over from a "
              "worker costs")
-    action = (f"Before adding workers, check the per-sample cost ({cost_ms:.1f} ms of worker CPU a batch)"
-              + (f" and, with batches this small ({loader.batch_size} samples), the workers' overhead: larger "
-                 "batches spread it" if loader.batch_size is not None and loader.batch_size <= SMALL_BATCH else "")
+    # Near the hand-over's own cost, more workers add hand-overs, not batches: try fewer first.
+    action = ("Compare fewer workers or num_workers=0 against this run (`traceml compare`) before adding "
+              f"any: each batch here costs {cost_ms:.1f} ms of worker CPU"
+              + (f", and with batches this small ({loader.batch_size} samples) the workers' overhead weighs: "
+                 "larger batches spread it" if loader.batch_size is not None and loader.batch_size <= SMALL_BATCH else "")
               + ".")
     return cause, action, "near_handover"
 
