@@ -172,7 +172,36 @@ def test_accumulated_micro_batches_peak_at_one_micro_batchs_activations():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     ledger = sampled_activations(model, torch.randn(32, 8), micro_batches=3)
     assert ledger.activation_bytes == 32 * (8 + 16) * FP32  # each backward frees its micro-batch's
-    assert ledger.reading(step=2).gradient_bytes == bytes_of(model.parameters())
+
+
+def test_a_sampled_steps_end_sends_its_reading_with_every_gradient():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    probe = _ProbeOnCpu()
+    probe.sender.ledger.watch_model(model)
+    layers = LayerProbe(probe, model, every_n_steps=1, auto_capture=False)
+    layers.begin_step(1)
+    with layers.saved_tensors_context():
+        output = model(torch.randn(32, 8))
+    output.sum().backward()
+    layers.backward_done()
+    model.zero_grad(set_to_none=True)  # gone before the step ends: the sampled backward saw them
+    layers.end_step()
+    (reading,) = probe.sender.sent
+    assert reading.gradient_bytes == bytes_of(model.parameters())
+    assert reading.activation_bytes == 32 * (8 + 16) * FP32 and reading.activation_step == 1
+
+
+def test_readings_at_step_starts_are_paced_to_one_every_two_seconds():
+    model = half_frozen()
+    ledger = LedgerWatch(rank=0)
+    ledger.watch_model(model)
+    first, next_step = ledger.at_step_start(1, now_s=100.0)
+    assert first is not None and next_step == 2
+    assert ledger.at_step_start(2, now_s=100.01) == (None, 2 + 200)  # 10 ms a step: 200 steps is 2 s
+    model[2].weight.requires_grad_(False)
+    moved, next_step = ledger.at_step_start(202, now_s=102.01)
+    assert moved.frozen_bytes > first.frozen_bytes and 200 <= next_step - 202 <= 201
 
 
 def test_the_rest_is_what_the_host_holds_beyond_the_parts():

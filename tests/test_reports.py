@@ -190,7 +190,7 @@ def test_metrics_carry_each_gpu_as_nvml_reads_it():
                           training_cpu_percent=180.0, training_rss_bytes=2 ** 32, gpus=gpus, cpu_count=16)
     collector = SimpleNamespace(recent_by_rank={}, latest_system=sample, latest_layers=None, hellos={})
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(LiveMetrics(collector, lambda: SimpleNamespace(findings=[], goodput=None)))
+    registry.register(LiveMetrics(collector, lambda: SimpleNamespace(findings=[], goodput=None, ledger=[])))
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(generate_latest(registry).decode())
                for s in family.samples}

@@ -375,6 +375,8 @@ def adapter_target(name: str) -> Optional[str]:
     """For the ledger's adapter group: the target module kind an adapter parameter belongs to ("q_proj" for
     `...self_attn.q_proj.lora_A.default.weight`, "lm_head" for `lm_head.modules_to_save.default.weight`),
     or None when the parameter is no adapter's."""
+    if "lora_" not in name and "modules_to_save" not in name:  # most parameters: no split
+        return None
     parts = name.split(".")
     for index, part in enumerate(parts):
         if part.startswith("lora_") or part == "modules_to_save":

@@ -1,18 +1,17 @@
 """The memory ledger, probe side: what holds this rank's memory (parameters, gradients,
-optimizer state, activations saved for backward), read off the training thread and sent when it
-changes.
+optimizer state, activations saved for backward), read now and then and sent when it changed.
 
-The sender thread reads the watched models' parameters and gradients and the watched
-optimizers' state every few seconds (ROUNDS_PER_READING) and sends a MemoryLedger when a figure
-moved. Reading costs the training nothing: parameters and their gradients are attributes, an
-optimizer's state a dict read with .get() and .values() (never `state[p]`, which would add an
-entry to the user's defaultdict). The training thread only hands over what the sender cannot
-find on its own, on steps it already slows on purpose: the optimizers it sees stepping on a
-sampled step (or while steps are being inferred), the gradients as backward returns on a
-sampled step (a loop that sets them to None after each update shows none to the sender), and
-the activations a sampled step saved for backward (probe/layers.py counts them); that step's end
-then takes a reading itself, while everything it read is still alive (a loop inside a function
-frees its optimizer when it returns, and a short run may end before the sender's next reading).
+Readings are taken on the training thread, between steps, never on the sender's: autograd
+replaces a parameter's .grad, and an optimizer its state, in C++ without holding the GIL, so a
+tensor read from another thread meanwhile can be freed under it (that thread's readings crashed
+the process). A reading costs a walk over the parameters and the optimizers' state (attributes
+and dict reads: an optimizer's state is read with .items(), never `state[p]`, which would add an
+entry to the user's defaultdict), so it is taken at step starts at most every READING_INTERVAL_S
+(the steps between pay nothing: probe.step's due-step check), at the end of each sampled step,
+and as the process ends. The training thread also hands over what a plain step cannot show: the
+optimizers it sees stepping on a sampled step (or while steps are being inferred), the gradients
+as backward returns on a sampled step (a loop that sets them to None after each update shows
+none between steps), and the activations a sampled step saved for backward (probe/layers.py).
 
 Tensors that share storage count once: tied weights, views, a gradient that is a view of a
 bucket. A sharded parameter (a DTensor under FSDP2) counts its local shard, and its full size
@@ -22,16 +21,18 @@ modules_to_save are the adapters; each target module kind (q_proj, v_proj) gets 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 from traceml.records import MemoryLedger, adapter_target
 
 log = logging.getLogger("traceml")
 
-ROUNDS_PER_READING = 20  # sender rounds (FLUSH_INTERVAL_S / ROUNDS_PER_FLUSH each) between readings: 2 s
+READING_INTERVAL_S = 2.0  # between readings at step starts, at most as often as this
+FIRST_READING_STEPS = (1, 2)  # after the first update (an optimizer's state is made then), and once more
 
 
 class LedgerWatch:
@@ -40,8 +41,9 @@ class LedgerWatch:
     def __init__(self, rank: int, clock: Any = time.time):
         self.rank = rank
         self._clock = clock
-        self._models: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # Weak references, in the order they were handed over (optimizers are named in it).
+        self._models: List[Any] = []
+        self._optimizers: List[Any] = []
         # Gradients come and go (zero_grad(set_to_none=True)); each parameter keeps the size of
         # the last one seen, which backward makes again at every step: id(parameter) -> (a
         # weak reference to it, its gradient's bytes). Keyed by id: a tensor's == is
@@ -52,22 +54,23 @@ class LedgerWatch:
         self.activation_step: Optional[int] = None
         self._last_sent: Optional[MemoryLedger] = None
         self._watched = 0  # models and optimizers handed over so far, freed ones included
-        self._reading = threading.Lock()  # the sender reads, and a sampled step's end (training thread)
+        self._paced_from: Optional[Tuple[int, float]] = None  # (step, time) of the last reading at a step start
+        self._reading = threading.Lock()  # the last reading is compared and replaced in one go
 
     # -- the training thread hands these over ------------------------------------------------
     def watch_model(self, model: Any) -> None:
-        if model not in self._models:
-            self._models.add(model)
+        self._watch(self._models, model)
+
+    def _watch(self, watched: List[Any], thing: Any) -> None:
+        if not any(ref() is thing for ref in watched):
+            watched.append(weakref.ref(thing))
             self._watched += 1
 
     def watch_optimizer(self, optimizer: Any) -> None:
         """An optimizer seen stepping: its state is read from now on (a trainer's wrapper,
         Accelerate's AcceleratedOptimizer say, is read through the optimizer it wraps)."""
         inner = getattr(optimizer, "optimizer", None)
-        optimizer = inner if inner is not None and hasattr(inner, "state") else optimizer
-        if optimizer not in self._optimizers:
-            self._optimizers.add(optimizer)
-            self._watched += 1
+        self._watch(self._optimizers, inner if inner is not None and hasattr(inner, "state") else optimizer)
 
     def note_gradients(self) -> None:
         """Backward has returned on a sampled step: every gradient is there now."""
@@ -78,14 +81,31 @@ class LedgerWatch:
         """A sampled step's activations: the most its forward calls saved for backward at once."""
         self.activation_bytes, self.activation_step = saved_bytes, step
 
-    # -- the sender thread reads -------------------------------------------------------------
+    # -- readings ----------------------------------------------------------------------------
+    def at_step_start(self, step: int, now_s: float) -> Tuple[Optional[MemoryLedger], float]:
+        """A due step has started (training thread): the reading, when it moved, and the next
+        step due: the first readings at FIRST_READING_STEPS, then one READING_INTERVAL_S on at
+        the pace the steps have been going."""
+        reading = self.reading(step)
+        later = [s for s in FIRST_READING_STEPS if s > step]
+        if later:
+            next_step: float = later[0]
+        elif self._paced_from is None:
+            next_step = step + 1
+        else:
+            since_step, since_s = self._paced_from
+            per_step_s = max(1e-6, (now_s - since_s) / max(1, step - since_step))
+            next_step = step + max(1, math.ceil(READING_INTERVAL_S / per_step_s))
+        self._paced_from = (step, now_s)
+        return reading, next_step
+
     def reading(self, step: int, final: bool = False) -> Optional[MemoryLedger]:
         """The ledger now, when it differs from the one last sent (None: nothing moved, or
         nothing to read yet). step: the last step ended. final: the process is ending, and a
         model or optimizer the training freed (a loop inside a function has returned) leaves
         the last reading standing: that is what held the memory while it trained."""
         with self._reading:
-            alive = len(self._models) + len(self._optimizers)
+            alive = len(self._alive(self._models)) + len(self._alive(self._optimizers))
             if not alive or (final and self._last_sent is not None and alive < self._watched):
                 return None
             ledger = self._read(step)
@@ -95,16 +115,20 @@ class LedgerWatch:
             self._last_sent = ledger
             return ledger
 
+    @staticmethod
+    def _alive(watched: List[Any]) -> List[Any]:
+        return [thing for thing in (ref() for ref in watched) if thing is not None]
+
     def _parameters(self) -> Iterator[Tuple[str, Any]]:
         """(name, parameter) of every watched model, then the optimizers' parameters no model
         holds ("" for a name); each parameter once."""
         seen = set()
-        for model in list(self._models):
+        for model in self._alive(self._models):
             for name, parameter in model.named_parameters():
                 if id(parameter) not in seen:
                     seen.add(id(parameter))
                     yield name, parameter
-        for optimizer in list(self._optimizers):
+        for optimizer in self._alive(self._optimizers):
             for group in list(optimizer.param_groups):
                 for parameter in list(group["params"]):
                     if id(parameter) not in seen:
@@ -117,33 +141,49 @@ class LedgerWatch:
             self._gradients[id(parameter)] = (weakref.ref(parameter), _storage(grad)[1])
 
     def _read(self, step: int) -> MemoryLedger:
-        counted = set()  # storages already in some part
-        trainable_dtypes: Dict[str, int] = {}
-        frozen_dtypes: Dict[str, int] = {}
-        elements = trainable_elements = 0
-        unsharded = 0
-        sharded = False
+        counted: Set[Any] = set()  # storages already in some part
         adapter = _Adapters()
-        adapter_ids = set()
-        gradient_bytes = 0
         parameters = list(self._parameters())
+        figures = self._read_parameters(parameters, counted, adapter)
+        gradient_bytes = self._read_gradients(counted, adapter)
+        optimizer_bytes = self._read_optimizers(counted, adapter)
+        kind, rank = self._adapter_config(parameters) if adapter.parameter_bytes else ("", None)
+        return MemoryLedger(
+            rank=self.rank, step=step, unix_s=self._clock(), **figures,
+            gradient_bytes=gradient_bytes, optimizer_state_bytes=optimizer_bytes,
+            activation_bytes=self.activation_bytes, activation_step=self.activation_step,
+            adapter=kind, adapter_rank=rank, adapter_parameters=adapter.elements,
+            adapter_parameter_bytes=adapter.parameter_bytes, adapter_gradient_bytes=adapter.gradient_bytes,
+            adapter_optimizer_bytes=adapter.optimizer_bytes, adapter_targets=adapter.targets)
+
+    def _read_parameters(self, parameters: List[Tuple[str, Any]], counted: Set[Any],
+                         adapter: "_Adapters") -> Dict[str, Any]:
+        """The parameters' MemoryLedger fields; each one's gradient noted as it is seen."""
+        dtypes: Dict[bool, Dict[str, int]] = {True: {}, False: {}}  # by requires_grad
+        elements = trainable_elements = unsharded = 0
+        sharded = False
         for name, parameter in parameters:
             key, size = _storage(parameter)
-            full = parameter.numel() * parameter.element_size()
-            if getattr(parameter, "_local_tensor", None) is not None:
-                sharded = True
-            unsharded += full
+            sharded = sharded or getattr(parameter, "_local_tensor", None) is not None
+            unsharded += parameter.numel() * parameter.element_size()
             elements += parameter.numel()
             if parameter.requires_grad:
                 trainable_elements += parameter.numel()
             if key not in counted:
                 counted.add(key)
-                dtypes = trainable_dtypes if parameter.requires_grad else frozen_dtypes
+                mine = dtypes[bool(parameter.requires_grad)]
                 dtype = str(parameter.dtype).replace("torch.", "")
-                dtypes[dtype] = dtypes.get(dtype, 0) + size
-                if adapter.take(name, parameter, size):
-                    adapter_ids.add(id(parameter))
+                mine[dtype] = mine.get(dtype, 0) + size
+                adapter.take(name, parameter, size)
             self._note_gradient(parameter)
+        return {"trainable_bytes": sum(dtypes[True].values()), "frozen_bytes": sum(dtypes[False].values()),
+                "trainable_dtypes": dtypes[True], "frozen_dtypes": dtypes[False], "parameters": elements,
+                "trainable_parameters": trainable_elements,
+                "unsharded_parameter_bytes": unsharded if sharded else None}
+
+    def _read_gradients(self, counted: Set[Any], adapter: "_Adapters") -> int:
+        """The trainable parameters' gradients, each at the size it last had."""
+        gradient_bytes = 0
         for parameter_id, (ref, size) in list(self._gradients.items()):
             parameter = ref()
             if parameter is None:  # its model is gone
@@ -155,10 +195,14 @@ class LedgerWatch:
                 if key is not None:
                     counted.add(key)
                 gradient_bytes += size
-                if id(parameter) in adapter_ids:
+                if parameter_id in adapter.ids:
                     adapter.gradient_bytes += size
+        return gradient_bytes
+
+    def _read_optimizers(self, counted: Set[Any], adapter: "_Adapters") -> Dict[str, int]:
+        """Each optimizer's state tensors, by optimizer."""
         optimizer_bytes: Dict[str, int] = {}
-        for optimizer in list(self._optimizers):
+        for optimizer in self._alive(self._optimizers):
             name = _optimizer_name(optimizer, optimizer_bytes)
             held = 0
             for parameter, state in list(optimizer.state.items()):
@@ -168,25 +212,14 @@ class LedgerWatch:
                         if key not in counted:
                             counted.add(key)
                             held += size
-                            if id(parameter) in adapter_ids:
+                            if id(parameter) in adapter.ids:
                                 adapter.optimizer_bytes += size
             optimizer_bytes[name] = held
-        kind, rank = self._adapter_config(parameters) if adapter.parameter_bytes else ("", None)
-        return MemoryLedger(
-            rank=self.rank, step=step, unix_s=self._clock(),
-            trainable_bytes=sum(trainable_dtypes.values()), frozen_bytes=sum(frozen_dtypes.values()),
-            trainable_dtypes=trainable_dtypes, frozen_dtypes=frozen_dtypes,
-            parameters=elements, trainable_parameters=trainable_elements,
-            gradient_bytes=gradient_bytes, optimizer_state_bytes=optimizer_bytes,
-            activation_bytes=self.activation_bytes, activation_step=self.activation_step,
-            adapter=kind, adapter_rank=rank, adapter_parameters=adapter.elements,
-            adapter_parameter_bytes=adapter.parameter_bytes, adapter_gradient_bytes=adapter.gradient_bytes,
-            adapter_optimizer_bytes=adapter.optimizer_bytes, adapter_targets=adapter.targets,
-            unsharded_parameter_bytes=unsharded if sharded else None)
+        return optimizer_bytes
 
     def _adapter_config(self, parameters: List[Tuple[str, Any]]) -> Tuple[str, Optional[int]]:
         """("LoRA", r) from a PEFT model's config, or from a lora_A weight's rows without one."""
-        for model in list(self._models):
+        for model in self._alive(self._models):
             configs = getattr(model, "peft_config", None)
             if isinstance(configs, dict) and configs:
                 config = next(iter(configs.values()))
@@ -204,21 +237,23 @@ class _Adapters:
     def __init__(self) -> None:
         self.parameter_bytes = self.gradient_bytes = self.optimizer_bytes = self.elements = 0
         self.targets: Dict[str, int] = {}
+        self.ids: Set[int] = set()  # id() of the adapter parameters, for their gradients and state
 
-    def take(self, name: str, parameter: Any, size: int) -> bool:
-        """Count the parameter if it is an adapter's; True when it is."""
+    def take(self, name: str, parameter: Any, size: int) -> None:
+        """Count the parameter if it is an adapter's."""
         target = adapter_target(name)
         if target is None:
-            return False
+            return
+        self.ids.add(id(parameter))
         self.parameter_bytes += size
         self.elements += parameter.numel()
         self.targets[target] = self.targets.get(target, 0) + size
-        return True
 
 
 def _storage(tensor: Any) -> Tuple[Any, int]:
     """(a key that is the same for tensors sharing storage, the storage's bytes). A sharded
-    tensor (DTensor) is its local shard."""
+    tensor (DTensor) is its local shard. The key is the storage's address alone: devices'
+    memory and the host's never share addresses in one process (CUDA's unified addressing)."""
     local = getattr(tensor, "_local_tensor", None)
     if local is not None:
         tensor = local
@@ -226,10 +261,10 @@ def _storage(tensor: Any) -> Tuple[Any, int]:
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         if pointer:
-            return (str(tensor.device), pointer), int(storage.nbytes())
+            return pointer, int(storage.nbytes())
     except Exception:  # no storage of its own (a meta or wrapper tensor): its own size
         pass
-    return id(tensor), tensor.numel() * tensor.element_size()
+    return ("object", id(tensor)), tensor.numel() * tensor.element_size()
 
 
 def _is_tensor(value: Any) -> bool:

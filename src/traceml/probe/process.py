@@ -115,8 +115,9 @@ def _hook(model: Any) -> None:
     """Time this model's forward (and, under `traceml run --deep`, deep-dive on it)."""
     probe = step._probe
     _hooked_models[model] = hook_model(probe, model)
-    if probe.sender.ledger is not None:
-        probe.sender.ledger.watch_model(model)
+    ledger = getattr(probe.sender, "ledger", None)
+    if ledger is not None:
+        ledger.watch_model(model)
     if probe.layers is None and (os.environ.get(ENV_DEEP) or _auto_capture()):
         from traceml.probe.layers import DEFAULT_EVERY_N_STEPS, LayerProbe
 

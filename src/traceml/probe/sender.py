@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from traceml import rendezvous
-from traceml.probe.ledger import ROUNDS_PER_READING, LedgerWatch
+from traceml.probe.ledger import LedgerWatch
 from traceml.probe.loaders import LoaderWatch
 from traceml.probe.step import EndedWindow
 from traceml.records import HEADER_BYTES, RankEnd, RankHello, Record, StepRecord, decode_payload, encode_frame
@@ -95,9 +95,9 @@ class Sender:
         self.compile_watch: Any = None  # a probe.compile.CompileWatch once torch compiles
         # The training's DataLoader iterators: the patches note them, this thread reads them.
         self.loaders: Optional[LoaderWatch] = LoaderWatch(hello.rank)
-        # What holds the memory: the probe names the models and optimizers, this thread reads them.
+        # What holds the memory: the training thread reads it (see probe/ledger.py), close() last.
         self.ledger: Optional[LedgerWatch] = LedgerWatch(hello.rank)
-        self.steps_ended: Callable[[], int] = lambda: 0  # the probe's step count, for the ledger's step
+        self.steps_ended: Callable[[], int] = lambda: 0  # the probe's step count, for the last reading's step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
 
@@ -143,7 +143,7 @@ class Sender:
             return
         self._take_ended_steps()
         self._watch_loaders(flushing=False, final=True)
-        self._read_ledger(final=True)
+        self._read_last_ledger()  # this thread has stopped: close() runs on the training's
         # Let the device finish the last steps' events and scalar copies.
         while ((self.timeline is not None and self.timeline.pending_count) or self._deferred) \
                 and time.monotonic() < deadline - 1.0:
@@ -195,8 +195,6 @@ class Sender:
         rounds = 0
         while True:
             self._watch_loaders(flushing=rounds % ROUNDS_PER_FLUSH == 0)
-            if rounds % ROUNDS_PER_READING == ROUNDS_PER_FLUSH - 1:  # read just before a flush
-                self._read_ledger()
             try:
                 if self.host_rss is not None:
                     self.host_rss.refresh()
@@ -224,20 +222,17 @@ class Sender:
             log.debug("traceml: DataLoader watch failed; it stops", exc_info=True)
             self.loaders = None
 
-    def _read_ledger(self, final: bool = False) -> None:
-        """Read what holds the memory; a reading that moved goes out with the next flush."""
+    def _read_last_ledger(self) -> None:
+        """What holds the memory as the process ends, when it moved since the last reading."""
         ledger = self.ledger
         if ledger is None:
             return
         try:
-            reading = ledger.reading(self.steps_ended(), final=final)
+            reading = ledger.reading(self.steps_ended(), final=True)
             if reading is not None:
                 self.push(reading)
-        except RuntimeError:  # a dict the training thread changed while it was read: next time
-            log.debug("traceml: memory ledger read raced the training; read again later", exc_info=True)
         except Exception:
-            log.debug("traceml: memory ledger failed; it stops", exc_info=True)
-            self.ledger = None
+            log.debug("traceml: memory ledger failed at the end", exc_info=True)
 
     def _take_ended_steps(self) -> None:
         ended, dropped = self.drain_steps()

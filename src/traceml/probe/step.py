@@ -22,6 +22,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import msgspec
 
 from traceml.probe import layout
+from traceml.probe.ledger import FIRST_READING_STEPS
 from traceml.records import STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, SpanRecord, StepRecord
 
 log = logging.getLogger("traceml")
@@ -178,7 +179,8 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
                  "device_memory", "exit_code", "_unix_at_zero_s", "_gradients_done_event", "_layers",
                  "_backward_ends_steps", "_optimizers_seen", "_updates_in_step", "_evaluation_start_ns",
                  "_grad_enabled", "tail_eval_ns", "tail_checkpoint_ns",
-                 "on_fault", "time_the_model_of", "stop_awaiting_models", "_syncs", "sync_due_step", "_layers_due_step")
+                 "on_fault", "time_the_model_of", "stop_awaiting_models", "_syncs", "sync_due_step", "_layers_due_step",
+                 "_ledger_due_step")
 
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
                  host_rss: Any = None):
@@ -201,11 +203,8 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         # Wall clock = this offset + perf_counter: one reading, not a time.time() per step.
         self._unix_at_zero_s = time.time() - _now_ns() / 1e9
         self._start_event: Any = None
-        # The open phase: only the outermost traced call of a phase is timed.
-        self.open_phase = NO_PHASE
-        self._open_event: Any = None
-        # The step in flight (see _STEP_ZEROS).
-        self.sums = [*_STEP_ZEROS]
+        self.open_phase, self._open_event = NO_PHASE, None  # only a phase's outermost call is timed
+        self.sums = [*_STEP_ZEROS]  # the step in flight (see _STEP_ZEROS)
         self._phase_events: List[Tuple[str, Any, Any]] = []
         # The window's GC pauses, evaluation and checkpoint saves (see _WINDOW_ZEROS), added to
         # in place by gc_callback, the model's calls outside steps and torch.save.
@@ -219,6 +218,8 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         # call layers.begin_step and syncs.begin_step, each saying after each call), and whether
         # this step runs deep-dive's hooks: most steps skip all of it.
         self.due_step = self._layers_due_step = self.sync_due_step = math.inf
+        self._ledger_due_step = FIRST_READING_STEPS[0] if getattr(sender, "ledger", None) else math.inf
+        self._reschedule()  # the memory ledger's first reading (probe/ledger.py says when)
         self.layers_active = False
         self.tail_eval_ns = self.tail_checkpoint_ns = 0  # after the last step (see finish)
         self.reset_inferred_steps()
@@ -331,12 +332,35 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
             self.on_fault("trace_step exit")
 
     def _begin_due_work(self) -> None:
-        """A host-sync sample, a deep-dive sample, a capture: the work due at this step's start."""
+        """A host-sync sample, a memory ledger reading, a deep-dive sample, a capture: the work
+        due at this step's start."""
         if self.step_index >= self.sync_due_step:
             self.sync_due_step = self.syncs.begin_step(self.step_index)
-            self.due_step = min(self._layers_due_step, self.sync_due_step)
+            self._reschedule()
+        if self.step_index >= self._ledger_due_step:
+            self._ledger_due_step = self._read_ledger()
+            self._reschedule()
         if self.step_index >= self._layers_due_step:
             self.layers.begin_step(self.step_index)  # sets layers_due_step, and so due_step, last
+
+    def _reschedule(self) -> None:
+        """due_step: the first step whose start has some work due."""
+        self.due_step = min(self._layers_due_step, self.sync_due_step, self._ledger_due_step)
+
+    def _read_ledger(self) -> float:
+        """Read what holds the memory (between steps: see probe/ledger.py); the next step due."""
+        ledger = getattr(self.sender, "ledger", None)
+        if ledger is None:
+            return math.inf
+        try:
+            reading, next_step = ledger.at_step_start(self.step_index, time.monotonic())
+        except Exception:  # a model or optimizer it cannot read: no ledger, the rest goes on
+            log.debug("traceml: memory ledger failed; it stops", exc_info=True)
+            self.sender.ledger = None
+            return math.inf
+        if reading is not None:
+            self.sender.push(reading)
+        return next_step
 
     @property
     def syncs(self) -> Any:
@@ -347,7 +371,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
     def syncs(self, sampler: Any) -> None:
         self._syncs = sampler
         self.sync_due_step = sampler.first_sample_step if sampler is not None else math.inf
-        self.due_step = min(self._layers_due_step, self.sync_due_step)
+        self._reschedule()
 
     @property
     def layers_due_step(self) -> float:
@@ -358,7 +382,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
     @layers_due_step.setter
     def layers_due_step(self, step: float) -> None:
         self._layers_due_step = step
-        self.due_step = min(step, self.sync_due_step)
+        self._reschedule()
 
     def _settle_inferred(self, failed: Optional[BaseException]) -> bool:
         """A step that failed, or an inferred one whose predecessor waits on it: send that
@@ -455,7 +479,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
             self.exit(failed=_NOT_A_STEP)
         if self.syncs is not None:
             self.sync_due_step = self.syncs.finish(self.step_index)
-            self.due_step = min(self._layers_due_step, self.sync_due_step)
+            self._reschedule()
         if self.layers is not None:
             self.layers.finish()
         self.flush_spans()
@@ -579,7 +603,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
     def watch_optimizer(self, optimizer: Any) -> None:
         """An optimizer seen stepping (first seen while inferring steps, or on a sampled step):
         the memory ledger reads its state from now on."""
-        ledger = self.sender.ledger
+        ledger = getattr(self.sender, "ledger", None)
         if ledger is not None:
             ledger.watch_optimizer(optimizer)
 
