@@ -30,7 +30,9 @@ def test_slow_dataset_is_input_bound(traceml_run):
     # (there is no accelerator to pin for).
     evidence = primary["evidence"]
     assert (evidence["num_workers"], evidence["device"], evidence["batch_size"]) == (0, "cpu", 8)
-    assert evidence["loader_cause"] == "no_workers" and evidence["input_wait_ms_per_batch"] >= 40.0
+    # 40 ms slept a batch; seen once at 39.996 ms in CI: the wait is clipped to the gap between
+    # steps, which two other clock reads bound, so allow a little under.
+    assert evidence["loader_cause"] == "no_workers" and evidence["input_wait_ms_per_batch"] >= 39.0
     assert "Set num_workers" in primary["action"] and "pin_memory" not in primary["action"]
     assert "DataLoader(num_workers=0, batch_size=8)" in primary["summary"]
     # The card went to stdout, between the script's own output and the end.

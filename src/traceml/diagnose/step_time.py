@@ -37,6 +37,7 @@ WORKERS_CPU_WAIT_SHARE = 0.2  # waiting for a CPU this share of their time or mo
 # shared memory and the workers' queue) as to make: on this project's VM a cheap batch took 0.4-0.5
 # ms from next() without workers and 2.0-3.7 ms with 2 (tests/field/char_transformer.py).
 CHEAP_BATCH_MS = 1.0
+CHEAP_BATCH_FACTOR = 3  # a batch costing up to this many hand-overs to make gains nothing from workers
 SMALL_BATCH = 32  # samples: a worker's fixed cost of a hand-over weighs on batches this small
 
 
@@ -227,12 +228,15 @@ def _handover(loader: LoaderFigures, wait_ms: float, cost_ms: float, ready: floa
         return cause, action, "handover"
     cause = (f"{seen}, and each takes {wait_ms:.1f} ms to arrive, close to what handing a batch over from a "
              "worker costs")
-    # Near the hand-over's own cost, more workers add hand-overs, not batches: try fewer first.
-    action = ("Compare fewer workers or num_workers=0 against this run (`traceml compare`) before adding "
-              f"any: each batch here costs {cost_ms:.1f} ms of worker CPU"
-              + (f", and with batches this small ({loader.batch_size} samples) the workers' overhead weighs: "
-                 "larger batches spread it" if loader.batch_size is not None and loader.batch_size <= SMALL_BATCH else "")
-              + ".")
+    small = (f" and, with batches this small ({loader.batch_size} samples), the workers' overhead: larger "
+             "batches spread it" if loader.batch_size is not None and loader.batch_size <= SMALL_BATCH else "")
+    if cost_ms <= CHEAP_BATCH_FACTOR * CHEAP_BATCH_MS:
+        # A batch that costs about a hand-over to make: more workers add hand-overs, not batches.
+        action = ("Compare fewer workers or num_workers=0 against this run (`traceml compare`) before adding "
+                  f"any: a batch costs {cost_ms:.1f} ms of worker CPU to make, about what its hand-over costs"
+                  + small + ".")
+    else:
+        action = f"Before adding workers, check the per-sample cost ({cost_ms:.1f} ms of worker CPU a batch)" + small + "."
     return cause, action, "near_handover"
 
 
