@@ -263,8 +263,9 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
     ms = 1_000_000
     with probe:
         start_ns = probe._step_start_ns
-        # h2d, forward, backward, optimizer, input wait inside, forward calls, samples, tokens, comm wait
-        for index, value in enumerate([1 * ms, 2 * ms, 3 * ms, 4 * ms, 5 * ms, 6, 7, 8, 9 * ms]):
+        # h2d, forward, backward, optimizer, input wait inside, forward calls, samples, tokens, comm wait,
+        # of it in forward and in the optimizer
+        for index, value in enumerate([1 * ms, 2 * ms, 3 * ms, 4 * ms, 5 * ms, 6, 7, 8, 9 * ms, 2 * ms, 1 * ms]):
             probe.sums[index] += value
         probe.sums[REAL_TOKENS] = 10
         time.sleep(0.02)  # the step outlasts its phases: the rest is untraced
@@ -286,7 +287,8 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
         device_allocated_bytes=None, device_peak_bytes=None, device_reserved_bytes=None,
         host_rss_bytes=123_456_789, comm_wait_ms=9.0, gc_max_pause_ms=13.0, gc_full_collections=14,
         gc_gen0_ms=15.0, gc_gen1_ms=16.0, gc_gen2_ms=17.0, tokens=8, real_tokens=10, eval_ms=18.0,
-        checkpoint_ms=19.0, instrumented=False, compile_ms=20.0)
+        checkpoint_ms=19.0, instrumented=False, compile_ms=20.0, forward_comm_wait_ms=2.0,
+        optimizer_comm_wait_ms=1.0)
     # The step's end splits the rest: untraced inside the block, outside after it.
     assert untraced_ms >= 20.0 - 15.0 and outside_ms >= 0.0
     assert untraced_ms + outside_ms == pytest.approx(fields["step_ms"] - 15.0 - 1e-6, abs=1e-9)

@@ -99,8 +99,8 @@ def test_every_figure_of_a_closed_step_lands_in_its_own_field():
     probe.comm_timed = True
     ms = 1_000_000
     # h2d, forward, backward, optimizer, input wait inside, forward calls, samples, tokens,
-    # comm wait, real tokens, token copies, failed phase
-    sums = [1 * ms, 2 * ms, 3 * ms, 4 * ms, 5 * ms, 6, 7, 8, 9 * ms, 10, None, -1]
+    # comm wait, of it in forward and in the optimizer, real tokens, token copies, failed phase
+    sums = [1 * ms, 2 * ms, 3 * ms, 4 * ms, 5 * ms, 6, 7, 8, 9 * ms, 2 * ms, 1 * ms, 10, None, -1]
     # gc ns, collections, longest, full, gen 0, 1, 2, eval, checkpoint, compile, saves between, input wait gap
     window = [11 * ms, 12, 13 * ms, 14, 15 * ms, 16 * ms, 17 * ms, 18 * ms, 19 * ms, 20 * ms, 0, 21 * ms]
     start_ns, end_ns = 100 * ms, 150 * ms
@@ -114,7 +114,8 @@ def test_every_figure_of_a_closed_step_lands_in_its_own_field():
         device_timed=False, gpu_idle_ms=None, device_allocated_bytes=23, device_peak_bytes=24,
         device_reserved_bytes=25, host_rss_bytes=26, comm_wait_ms=9.0, gc_max_pause_ms=13.0,
         gc_full_collections=14, gc_gen0_ms=15.0, gc_gen1_ms=16.0, gc_gen2_ms=17.0, tokens=8, real_tokens=10,
-        eval_ms=18.0, checkpoint_ms=19.0, instrumented=True, compile_ms=20.0)
+        eval_ms=18.0, checkpoint_ms=19.0, instrumented=True, compile_ms=20.0, forward_comm_wait_ms=2.0,
+        optimizer_comm_wait_ms=1.0)
 
 
 def test_only_the_outermost_forward_is_timed_and_calls_are_counted(probe):

@@ -201,6 +201,31 @@ def test_metrics_carry_each_gpu_as_nvml_reads_it():
     assert samples[("traceml_cpu_percent", (("scope", "training"),))] == 180.0
 
 
+def test_metrics_carry_each_ranks_comm_wait_where_it_was_measured():
+    from types import SimpleNamespace
+
+    import msgspec
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from test_records import step
+    from traceml.views.metrics import LiveMetrics
+
+    # Rank 0 waited 2.5 ms of each 10 ms step in collectives (FSDP, 1.5 of it in forward);
+    # rank 1's wait was never measured (a CUDA FSDP run): no figure rather than a zero.
+    recent = {0: [msgspec.structs.replace(step(n), comm_wait_ms=2.5, forward_comm_wait_ms=1.5) for n in range(5)],
+              1: [msgspec.structs.replace(step(n), rank=1) for n in range(5)]}
+    collector = SimpleNamespace(recent_by_rank=recent, latest_system=None, latest_layers=None, hellos={})
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LiveMetrics(collector, lambda: SimpleNamespace(findings=[], goodput=None, ledger=[])))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(generate_latest(registry).decode())
+               for s in family.samples}
+    assert samples[("traceml_comm_wait_share", (("rank", "0"),))] == pytest.approx(0.25)
+    assert ("traceml_comm_wait_share", (("rank", "1"),)) not in samples
+
+
 def test_summary_in_the_training_process_is_flat(plain_run):
     run = plain_run("--steps", 60, "--load-ms", 6, "--print-summary", script=SCRIPTS / "train_loop.py")
     assert run.returncode == 0, run.stderr

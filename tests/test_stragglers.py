@@ -1,15 +1,18 @@
-"""The straggler rule on synthetic per-rank medians, and the live rollup across ranks."""
+"""The straggler and COMM_BOUND rules on synthetic per-rank medians, and the live rollup across ranks."""
 import pytest
 
 from traceml.analysis.rollup import LiveRollup, rank_medians
-from traceml.diagnose.stragglers import BEHIND_SHARE, LOSS_CRIT_SHARE, LOSS_WARN_SHARE, straggler
+from traceml.diagnose.stragglers import (BEHIND_SHARE, COMM_CRIT_SHARE, COMM_WARN_SHARE, LOSS_CRIT_SHARE,
+                                         LOSS_WARN_SHARE, comm_bound, straggler)
 from test_records import step
 
 
-def rank_row(rank, comm_wait=2.0, input_wait=0.5, forward=3.0, backward=8.0, behind=0.5, step_ms=20.0):
+def rank_row(rank, comm_wait=2.0, input_wait=0.5, forward=3.0, backward=8.0, behind=0.5, step_ms=20.0,
+             forward_comm_wait=0.0):
     return {"rank": rank, "steps": 50, "last_step": 59, "step_median_ms": step_ms, "behind_share": behind,
             "input_wait_median_ms": input_wait, "forward_median_ms": forward,
-            "backward_median_ms": backward, "comm_wait_median_ms": comm_wait}
+            "backward_median_ms": backward, "comm_wait_median_ms": comm_wait,
+            "forward_comm_wait_median_ms": forward_comm_wait}
 
 
 def test_balanced_ranks_give_no_finding():
@@ -59,6 +62,40 @@ def test_without_collective_timing_own_work_outside_backward_decides():
     found = straggler(ranks, step_ms=26.0)
     assert (found.kind, found.rank) == ("INPUT_STRAGGLER", 1)
     assert found.evidence["measured_by"] == "own work outside backward"
+
+
+def test_fsdp_ranks_waiting_alike_in_their_collectives_are_comm_bound():
+    # Both ranks wait 9-10 ms of a 20 ms step, 6 of them in forward's all-gathers: no rank is
+    # late, so the least wait (9 ms) is the collectives' own cost.
+    ranks = [rank_row(0, comm_wait=9.0, forward=10.0, forward_comm_wait=6.0),
+             rank_row(1, comm_wait=10.0, forward=10.5, forward_comm_wait=6.5)]
+    assert straggler(ranks, step_ms=20.0) is None
+    found = comm_bound(ranks, step_ms=20.0)
+    assert (found.kind, found.severity, found.rank) == ("COMM_BOUND", "crit", None)
+    assert found.evidence["comm_wait_ms"] == 9.0 and found.evidence["share"] == 0.45
+    assert (found.evidence["forward_comm_wait_ms"], found.evidence["backward_comm_wait_ms"]) == (6.0, 3.0)
+    assert "6.0 ms in forward's all-gathers, 3.0 ms in backward" in found.summary
+    assert "set_modules_to_forward_prefetch" in found.action and "reshard_after_forward=False" in found.action
+
+
+def test_under_ddp_the_advice_is_the_all_reduces():
+    found = comm_bound([rank_row(0, comm_wait=5.0), rank_row(1, comm_wait=6.0)], step_ms=20.0)
+    assert found.kind == "COMM_BOUND" and "all-reduce" in found.summary and "bucket_cap_mb" in found.action
+
+
+@pytest.mark.parametrize("least_ms,severity", [
+    (COMM_WARN_SHARE * 20.0 - 0.01, None), (COMM_WARN_SHARE * 20.0, "warn"),
+    (COMM_CRIT_SHARE * 20.0 - 0.01, "warn"), (COMM_CRIT_SHARE * 20.0, "crit")])
+def test_comm_bound_counts_the_least_waiting_ranks_wait(least_ms, severity):
+    # A straggler's lateness shows as the others' wait; only what even the late rank waits is the wire's.
+    ranks = [rank_row(0, comm_wait=least_ms + 8.0), rank_row(1, comm_wait=least_ms, behind=1.0)]
+    found = comm_bound(ranks, step_ms=20.0)
+    assert (found.severity if found else None) == severity
+
+
+def test_no_comm_bound_without_collective_timing_or_with_one_rank():
+    assert comm_bound([rank_row(0, comm_wait=None), rank_row(1, comm_wait=None)], step_ms=20.0) is None
+    assert comm_bound([rank_row(0, comm_wait=15.0)], step_ms=20.0) is None
 
 
 def records_for(rank, steps, comm_wait):

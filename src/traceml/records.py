@@ -89,8 +89,10 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     device_peak_bytes: Optional[int] = None  # peak during the step (stats reset at step start)
     device_reserved_bytes: Optional[int] = None
     host_rss_bytes: Optional[int] = None  # rate-limited: the latest reading at step end
-    # Under DDP: the part of backward spent waiting for the other ranks' gradients, from this
-    # rank's last gradient bucket being ready to backward's end. Part of backward_ms, not added.
+    # The step's wait for collectives, within its phases (not added to them). Under DDP: the
+    # part of backward from this rank's last gradient bucket being ready to backward's end.
+    # Under FSDP on the CPU: the time blocked in its all-gathers and reduce-scatters, in forward,
+    # backward and the optimizer's step (probe/sharded.py). None where it is not measured.
     comm_wait_ms: Optional[float] = None
     gc_max_pause_ms: float = 0.0  # the longest single collection in the window
     gc_full_collections: int = 0  # generation-2 collections: the ones that walk every object
@@ -109,6 +111,10 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     # Overlapping too: torch.compile compiling (first compilations and recompilations) in the
     # window, wherever it happened (forward, the lazy backward compile, evaluation).
     compile_ms: float = 0.0
+    # Of comm_wait_ms, the parts in forward (FSDP's all-gathers) and in the optimizer's step;
+    # the rest is backward's.
+    forward_comm_wait_ms: float = 0.0
+    optimizer_comm_wait_ms: float = 0.0
 
 
 
@@ -146,6 +152,10 @@ class RolledStep(msgspec.Struct):
     checkpoint_ms: float = 0.0
     instrumented: bool = False  # TraceML slowed it on purpose on some rank (a deep-dive sample)
     compile_ms: float = 0.0  # overlapping: torch.compile compiling in the window
+    # Within the phases, like StepRecord's: the median rank's wait for collectives (None unless
+    # every rank measured it), and of it the part in forward.
+    comm_wait_ms: Optional[float] = None
+    forward_comm_wait_ms: float = 0.0
 
 class OomRecord(msgspec.Struct, tag="oom", array_like=True):
     """A step that raised an out-of-memory error: where it was and how full memory was."""

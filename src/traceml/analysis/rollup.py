@@ -77,6 +77,8 @@ def _roll_step(step: int, ranks: List[StepRecord]) -> RolledStep:
         checkpoint_ms=median("checkpoint_ms"),
         instrumented=any(r.instrumented for r in ranks),
         compile_ms=median("compile_ms"),
+        comm_wait_ms=median("comm_wait_ms") if all(r.comm_wait_ms is not None for r in ranks) else None,
+        forward_comm_wait_ms=median("forward_comm_wait_ms"),
     )
 
 
@@ -94,12 +96,15 @@ class Window:
         self.step_times_ms = sorted(s.step_ms for s in steps)
         self.total_ms = sum(self.step_times_ms)
         self.phases: Dict[str, PhaseStats] = {name: self._phase(name) for name in ALL_PHASES}
+        # The wait for collectives inside the compute phases (DDP, FSDP): not compute. Zero
+        # where it is not measured.
+        self.comm_wait: PhaseStats = self._phase("comm_wait")
 
     def __len__(self) -> int:
         return len(self.steps)
 
     def _phase(self, name: str) -> PhaseStats:
-        values = [getattr(s, f"{name}_ms") for s in self.steps]
+        values = [getattr(s, f"{name}_ms") or 0.0 for s in self.steps]
         if not values:
             return PhaseStats(0.0, 0.0, 0.0)
         total = sum(values)
@@ -213,14 +218,15 @@ class RankRow(TypedDict):
     optimizer_median_ms: Optional[float]
     untraced_median_ms: Optional[float]
     gc_median_ms: Optional[float]
-    comm_wait_median_ms: Optional[float]  # None unless DDP's comm hook timed it
+    comm_wait_median_ms: Optional[float]  # None unless measured (DDP, FSDP on the CPU)
+    forward_comm_wait_median_ms: Optional[float]  # of it, in forward (FSDP's all-gathers)
 
 
 def rank_row(rank: int, records: Sequence[StepRecord], last_step: int, behind_share: float = 0.0) -> RankRow:
     """A rank's row from its records after warm-up (none: its medians are None)."""
     row = RankRow(rank=rank, steps=len(records), last_step=last_step,  # type: ignore[typeddict-item]
                   step_median_ms=_median_of(records, "step_ms"), behind_share=behind_share)
-    for name in STEP_PHASES + ("gc", "comm_wait"):
+    for name in STEP_PHASES + ("gc", "comm_wait", "forward_comm_wait"):
         row[f"{name}_median_ms"] = _median_of(records, f"{name}_ms")  # type: ignore[literal-required]
     return row
 

@@ -28,7 +28,7 @@ from traceml.diagnose.run_time import recompilations, slow_startup
 from traceml.diagnose.spikes import WARN_COST_SHARE, Stalls, periodic, planned_work, step_spikes
 from traceml.diagnose.step_time import (MIN_STEPS, compute_bound, gc_pressure, h2d_bound,
                                         input_bound, insufficient_data, untraced_work)
-from traceml.diagnose.stragglers import straggler
+from traceml.diagnose.stragglers import comm_bound, straggler
 from traceml.records import CompileRecord, Finding, HostSyncSample, LayerCapture, OomRecord, SystemSample
 
 SEVERITY_ORDER = {"crit": 0, "warn": 1, "info": 2}
@@ -82,7 +82,8 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[RankRow]] = N
     if oom is None:  # the post-mortem already says how full memory was
         findings += [f for f in (memory_pressure(window, limits, peak_device_bytes, peak_rss_bytes, ledger),) if f]
     if ranks:
-        findings += [f for f in (straggler(ranks, window.step_median_ms),) if f]
+        findings += [f for f in (straggler(ranks, window.step_median_ms), comm_bound(ranks, window.step_median_ms))
+                     if f]
     if not any(_group(f) <= 3 for f in findings):
         findings.append(compute_bound(window, healthy=True))
     findings = rank(findings)

@@ -321,10 +321,16 @@ def _where_and_what_to_do(between: bool, steps_found_by: Optional[str], outside_
 def compute_bound(window: Window, healthy: bool = False) -> Optional[Finding]:
     """The model's own compute dominates: the verdict of a healthy run. healthy: given anyway,
     as the verdict of a run in which nothing else is worth a tenth of its time."""
-    share, compute_ms = window.share(*COMPUTE_PHASES), window.mean_ms(*COMPUTE_PHASES)
+    # The collectives' wait inside forward and backward is the other ranks' and the wire's, not
+    # this model's compute (COMM_BOUND and the straggler rules tell it).
+    comm = window.comm_wait
+    share = window.share(*COMPUTE_PHASES) - comm.share
+    compute_ms = window.mean_ms(*COMPUTE_PHASES) - comm.mean_ms
     if share < COMPUTE_SHARE and not healthy:
         return None
     parts = ", ".join(f"{name} {window.phases[name].share:.0%}" for name in COMPUTE_PHASES)
+    if comm.share > 0:
+        parts += f", less {comm.share:.0%} waiting in collectives"
     return Finding(
         kind="COMPUTE_BOUND", severity="info",
         summary=f"{_of_step('model compute', share, compute_ms, window)} ({parts})",

@@ -1,4 +1,5 @@
-"""Rules across ranks: which rank holds the others back, and why.
+"""Rules across ranks: which rank holds the others back, and why; and the wait for collectives
+that no rank's lateness explains.
 
 Under DDP the all-reduce inside backward makes every rank wait for the slowest, so wall-clock
 step times look alike and the waiting lands on the healthy ranks. Each rank's collective wait
@@ -18,6 +19,8 @@ LOSS_WARN_SHARE = 0.05  # the others lose this share of the step waiting: warn
 LOSS_CRIT_SHARE = 0.20  # ... and this much: crit
 CAUSE_SHARE = 0.5  # an excess that explains at least half the loss names the cause
 BEHIND_SHARE = 0.75  # behind in this share of steps: a pattern, not the noise of a balanced run
+COMM_WARN_SHARE = 0.15  # even the least-waiting rank waits this share of the step in collectives: warn
+COMM_CRIT_SHARE = 0.35
 
 
 def straggler(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
@@ -76,3 +79,45 @@ def straggler(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
 
 def _median(ranks: List[RankRow], key: str) -> float:
     return statistics.median(r[key] for r in ranks)
+
+
+FSDP_COMM_ACTION = (
+    "Overlap the collectives with compute: prefetch the next unit's all-gather (FSDP2: "
+    "set_modules_to_forward_prefetch and set_modules_to_backward_prefetch; FSDP1: forward_prefetch=True, "
+    "backward_prefetch=BACKWARD_PRE). For a model that fits, reshard_after_forward=False skips the "
+    "all-gathers in backward. Wrap fewer, larger units (each collective has a fixed cost), give each step "
+    "more compute per byte moved (a larger batch per rank), and across nodes shard within a node and "
+    "replicate across them (HSDP).")
+DDP_COMM_ACTION = (
+    "Give the all-reduce more compute to hide behind: a larger batch per rank, or gradient accumulation "
+    "under no_sync() so that only the last micro-batch reduces. Tune bucket_cap_mb (fewer, larger "
+    "buckets cost less each), and try static_graph=True or a compression hook (bf16) for large models.")
+
+
+def comm_bound(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
+    """The wait for collectives no rank's lateness explains is a large share of the step: the
+    least-waiting rank's wait is the collectives' own cost (the others wait for it, besides).
+    From per-rank medians where every rank measured it (DDP, FSDP on the CPU)."""
+    ranks = [r for r in ranks if r["steps"] and r["comm_wait_median_ms"] is not None]
+    if len(ranks) < 2 or step_ms <= 0:
+        return None
+    least = min(ranks, key=lambda r: r["comm_wait_median_ms"])
+    exposed_ms = least["comm_wait_median_ms"]
+    share = exposed_ms / step_ms
+    if share < COMM_WARN_SHARE:
+        return None
+    forward_ms = least.get("forward_comm_wait_median_ms") or 0.0
+    sharded = forward_ms > 0  # FSDP all-gathers before forward; DDP's all-reduce is in backward alone
+    where = (f"{forward_ms:.1f} ms in forward's all-gathers, {exposed_ms - forward_ms:.1f} ms in backward"
+             if sharded else "in backward's all-reduce, after the last gradient bucket")
+    return Finding(
+        kind="COMM_BOUND", severity="crit" if share >= COMM_CRIT_SHARE else "warn",
+        summary=(f"the step waits {exposed_ms:.1f} ms for collectives ({share:.0%} of the {step_ms:.1f} ms step) "
+                 f"even on rank {least['rank']}, the one that waits least: {where}; no rank's lateness explains it"),
+        action=FSDP_COMM_ACTION if sharded else DDP_COMM_ACTION,
+        rank=None,
+        evidence={"share": round(share, 4), "comm_wait_ms": round(exposed_ms, 3),
+                  "forward_comm_wait_ms": round(forward_ms, 3),
+                  "backward_comm_wait_ms": round(exposed_ms - forward_ms, 3),
+                  "step_median_ms": round(step_ms, 3), "least_waiting_rank": least["rank"],
+                  "ranks": len(ranks), "measured_by": "FSDP collectives" if sharded else "DDP all-reduce"})

@@ -9,13 +9,14 @@ installed.
 """
 
 # Bumped when the compiled timers' behaviour changes in a way the layout does not show.
-VERSION = 8
+VERSION = 9
 
 NO_PHASE = -1
 
 # The step in flight, one list a step (starting a step is one store): the phases' ns, in
 # StepRecord's order, the input wait inside the block, the traced model's outermost calls, the
-# samples and tokens given to it, under DDP the collective wait inside backward; then the real
+# samples and tokens given to it, the collective wait (DDP's inside backward; under FSDP, in any
+# phase) and of it the parts in forward and in the optimizer's step; then the real
 # tokens per attention_mask (None: no mask seen), the device copies of masks' sums still in
 # flight (None: none), and the phase an exception left through (for an OOM report). The ints
 # come first: C copies them out as numbers, up to real_tokens.
@@ -29,6 +30,8 @@ STEP_SLOTS = (
     ("samples", 0),
     ("tokens", 0),
     ("comm_wait_ns", 0),
+    ("forward_comm_wait_ns", 0),
+    ("optimizer_comm_wait_ns", 0),
     ("real_tokens", None),
     ("token_copies", None),
     ("failed_phase", NO_PHASE),

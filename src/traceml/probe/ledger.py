@@ -49,7 +49,11 @@ class LedgerWatch:
         # weak reference to it, its gradient's bytes). Keyed by id: a tensor's == is
         # elementwise, so tensors cannot key a WeakKeyDictionary. A gradient gone now counts
         # by its size alone: its storage's address may be another gradient's by now.
-        self._gradients: Dict[int, Tuple[Any, int]] = {}
+        self._gradients: Dict[int, Tuple[Any, Any, int]] = {}
+        # Each pass that notes gradients is a generation: gradients noted in one pass were alive
+        # together, so those that shared a storage then (FSDP's reduce-scatter output, a DDP
+        # bucket) count once when gone; one address seen in two passes may be two storages.
+        self._noting = 0
         self.activation_bytes: Optional[int] = None
         self.activation_step: Optional[int] = None
         self._last_sent: Optional[MemoryLedger] = None
@@ -74,6 +78,7 @@ class LedgerWatch:
 
     def note_gradients(self) -> None:
         """Backward has returned on a sampled step: every gradient is there now."""
+        self._noting += 1
         for _, parameter in self._parameters():
             self._note_gradient(parameter)
 
@@ -138,11 +143,13 @@ class LedgerWatch:
     def _note_gradient(self, parameter: Any) -> None:
         grad = parameter.grad
         if grad is not None:
-            self._gradients[id(parameter)] = (weakref.ref(parameter), _storage(grad)[1])
+            key, size = _storage(grad)
+            self._gradients[id(parameter)] = (weakref.ref(parameter), (self._noting, key), size)
 
     def _read(self, step: int) -> MemoryLedger:
         counted: Set[Any] = set()  # storages already in some part
         adapter = _Adapters()
+        self._noting += 1
         parameters = list(self._parameters())
         figures = self._read_parameters(parameters, counted, adapter)
         gradient_bytes = self._read_gradients(counted, adapter)
@@ -184,16 +191,23 @@ class LedgerWatch:
     def _read_gradients(self, counted: Set[Any], adapter: "_Adapters") -> int:
         """The trainable parameters' gradients, each at the size it last had."""
         gradient_bytes = 0
-        for parameter_id, (ref, size) in list(self._gradients.items()):
+        gone_counted: Set[Any] = set()  # storages of gradients gone now, as they were when seen
+        for parameter_id, (ref, seen_key, size) in list(self._gradients.items()):
             parameter = ref()
             if parameter is None:  # its model is gone
                 del self._gradients[parameter_id]
                 continue
             grad = parameter.grad
-            key = _storage(grad)[0] if grad is not None else None
-            if parameter.requires_grad and (key is None or key not in counted):
-                if key is not None:
-                    counted.add(key)
+            if grad is not None:
+                key, size = _storage(grad)
+                if key in counted:
+                    continue
+                counted.add(key)
+            elif seen_key in gone_counted:  # one storage held several (FSDP's reduce-scatter output)
+                continue
+            else:
+                gone_counted.add(seen_key)
+            if parameter.requires_grad:
                 gradient_bytes += size
                 if parameter_id in adapter.ids:
                     adapter.gradient_bytes += size

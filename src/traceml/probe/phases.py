@@ -667,6 +667,7 @@ def hook_model(probe: StepProbe, model: Any) -> List[Any]:
     entry[1] += 1
     _models[id(model)] = _TracedModel(probe, model)
     _time_ddp_collectives(probe, model)
+    _time_sharded_collectives(probe, model)
     return [_ModelHandle(model, _time_compiled_call(model, torch.Tensor))]
 
 
@@ -775,6 +776,16 @@ def _time_ddp_collectives(probe: StepProbe, model: Any) -> None:
     if isinstance(model, DistributedDataParallel):
         _ddp_models.add(model)
         probe.comm_timed = True
+
+
+def _time_sharded_collectives(probe: StepProbe, model: Any) -> None:
+    """Under FSDP (on the CPU): each phase's wait in the all-gathers and reduce-scatters."""
+    try:
+        from traceml.probe.sharded import time_collectives
+
+        time_collectives(probe, model, _replace, _compiling())
+    except Exception:  # torch's internals moved: no collective wait, the steps as they were
+        log.warning("traceml: FSDP's collectives are not timed", exc_info=True)
 
 
 def _when_gradients_done(probe: StepProbe, args: tuple, kwargs: dict) -> Any:

@@ -39,10 +39,11 @@ GC_NS, GC_COLLECTIONS, GC_MAX_NS, GC_FULL, GC_GEN0_NS = map(_window_slot, (
 _NOT_A_STEP = RuntimeError("not a step")  # ends an inferred step without a record
 _STEP_ZEROS = tuple(zero for _, zero in layout.STEP_SLOTS)
 _step_slot = {name: index for index, (name, _) in enumerate(layout.STEP_SLOTS)}.__getitem__
-(H2D, FORWARD, BACKWARD, OPTIMIZER, INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, TOKENS, COMM_WAIT_NS, REAL_TOKENS,
- TOKEN_COPIES, FAILED_PHASE) = map(_step_slot, (
+(H2D, FORWARD, BACKWARD, OPTIMIZER, INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, TOKENS, COMM_WAIT_NS,
+ FORWARD_COMM_WAIT_NS, OPTIMIZER_COMM_WAIT_NS, REAL_TOKENS, TOKEN_COPIES, FAILED_PHASE) = map(_step_slot, (
     "h2d", "forward", "backward", "optimizer", "input_wait_ns", "forward_calls", "samples", "tokens",
-    "comm_wait_ns", "real_tokens", "token_copies", "failed_phase"))
+    "comm_wait_ns", "forward_comm_wait_ns", "optimizer_comm_wait_ns", "real_tokens", "token_copies",
+    "failed_phase"))
 NO_PHASE = layout.NO_PHASE
 PHASE_NAMES = ("h2d", "forward", "backward", "optimizer")
 # Inferred steps: another optimizer updating this many times with no step ended between means
@@ -462,7 +463,8 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
             window[GC_MAX_NS] / 1e6, window[GC_FULL],  # gc_max_pause_ms, gc_full_collections
             window[GC_GEN0_NS] / 1e6, window[GC_GEN0_NS + 1] / 1e6, window[GC_GEN0_NS + 2] / 1e6,  # by generation
             sums[TOKENS], _real_tokens(sums[REAL_TOKENS], sums[TOKEN_COPIES]),
-            window[EVAL_NS] / 1e6, window[CHECKPOINT_NS] / 1e6, closed.instrumented, window[COMPILE_NS] / 1e6)
+            window[EVAL_NS] / 1e6, window[CHECKPOINT_NS] / 1e6, closed.instrumented, window[COMPILE_NS] / 1e6,
+            sums[FORWARD_COMM_WAIT_NS] / 1e6, sums[OPTIMIZER_COMM_WAIT_NS] / 1e6)
         layers = self.layers
         if layers is not None and layers.watch is not None:
             layers.watch.observe(record)
@@ -723,6 +725,17 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
             if self._gradients_done_event is not None:  # an earlier backward's, never ended
                 self.timeline.release(self._gradients_done_event)
             self._gradients_done_event = self.timeline.record()
+
+    def comm_waited(self, phase: int, wait_ns: int) -> None:
+        """FSDP: a collective inside this phase blocked for wait_ns (probe/sharded.py)."""
+        if self.open_phase != phase:  # the step ended meanwhile
+            return
+        sums = self.sums
+        sums[COMM_WAIT_NS] += wait_ns
+        if phase == FORWARD:
+            sums[FORWARD_COMM_WAIT_NS] += wait_ns
+        elif phase == OPTIMIZER:
+            sums[OPTIMIZER_COMM_WAIT_NS] += wait_ns
 
     def cancel_phase(self, phase: int) -> None:
         """Close a phase that turned out not to be one (a `.to()` that moved nothing)."""

@@ -41,6 +41,9 @@ class LiveMetrics:
                                          labels=["rank"])
         mfu = GaugeMetricFamily("traceml_mfu", "Model FLOPs utilization (deep-dive FLOPs a step, "
                                 "known device peak)", labels=["rank"])
+        comm_wait = GaugeMetricFamily("traceml_comm_wait_share", "Share of the recent steps' time spent "
+                                      "waiting in collectives, inside forward and backward (DDP, FSDP)",
+                                      labels=["rank"])
         steps_total = CounterMetricFamily("traceml_steps", "Steps recorded", labels=["rank"])
         findings = GaugeMetricFamily("traceml_finding_active", "A live finding (1 while it holds)",
                                      labels=["kind", "severity", "rank"])
@@ -56,6 +59,8 @@ class LiveMetrics:
             for name in ALL_PHASES:
                 phase_share.add_metric([label, name], window.phases[name].share)
             latest = records[-1]
+            if latest.comm_wait_ms is not None:
+                comm_wait.add_metric([label], window.comm_wait.share)
             for name in MEMORY_FIELDS:
                 value = getattr(latest, name)
                 if value is not None:
@@ -86,7 +91,7 @@ class LiveMetrics:
         for row in state.ledger:
             for part, value in part_bytes(row).items():
                 ledger.add_metric([str(row["rank"]), part], value)
-        yield from (step_time, phase_share, memory, steps_per_s, samples_per_s, tokens_per_s, mfu,
+        yield from (step_time, phase_share, comm_wait, memory, steps_per_s, samples_per_s, tokens_per_s, mfu,
                     steps_total, findings, goodput_share, goodput_seconds, ledger)
         yield from self._system()
 

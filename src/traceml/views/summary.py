@@ -184,7 +184,7 @@ def _rank_table(summary: Dict[str, Any]) -> Any:
     for header in ("phase", "median ms", "worst ms", "worst rank", "skew ms"):
         table.add_column(header, justify="left" if header == "phase" else "right", no_wrap=True)
     # The card has the room to say where comm wait is spent.
-    labels = {**PHASE_LABELS, "comm_wait": "comm wait (in backward)"}
+    labels = {**PHASE_LABELS, "comm_wait": "comm wait (in forward, backward)"}
     for name, spread in summary["rank_spread"].items():
         if name not in labels or (name != "step" and spread["worst"] <= 0.0):
             continue

@@ -638,9 +638,9 @@ function renderRanks(r) {
   plot('chart-rank-heatmap', ...rankHeatmap(r.heatmap || {}, straggler, r.warmup_steps || 0));
 }
 
-// Each rank's step, phase by phase (medians), stacked: under DDP every rank's step lasts as long
-// as the slowest's, so the time spent waiting for the others is drawn apart from backward, where
-// it happens; the rank the others wait for is the one that hardly waits.
+// Each rank's step, phase by phase (medians), stacked: under DDP and FSDP every rank's step lasts
+// as long as the slowest's, so the time spent waiting in collectives is drawn apart from the
+// phases it happens in; the rank the others wait for is the one that hardly waits.
 function rankBars(rows, straggler) {
   const names = rows.map((row) => rankName(row.rank, straggler));
   const ms = (row, p) => row[p + '_median_ms'];
@@ -648,16 +648,22 @@ function rankBars(rows, straggler) {
   const traces = [];
   const bar = (name, y, color, what, pattern) => traces.push({ type: 'bar', name, x: names, y,
     marker: { color, pattern }, hovertemplate: '%{x}: %{y:.2f} ms<extra>' + what + '</extra>' });
+  // The wait inside each phase: FSDP's all-gathers in forward, the rest (DDP's all-reduce,
+  // FSDP's re-gathers and reduce-scatters) in backward.
+  const forwardWait = (row) => row.forward_comm_wait_median_ms || 0;
+  const within = { forward: forwardWait, backward: (row) => (row.comm_wait_median_ms || 0) - forwardWait(row) };
   for (const p of state.phases.step_phases) {
     if (!rows.some((row) => isNum(ms(row, p)) && ms(row, p) > 0)) continue;
-    if (p === 'backward' && waits) {
-      bar(label(p), rows.map((row) => Math.max(0, (ms(row, p) || 0) - (row.comm_wait_median_ms || 0))), colour(p),
-        'backward less comm wait');
-      // Hatched: time spent waiting, not working.
-      bar(label('comm_wait'), rows.map((row) => row.comm_wait_median_ms), colour('comm_wait'),
-        'comm wait: waiting in backward for the other ranks', { shape: '/', fillmode: 'overlay', fgcolor: '#ffffff', size: 6 });
+    if (within[p] && waits) {
+      bar(label(p), rows.map((row) => Math.max(0, (ms(row, p) || 0) - within[p](row))), colour(p),
+        p + ' less comm wait');
     } else {
       bar(label(p), rows.map((row) => ms(row, p)), colour(p), label(p));
+    }
+    if (p === 'backward' && waits) {
+      // Hatched: time spent waiting, not working.
+      bar(label('comm_wait'), rows.map((row) => row.comm_wait_median_ms), colour('comm_wait'),
+        'comm wait: waiting in collectives for the other ranks and the wire', { shape: '/', fillmode: 'overlay', fgcolor: '#ffffff', size: 6 });
     }
   }
   if (!traces.length) return [[], {}, 'no per-rank figures yet'];

@@ -1,0 +1,60 @@
+"""FSDP2 on 2 gloo ranks (CPU) under `traceml run`: each phase's wait in the collectives apart
+from compute, the straggler named with its cause, COMM_BOUND when the wire is the bound, and
+the ledger's shard bytes."""
+from conftest import SCRIPTS
+
+FSDP_LOOP = SCRIPTS / "fsdp_loop.py"
+# Net(width 64, 4 blocks): each block 64x128 + 128 and 128x64 + 64, the head 64x4 + 4.
+ELEMENTS = 4 * (64 * 128 + 128 + 128 * 64 + 64) + 64 * 4 + 4
+
+
+def fsdp_run(traceml_run, *script_args):
+    run = traceml_run(*script_args, script=FSDP_LOOP, traceml_args=("--nproc-per-node", "2", "--mode", "summary"),
+                      timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, run.summary()
+
+
+def kinds(summary):
+    return {(f["kind"], f["rank"]) for f in summary["findings"]}
+
+
+def test_a_rank_slower_in_compute_is_the_compute_straggler_and_the_ledger_holds_shards(traceml_run):
+    run, summary = fsdp_run(traceml_run, "--steps", 40, "--slow-rank", 1, "--busy-ms", 30)
+    assert summary["steps"]["count"] == 40
+    ranks = {r["rank"]: r for r in summary["ranks"]}
+    # Rank 0 waits for rank 1's 30 ms in the next unit's all-gather, inside its forward: that wait
+    # is comm wait, not rank 0's compute.
+    assert ranks[0]["forward_comm_wait_median_ms"] > ranks[1]["forward_comm_wait_median_ms"] + 20.0
+    assert ("COMPUTE_STRAGGLER", 1) in kinds(summary)
+    straggler = next(f for f in summary["findings"] if f["kind"] == "COMPUTE_STRAGGLER")
+    assert straggler["evidence"]["rank_value_ms"] - straggler["evidence"]["others_median_ms"] > 25.0
+    # Each rank holds half of every parameter, its gradient and AdamW's two states (and a step each).
+    for row in summary["memory"]["ledger"]:
+        assert row["parameters"]["count"] == ELEMENTS
+        assert row["parameters"]["unsharded"] == ELEMENTS * 4
+        assert row["parameters"]["trainable"] == ELEMENTS * 4 // 2
+        assert row["gradients"] == ELEMENTS * 4 // 2
+        assert row["optimizer_state"] == 2 * ELEMENTS * 4 // 2 + 18 * 4  # and 18 parameters' float32 steps
+    assert "comm wait (in forward, backward)" in run.stdout
+
+
+def test_zero_code_with_accumulation_names_the_rank_busy_between_steps(traceml_run):
+    run, summary = fsdp_run(traceml_run, "--steps", 40, "--slow-rank", 1, "--sleep-ms", 30, "--zero-code",
+                            "--accumulate", 2)
+    assert summary["steps"]["count"] == 40 and summary["steps"]["found_by"] == "optimizer.step() (inferred)"
+    assert ("STRAGGLER", 1) in kinds(summary)
+    assert all(r["comm_wait_median_ms"] is not None for r in summary["ranks"])
+
+
+def test_even_ranks_with_slow_collectives_are_comm_bound(traceml_run):
+    run, summary = fsdp_run(traceml_run, "--steps", 40, "--slow-comm-ms", 3)
+    primary = summary["primary_diagnosis"]
+    assert primary["kind"] == "COMM_BOUND", primary
+    assert not any(kind.endswith("STRAGGLER") for kind, _ in kinds(summary))
+    # Against the script's own count: every slowed collective slept 3 ms inside the step.
+    calls = float(run.stdout.split("slowed collectives a step: ")[1].split()[0])
+    least = min(r["comm_wait_median_ms"] for r in summary["ranks"])
+    assert least >= calls * 3.0
+    assert primary["evidence"]["comm_wait_ms"] == round(least, 3)
+    assert "set_modules_to_forward_prefetch" in primary["action"]
