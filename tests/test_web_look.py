@@ -441,7 +441,8 @@ def test_a_warm_up_stall_neither_sets_the_colours_nor_flattens_the_steps(straggl
     assert heat["zmax"] < WARMUP_MS / 6  # ...and the colours stop well below it, and say so
     ticks = [w["text"] for w in chart(look, "chart-rank-heatmap")["words"] if w["kind"] == "tick"]
     assert any(text.startswith("≥") and text.endswith("(p99)") for text in ticks), ticks
-    assert chart(look, "chart-phases")["axes"]["y"]["range"][1] < WARMUP_MS / 6
+    # The y axis stops near the steps' own times (tens of ms, more on a busy machine), far below the stall.
+    assert chart(look, "chart-phases")["axes"]["y"]["range"][1] < WARMUP_MS / 3
     assert "step 0" in look["phases_note"] and "double-click" in look["phases_note"]
 
 
