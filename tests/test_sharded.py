@@ -5,7 +5,8 @@ from conftest import SCRIPTS
 
 FSDP_LOOP = SCRIPTS / "fsdp_loop.py"
 # Net(width 64, 4 blocks): each block 64x128 + 128 and 128x64 + 64, the head 64x4 + 4.
-ELEMENTS = 4 * (64 * 128 + 128 + 128 * 64 + 64) + 64 * 4 + 4
+BLOCK_BYTES, HEAD_BYTES = (64 * 128 + 128 + 128 * 64 + 64) * 4, (64 * 4 + 4) * 4
+ELEMENTS = (4 * BLOCK_BYTES + HEAD_BYTES) // 4
 
 
 def fsdp_run(traceml_run, *script_args):
@@ -36,7 +37,15 @@ def test_a_rank_slower_in_compute_is_the_compute_straggler_and_the_ledger_holds_
         assert row["parameters"]["trainable"] == ELEMENTS * 4 // 2
         assert row["gradients"] == ELEMENTS * 4 // 2
         assert row["optimizer_state"] == 2 * ELEMENTS * 4 // 2 + 18 * 4  # and 18 parameters' float32 steps
+        sharding = row["sharding"]
+        assert sharding["parameters_unsharded"] == sharding["gradients_unsharded"] == ELEMENTS * 4
+        assert sharding["optimizer_state_unsharded"] == 2 * ELEMENTS * 4 + 18 * 4
+        # Gathered at once: in forward one block beside the root's head (the root stays
+        # gathered); in backward two blocks, the next one prefetched while one computes.
+        assert sharding["gathered_peak_forward"] == BLOCK_BYTES + HEAD_BYTES
+        assert sharding["gathered_peak_backward"] == 2 * BLOCK_BYTES + HEAD_BYTES
     assert "comm wait (in forward, backward)" in run.stdout
+    assert "Shards" in run.stdout and "all-gathered at most" in run.stdout
 
 
 def test_zero_code_with_accumulation_names_the_rank_busy_between_steps(traceml_run):

@@ -379,6 +379,13 @@ class MemoryLedger(msgspec.Struct, tag="ledger", array_like=True):
     adapter_targets: Dict[str, int] = {}  # "q_proj" -> bytes
     # Sharded parameters (FSDP): what they would take unsharded; None when none is sharded.
     unsharded_parameter_bytes: Optional[int] = None
+    # ... and their gradients and optimizer state unsharded (None: none is sharded).
+    unsharded_gradient_bytes: Optional[int] = None
+    unsharded_optimizer_bytes: Optional[int] = None
+    # FSDP2: the most parameter bytes held all-gathered at once on a watched step, in forward
+    # and in backward (probe/sharded.py; None: not seen, or no all-gather in that phase).
+    gathered_forward_peak_bytes: Optional[int] = None
+    gathered_backward_peak_bytes: Optional[int] = None
 
 
 def adapter_target(name: str) -> Optional[str]:

@@ -55,12 +55,26 @@ def _row(readings: List[MemoryLedger], held: Optional[Dict[str, Any]], adapter_t
         "activations": latest.activation_bytes, "activations_step": latest.activation_step,
         "measured_on": None, "held": None, "rest": None, "cache": None,
         "growth": _growth(readings, first_step),
+        "sharding": _sharding(latest),
     }
     if held is not None:
         row["measured_on"], row["held"] = held["measured_on"], held["held"]
         row["rest"] = max(0, held["held"] - counted)
         row["cache"] = held.get("cache")
     return row
+
+
+def _sharding(ledger: MemoryLedger) -> Optional[Dict[str, Any]]:
+    """A sharded model's figures beside the local shard's: what parameters, gradients and
+    optimizer state would take unsharded, and the most held all-gathered at once (None: not
+    sharded)."""
+    if ledger.unsharded_parameter_bytes is None:
+        return None
+    return {"parameters_unsharded": ledger.unsharded_parameter_bytes,
+            "gradients_unsharded": ledger.unsharded_gradient_bytes,
+            "optimizer_state_unsharded": ledger.unsharded_optimizer_bytes,
+            "gathered_peak_forward": ledger.gathered_forward_peak_bytes,
+            "gathered_peak_backward": ledger.gathered_backward_peak_bytes}
 
 
 def _parts(ledger: MemoryLedger) -> Dict[str, int]:

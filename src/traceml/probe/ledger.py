@@ -15,7 +15,8 @@ none between steps), and the activations a sampled step saved for backward (prob
 
 Tensors that share storage count once: tied weights, views, a gradient that is a view of a
 bucket. A sharded parameter (a DTensor under FSDP2) counts its local shard, and its full size
-goes into unsharded_parameter_bytes. Under PEFT, parameters named lora_* or inside
+goes into unsharded_parameter_bytes (its gradient's and optimizer state's likewise); the most
+held all-gathered at once comes from probe/sharded.py's GatherWatch. Under PEFT, parameters named lora_* or inside
 modules_to_save are the adapters; each target module kind (q_proj, v_proj) gets its bytes.
 """
 from __future__ import annotations
@@ -60,6 +61,7 @@ class LedgerWatch:
         self._watched = 0  # models and optimizers handed over so far, freed ones included
         self._paced_from: Optional[Tuple[int, float]] = None  # (step, time) of the last reading at a step start
         self._reading = threading.Lock()  # the last reading is compared and replaced in one go
+        self._gathers: Any = None  # a sharded model's GatherWatch (probe/sharded.py)
 
     # -- the training thread hands these over ------------------------------------------------
     def watch_model(self, model: Any) -> None:
@@ -75,6 +77,10 @@ class LedgerWatch:
         Accelerate's AcceleratedOptimizer say, is read through the optimizer it wraps)."""
         inner = getattr(optimizer, "optimizer", None)
         self._watch(self._optimizers, inner if inner is not None and hasattr(inner, "state") else optimizer)
+
+    def watch_gathers(self, watch: Any) -> None:
+        """A sharded model's all-gathers: each step a reading starts is watched for their peak."""
+        self._gathers = watch
 
     def note_gradients(self) -> None:
         """Backward has returned on a sampled step: every gradient is there now."""
@@ -92,6 +98,8 @@ class LedgerWatch:
         step due: the first readings at FIRST_READING_STEPS, then one READING_INTERVAL_S on at
         the pace the steps have been going."""
         reading = self.reading(step)
+        if self._gathers is not None:
+            self._gathers.step = step
         later = [s for s in FIRST_READING_STEPS if s > step]
         if later:
             next_step: float = later[0]
@@ -152,8 +160,11 @@ class LedgerWatch:
         self._noting += 1
         parameters = list(self._parameters())
         figures = self._read_parameters(parameters, counted, adapter)
-        gradient_bytes = self._read_gradients(counted, adapter)
-        optimizer_bytes = self._read_optimizers(counted, adapter)
+        gradient_bytes, unsharded_gradients = self._read_gradients(counted, adapter)
+        optimizer_bytes, unsharded_optimizers = self._read_optimizers(counted, adapter)
+        sharded = figures["unsharded_parameter_bytes"] is not None
+        gathers = self._gathers
+        peaks = gathers.peak_bytes if gathers is not None else {}
         kind, rank = self._adapter_config(parameters) if adapter.parameter_bytes else ("", None)
         return MemoryLedger(
             rank=self.rank, step=step, unix_s=self._clock(), **figures,
@@ -161,7 +172,10 @@ class LedgerWatch:
             activation_bytes=self.activation_bytes, activation_step=self.activation_step,
             adapter=kind, adapter_rank=rank, adapter_parameters=adapter.elements,
             adapter_parameter_bytes=adapter.parameter_bytes, adapter_gradient_bytes=adapter.gradient_bytes,
-            adapter_optimizer_bytes=adapter.optimizer_bytes, adapter_targets=adapter.targets)
+            adapter_optimizer_bytes=adapter.optimizer_bytes, adapter_targets=adapter.targets,
+            unsharded_gradient_bytes=unsharded_gradients if sharded else None,
+            unsharded_optimizer_bytes=unsharded_optimizers if sharded else None,
+            gathered_forward_peak_bytes=peaks.get("forward"), gathered_backward_peak_bytes=peaks.get("backward"))
 
     def _read_parameters(self, parameters: List[Tuple[str, Any]], counted: Set[Any],
                          adapter: "_Adapters") -> Dict[str, Any]:
@@ -188,34 +202,40 @@ class LedgerWatch:
                 "trainable_parameters": trainable_elements,
                 "unsharded_parameter_bytes": unsharded if sharded else None}
 
-    def _read_gradients(self, counted: Set[Any], adapter: "_Adapters") -> int:
-        """The trainable parameters' gradients, each at the size it last had."""
-        gradient_bytes = 0
+    def _read_gradients(self, counted: Set[Any], adapter: "_Adapters") -> Tuple[int, int]:
+        """The trainable parameters' gradients, each at the size it last had, and at the size
+        they have unsharded (a sharded gradient, a DTensor, gives its full size)."""
+        gradient_bytes = unsharded_bytes = 0
         gone_counted: Set[Any] = set()  # storages of gradients gone now, as they were when seen
         for parameter_id, (ref, seen_key, size) in list(self._gradients.items()):
             parameter = ref()
             if parameter is None:  # its model is gone
                 del self._gradients[parameter_id]
                 continue
+            if not parameter.requires_grad:
+                continue
             grad = parameter.grad
+            # One storage can hold several gradients (FSDP's reduce-scatter output): its bytes
+            # count once, while each sharded gradient adds its own full size unsharded.
             if grad is not None:
                 key, size = _storage(grad)
-                if key in counted:
-                    continue
+                shared = key in counted
                 counted.add(key)
-            elif seen_key in gone_counted:  # one storage held several (FSDP's reduce-scatter output)
-                continue
             else:
+                shared = seen_key in gone_counted
                 gone_counted.add(seen_key)
-            if parameter.requires_grad:
-                gradient_bytes += size
-                if parameter_id in adapter.ids:
-                    adapter.gradient_bytes += size
-        return gradient_bytes
+            unsharded_bytes += _unsharded_size(parameter, 0 if shared else size)
+            if shared:
+                continue
+            gradient_bytes += size
+            if parameter_id in adapter.ids:
+                adapter.gradient_bytes += size
+        return gradient_bytes, unsharded_bytes
 
-    def _read_optimizers(self, counted: Set[Any], adapter: "_Adapters") -> Dict[str, int]:
-        """Each optimizer's state tensors, by optimizer."""
+    def _read_optimizers(self, counted: Set[Any], adapter: "_Adapters") -> Tuple[Dict[str, int], int]:
+        """Each optimizer's state tensors, by optimizer, and all of them at their unsharded size."""
         optimizer_bytes: Dict[str, int] = {}
+        unsharded_bytes = 0
         for optimizer in self._alive(self._optimizers):
             name = _optimizer_name(optimizer, optimizer_bytes)
             held = 0
@@ -226,10 +246,11 @@ class LedgerWatch:
                         if key not in counted:
                             counted.add(key)
                             held += size
+                            unsharded_bytes += _unsharded_size(value, size)
                             if id(parameter) in adapter.ids:
                                 adapter.optimizer_bytes += size
             optimizer_bytes[name] = held
-        return optimizer_bytes
+        return optimizer_bytes, unsharded_bytes
 
     def _adapter_config(self, parameters: List[Tuple[str, Any]]) -> Tuple[str, Optional[int]]:
         """("LoRA", r) from a PEFT model's config, or from a lora_A weight's rows without one."""
@@ -281,6 +302,16 @@ def _storage(tensor: Any) -> Tuple[Any, int]:
     return ("object", id(tensor)), tensor.numel() * tensor.element_size()
 
 
+def _unsharded_size(tensor: Any, local_bytes: int) -> int:
+    """A sharded tensor's (a DTensor's) bytes unsharded: its full shape's; another's own bytes.
+    A gradient's is its parameter's full shape at the gradient's bytes per element."""
+    if getattr(tensor, "_local_tensor", None) is None:
+        return local_bytes
+    grad = getattr(tensor, "grad", None)
+    element_size = grad.element_size() if grad is not None else tensor.element_size()
+    return int(tensor.numel()) * element_size
+
+
 def _is_tensor(value: Any) -> bool:
     return hasattr(value, "untyped_storage") and hasattr(value, "element_size")
 
@@ -299,7 +330,7 @@ def _same_figures(a: MemoryLedger, b: MemoryLedger) -> bool:
     """Whether two readings hold the same figures (their step and time aside)."""
     return (a.trainable_bytes, a.frozen_bytes, a.gradient_bytes, a.optimizer_state_bytes, a.activation_bytes,
             a.adapter_parameter_bytes, a.adapter_gradient_bytes, a.adapter_optimizer_bytes,
-            a.unsharded_parameter_bytes) == (
+            a.unsharded_parameter_bytes, a.gathered_forward_peak_bytes, a.gathered_backward_peak_bytes) == (
         b.trainable_bytes, b.frozen_bytes, b.gradient_bytes, b.optimizer_state_bytes, b.activation_bytes,
         b.adapter_parameter_bytes, b.adapter_gradient_bytes, b.adapter_optimizer_bytes,
-        b.unsharded_parameter_bytes)
+        b.unsharded_parameter_bytes, b.gathered_forward_peak_bytes, b.gathered_backward_peak_bytes)

@@ -779,11 +779,12 @@ def _time_ddp_collectives(probe: StepProbe, model: Any) -> None:
 
 
 def _time_sharded_collectives(probe: StepProbe, model: Any) -> None:
-    """Under FSDP (on the CPU): each phase's wait in the all-gathers and reduce-scatters."""
+    """Under FSDP: each phase's wait in the all-gathers and reduce-scatters (on the CPU), and
+    the memory ledger's all-gathered peak."""
     try:
         from traceml.probe.sharded import time_collectives
 
-        time_collectives(probe, model, _replace, _compiling())
+        time_collectives(probe, model, _replace, _compiling(), getattr(probe.sender, "ledger", None))
     except Exception:  # torch's internals moved: no collective wait, the steps as they were
         log.warning("traceml: FSDP's collectives are not timed", exc_info=True)
 

@@ -12,15 +12,22 @@ What this cannot see: a collective issued with async_op=True (its wait is elsewh
 Work.wait(), a C++ method), and collectives on CUDA, where the call returns once the work is
 queued on FSDP's streams and the wait happens on the device. A CUDA model is therefore not
 timed here (its comm_wait_ms stays None) rather than timed wrong.
+
+The same wrappers give the memory ledger the most parameter bytes held all-gathered at once, on
+the steps the ledger watches (one per reading, so other steps pay an int comparison): as each
+all-gather returns, its output buffer plus the parameters FSDP2 still holds unsharded then (a
+module's parameter is a plain tensor while unsharded, its DTensor shard otherwise), by phase.
+It is read on CUDA too: sizes are host-side metadata. FSDP1's flat parameters are not read.
 """
 from __future__ import annotations
 
 import functools
 import inspect
 import logging
-from typing import Any, Callable, List
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Set
 
-from traceml.probe.step import NO_PHASE, StepProbe, _now_ns
+from traceml.probe.step import BACKWARD, FORWARD, NO_PHASE, StepProbe, _now_ns
 
 log = logging.getLogger("traceml")
 
@@ -29,6 +36,44 @@ log = logging.getLogger("traceml")
 COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather",
                "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter",
                "all_reduce", "broadcast", "all_to_all_single")
+_GATHER_PHASES = {FORWARD: "forward", BACKWARD: "backward"}
+ALL_GATHERS = frozenset(("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather"))
+
+
+class GatherWatch:
+    """The most parameter bytes a sharded model held all-gathered at once, in forward and in
+    backward, on the steps watched (the ledger sets `step` at each reading; see the module's
+    docstring)."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = weakref.ref(model)
+        # The parameters FSDP manages, by name: a DTensor shard now, a plain tensor while unsharded.
+        self._sharded_names: Set[str] = {name for name, parameter in model.named_parameters()
+                                         if getattr(parameter, "_local_tensor", None) is not None}
+        self.step = -1
+        self.peak_bytes: Dict[str, Optional[int]] = {"forward": None, "backward": None}
+
+    def gathered(self, phase: int, output: Any) -> None:
+        """An all-gather into `output` (a tensor, or a list of them) has returned in `phase`."""
+        phase_name = _GATHER_PHASES.get(phase)
+        if phase_name is None:
+            return
+        model = self._model()
+        if model is None:
+            return
+        outputs = output if isinstance(output, (list, tuple)) else [output]
+        held = sum(tensor.numel() * tensor.element_size() for tensor in outputs if hasattr(tensor, "numel"))
+        seen: Set[int] = set()
+        for name, parameter in model.named_parameters():
+            if name in self._sharded_names and getattr(parameter, "_local_tensor", None) is None:
+                storage = parameter.untyped_storage()
+                pointer = storage.data_ptr()
+                if pointer and pointer not in seen:
+                    seen.add(pointer)
+                    held += int(storage.nbytes())
+        peak = self.peak_bytes[phase_name]
+        if peak is None or held > peak:
+            self.peak_bytes[phase_name] = held
 
 
 def sharded_modules(model: Any) -> List[Any]:
@@ -63,23 +108,42 @@ def on_host(model: Any) -> bool:
     return False
 
 
+class _Wrapping:
+    """What the wrappers read: whether to time (the model is on the host), and the gathers'
+    watch (None until a ledger asks for it)."""
+
+    def __init__(self) -> None:
+        self.timed = False
+        self.watch: Optional[GatherWatch] = None
+
+
+_wrapping = _Wrapping()
+
+
 def time_collectives(probe: StepProbe, model: Any, replace: Callable[[Any, str, Any], None],
-                      compiling: Any) -> bool:
-    """A sharded model on the CPU: wrap torch.distributed's collectives (once, by `replace`,
-    which remembers how to undo it) so that their time inside a step's phases counts as the
-    phase's collective wait. compiling: the phases' `_is_compiling_flag` holder, for code
-    dynamo traces. True when the model's collectives are timed."""
-    if not sharded_modules(model) or not on_host(model):
+                     compiling: Any, ledger: Any = None) -> bool:
+    """A sharded model: wrap torch.distributed's collectives (once, by `replace`, which
+    remembers how to undo it) so that, on the CPU, their time inside a step's phases counts as
+    the phase's collective wait, and the ledger (if any) gets the all-gathered peak.
+    compiling: the phases' `_is_compiling_flag` holder, for code dynamo traces. True when the
+    model's collectives are timed."""
+    if not sharded_modules(model):
         return False
     import torch.distributed as dist
 
     if not hasattr(dist.all_reduce, "traceml_original"):  # not wrapped yet (or undone since)
+        _wrapping.timed, _wrapping.watch = False, None
         for name in COLLECTIVES:
             original = getattr(dist, name, None)
             if callable(original):
-                replace(dist, name, _timed(probe, original, compiling))
-    probe.comm_timed = True
-    return True
+                replace(dist, name, _wrapped(probe, original, compiling, name in ALL_GATHERS))
+    if ledger is not None and _wrapping.watch is None:
+        _wrapping.watch = GatherWatch(model)
+        ledger.watch_gathers(_wrapping.watch)
+    if on_host(model):
+        _wrapping.timed = True
+        probe.comm_timed = True
+    return _wrapping.timed
 
 
 def _async_position(function: Callable[..., Any]) -> int:
@@ -90,25 +154,38 @@ def _async_position(function: Callable[..., Any]) -> int:
         return -1
 
 
-def _timed(probe: StepProbe, original: Callable[..., Any], compiling: Any) -> Callable[..., Any]:
+def _wrapped(probe: StepProbe, original: Callable[..., Any], compiling: Any, gathers: bool) -> Callable[..., Any]:
     async_at = _async_position(original)
     inside = [False]  # a collective made of others (all_gather of a list) counts once
+    wrapping = _wrapping
 
     @functools.wraps(original)
     def collective(*args: Any, **kwargs: Any) -> Any:
         if compiling._is_compiling_flag:  # dynamo traces the original: it knows collectives by their functions
             return original(*args, **kwargs)
         phase = probe.open_phase
-        if (phase == NO_PHASE or inside[0] or kwargs.get("async_op")
-                or (0 <= async_at < len(args) and args[async_at])):
+        if phase == NO_PHASE or inside[0]:
+            return original(*args, **kwargs)
+        watch = wrapping.watch
+        watching = gathers and watch is not None and watch.step == probe.step_index
+        timing = wrapping.timed and not (kwargs.get("async_op") or (0 <= async_at < len(args) and args[async_at]))
+        if not (timing or watching):
             return original(*args, **kwargs)
         inside[0] = True
         start_ns = _now_ns()
         try:
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
         finally:
             inside[0] = False
-            probe.comm_waited(phase, _now_ns() - start_ns)
+            if timing:
+                probe.comm_waited(phase, _now_ns() - start_ns)
+        if watching:
+            try:
+                watch.gathered(phase, args[0] if args else kwargs.get("output_tensor", kwargs.get("tensor_list")))
+            except Exception:  # a parameter it cannot read: no gathered peak, the step goes on
+                log.debug("traceml: the all-gathered peak stops", exc_info=True)
+                wrapping.watch = None
+        return result
 
     collective.traceml_original = original  # type: ignore[attr-defined]
     return collective
