@@ -1,6 +1,7 @@
 """FSDP2 on 2 gloo ranks (CPU) under `traceml run`: each phase's wait in the collectives apart
-from compute, the straggler named with its cause, COMM_BOUND when the wire is the bound, and
-the ledger's shard bytes."""
+from compute, the straggler named with its cause, COMM_BOUND when the wire is the bound, the
+ledger's shard bytes, and HF Trainer's and Accelerate's FSDP keeping their step counts."""
+import pytest
 from conftest import SCRIPTS
 
 FSDP_LOOP = SCRIPTS / "fsdp_loop.py"
@@ -9,8 +10,8 @@ BLOCK_BYTES, HEAD_BYTES = (64 * 128 + 128 + 128 * 64 + 64) * 4, (64 * 4 + 4) * 4
 ELEMENTS = (4 * BLOCK_BYTES + HEAD_BYTES) // 4
 
 
-def fsdp_run(traceml_run, *script_args):
-    run = traceml_run(*script_args, script=FSDP_LOOP, traceml_args=("--nproc-per-node", "2", "--mode", "summary"),
+def fsdp_run(traceml_run, *script_args, script=FSDP_LOOP):
+    run = traceml_run(*script_args, script=script, traceml_args=("--nproc-per-node", "2", "--mode", "summary"),
                       timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     return run, run.summary()
@@ -67,3 +68,32 @@ def test_even_ranks_with_slow_collectives_are_comm_bound(traceml_run):
     assert least >= calls * 3.0
     assert primary["evidence"]["comm_wait_ms"] == round(least, 3)
     assert "set_modules_to_forward_prefetch" in primary["action"]
+
+
+def sharded_everywhere(summary):
+    """Every rank's ledger holds half of each parameter, and comm wait was measured on each."""
+    for row in summary["memory"]["ledger"]:
+        sharding = row["sharding"]
+        # Dim-0 shards: half each, give or take the rows of a tensor with an odd count.
+        assert 0.45 <= row["parameters"]["trainable"] / sharding["parameters_unsharded"] <= 0.55
+        assert sharding["gathered_peak_forward"] > 0 and sharding["gathered_peak_backward"] > 0
+    assert all(r["comm_wait_median_ms"] > 0 for r in summary["ranks"])
+
+
+def test_hf_trainer_fsdp_zero_code_makes_one_step_per_update(traceml_run):
+    pytest.importorskip("transformers")
+    run, summary = fsdp_run(traceml_run, "--how", "none", "--fsdp", "--max-steps", 30, "--accumulate", 2,
+                            script=SCRIPTS / "hf_trainer.py")
+    assert "sharded parameters: 28" in run.stdout  # GPT-2's 2 blocks and the rest, each a DTensor
+    assert summary["steps"]["count"] == 30 and summary["steps"]["found_by"] == "optimizer.step() (inferred)"
+    sharded_everywhere(summary)
+
+
+def test_accelerate_fsdp_plugin_with_trace_step(traceml_run):
+    pytest.importorskip("accelerate")
+    run, summary = fsdp_run(traceml_run, "--fsdp", "--steps", 30, "--load-ms", 1, script=SCRIPTS / "accelerate_loop.py")
+    assert "sharded parameters: 6" in run.stdout
+    assert summary["steps"]["count"] == 30 and summary["steps"]["found_by"] == "trace_step"
+    sharded_everywhere(summary)
+    # 8 ms of loading against about as much in the collectives: one of the two is the bound.
+    assert summary["primary_diagnosis"]["kind"] in ("INPUT_BOUND", "COMM_BOUND")

@@ -31,8 +31,13 @@ def main():
     parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N updates")
     parser.add_argument("--output-dir", default="hf_out")
     parser.add_argument("--save", help="save the trained model here (save_model and torch.save)")
+    parser.add_argument("--fsdp", action="store_true", help="shard each GPT2Block with Trainer's FSDP2")
     args = parser.parse_args()
 
+    if args.fsdp:
+        from cpu_fsdp import let_accelerate_shard_on_cpu
+
+        let_accelerate_shard_on_cpu()
     config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
@@ -49,7 +54,10 @@ def main():
         logging_steps=10, save_strategy="steps" if args.save_every else "no",
         save_steps=args.save_every or 500, report_to=[], use_cpu=True, dataloader_num_workers=0,
         eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every or None,
-        disable_tqdm=True)
+        disable_tqdm=True,
+        **(dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"],
+                                        "reshard_after_forward": True})
+           if args.fsdp else {}))
     kwargs = dict(model=model, args=training, train_dataset=Tokens(4096, 32, 128),
                   eval_dataset=Tokens(args.eval_rows, 32, 128) if args.eval_every else None, data_collator=collate)
     if args.how == "callback":
@@ -80,6 +88,8 @@ def main():
 
     trainer._save_checkpoint = timed_save_checkpoint
     trainer.train()
+    if args.fsdp:
+        print("sharded parameters:", sum(hasattr(p, "_local_tensor") for p in trainer.model_wrapped.parameters()))
     print("trained", trainer.state.global_step, "updates")
     evaluations = [entry["eval_runtime"] for entry in trainer.state.log_history if "eval_runtime" in entry]
     print("MEASURED " + json.dumps({"eval_s": sum(evaluations), "evaluations": len(evaluations),
