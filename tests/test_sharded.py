@@ -97,3 +97,13 @@ def test_accelerate_fsdp_plugin_with_trace_step(traceml_run):
     sharded_everywhere(summary)
     # 8 ms of loading against about as much in the collectives: one of the two is the bound.
     assert summary["primary_diagnosis"]["kind"] in ("INPUT_BOUND", "COMM_BOUND")
+
+
+def test_lightning_model_parallel_strategy_counts_optimizer_steps(traceml_run):
+    # Lightning's FSDPStrategy (FSDP1) asks for a GPU; its ModelParallelStrategy runs FSDP2 here.
+    pytest.importorskip("lightning")
+    run, summary = fsdp_run(traceml_run, "--shard", "--steps", 40, "--accumulate", 2,
+                            script=SCRIPTS / "lightning_fit.py")
+    assert summary["steps"]["count"] == 40 and summary["steps"]["found_by"] == "Lightning (optimizer steps)"
+    sharded_everywhere(summary)
+    assert "optimizer state 0 B of 0 B" not in run.stdout  # SGD holds none: not a line to print

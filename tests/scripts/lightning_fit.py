@@ -30,6 +30,8 @@ parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--val-every", type=int, default=20, help="validate every N training batches")
 parser.add_argument("--val-sample-ms", type=float, default=2.0, help="a slow validation Dataset")
 parser.add_argument("--untraced", action="store_true", help="no TraceMLCallback")
+parser.add_argument("--shard", action="store_true",
+                    help="FSDP2 on 2 ranks: ModelParallelStrategy, each Linear under fully_shard (FSDPStrategy is FSDP1, GPU only)")
 parser.add_argument("--save", help="torch.save the model (and its state_dict) here once fit")
 args = parser.parse_args()
 # The namespace is chosen on the command line, and the module's class must be importable by
@@ -44,6 +46,17 @@ class Regressor(pl.LightningModule):
 
     def forward(self, inputs):
         return self.net(inputs)
+
+    def configure_model(self):
+        if not args.shard:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch, batch_idx):
         inputs, targets = batch
@@ -65,7 +78,11 @@ def main():
         traceml_lightning.init()
         callbacks.append(traceml_lightning.TraceMLCallback())
     torch.manual_seed(0)
-    trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False,
+    sharding = {}
+    if args.shard:
+        sharding = dict(devices=2, strategy=pl.strategies.ModelParallelStrategy(data_parallel_size=2,
+                                                                               tensor_parallel_size=1))
+    trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", logger=False, **(sharding or dict(devices=1)),
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, accumulate_grad_batches=args.accumulate,
                          val_check_interval=args.val_every, limit_val_batches=4,

@@ -351,7 +351,7 @@ def sharding_text(row: Dict[str, Any], sharding: Dict[str, Any]) -> str:
             ("gradients", row["gradients"], sharding["gradients_unsharded"]),
             ("optimizer state", row["optimizer_state"], sharding["optimizer_state_unsharded"])]
     text = "this rank holds " + ", ".join(f"{name} {size(local)} of {size(full)}" for name, local, full in held
-                                          if full is not None)
+                                          if full)  # None: not measured; 0: none held (SGD's state)
     peaks = [(phase, sharding[f"gathered_peak_{phase}"]) for phase in ("forward", "backward")]
     peaks = [(phase, peak) for phase, peak in peaks if peak is not None]
     if peaks:
