@@ -47,13 +47,19 @@ def test_a_rank_slower_in_compute_is_the_compute_straggler_and_the_ledger_holds_
         assert sharding["gathered_peak_backward"] == 2 * BLOCK_BYTES + HEAD_BYTES
     assert "comm wait (in forward, backward)" in run.stdout
     assert "Shards" in run.stdout and "all-gathered at most" in run.stdout
+    # fully_shard's default mesh: one unnamed dimension across both ranks.
+    assert summary["mesh"] == {"dims": {"dim0": 2}, "coordinates": {"0": {"dim0": 0}, "1": {"dim0": 1}}}
 
 
-def test_zero_code_with_accumulation_names_the_rank_busy_between_steps(traceml_run):
+def test_zero_code_hsdp_with_accumulation_names_the_rank_busy_between_steps(traceml_run):
     run, summary = fsdp_run(traceml_run, "--steps", 40, "--slow-rank", 1, "--sleep-ms", 30, "--zero-code",
-                            "--accumulate", 2)
+                            "--accumulate", 2, "--shard", "hsdp")
     assert summary["steps"]["count"] == 40 and summary["steps"]["found_by"] == "optimizer.step() (inferred)"
     assert ("STRAGGLER", 1) in kinds(summary)
+    # A 2-D mesh: the ranks replicate each other, each one a shard group of its own.
+    assert summary["mesh"]["dims"] == {"replicate": 2, "shard": 1}
+    assert summary["mesh"]["coordinates"]["1"] == {"replicate": 1, "shard": 0}
+    assert "replicate 2 × shard 1  ·  replicate 0: rank 0  ·  replicate 1: rank 1" in run.stdout
     assert all(r["comm_wait_median_ms"] is not None for r in summary["ranks"])
 
 

@@ -386,6 +386,10 @@ class MemoryLedger(msgspec.Struct, tag="ledger", array_like=True):
     # and in backward (probe/sharded.py; None: not seen, or no all-gather in that phase).
     gathered_forward_peak_bytes: Optional[int] = None
     gathered_backward_peak_bytes: Optional[int] = None
+    # The DeviceMesh the sharded parameters live on: its dimensions' names and sizes, and this
+    # rank's coordinate on each (empty: no DTensor parameter).
+    mesh_dims: Dict[str, int] = {}
+    mesh_coordinate: Dict[str, int] = {}
 
 
 def adapter_target(name: str) -> Optional[str]:

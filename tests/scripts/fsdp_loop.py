@@ -44,9 +44,13 @@ def shard(model, how):
         from torch.distributed.fsdp import FullyShardedDataParallel
         return FullyShardedDataParallel(model, use_orig_params=True)
     from torch.distributed.fsdp import fully_shard
+    mesh = None
+    if how == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
-        fully_shard(block)
-    return fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def slow_collectives(delay_ms, calls):
@@ -68,7 +72,8 @@ def slow_collectives(delay_ms, calls):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--shard", choices=("fsdp2", "fsdp1"), default="fsdp2")
+    parser.add_argument("--shard", choices=("fsdp2", "hsdp", "fsdp1"), default="fsdp2",
+                        help="hsdp: FSDP2 on a 2-D mesh, replicated across the ranks and sharded within each")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -96,7 +101,7 @@ def main():
                     torch.randint(0, 4, (args.batch_size,), generator=generator)) for _ in range(args.accumulate)]
         with (traceml.trace_step(model) if not args.zero_code else contextlib.nullcontext()):
             for index, (inputs, targets) in enumerate(batches):
-                if args.shard == "fsdp2" and args.accumulate > 1:
+                if args.shard != "fsdp1" and args.accumulate > 1:
                     model.set_requires_gradient_sync(index == args.accumulate - 1)
                 loss = nn.functional.cross_entropy(model(inputs), targets) / args.accumulate
                 loss.backward()

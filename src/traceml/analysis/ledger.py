@@ -74,7 +74,19 @@ def _sharding(ledger: MemoryLedger) -> Optional[Dict[str, Any]]:
             "gradients_unsharded": ledger.unsharded_gradient_bytes,
             "optimizer_state_unsharded": ledger.unsharded_optimizer_bytes,
             "gathered_peak_forward": ledger.gathered_forward_peak_bytes,
-            "gathered_peak_backward": ledger.gathered_backward_peak_bytes}
+            "gathered_peak_backward": ledger.gathered_backward_peak_bytes,
+            "mesh_coordinate": dict(ledger.mesh_coordinate)}
+
+
+def device_mesh(rows: Sequence[Dict[str, Any]], ledgers: Sequence[MemoryLedger]) -> Optional[Dict[str, Any]]:
+    """The sharded parameters' DeviceMesh: {"dims": name -> size, "coordinates": rank -> (name
+    -> index)} from the ranks' ledger readings (None: no rank read one)."""
+    dims = next((dict(ledger.mesh_dims) for ledger in reversed(ledgers) if ledger.mesh_dims), None)
+    if dims is None:
+        return None
+    coordinates = {row["rank"]: row["sharding"]["mesh_coordinate"] for row in rows
+                   if row.get("sharding") and row["sharding"]["mesh_coordinate"]}
+    return {"dims": dims, "coordinates": coordinates}
 
 
 def _parts(ledger: MemoryLedger) -> Dict[str, int]:

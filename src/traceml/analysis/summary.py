@@ -12,7 +12,7 @@ import msgspec
 from traceml import rundir
 from traceml.analysis.goodput import RunTime
 from traceml.analysis.hardware import device_peak_tflops
-from traceml.analysis.ledger import ledger_history, ledger_rows
+from traceml.analysis.ledger import device_mesh, ledger_history, ledger_rows
 from traceml.analysis.loaders import loader_figures
 from traceml.analysis.rollup import (Window, max_present, rank_medians, rank_row, rank_spread,
                                       roll_up, warmup_steps)
@@ -252,6 +252,7 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "memory": _memory(data),
         "system": _system(data.samples),
         "ranks": data.ranks,
+        "mesh": device_mesh(data.ledger, data.ledgers),
         "rank_spread": rank_spread(data.records, skip_steps=data.warmup),
         "missing_ranks": _missing_ranks(data),
         **data.deep_dive,  # "layers", "deep_dive"

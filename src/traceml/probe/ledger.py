@@ -175,7 +175,8 @@ class LedgerWatch:
             adapter_optimizer_bytes=adapter.optimizer_bytes, adapter_targets=adapter.targets,
             unsharded_gradient_bytes=unsharded_gradients if sharded else None,
             unsharded_optimizer_bytes=unsharded_optimizers if sharded else None,
-            gathered_forward_peak_bytes=peaks.get("forward"), gathered_backward_peak_bytes=peaks.get("backward"))
+            gathered_forward_peak_bytes=peaks.get("forward"), gathered_backward_peak_bytes=peaks.get("backward"),
+            **(_mesh(parameters) if sharded else {}))
 
     def _read_parameters(self, parameters: List[Tuple[str, Any]], counted: Set[Any],
                          adapter: "_Adapters") -> Dict[str, Any]:
@@ -310,6 +311,25 @@ def _unsharded_size(tensor: Any, local_bytes: int) -> int:
     grad = getattr(tensor, "grad", None)
     element_size = grad.element_size() if grad is not None else tensor.element_size()
     return int(tensor.numel()) * element_size
+
+
+def _mesh(parameters: List[Tuple[str, Any]]) -> Dict[str, Dict[str, int]]:
+    """The first DTensor parameter's DeviceMesh: {"mesh_dims": name -> size, "mesh_coordinate":
+    name -> this rank's index}; a dimension without a name is "dim0", "dim1", ... ({} if unread)."""
+    for _, parameter in parameters:
+        mesh = getattr(parameter, "device_mesh", None)
+        if mesh is None or getattr(parameter, "_local_tensor", None) is None:
+            continue
+        try:
+            sizes = [int(size) for size in mesh.mesh.shape]
+            names = list(mesh.mesh_dim_names or [f"dim{index}" for index in range(len(sizes))])
+            coordinate = mesh.get_coordinate() or []
+            return {"mesh_dims": dict(zip(names, sizes)),
+                    "mesh_coordinate": {name: int(index) for name, index in zip(names, coordinate)}}
+        except Exception:  # a mesh of another torch's making: no mesh figures
+            log.debug("traceml: the DeviceMesh is not read", exc_info=True)
+            return {}
+    return {}
 
 
 def _is_tensor(value: Any) -> bool:

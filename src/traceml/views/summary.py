@@ -96,6 +96,8 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
         facts.add_row("Memory", _memory_line(memory))
     for label, line in ledger_lines(memory.get("ledger") or [], run["world_size"]):
         facts.add_row(label, line)
+    if summary.get("mesh"):
+        facts.add_row("Mesh", mesh_text(summary["mesh"]))
     for missing in summary["missing_ranks"]:
         facts.add_row("Missing", f"[bold red]rank {missing['rank']} from step {missing['from_step']}[/]"
                                  " (stopped reporting without a goodbye: died or killed)")
@@ -180,6 +182,16 @@ def _rank_table(summary: Dict[str, Any]) -> Any:
     from rich.table import Table
 
     straggler = straggler_rank(summary["findings"])
+    mesh = summary.get("mesh") or {}
+    # On a mesh of several dimensions the worst rank says where it sits on the outer ones (the
+    # replica group under HSDP): a slow group and a slow rank read apart.
+    outer = [name for name in list(mesh.get("dims", {}))[:-1]]
+    coordinates = mesh.get("coordinates", {})
+
+    def place(rank: int) -> str:
+        coordinate = coordinates.get(rank) or coordinates.get(str(rank)) or {}
+        return "".join(f" {name} {coordinate[name]}" for name in outer if name in coordinate)
+
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), title="across ranks", title_justify="left")
     for header in ("phase", "median ms", "worst ms", "worst rank", "skew ms"):
         table.add_column(header, justify="left" if header == "phase" else "right", no_wrap=True)
@@ -189,8 +201,9 @@ def _rank_table(summary: Dict[str, Any]) -> Any:
         if name not in labels or (name != "step" and spread["worst"] <= 0.0):
             continue
         rank = spread["worst_rank"]
+        where = f"{rank}{place(rank)}"
         table.add_row(labels[name], f"{spread['median']:.2f}", f"{spread['worst']:.2f}",
-                      f"[bold red]{rank}[/]" if rank == straggler else str(rank), f"{spread['skew']:.2f}")
+                      f"[bold red]{where}[/]" if rank == straggler else where, f"{spread['skew']:.2f}")
     return table
 
 
@@ -341,6 +354,25 @@ def ledger_lines(ledger: List[Dict[str, Any]], world_size: int = 1) -> List[tupl
     if adapters:
         lines.append(("Adapters", adapter_text(adapters, parameters)))
     return lines
+
+
+def mesh_text(mesh: Dict[str, Any]) -> str:
+    """"replicate 2 × shard 4 · replicate 0: ranks 0-3 · replicate 1: ranks 4-7": the DeviceMesh's
+    dimensions, and the ranks grouped by the outer one (a 1-D mesh: its size alone)."""
+    dims = mesh["dims"]
+    text = " × ".join(f"{name} {size}" for name, size in dims.items())
+    names = list(dims)
+    if len(names) < 2:
+        return text
+    groups: Dict[int, List[int]] = {}
+    for rank, coordinate in sorted(mesh["coordinates"].items(), key=lambda item: int(item[0])):
+        if names[0] in coordinate:
+            groups.setdefault(coordinate[names[0]], []).append(int(rank))
+    for index, ranks in sorted(groups.items()):
+        listed = f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2 \
+            else ", ".join(map(str, ranks))
+        text += f"  ·  {names[0]} {index}: rank{'s' if len(ranks) > 1 else ''} {listed}"
+    return text
 
 
 def sharding_text(row: Dict[str, Any], sharding: Dict[str, Any]) -> str:
