@@ -113,3 +113,19 @@ def test_lightning_model_parallel_strategy_counts_optimizer_steps(traceml_run):
     assert summary["steps"]["count"] == 40 and summary["steps"]["found_by"] == "Lightning (optimizer steps)"
     sharded_everywhere(summary)
     assert "optimizer state 0 B of 0 B" not in run.stdout  # SGD holds none: not a line to print
+
+
+def test_deepspeed_zero2_keeps_its_steps_and_names_the_rank_busy_between_them(traceml_run):
+    pytest.importorskip("deepspeed")
+    run, summary = fsdp_run(traceml_run, "--stage", 2, "--steps", 40, "--accumulate", 2, "--zero-code",
+                            "--slow-rank", 1, "--sleep-ms", 20, script=SCRIPTS / "deepspeed_loop.py")
+    assert "rank 0 trained 40 optimizer steps" in run.stdout
+    # Steps end at the engine's update, after its collectives, not at its inner AdamW's.
+    assert summary["steps"]["count"] == 40 and summary["steps"]["found_by"] == "optimizer.step() (inferred)"
+    assert ("STRAGGLER", 1) in kinds(summary)
+    assert all(row["sharded_by"] == "DeepSpeed ZeRO-2" for row in summary["memory"]["ledger"])
+    # ZeRO-2 reduces in backward and all-gathers the updated partitions in its step: both seen.
+    for rank in summary["ranks"]:
+        assert rank["optimizer_comm_wait_median_ms"] > 0
+        assert rank["comm_wait_median_ms"] > rank["optimizer_comm_wait_median_ms"]
+    assert "comm wait (in backward, optimizer)" in run.stdout

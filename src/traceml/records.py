@@ -390,6 +390,8 @@ class MemoryLedger(msgspec.Struct, tag="ledger", array_like=True):
     # rank's coordinate on each (empty: no DTensor parameter).
     mesh_dims: Dict[str, int] = {}
     mesh_coordinate: Dict[str, int] = {}
+    # What shards the model: "FSDP2", "FSDP1", "DeepSpeed ZeRO-2" ("": nothing, or DDP).
+    sharded_by: str = ""
 
 
 def adapter_target(name: str) -> Optional[str]:

@@ -56,6 +56,7 @@ def _row(readings: List[MemoryLedger], held: Optional[Dict[str, Any]], adapter_t
         "measured_on": None, "held": None, "rest": None, "cache": None,
         "growth": _growth(readings, first_step),
         "sharding": _sharding(latest),
+        "sharded_by": latest.sharded_by or None,  # "FSDP2", "DeepSpeed ZeRO-2"; None: not sharded
     }
     if held is not None:
         row["measured_on"], row["held"] = held["measured_on"], held["held"]

@@ -82,8 +82,9 @@ def diagnose(window: Window, steps_seen: int, ranks: Optional[List[RankRow]] = N
     if oom is None:  # the post-mortem already says how full memory was
         findings += [f for f in (memory_pressure(window, limits, peak_device_bytes, peak_rss_bytes, ledger),) if f]
     if ranks:
-        findings += [f for f in (straggler(ranks, window.step_median_ms), comm_bound(ranks, window.step_median_ms))
-                     if f]
+        sharded_by = next((row["sharded_by"] for row in ledger or () if row.get("sharded_by")), "")
+        findings += [f for f in (straggler(ranks, window.step_median_ms),
+                                 comm_bound(ranks, window.step_median_ms, sharded_by)) if f]
     if not any(_group(f) <= 3 for f in findings):
         findings.append(compute_bound(window, healthy=True))
     findings = rank(findings)

@@ -88,16 +88,24 @@ FSDP_COMM_ACTION = (
     "all-gathers in backward. Wrap fewer, larger units (each collective has a fixed cost), give each step "
     "more compute per byte moved (a larger batch per rank), and across nodes shard within a node and "
     "replicate across them (HSDP).")
+ZERO_COMM_ACTION = (
+    "Overlap the reductions with backward (zero_optimization.overlap_comm: true, with "
+    "contiguous_gradients), and make each collective larger and fewer: reduce_bucket_size and "
+    "allgather_bucket_size. Give each step more compute per byte moved: a larger micro-batch, or more "
+    "gradient_accumulation_steps (the updated partitions are all-gathered once per optimizer step). "
+    "Across nodes, keep the data-parallel group within a node where the model fits (ZeRO++ hpZ).")
 DDP_COMM_ACTION = (
     "Give the all-reduce more compute to hide behind: a larger batch per rank, or gradient accumulation "
     "under no_sync() so that only the last micro-batch reduces. Tune bucket_cap_mb (fewer, larger "
     "buckets cost less each), and try static_graph=True or a compression hook (bf16) for large models.")
 
 
-def comm_bound(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
+def comm_bound(ranks: List[RankRow], step_ms: float, sharded_by: str = "") -> Optional[Finding]:
     """The wait for collectives no rank's lateness explains is a large share of the step: the
     least-waiting rank's wait is the collectives' own cost (the others wait for it, besides).
-    From per-rank medians where every rank measured it (DDP, FSDP on the CPU)."""
+    From per-rank medians where every rank measured it (DDP; FSDP and DeepSpeed on the CPU).
+    sharded_by: what shards the model ("FSDP2", "DeepSpeed ZeRO-2"; "": DDP or unknown), for
+    what to try."""
     ranks = [r for r in ranks if r["steps"] and r["comm_wait_median_ms"] is not None]
     if len(ranks) < 2 or step_ms <= 0:
         return None
@@ -107,17 +115,26 @@ def comm_bound(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
     if share < COMM_WARN_SHARE:
         return None
     forward_ms = least.get("forward_comm_wait_median_ms") or 0.0
-    sharded = forward_ms > 0  # FSDP all-gathers before forward; DDP's all-reduce is in backward alone
-    where = (f"{forward_ms:.1f} ms in forward's all-gathers, {exposed_ms - forward_ms:.1f} ms in backward"
-             if sharded else "in backward's all-reduce, after the last gradient bucket")
+    optimizer_ms = least.get("optimizer_comm_wait_median_ms") or 0.0
+    backward_ms = max(0.0, exposed_ms - forward_ms - optimizer_ms)
+    # FSDP all-gathers before forward; DDP's all-reduce is in backward alone.
+    zero = sharded_by.startswith("DeepSpeed")
+    sharded = bool(sharded_by) or forward_ms > 0
+    if sharded:
+        parts = [(forward_ms, "in forward's all-gathers"), (backward_ms, "in backward"),
+                 (optimizer_ms, "in the optimizer step's all-gathers")]
+        where = ", ".join(f"{ms:.1f} ms {place}" for ms, place in parts if ms > 0.05) or "in backward"
+    else:
+        where = "in backward's all-reduce, after the last gradient bucket"
+    measured_by = sharded_by or ("FSDP" if sharded else "DDP")
     return Finding(
         kind="COMM_BOUND", severity="crit" if share >= COMM_CRIT_SHARE else "warn",
         summary=(f"the step waits {exposed_ms:.1f} ms for collectives ({share:.0%} of the {step_ms:.1f} ms step) "
                  f"even on rank {least['rank']}, the one that waits least: {where}; no rank's lateness explains it"),
-        action=FSDP_COMM_ACTION if sharded else DDP_COMM_ACTION,
+        action=ZERO_COMM_ACTION if zero else FSDP_COMM_ACTION if sharded else DDP_COMM_ACTION,
         rank=None,
         evidence={"share": round(share, 4), "comm_wait_ms": round(exposed_ms, 3),
                   "forward_comm_wait_ms": round(forward_ms, 3),
-                  "backward_comm_wait_ms": round(exposed_ms - forward_ms, 3),
+                  "backward_comm_wait_ms": round(backward_ms, 3), "optimizer_comm_wait_ms": round(optimizer_ms, 3),
                   "step_median_ms": round(step_ms, 3), "least_waiting_rank": least["rank"],
-                  "ranks": len(ranks), "measured_by": "FSDP collectives" if sharded else "DDP all-reduce"})
+                  "ranks": len(ranks), "measured_by": f"{measured_by} collectives" if sharded else "DDP all-reduce"})

@@ -62,6 +62,7 @@ class LedgerWatch:
         self._paced_from: Optional[Tuple[int, float]] = None  # (step, time) of the last reading at a step start
         self._reading = threading.Lock()  # the last reading is compared and replaced in one go
         self._gathers: Any = None  # a sharded model's GatherWatch (probe/sharded.py)
+        self._sharded_by = ""
 
     # -- the training thread hands these over ------------------------------------------------
     def watch_model(self, model: Any) -> None:
@@ -78,9 +79,10 @@ class LedgerWatch:
         inner = getattr(optimizer, "optimizer", None)
         self._watch(self._optimizers, inner if inner is not None and hasattr(inner, "state") else optimizer)
 
-    def watch_gathers(self, watch: Any) -> None:
-        """A sharded model's all-gathers: each step a reading starts is watched for their peak."""
-        self._gathers = watch
+    def watch_sharding(self, watch: Any, sharded_by: str) -> None:
+        """A sharded model (by FSDP2, FSDP1, DeepSpeed ZeRO: `sharded_by`) and its all-gathers:
+        each step a reading starts is watched for their peak."""
+        self._gathers, self._sharded_by = watch, sharded_by
 
     def note_gradients(self) -> None:
         """Backward has returned on a sampled step: every gradient is there now."""
@@ -176,7 +178,7 @@ class LedgerWatch:
             unsharded_gradient_bytes=unsharded_gradients if sharded else None,
             unsharded_optimizer_bytes=unsharded_optimizers if sharded else None,
             gathered_forward_peak_bytes=peaks.get("forward"), gathered_backward_peak_bytes=peaks.get("backward"),
-            **(_mesh(parameters) if sharded else {}))
+            sharded_by=self._sharded_by, **(_mesh(parameters) if sharded else {}))
 
     def _read_parameters(self, parameters: List[Tuple[str, Any]], counted: Set[Any],
                          adapter: "_Adapters") -> Dict[str, Any]:
@@ -350,7 +352,9 @@ def _same_figures(a: MemoryLedger, b: MemoryLedger) -> bool:
     """Whether two readings hold the same figures (their step and time aside)."""
     return (a.trainable_bytes, a.frozen_bytes, a.gradient_bytes, a.optimizer_state_bytes, a.activation_bytes,
             a.adapter_parameter_bytes, a.adapter_gradient_bytes, a.adapter_optimizer_bytes,
-            a.unsharded_parameter_bytes, a.gathered_forward_peak_bytes, a.gathered_backward_peak_bytes) == (
+            a.unsharded_parameter_bytes, a.gathered_forward_peak_bytes, a.gathered_backward_peak_bytes,
+            a.sharded_by) == (
         b.trainable_bytes, b.frozen_bytes, b.gradient_bytes, b.optimizer_state_bytes, b.activation_bytes,
         b.adapter_parameter_bytes, b.adapter_gradient_bytes, b.adapter_optimizer_bytes,
-        b.unsharded_parameter_bytes, b.gathered_forward_peak_bytes, b.gathered_backward_peak_bytes)
+        b.unsharded_parameter_bytes, b.gathered_forward_peak_bytes, b.gathered_backward_peak_bytes,
+        b.sharded_by)

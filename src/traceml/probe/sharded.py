@@ -18,6 +18,13 @@ the steps the ledger watches (one per reading, so other steps pay an int compari
 all-gather returns, its output buffer plus the parameters FSDP2 still holds unsharded then (a
 module's parameter is a plain tensor while unsharded, its DTensor shard otherwise), by phase.
 It is read on CUDA too: sizes are host-side metadata. FSDP1's flat parameters are not read.
+
+DeepSpeed's ZeRO does its collectives inside its engine's backward() (the gradients' reduction,
+partly after autograd returns) and step() (the updated partitions' all-gather, after the
+wrapped torch optimizer's own step): those two methods are timed on the engine's class as the
+phases backward and optimizer, so that their collectives fall inside a phase. ZeRO keeps the
+all-gather and reduce-scatter functions it looked up when its communication started, before
+TraceML saw the engine: its backend is pointed at the wrapped ones.
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ import logging
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from traceml.probe.step import BACKWARD, FORWARD, NO_PHASE, StepProbe, _now_ns
+from traceml.probe.step import BACKWARD, FORWARD, NO_PHASE, OPTIMIZER, StepProbe, _now_ns
 
 log = logging.getLogger("traceml")
 
@@ -101,6 +108,72 @@ def sharded_modules(model: Any) -> List[Any]:
     return [module for module in modules() if isinstance(module, kinds_tuple)]
 
 
+def sharded_by(model: Any) -> str:
+    """"FSDP2", "FSDP1", "DeepSpeed ZeRO-2" (its stage), or "" when the model is not sharded."""
+    if _deepspeed_engine_class(model) is not None:
+        try:
+            stage = int(model.zero_optimization_stage())
+        except Exception:  # another DeepSpeed's engine: its stage unread
+            return "DeepSpeed"
+        return f"DeepSpeed ZeRO-{stage}" if stage else "DeepSpeed"
+    for module in sharded_modules(model):
+        return "FSDP1" if type(module).__name__ == "FullyShardedDataParallel" else "FSDP2"
+    return ""
+
+
+def _deepspeed_engine_class(model: Any) -> Optional[type]:
+    """DeepSpeed's DeepSpeedEngine class when the model is one (found by name: importing
+    deepspeed costs seconds, and a model that is none needs no answer from it)."""
+    for cls in type(model).__mro__:
+        if cls.__name__ == "DeepSpeedEngine" and cls.__module__.startswith("deepspeed."):
+            return cls
+    return None
+
+
+def _engine_phase(probe: StepProbe, original: Callable[..., Any], phase: int) -> Callable[..., Any]:
+    """DeepSpeedEngine.backward or .step, timed as `phase` (see the module's docstring). The
+    torch backward and optimizer step inside open no phase of their own. When steps are
+    inferred, the step that ends is the engine's: from its own step() at an accumulation
+    boundary, once its collectives are done, not from the inner optimizer's."""
+
+    @functools.wraps(original)
+    def engine_method(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        if not probe.in_step and not probe.auto_steps:
+            return original(engine, *args, **kwargs)
+        boundary = False
+        if phase == OPTIMIZER:
+            try:
+                boundary = bool(engine.is_gradient_accumulation_boundary())
+            except Exception:  # another DeepSpeed: its inner optimizer's update ends the step
+                boundary = False
+        start_ns = probe.phase_begin(phase)
+        try:
+            return original(engine, *args, **kwargs)
+        finally:
+            if start_ns:
+                probe.phase_end(phase, start_ns)
+                if boundary and probe.auto_steps and probe.in_step and probe.open_phase == NO_PHASE:
+                    probe.__exit__(None, None, None)
+
+    engine_method.traceml_original = original  # type: ignore[attr-defined]
+    return engine_method
+
+
+def _wrap_deepspeed_lookups(dist: Any, replace: Callable[[Any, str, Any], None]) -> None:
+    """DeepSpeed's communication backend keeps the all-gather and reduce-scatter functions it
+    found in torch.distributed when it started: point it at their wrapped twins."""
+    import sys
+
+    backend = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
+    for attribute in ("all_gather_function", "reduce_scatter_function"):
+        kept = getattr(backend, attribute, None)
+        for name in COLLECTIVES:
+            wrapped = getattr(dist, name, None)
+            if kept is not None and getattr(wrapped, "traceml_original", None) is kept:
+                replace(backend, attribute, wrapped)
+                break
+
+
 def on_host(model: Any) -> bool:
     """Its parameters live on the CPU: its collectives block the host while they run."""
     for parameter in model.parameters():
@@ -122,12 +195,13 @@ _wrapping = _Wrapping()
 
 def time_collectives(probe: StepProbe, model: Any, replace: Callable[[Any, str, Any], None],
                      compiling: Any, ledger: Any = None) -> bool:
-    """A sharded model: wrap torch.distributed's collectives (once, by `replace`, which
+    """A sharded model (FSDP, or a DeepSpeed engine): wrap torch.distributed's collectives (once, by `replace`, which
     remembers how to undo it) so that, on the CPU, their time inside a step's phases counts as
     the phase's collective wait, and the ledger (if any) gets the all-gathered peak.
     compiling: the phases' `_is_compiling_flag` holder, for code dynamo traces. True when the
     model's collectives are timed."""
-    if not sharded_modules(model):
+    engine = _deepspeed_engine_class(model)
+    if not sharded_modules(model) and engine is None:
         return False
     import torch.distributed as dist
 
@@ -137,9 +211,13 @@ def time_collectives(probe: StepProbe, model: Any, replace: Callable[[Any, str, 
             original = getattr(dist, name, None)
             if callable(original):
                 replace(dist, name, _wrapped(probe, original, compiling, name in ALL_GATHERS))
+    if engine is not None and not hasattr(engine.step, "traceml_original"):
+        replace(engine, "backward", _engine_phase(probe, engine.backward, BACKWARD))
+        replace(engine, "step", _engine_phase(probe, engine.step, OPTIMIZER))
+        _wrap_deepspeed_lookups(dist, replace)
     if ledger is not None and _wrapping.watch is None:
         _wrapping.watch = GatherWatch(model)
-        ledger.watch_gathers(_wrapping.watch)
+        ledger.watch_sharding(_wrapping.watch, sharded_by(model))
     if on_host(model):
         _wrapping.timed = True
         probe.comm_timed = True

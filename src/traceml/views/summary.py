@@ -196,7 +196,7 @@ def _rank_table(summary: Dict[str, Any]) -> Any:
     for header in ("phase", "median ms", "worst ms", "worst rank", "skew ms"):
         table.add_column(header, justify="left" if header == "phase" else "right", no_wrap=True)
     # The card has the room to say where comm wait is spent.
-    labels = {**PHASE_LABELS, "comm_wait": "comm wait (in forward, backward)"}
+    labels = {**PHASE_LABELS, "comm_wait": f"comm wait (in {', '.join(_comm_phases(summary['ranks']))})"}
     for name, spread in summary["rank_spread"].items():
         if name not in labels or (name != "step" and spread["worst"] <= 0.0):
             continue
@@ -205,6 +205,19 @@ def _rank_table(summary: Dict[str, Any]) -> Any:
         table.add_row(labels[name], f"{spread['median']:.2f}", f"{spread['worst']:.2f}",
                       f"[bold red]{where}[/]" if rank == straggler else where, f"{spread['skew']:.2f}")
     return table
+
+
+def _comm_phases(ranks: Sequence[Dict[str, Any]]) -> List[str]:
+    """The phases some rank waited for collectives in: forward (FSDP's all-gathers), backward,
+    optimizer (DeepSpeed ZeRO's all-gathers)."""
+    def most(key: str) -> float:
+        return max((r.get(key) or 0.0 for r in ranks), default=0.0)
+    forward_ms, optimizer_ms = most("forward_comm_wait_median_ms"), most("optimizer_comm_wait_median_ms")
+    backward_ms = max(((r.get("comm_wait_median_ms") or 0.0) - (r.get("forward_comm_wait_median_ms") or 0.0)
+                       - (r.get("optimizer_comm_wait_median_ms") or 0.0) for r in ranks), default=0.0)
+    phases = [phase for phase, ms in (("forward", forward_ms), ("backward", backward_ms), ("optimizer", optimizer_ms))
+              if ms > 0.005]
+    return phases or ["backward"]
 
 
 def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
