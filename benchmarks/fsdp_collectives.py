@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from traceml.probe import layout
-from traceml.probe.sharded import _timed
+from traceml.probe import sharded
 from traceml.probe.step import FORWARD, StepProbe
 
 
@@ -44,11 +44,12 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("gloo", rank=0, world_size=1)
     # The probe's side of it: the phase read and the sum added to, as StepProbe does them.
-    probe = types.SimpleNamespace(open_phase=FORWARD, sums=[0] * len(layout.STEP_SLOTS))
+    probe = types.SimpleNamespace(open_phase=FORWARD, sums=[0] * len(layout.STEP_SLOTS), step_index=0)
     probe.comm_waited = functools.partial(StepProbe.comm_waited, probe)
     not_compiling = types.SimpleNamespace(_is_compiling_flag=False)
+    sharded._wrapping.timed = True  # a model on the host: its collectives are timed
     original = dist.all_reduce
-    wrapped = _timed(probe, original, not_compiling)
+    wrapped = sharded._wrapped(probe, original, not_compiling, gathers=False)
     tensor = torch.ones(64)
     plain, timed = [], []
     for _ in range(args.rounds):  # in turn, so drift and noise fall on both alike
