@@ -71,6 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-auto-capture", dest="auto_capture", action="store_false",
                      help="do not sample a few steps in deep-dive on their own when a step spikes, "
                           "steps slow down against the run's start, or memory jumps")
+    run.add_argument("--hang-after", type=_seconds, default=None, metavar="S",
+                     help="a rank that ends no step for S seconds (or 10 of its median steps, when "
+                          "longer) is stalled: the HANG finding names it and its line (default 30; "
+                          "600 before a rank's first step)")
+    run.add_argument("--on-alert", default=None, metavar="CMD",
+                     help="run the shell command CMD once for each new warn or crit finding (a hang, a "
+                          "straggler, memory running out), with the finding as JSON on its standard "
+                          "input; CMD gets 10 s")
     _web_arguments(run)
     _distributed_arguments(run)
     run.add_argument("script", help="the training script")
@@ -148,6 +156,16 @@ def _web_arguments(parser: argparse.ArgumentParser) -> None:
                               "the dashboard serves /metrics too)")
 
 
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not seconds >= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} s is too short: at least 1")
+    return seconds
+
+
 def _port(text: str) -> int:
     try:
         port = int(text)
@@ -164,6 +182,8 @@ def run_command(args: argparse.Namespace) -> int:
 
     if not Path(args.script).is_file():
         return _fail(f"no such script: {args.script}")
+    if args.hang_after is not None:  # the collector's hang watch reads it (diagnose/hangs.py)
+        os.environ["TRACEML_HANG_AFTER_S"] = f"{args.hang_after:g}"
     try:
         launch = Launch(args)
     except rendezvous.RendezvousError as exc:

@@ -47,6 +47,7 @@ class Run:
         """Open the store and serve the collector (on `listening`, a socket rendezvous.listen
         bound, or on host:port); its address. OSError with the one line to say otherwise."""
         from traceml.analysis.goodput import RunTime
+        from traceml.analysis.live import HangWatch
         from traceml.analysis.rollup import LiveRollup
         from traceml.collector.server import Collector
         from traceml.collector.store import Store
@@ -56,7 +57,7 @@ class Run:
         try:
             self.store = Store(rundir.store_path(self.run_dir))
             self.collector = Collector(self.store, host, port, token=os.environ.get(rendezvous.ENV_TOKEN, ""),
-                                       live=LiveRollup(), run_time=RunTime())
+                                       live=LiveRollup(), run_time=RunTime(), hang_watch=HangWatch())
             return self.collector.start(listening)
         except Exception as exc:  # the run dir's database (sqlite3) or the socket
             raise OSError(f"cannot start the collector on {host}:{port}: "
@@ -110,7 +111,7 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
     # Otherwise the script starts at once and the collector is set up while it imports: what
     # `traceml run` adds to a run's wall time is its own start and the end-of-run files.
     views = LiveViews()
-    if mode == "dashboard" or options.metrics_port is not None:
+    if mode == "dashboard" or options.metrics_port is not None or options.on_alert:
         try:
             run.start_collector(launch.collector_host, listening)
             views.start(options, mode, run, launch.script.name)
@@ -233,12 +234,20 @@ class LiveViews:
     def __init__(self) -> None:
         self.web: Any = None
         self.metrics_server: Any = None
+        self.alerts: Any = None  # views.alerts.AlertCommand under --on-alert
+        self._own_source: Any = None  # the live state /metrics and the alerts read without the dashboard
 
     def start(self, options: argparse.Namespace, mode: str, run: Run, script: str) -> None:
-        """The web dashboard (--mode dashboard) and /metrics (--metrics-port); raises OSError
-        with the one line to say when one cannot be served (and stops the other)."""
+        """The web dashboard (--mode dashboard), /metrics (--metrics-port) and the alert command
+        (--on-alert); raises OSError with the one line to say when one cannot be served (and
+        stops the others)."""
         if mode == "dashboard":
             self.start_dashboard(options.host, options.port, run, script)
+        if options.on_alert:
+            from traceml.views.alerts import AlertCommand
+
+            self.alerts = AlertCommand(options.on_alert, self._source(run, script).live_state, script)
+            self.alerts.start()
         if options.metrics_port is not None:
             try:
                 self._serve_metrics(run, script, options.host, options.metrics_port)
@@ -261,22 +270,34 @@ class LiveViews:
         from prometheus_client import start_http_server
 
         from traceml.views.metrics import registry_for
-        from traceml.views.web.app import RunSource
 
-        source = self.web.source if self.web is not None else RunSource.of_live_run(
-            run.run_dir, run.store, run.collector, script, run.started_unix_s)
+        source = self._source(run, script)
         server, _ = start_http_server(port, addr=host, registry=registry_for(source.collector, source.live_state))
         say(f"traceml: Prometheus metrics at http://{host}:{server.server_port}/metrics")
-        self.metrics_server = (server, source if self.web is None else None)
+        self.metrics_server = server
+
+    def _source(self, run: Run, script: str) -> Any:
+        """The dashboard's live source, or one of this object's own without a dashboard."""
+        if self.web is not None:
+            return self.web.source
+        if self._own_source is None:
+            from traceml.views.web.app import RunSource
+
+            self._own_source = RunSource.of_live_run(run.run_dir, run.store, run.collector, script,
+                                                     run.started_unix_s)
+        return self._own_source
 
     def stop(self) -> None:
+        if self.alerts is not None:
+            self.alerts.stop()
+            self.alerts = None
         if self.metrics_server is not None:
-            server, own_source = self.metrics_server
-            server.shutdown()
-            server.server_close()
-            if own_source is not None:
-                own_source.close()
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
             self.metrics_server = None
+        if self._own_source is not None:
+            self._own_source.close()
+            self._own_source = None
         if self.web is not None:
             self.web.stop()
             self.web = None

@@ -407,6 +407,25 @@ def adapter_target(name: str) -> Optional[str]:
     return None
 
 
+class RankPulse(msgspec.Struct, tag="pulse", array_like=True):
+    """Where a rank's training thread is while it ends no step (probe/pulse.py): sent by the
+    sender thread once the rank has gone PULSE_AFTER_S without ending a step, then every
+    PULSE_EVERY_S while that lasts. The collector's hang watch reads it (diagnose/hangs.py)."""
+
+    rank: int
+    unix_s: float
+    steps_ended: int  # the steps this rank has ended so far
+    since_progress_s: float  # since it last ended a step (or since its probe started)
+    phase: str  # what the training thread is in: "forward", "backward", "optimizer", "h2d",
+    # "in step" (its other code), "outside" (between steps), "evaluation", "checkpoint", "compile"
+    # The user's frames of the training thread's stack, innermost first: (file, line, function);
+    # not the standard library's, an installed package's or TraceML's.
+    stack: List[Tuple[str, int, str]] = []
+    innermost: str = ""  # the innermost frame of all, "file.py:12 function": the call it waits in
+    waiting_in: str = ""  # "all_reduce" (a torch.distributed collective), "DataLoader", or ""
+    pid: int = 0
+
+
 class Finding(msgspec.Struct, omit_defaults=False):
     """One diagnosis: what is wrong, by how much, and the next thing to try."""
 
@@ -419,7 +438,7 @@ class Finding(msgspec.Struct, omit_defaults=False):
 
 
 Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord, LayerReport, LayerCapture,
-               SpanRecord, ScalarRecord, CompileRecord, HostSyncSample, LoaderSample, MemoryLedger]
+               SpanRecord, ScalarRecord, CompileRecord, HostSyncSample, LoaderSample, MemoryLedger, RankPulse]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(List[Record])

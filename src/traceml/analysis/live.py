@@ -2,6 +2,8 @@
 the final summary uses, at one moment. The terminal and the web dashboard both read it."""
 from __future__ import annotations
 
+import statistics
+import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -10,6 +12,7 @@ from traceml.analysis.ledger import ledger_rows
 from traceml.analysis.loaders import loader_figures
 from traceml.analysis.rollup import RankRow, Window, max_present, rank_medians, rank_spread, warmup_steps
 from traceml.diagnose import MemoryLimits, diagnose
+from traceml.diagnose.hangs import Hang, RankProgress, find_hang, hang_after_s_from_env
 from traceml.records import Finding, LayerReport, SystemSample
 
 RECENT_WINDOW = 200  # steps the live figures are computed over
@@ -57,6 +60,9 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
                             captures=list(collector.captures), goodput=goodput,
                             compiles=list(collector.compiles), host_syncs=list(collector.host_syncs),
                             loader=loader_figures(list(collector.loaders), window, hellos), ledger=ledger)
+    hang = getattr(collector.hang_watch, "hang", None)
+    if hang is not None:
+        findings.insert(0, hang.finding)
     seen = {finding.kind for _, finding in alerts}
     for finding in findings:
         if finding.kind not in seen and finding.kind != "INSUFFICIENT_DATA" and finding.severity != "info":
@@ -68,3 +74,58 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
     if ranks:
         state.spread = rank_spread(records, skip_steps=warmup)
     return state
+
+
+class HangWatch:
+    """The collector's hang check (every second, on its loop): the HANG finding while one holds
+    (`hang`), one line on stderr when one is raised or names another rank, and the hang in the
+    store's meta for the summary, kept once the run starts ending under it (the ranks the
+    launcher then stops are not the cause)."""
+
+    def __init__(self, hang_after_s: Optional[float] = None, stderr: Any = None):
+        self.hang_after_s = hang_after_s if hang_after_s is not None else hang_after_s_from_env()
+        self.hang: Optional[Hang] = None
+        self._stderr = stderr
+        self._told: Optional[Tuple[Any, ...]] = None
+        self._ranks_left_at_raise: Optional[int] = None
+
+    def check(self, collector: Any, now_unix_s: float) -> None:
+        progress = live_progress(collector, now_unix_s)
+        left = sum(p.gone or p.said_goodbye for p in progress)
+        if self.hang is not None and left > (self._ranks_left_at_raise or 0):
+            # Ranks leave under a hang: the run is being stopped, and the hang stays as it was,
+            # unless a stalled rank has ended a step since (it was a slow step after all).
+            last_step = {place["rank"]: place["last_step"] for place in self.hang.ranks}
+            if not any(p.rank in self.hang.stalled_ranks and p.steps_ended - 1 > last_step[p.rank]
+                       for p in progress):
+                return
+        hang = find_hang(progress, now_unix_s, self.hang_after_s)
+        if hang is None:
+            if self.hang is not None:
+                self.hang = self._told = None
+                collector.store.set_meta({"hang": None})
+            return
+        if self.hang is None:
+            self._ranks_left_at_raise = left
+        self.hang = hang
+        told = (hang.finding.rank, tuple(hang.stalled_ranks), tuple(p["state"] for p in hang.ranks))
+        if told != self._told:
+            self._told = told
+            print(f"traceml: HANG: {hang.finding.summary}", file=self._stderr or sys.stderr, flush=True)
+        collector.store.set_meta({"hang": hang.to_builtins()})
+
+
+def live_progress(collector: Any, now_unix_s: float) -> List[RankProgress]:
+    """Each rank's RankProgress from the collector's recent state."""
+    progress = []
+    for rank, hello in sorted(collector.hellos.items()):
+        recent = list(collector.recent_by_rank.get(rank, ()))
+        steps_ended = recent[-1].step + 1 if recent else 0
+        last = (recent[-1].start_unix_s + recent[-1].step_ms / 1e3) if recent else hello.started_at_unix_s
+        median = statistics.median(r.step_ms for r in recent[-50:]) if recent else None
+        progress.append(RankProgress(
+            rank=rank, pid=hello.pid, host=hello.host, steps_ended=steps_ended, last_progress_unix_s=last,
+            median_step_ms=median, last_heard_unix_s=collector.last_heard_unix_s.get(rank, now_unix_s),
+            pulse=collector.pulses.get(rank), said_goodbye=rank in collector.ended_ranks,
+            gone=rank in collector.lost_ranks))
+    return progress

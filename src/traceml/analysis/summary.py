@@ -85,6 +85,8 @@ class RunData:
         self.run_time = self._run_time(store, meta)
         self.goodput = self.run_time.goodput(now_unix_s=None)
         self.lost_ranks: List[int] = meta.get("lost_ranks", [])
+        # A hang the collector saw and the run ended under (analysis.live.HangWatch).
+        self.hang: Optional[Dict[str, Any]] = meta.get("hang")
         reports = store.layer_reports()
         self.layer_report = reports[0] if reports else None  # rank 0's, or the first rank's
         self.deep_dive = deep_dive_figures(self.layer_report)
@@ -104,6 +106,8 @@ class RunData:
             steps_found_by=self.found_by, system=self.samples, stalls=self.stalls,
             captures=self.captures, goodput=self.goodput, compiles=self.compiles, host_syncs=self.host_syncs,
             loader=self.loader, ledger=self.ledger)
+        if self.hang is not None:  # the run's end came while it was stuck: that is what to say first
+            self.findings.insert(0, msgspec.convert(self.hang["finding"], Finding))
 
     def _exact_rank_counts(self, store: Store) -> None:
         """Sampled records give the medians; each rank's step count and last step (which say
@@ -253,6 +257,7 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "system": _system(data.samples),
         "ranks": data.ranks,
         "mesh": device_mesh(data.ledger, data.ledgers),
+        "hang": {key: value for key, value in data.hang.items() if key != "finding"} if data.hang else None,
         "rank_spread": rank_spread(data.records, skip_steps=data.warmup),
         "missing_ranks": _missing_ranks(data),
         **data.deep_dive,  # "layers", "deep_dive"

@@ -18,7 +18,8 @@ import msgspec
 
 from traceml.collector.store import Store
 from traceml.records import (HEADER_BYTES, CompileRecord, FrameError, HostSyncSample, LayerCapture, LayerReport,
-                             LoaderSample, MemoryLedger, RankEnd, RankHello, StepRecord, SystemSample, decode_payload, parse_header)
+                             LoaderSample, MemoryLedger, RankEnd, RankHello, RankPulse, StepRecord, SystemSample,
+                             decode_payload, parse_header)
 
 log = logging.getLogger("traceml")
 COMMIT_INTERVAL_S = 0.5
@@ -31,19 +32,22 @@ RECENT_LOADER_SAMPLES = 1024  # every rank's DataLoader figures (two a second ea
 HELLO_TIMEOUT_S = 10.0
 FRAME_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 120.0
+HANG_CHECK_S = 1.0  # how often the hang watch looks at the ranks
 
 
 class Collector:
     """Receives every rank's records for one run and keeps them in the store.
 
     The analysis that follows the records as they come is handed in by the run (lifecycle.py):
-    `live`, the rollup across ranks (analysis.rollup.LiveRollup), and `run_time`, the wall-time
-    tally (analysis.goodput.RunTime). Without them the collector only stores.
+    `live`, the rollup across ranks (analysis.rollup.LiveRollup), `run_time`, the wall-time
+    tally (analysis.goodput.RunTime), and `hang_watch` (analysis.live.HangWatch), which looks at
+    the ranks every HANG_CHECK_S. Without them the collector only stores.
     """
 
     def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, token: str = "",
                  hello_timeout_s: float = HELLO_TIMEOUT_S, frame_timeout_s: float = FRAME_TIMEOUT_S,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, live: Any = None, run_time: Any = None):
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, live: Any = None, run_time: Any = None,
+                 hang_watch: Any = None):
         self.store = store
         self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -70,6 +74,10 @@ class Collector:
         # Ranks whose connection dropped with no goodbye while other ranks were still there:
         # they died or were killed, and the summary reports them missing.
         self.lost_ranks: Set[int] = set()
+        self.ended_ranks: Set[int] = set()  # those that said goodbye
+        self.pulses: Dict[int, RankPulse] = {}  # each stalled rank's latest word on where it is
+        self.last_heard_unix_s: Dict[int, float] = {}  # each rank's latest frame
+        self.hang_watch = hang_watch
         self.records_ingested = 0
         self.connections_seen = 0
         self.connections_open = 0
@@ -104,6 +112,8 @@ class Collector:
                 self.port = self._server.sockets[0].getsockname()[1]
                 loop.create_task(self._commit_periodically())
                 loop.create_task(self._watch_deadlines())
+                if self.hang_watch is not None:
+                    loop.create_task(self._watch_hangs())
             except BaseException as exc:
                 failure.append(exc)
                 started.set()
@@ -156,6 +166,10 @@ class Collector:
                 self.loaders.append(record)
             elif kind is MemoryLedger:
                 self.ledgers.append(record)
+            elif kind is RankPulse:
+                self.pulses[record.rank] = record
+            elif kind is RankEnd:
+                self.ended_ranks.add(record.rank)
             if self.run_time is not None and (kind is StepRecord or kind is CompileRecord
                                               or kind is RankHello or kind is RankEnd):
                 self.run_time.add(record)
@@ -240,6 +254,8 @@ class Collector:
                         rank = record.rank
                     elif type(record) is RankEnd:
                         said_goodbye = True
+                if rank is not None:
+                    self.last_heard_unix_s[rank] = time.time()
                 self._store(records)
                 self._observe(records)
                 self.records_ingested += len(records)
@@ -322,6 +338,15 @@ class Collector:
                     self._deadlines.pop(writer, None)
                     self.frames_rejected += 1
                     writer.transport.abort()
+
+    async def _watch_hangs(self) -> None:
+        """Every HANG_CHECK_S: has a rank stopped ending steps (analysis.live.HangWatch)?"""
+        while True:
+            await asyncio.sleep(HANG_CHECK_S)
+            try:
+                self.hang_watch.check(self, time.time())
+            except Exception:  # the watch failing is one finding less, never the collector
+                log.debug("traceml: the hang watch failed", exc_info=True)
 
     async def _commit_periodically(self) -> None:
         while True:

@@ -126,6 +126,10 @@ class EvaluationRegions:
             self._stop_watching()
             return False
 
+    def evaluating(self) -> bool:
+        """A region is open and the model has run in it (read by the stall pulse, another thread)."""
+        return self.owner is not None and self.qualified and not self.probe.in_step
+
     def close(self) -> None:
         """The region ends: evaluation when the model ran in it and no step started meanwhile.
         What was counted as evaluation inside it (the loader's waits) is part of it, not more."""

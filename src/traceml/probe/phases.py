@@ -360,6 +360,12 @@ def _stop_watching_at_compilations(regions: Any, callbacks: Any) -> None:
     _undo.append(remove)
 
 
+def evaluating() -> bool:
+    """Whether the training thread is in an evaluation region between steps now."""
+    regions = _evaluation
+    return regions is not None and regions.evaluating()
+
+
 def _not_training_in_trainer_evaluation(module: Any) -> None:
     """Hugging Face Trainer's evaluation fetches its batches with gradients on: its DataLoader
     waits are evaluation, not the training's input, with or without the integration."""

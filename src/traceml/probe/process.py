@@ -235,6 +235,7 @@ def _create_probe(model: Any) -> StepProbe:
     import torch
 
     from traceml.probe.memory import DeviceMemory, HostRss
+    from traceml.probe.pulse import PulseWatch
     from traceml.probe.sender import Sender
 
     device = _model_device(torch, model if model is not None else _create_options.get("device_of"))
@@ -260,6 +261,8 @@ def _create_probe(model: Any) -> StepProbe:
     sender.drain_steps = probe.drain_steps
     sender.span_record = probe.span_record
     sender.steps_ended = lambda: probe.step_index
+    # Made where the training runs: its thread is the one whose stack a stall reports.
+    sender.pulses = PulseWatch(probe.rank, probe, threading.get_ident())
     if timeline is not None:
         timeline.record_from = probe.record_from
         probe.syncs = _host_sync_sampler(probe)

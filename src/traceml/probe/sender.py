@@ -98,6 +98,7 @@ class Sender:
         # What holds the memory: the training thread reads it (see probe/ledger.py), close() last.
         self.ledger: Optional[LedgerWatch] = LedgerWatch(hello.rank)
         self.steps_ended: Callable[[], int] = lambda: 0  # the probe's step count, for the last reading's step
+        self.pulses: Any = None  # a probe.pulse.PulseWatch: where the training thread is while no step ends
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
 
@@ -201,6 +202,7 @@ class Sender:
                 self._take_ended_steps()
                 if rounds % ROUNDS_PER_FLUSH == 0:
                     self._collect_device_steps()
+                    self._pulse()
                     self._flush()
             except Exception:  # never let the thread die: the next round tries again
                 log.debug("traceml: sender round failed", exc_info=True)
@@ -221,6 +223,20 @@ class Sender:
         except Exception:  # a loader that cannot be read: no figures, the rest goes on
             log.debug("traceml: DataLoader watch failed; it stops", exc_info=True)
             self.loaders = None
+
+    def _pulse(self) -> None:
+        """A RankPulse when the training thread has ended no step for a while (probe/pulse.py)."""
+        pulses = self.pulses
+        if pulses is None:
+            return
+        try:
+            pulse = pulses.due()
+        except Exception:  # frames it cannot read: no more pulses, the rest goes on
+            log.debug("traceml: the stall pulse stops", exc_info=True)
+            self.pulses = None
+            return
+        if pulse is not None:
+            self.push(pulse)
 
     def _read_last_ledger(self) -> None:
         """What holds the memory as the process ends, when it moved since the last reading."""

@@ -91,8 +91,14 @@ class LiveMetrics:
         for row in state.ledger:
             for part, value in part_bytes(row).items():
                 ledger.add_metric([str(row["rank"]), part], value)
+        stalled = GaugeMetricFamily("traceml_stalled", "1 while the rank has ended no step for longer than "
+                                    "its steps allow (the HANG finding), else 0", labels=["rank"])
+        hang = getattr(self.collector.hang_watch, "hang", None)
+        stalled_ranks = set(hang.stalled_ranks) if hang is not None else set()
+        for rank in sorted(self.collector.hellos):
+            stalled.add_metric([str(rank)], 1.0 if rank in stalled_ranks else 0.0)
         yield from (step_time, phase_share, comm_wait, memory, steps_per_s, samples_per_s, tokens_per_s, mfu,
-                    steps_total, findings, goodput_share, goodput_seconds, ledger)
+                    steps_total, findings, goodput_share, goodput_seconds, ledger, stalled)
         yield from self._system()
 
     def _system(self) -> Iterator[Any]:

@@ -75,6 +75,12 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     exit_note = "" if run["exit_code"] in (0, None) else f"  [bold red]exit code {run['exit_code']}[/]"
     facts.add_row("Run", f"{escape(run['script'])}  ·  {run['duration_s']:.1f} s  ·  world size "
                          f"{run['world_size']}  ·  {', '.join(run['devices']) or 'cpu'}{exit_note}")
+    if summary.get("hang"):  # the run ended stuck: said before anything else
+        facts.add_row("Hang", Text(summary["hang"]["summary"], style="bold red"))
+        for place in summary["hang"]["ranks"]:
+            if place["stalled"] and place["stack"]:
+                facts.add_row("", Text(f"rank {place['rank']}: " + " < ".join(
+                    frame.rsplit("/", 1)[-1] for frame in place["stack"][:4])))
     samples_per_s = throughput["samples_per_s"]
     found_by = f", found by {steps['found_by']}" if steps.get("found_by") else ""
     if steps["count"]:

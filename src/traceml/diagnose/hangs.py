@@ -1,0 +1,205 @@
+"""HANG: a rank has ended no step for longer than its steps allow, and where each rank is.
+
+The collector checks every second (collector/server.py) from what each rank last said: its
+steps, and, once it has gone PULSE_AFTER_S without ending one, its pulses (probe/pulse.py:
+the phase open, the training thread's stack, the collective it waits in). A rank is stalled
+when it has ended no step for
+
+    max(hang_after_s, HANG_STEP_MULTIPLE x its median step)   (hang_after_s: 30 s by default)
+
+or, before its first step ends (imports, loading, a first compilation), for FIRST_STEP_S.
+Evaluation, a checkpoint save and a compilation that its stack shows are not stalls. The
+finding tells the ranks that wait in a collective from those that never came (what they do
+instead: their line, or a DataLoader wait), and from those that are gone (the connection
+dropped without a goodbye) or frozen (connected, but no pulse for SENDER_SILENT_S).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from traceml.records import Finding, RankPulse
+
+HANG_AFTER_S = 30.0  # the least a rank goes without ending a step before it is stalled
+HANG_STEP_MULTIPLE = 10.0  # ... or this many of its median steps, when longer
+FIRST_STEP_S = 600.0  # before its first step ends: imports, loading the model, a first compilation
+SENDER_SILENT_S = 15.0  # a stalled rank pulses every 5 s: three missed and its process is frozen
+NOT_STALLS = ("evaluation", "checkpoint", "compile")  # planned work the stack shows
+
+
+def hang_after_s_from_env() -> float:
+    """`traceml run --hang-after S` (TRACEML_HANG_AFTER_S), or HANG_AFTER_S."""
+    try:
+        return max(1.0, float(os.environ.get("TRACEML_HANG_AFTER_S", HANG_AFTER_S)))
+    except ValueError:
+        return HANG_AFTER_S
+
+
+@dataclass
+class RankProgress:
+    """What the collector last heard from one rank."""
+
+    rank: int
+    pid: int
+    host: str
+    steps_ended: int
+    last_progress_unix_s: float  # its last step's end, or its hello before the first
+    median_step_ms: Optional[float]
+    last_heard_unix_s: float
+    pulse: Optional[RankPulse] = None
+    said_goodbye: bool = False
+    gone: bool = False  # the connection dropped without a goodbye
+
+
+@dataclass
+class Hang:
+    """A HANG finding and, for the summary's `hang`, each rank's place."""
+
+    finding: Finding
+    ranks: List[Dict[str, Any]] = field(default_factory=list)
+    stalled_ranks: List[int] = field(default_factory=list)
+
+    def to_builtins(self) -> Dict[str, Any]:
+        """The summary's `hang` (and the store's meta, where the summary reads it back)."""
+        import msgspec
+
+        return {"summary": self.finding.summary, "stalled_ranks": self.stalled_ranks,
+                "culprit_rank": self.finding.rank, "ranks": self.ranks,
+                "finding": msgspec.to_builtins(self.finding)}
+
+
+def allowance_s(progress: RankProgress, hang_after_s: float) -> float:
+    """How long this rank may go without ending a step."""
+    if progress.steps_ended == 0:
+        return max(FIRST_STEP_S, hang_after_s)
+    median_s = (progress.median_step_ms or 0.0) / 1e3
+    return max(hang_after_s, HANG_STEP_MULTIPLE * median_s)
+
+
+def find_hang(ranks: List[RankProgress], now_unix_s: float, hang_after_s: float = HANG_AFTER_S) -> Optional[Hang]:
+    """The HANG finding for these ranks now, or None when none is stalled."""
+    places = [_place(progress, now_unix_s, hang_after_s) for progress in sorted(ranks, key=lambda p: p.rank)]
+    stalled = [place for place in places if place["stalled"]]
+    if not stalled:
+        return None
+    waiting = [place for place in stalled if place["state"] == "collective"]
+    absent = [place for place in places if place["state"] in ("gone", "frozen")
+              or (place["stalled"] and place["state"] != "collective")]
+    longest_s = max(place["stalled_s"] for place in stalled)
+    parts = [_told(place) for place in absent] + [_told(place) for place in waiting]
+    if waiting and not absent:
+        parts.append("every stalled rank waits in a collective: they called different ones, or one "
+                     "called it fewer times")
+    culprit = absent[0]["rank"] if absent else None
+    summary = (f"no step has ended for {longest_s:.0f} s on {_ranks_text([p['rank'] for p in stalled])}: "
+               + "; ".join(parts))
+    action = _action(absent, waiting)
+    finding = Finding(kind="HANG", severity="crit", summary=summary, action=action, rank=culprit,
+                      evidence={"stalled_s": round(longest_s, 1), "stalled_ranks": len(stalled),
+                                "waiting_ranks": len(waiting), "culprit_rank": culprit,
+                                "where": absent[0]["where"] if absent else waiting[0]["where"]})
+    return Hang(finding=finding, ranks=places, stalled_ranks=[place["rank"] for place in stalled])
+
+
+def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Dict[str, Any]:
+    """Where one rank is: state "stepping", "collective", "own code", "input", "planned",
+    "gone", "frozen" or "ended", with its line and how long it has gone without a step."""
+    pulse = progress.pulse
+    # A pulse from before the rank's latest step is stale (an inferred step is sent a step late).
+    fresh = pulse is not None and pulse.steps_ended >= progress.steps_ended
+    if fresh:  # its own clock: no skew between nodes
+        stalled_s = pulse.since_progress_s + max(0.0, now_unix_s - pulse.unix_s)
+    else:
+        stalled_s = max(0.0, now_unix_s - progress.last_progress_unix_s)
+    place: Dict[str, Any] = {
+        "rank": progress.rank, "pid": progress.pid, "host": progress.host, "last_step": progress.steps_ended - 1,
+        "stalled_s": round(stalled_s, 1), "allowed_s": round(allowance_s(progress, hang_after_s), 1),
+        "phase": pulse.phase if fresh else None, "waiting_in": (pulse.waiting_in or None) if fresh else None,
+        "stack": [f"{f}:{line} {function}" for f, line, function in pulse.stack] if fresh else [],
+        "innermost": pulse.innermost if fresh else None,
+        "where": _where(pulse) if fresh else None, "stalled": False, "state": "stepping"}
+    if progress.said_goodbye:
+        place["state"] = "ended"
+        return place
+    if progress.gone:
+        place["state"], place["stalled"] = "gone", stalled_s > place["allowed_s"]
+        place["alive"] = _alive(progress.pid, progress.host)
+        return place
+    if stalled_s <= place["allowed_s"]:
+        return place
+    if fresh and pulse.phase in NOT_STALLS:
+        place["state"] = "planned"
+        return place
+    silent = now_unix_s - progress.last_heard_unix_s > SENDER_SILENT_S
+    if not fresh and not silent:  # its pulse, saying where it is, is on its way: wait for it
+        return place
+    place["stalled"] = True
+    if silent:
+        place["state"] = "frozen"
+    elif fresh and pulse.waiting_in == "DataLoader":
+        place["state"] = "input"
+    elif fresh and pulse.waiting_in:
+        place["state"] = "collective"
+    else:
+        place["state"] = "own code"
+    return place
+
+
+def _where(pulse: RankPulse) -> Optional[str]:
+    """"train.py:88 load_shard": the innermost of the user's frames (or of all, when none is)."""
+    if not pulse.stack:
+        return pulse.innermost or None
+    filename, line, function = pulse.stack[0]
+    return f"{os.path.basename(filename)}:{line} {function}"
+
+
+def _told(place: Dict[str, Any]) -> str:
+    rank, state, where = place["rank"], place["state"], place["where"]
+    at = f" at {where}" if where else ""
+    if state == "collective":
+        phase = f" from {place['phase']}" if place["phase"] not in (None, "in step", "outside") else ""
+        return f"rank {rank} waits in {place['waiting_in']}{phase}{at} for {place['stalled_s']:.0f} s"
+    if state == "input":
+        return f"rank {rank} is in a DataLoader wait{at}"
+    if state == "gone":
+        alive = place.get("alive")
+        status = "" if alive is None else (", its process still runs" if alive else ", its process is gone")
+        return f"rank {rank} is gone (pid {place['pid']}: its connection dropped without a goodbye{status})"
+    if state == "frozen":
+        return (f"rank {rank} no longer answers (pid {place['pid']} on {place['host']}: no word from it for "
+                f"{place['stalled_s']:.0f} s; frozen, or stopped)")
+    if state == "own code":
+        return f"rank {rank} is in its own code{at}" + (f" ({place['phase']})" if place["phase"] else "")
+    return f"rank {rank} is {state}"
+
+
+def _action(absent: List[Dict[str, Any]], waiting: List[Dict[str, Any]]) -> str:
+    if absent:
+        first = absent[0]
+        look = f"rank {first['rank']}'s {first['where']}" if first["where"] else f"rank {first['rank']}"
+        return (f"Look at {look}: the other ranks wait for it in a collective it has not reached. "
+                f"`py-spy dump --pid {first['pid']}` shows every thread's stack; a rank that died needs its "
+                "own log (its exit status is in the launcher's output).")
+    return ("The ranks wait in collectives that do not match: look for a collective called under a "
+            "condition that differs across ranks (a rank-dependent branch, an uneven last batch, "
+            "a metric gathered on rank 0 only). TORCH_DISTRIBUTED_DEBUG=DETAIL names the mismatch.")
+
+
+def _alive(pid: int, host: str) -> Optional[bool]:
+    """Whether the pid still runs, when it is on this machine (None: another host)."""
+    import socket
+
+    if not pid or host not in (socket.gethostname(), "localhost", "127.0.0.1"):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _ranks_text(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

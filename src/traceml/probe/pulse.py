@@ -1,0 +1,123 @@
+"""While a rank ends no step: where its training thread is, read by the sender thread.
+
+The sender thread looks each flush (every 100 ms) at how many steps the probe has ended. Once
+none has ended for PULSE_AFTER_S it takes the training thread's stack with
+sys._current_frames(), which works while that thread waits in C (a collective, a socket, a
+sleep), and sends it as a RankPulse; then again every PULSE_EVERY_S while no step ends. A rank
+that steps costs one integer comparison a flush.
+
+What the stack says is read here too, where the frames are: a torch.distributed collective
+being waited in, a DataLoader wait, a checkpoint save or a compilation (the hang rule leaves
+those alone), and which frames are the user's own.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import time
+from typing import Any, Callable, List, Optional, Tuple
+
+from traceml.records import RankPulse
+
+PULSE_AFTER_S = 5.0  # a rank this long without ending a step starts sending pulses
+PULSE_EVERY_S = 5.0
+STACK_FRAMES = 12  # the user's innermost frames kept
+
+# Phases by the probe's number for them (probe/step.py); the probe is imported lazily.
+_PHASE_NAMES = {"H2D": "h2d", "FORWARD": "forward", "BACKWARD": "backward", "OPTIMIZER": "optimizer"}
+# Functions of torch.distributed a rank waits in for the others.
+_COLLECTIVE_WAITS = frozenset((
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+    "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce",
+    "all_to_all", "all_to_all_single", "gather", "scatter", "send", "recv", "wait", "_all_gather_base",
+    "_reduce_scatter_base", "all_gather_single", "reduce_scatter_single"))
+_LIBRARY_ROOTS = tuple({os.path.normcase(path) for path in (
+    sysconfig.get_paths().get("stdlib", ""), sysconfig.get_paths().get("platstdlib", ""),
+    sysconfig.get_paths().get("purelib", ""), sysconfig.get_paths().get("platlib", ""),
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) if path})
+
+
+class PulseWatch:
+    """Sends a RankPulse while the rank's training thread ends no step (see the docstring).
+    probe: the StepProbe (its step count, open phase, evaluation flag); thread_id: the
+    training thread's ident."""
+
+    def __init__(self, rank: int, probe: Any, thread_id: int, clock: Callable[[], float] = time.monotonic):
+        self.rank, self.probe, self.thread_id, self._clock = rank, probe, thread_id, clock
+        self._steps_seen = -1
+        self._progress_at = clock()
+        self._pulsed_at: Optional[float] = None
+
+    def due(self) -> Optional[RankPulse]:
+        """The pulse to send now, if one is due."""
+        now = self._clock()
+        steps = int(getattr(self.probe, "step_index", 0))
+        if steps != self._steps_seen:
+            self._steps_seen, self._progress_at, self._pulsed_at = steps, now, None
+            return None
+        if now - self._progress_at < PULSE_AFTER_S:
+            return None
+        if self._pulsed_at is not None and now - self._pulsed_at < PULSE_EVERY_S:
+            return None
+        self._pulsed_at = now
+        return self.pulse(steps, now - self._progress_at)
+
+    def pulse(self, steps: int, since_progress_s: float) -> RankPulse:
+        frame = sys._current_frames().get(self.thread_id)
+        frames = _frames(frame)
+        waiting_in, activity = _read(frames)
+        innermost = f"{os.path.basename(frames[0][0])}:{frames[0][1]} {frames[0][2]}" if frames else ""
+        return RankPulse(rank=self.rank, unix_s=time.time(), steps_ended=steps,
+                         since_progress_s=round(since_progress_s, 3), phase=activity or self._phase(),
+                         stack=[frame for frame in frames if is_user_frame(frame[0])][:STACK_FRAMES],
+                         innermost=innermost, waiting_in=waiting_in, pid=os.getpid())
+
+    def _phase(self) -> str:
+        probe = self.probe
+        from traceml.probe import phases
+
+        if getattr(probe, "in_evaluation", False) or phases.evaluating():
+            return "evaluation"
+        if not getattr(probe, "in_step", 0):
+            return "outside"
+        from traceml.probe import step
+
+        names = {getattr(step, name): word for name, word in _PHASE_NAMES.items()}
+        return names.get(getattr(probe, "open_phase", step.NO_PHASE), "in step")
+
+
+def _frames(frame: Any) -> List[Tuple[str, int, str]]:
+    """(file, line, function) from the innermost frame outwards."""
+    frames = []
+    while frame is not None and len(frames) < 200:
+        code = frame.f_code
+        frames.append((code.co_filename, frame.f_lineno or 0, code.co_name))
+        frame = frame.f_back
+    return frames
+
+
+def is_user_frame(filename: str) -> bool:
+    """The user's own code: not the standard library, an installed package or TraceML."""
+    if filename.startswith("<"):
+        return False
+    path = os.path.normcase(os.path.abspath(filename))
+    return not path.startswith(_LIBRARY_ROOTS) and "site-packages" not in path and "dist-packages" not in path
+
+
+def _read(frames: List[Tuple[str, int, str]]) -> Tuple[str, str]:
+    """(the collective or wait the thread is in, or ""; "checkpoint", "compile" or "")."""
+    waiting_in = activity = ""
+    for filename, _, function in frames:
+        path = filename.replace("\\", "/")
+        if not waiting_in and "/torch/distributed/" in path and function in _COLLECTIVE_WAITS:
+            waiting_in = function
+        elif not waiting_in and path.endswith("/torch/utils/data/dataloader.py"):
+            waiting_in = "DataLoader"
+        if not activity and ("/torch/_dynamo/" in path or "/torch/_inductor/" in path):
+            activity = "compile"
+        elif not activity and (path.endswith("/torch/serialization.py") and function in ("save", "_save")
+                               or "save_checkpoint" in function):
+            activity = "checkpoint"
+    return waiting_in, activity
+

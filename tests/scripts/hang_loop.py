@@ -1,0 +1,90 @@
+"""A small loop that averages its gradients by hand with all_reduce (gloo, or one process), for
+the hang locator: at one step a rank can stall in its own code before the collective, its
+DataLoader worker can hang, every rank can evaluate for a while, or a rank can be killed."""
+import argparse
+import contextlib
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import traceml
+
+
+class Rows(Dataset):
+    def __init__(self, hang_at):
+        self.hang_at = hang_at
+
+    def __len__(self):
+        return 100_000
+
+    def __getitem__(self, index):
+        if index == self.hang_at:  # a worker stuck on one sample: a lost file handle, a dead mount
+            parent = os.getppid()
+            while os.getppid() == parent:  # ... that still ends with the training process
+                time.sleep(0.2)
+        return torch.randn(16), torch.randn(1)
+
+
+def load_shard(seconds):
+    """The rank's own slow work inside a step: the line the hang finding should name."""
+    time.sleep(seconds)
+
+
+def evaluate(model, seconds):
+    deadline = time.monotonic() + seconds
+    with torch.no_grad():
+        while time.monotonic() < deadline:
+            model(torch.randn(64, 16))
+            time.sleep(0.05)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--at", type=int, default=20, help="the step where it happens")
+    parser.add_argument("--stall-rank", type=int, default=-1)
+    parser.add_argument("--stall-s", type=float, default=3600.0)
+    parser.add_argument("--hang-worker-rank", type=int, default=-1, help="this rank's DataLoader worker hangs")
+    parser.add_argument("--eval-s", type=float, default=0.0, help="every rank evaluates this long at --at")
+    parser.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself mid-step at --at")
+    parser.add_argument("--zero-code", action="store_true")
+    args = parser.parse_args()
+
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    hang_at = args.at * 8 if rank == args.hang_worker_rank else -1
+    loader = iter(DataLoader(Rows(hang_at), batch_size=8, num_workers=1 if args.hang_worker_rank >= 0 else 0))
+    for step in range(args.steps):
+        if step == args.at and args.eval_s:
+            evaluate(model, args.eval_s)
+        with (traceml.trace_step(model) if not args.zero_code else contextlib.nullcontext()):
+            inputs, targets = next(loader)
+            loss = nn.functional.mse_loss(model(inputs), targets)
+            loss.backward()
+            if step == args.at and rank == args.stall_rank:
+                load_shard(args.stall_s)
+            if step == args.at and rank == args.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if distributed:
+                for parameter in model.parameters():
+                    dist.all_reduce(parameter.grad)
+            optimizer.step()
+            optimizer.zero_grad()
+        time.sleep(0.01)
+    print(f"rank {rank} trained {args.steps} steps", flush=True)
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
