@@ -17,7 +17,8 @@ SAVED_LINE = re.compile(r"^traceml: run saved to .*\n", re.MULTILINE)
 # What a script prints that is a time, and so differs from one run to the next.
 TIMES = (re.compile(r"\d+(\.\d+)?(\s?(ms|s|it/s|s/it)\b)"), re.compile(r"ms/batch\s+[\d.]+"),
          re.compile(r"'(train_runtime|train_samples_per_second|train_steps_per_second)': '[\d.]+'"),
-         re.compile(r"\[\d\d:\d\d<\d\d:\d\d"))
+         re.compile(r"\[\d\d:\d\d<\d\d:\d\d"),
+         re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\]"))  # a logger's stamp (DeepSpeed's, imported by transformers)
 
 
 def masked(text):

@@ -60,7 +60,7 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
                             captures=list(collector.captures), goodput=goodput,
                             compiles=list(collector.compiles), host_syncs=list(collector.host_syncs),
                             loader=loader_figures(list(collector.loaders), window, hellos), ledger=ledger)
-    hang = getattr(collector.hang_watch, "hang", None)
+    hang = getattr(getattr(collector, "hang_watch", None), "hang", None)
     if hang is not None:
         findings.insert(0, hang.finding)
     seen = {finding.kind for _, finding in alerts}

@@ -93,7 +93,7 @@ class LiveMetrics:
                 ledger.add_metric([str(row["rank"]), part], value)
         stalled = GaugeMetricFamily("traceml_stalled", "1 while the rank has ended no step for longer than "
                                     "its steps allow (the HANG finding), else 0", labels=["rank"])
-        hang = getattr(self.collector.hang_watch, "hang", None)
+        hang = getattr(getattr(self.collector, "hang_watch", None), "hang", None)
         stalled_ranks = set(hang.stalled_ranks) if hang is not None else set()
         for rank in sorted(self.collector.hellos):
             stalled.add_metric([str(rank)], 1.0 if rank in stalled_ranks else 0.0)
