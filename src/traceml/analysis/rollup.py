@@ -223,6 +223,15 @@ class RankRow(TypedDict):
     optimizer_comm_wait_median_ms: Optional[float]  # ... and in the optimizer (DeepSpeed ZeRO's all-gathers)
 
 
+def comm_wait_parts(row: RankRow) -> Dict[str, float]:
+    """A rank's median comm wait by phase: forward (FSDP's all-gathers), optimizer (ZeRO's
+    all-gathers) and backward, the rest of it (0.0 where not measured)."""
+    forward_ms = row.get("forward_comm_wait_median_ms") or 0.0
+    optimizer_ms = row.get("optimizer_comm_wait_median_ms") or 0.0
+    backward_ms = max(0.0, (row.get("comm_wait_median_ms") or 0.0) - forward_ms - optimizer_ms)
+    return {"forward": forward_ms, "backward": backward_ms, "optimizer": optimizer_ms}
+
+
 def rank_row(rank: int, records: Sequence[StepRecord], last_step: int, behind_share: float = 0.0) -> RankRow:
     """A rank's row from its records after warm-up (none: its medians are None)."""
     row = RankRow(rank=rank, steps=len(records), last_step=last_step,  # type: ignore[typeddict-item]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import List, Optional
 
-from traceml.analysis.rollup import RankRow
+from traceml.analysis.rollup import RankRow, comm_wait_parts
 from traceml.records import Finding
 
 LOSS_WARN_SHARE = 0.05  # the others lose this share of the step waiting: warn
@@ -114,9 +114,8 @@ def comm_bound(ranks: List[RankRow], step_ms: float, sharded_by: str = "") -> Op
     share = exposed_ms / step_ms
     if share < COMM_WARN_SHARE:
         return None
-    forward_ms = least.get("forward_comm_wait_median_ms") or 0.0
-    optimizer_ms = least.get("optimizer_comm_wait_median_ms") or 0.0
-    backward_ms = max(0.0, exposed_ms - forward_ms - optimizer_ms)
+    parts_ms = comm_wait_parts(least)
+    forward_ms, backward_ms, optimizer_ms = parts_ms["forward"], parts_ms["backward"], parts_ms["optimizer"]
     # FSDP all-gathers before forward; DDP's all-reduce is in backward alone.
     zero = sharded_by.startswith("DeepSpeed")
     sharded = bool(sharded_by) or forward_ms > 0

@@ -153,7 +153,7 @@ class LedgerWatch:
     def _note_gradient(self, parameter: Any) -> None:
         grad = parameter.grad
         if grad is not None:
-            key, size = _storage(grad)
+            key, size = tensor_storage(grad)
             self._gradients[id(parameter)] = (weakref.ref(parameter), (self._noting, key), size)
 
     def _read(self, step: int) -> MemoryLedger:
@@ -187,7 +187,7 @@ class LedgerWatch:
         elements = trainable_elements = unsharded = 0
         sharded = False
         for name, parameter in parameters:
-            key, size = _storage(parameter)
+            key, size = tensor_storage(parameter)
             sharded = sharded or getattr(parameter, "_local_tensor", None) is not None
             unsharded += parameter.numel() * parameter.element_size()
             elements += parameter.numel()
@@ -221,7 +221,7 @@ class LedgerWatch:
             # One storage can hold several gradients (FSDP's reduce-scatter output): its bytes
             # count once, while each sharded gradient adds its own full size unsharded.
             if grad is not None:
-                key, size = _storage(grad)
+                key, size = tensor_storage(grad)
                 shared = key in counted
                 counted.add(key)
             else:
@@ -245,7 +245,7 @@ class LedgerWatch:
             for parameter, state in list(optimizer.state.items()):
                 for value in list(state.values()) if isinstance(state, dict) else ():
                     if _is_tensor(value):
-                        key, size = _storage(value)
+                        key, size = tensor_storage(value)
                         if key not in counted:
                             counted.add(key)
                             held += size
@@ -288,7 +288,7 @@ class _Adapters:
         self.targets[target] = self.targets.get(target, 0) + size
 
 
-def _storage(tensor: Any) -> Tuple[Any, int]:
+def tensor_storage(tensor: Any) -> Tuple[Any, int]:
     """(a key that is the same for tensors sharing storage, the storage's bytes). A sharded
     tensor (DTensor) is its local shard. The key is the storage's address alone: devices'
     memory and the host's never share addresses in one process (CUDA's unified addressing)."""
@@ -350,11 +350,12 @@ def _optimizer_name(optimizer: Any, taken: Dict[str, int]) -> str:
 
 def _same_figures(a: MemoryLedger, b: MemoryLedger) -> bool:
     """Whether two readings hold the same figures (their step and time aside)."""
-    return (a.trainable_bytes, a.frozen_bytes, a.gradient_bytes, a.optimizer_state_bytes, a.activation_bytes,
-            a.adapter_parameter_bytes, a.adapter_gradient_bytes, a.adapter_optimizer_bytes,
-            a.unsharded_parameter_bytes, a.gathered_forward_peak_bytes, a.gathered_backward_peak_bytes,
-            a.sharded_by) == (
-        b.trainable_bytes, b.frozen_bytes, b.gradient_bytes, b.optimizer_state_bytes, b.activation_bytes,
-        b.adapter_parameter_bytes, b.adapter_gradient_bytes, b.adapter_optimizer_bytes,
-        b.unsharded_parameter_bytes, b.gathered_forward_peak_bytes, b.gathered_backward_peak_bytes,
-        b.sharded_by)
+    return _figures(a) == _figures(b)
+
+
+def _figures(ledger: MemoryLedger) -> Tuple[Any, ...]:
+    """The figures a reading is sent for when one of them moves."""
+    return (ledger.trainable_bytes, ledger.frozen_bytes, ledger.gradient_bytes, ledger.optimizer_state_bytes,
+            ledger.activation_bytes, ledger.adapter_parameter_bytes, ledger.adapter_gradient_bytes,
+            ledger.adapter_optimizer_bytes, ledger.unsharded_parameter_bytes, ledger.gathered_forward_peak_bytes,
+            ledger.gathered_backward_peak_bytes, ledger.sharded_by)

@@ -34,6 +34,7 @@ import logging
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Set
 
+from traceml.probe.ledger import tensor_storage
 from traceml.probe.step import BACKWARD, FORWARD, NO_PHASE, OPTIMIZER, StepProbe, _now_ns
 
 log = logging.getLogger("traceml")
@@ -70,14 +71,13 @@ class GatherWatch:
             return
         outputs = output if isinstance(output, (list, tuple)) else [output]
         held = sum(tensor.numel() * tensor.element_size() for tensor in outputs if hasattr(tensor, "numel"))
-        seen: Set[int] = set()
+        seen: Set[Any] = set()
         for name, parameter in model.named_parameters():
             if name in self._sharded_names and getattr(parameter, "_local_tensor", None) is None:
-                storage = parameter.untyped_storage()
-                pointer = storage.data_ptr()
-                if pointer and pointer not in seen:
-                    seen.add(pointer)
-                    held += int(storage.nbytes())
+                key, size = tensor_storage(parameter)
+                if key not in seen:
+                    seen.add(key)
+                    held += size
         peak = self.peak_bytes[phase_name]
         if peak is None or held > peak:
             self.peak_bytes[phase_name] = held

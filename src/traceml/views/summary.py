@@ -7,6 +7,7 @@ import re
 from typing import Any, Dict, List, Optional, Sequence
 
 from traceml.analysis.goodput import goodput_text
+from traceml.analysis.rollup import comm_wait_parts
 from traceml.records import ALL_PHASES, OVERLAPPING_PHASES, STEP_PHASES
 from traceml.words import counted, every, size
 
@@ -216,13 +217,9 @@ def _rank_table(summary: Dict[str, Any]) -> Any:
 def _comm_phases(ranks: Sequence[Dict[str, Any]]) -> List[str]:
     """The phases some rank waited for collectives in: forward (FSDP's all-gathers), backward,
     optimizer (DeepSpeed ZeRO's all-gathers)."""
-    def most(key: str) -> float:
-        return max((r.get(key) or 0.0 for r in ranks), default=0.0)
-    forward_ms, optimizer_ms = most("forward_comm_wait_median_ms"), most("optimizer_comm_wait_median_ms")
-    backward_ms = max(((r.get("comm_wait_median_ms") or 0.0) - (r.get("forward_comm_wait_median_ms") or 0.0)
-                       - (r.get("optimizer_comm_wait_median_ms") or 0.0) for r in ranks), default=0.0)
-    phases = [phase for phase, ms in (("forward", forward_ms), ("backward", backward_ms), ("optimizer", optimizer_ms))
-              if ms > 0.005]
+    parts = [comm_wait_parts(row) for row in ranks]  # type: ignore[arg-type]
+    phases = [phase for phase in ("forward", "backward", "optimizer")
+              if max((part[phase] for part in parts), default=0.0) > 0.005]
     return phases or ["backward"]
 
 
