@@ -301,6 +301,29 @@ def test_compiled_models_keep_their_graphs_and_the_forward_is_timed(probe):
     assert b"traceml" not in pickle.dumps(in_place)
 
 
+def test_a_model_timed_before_it_is_compiled_compiles_once(probe):
+    """torch.compile inlines TraceML's call wrapper for a model it timed before: nothing read
+    there may become a guard (a flag read did, and recompiled every call up to dynamo's limit)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    phases.hook_model(probe, model)
+    inputs = torch.randn(3, 4)
+    for _ in range(2):
+        with probe:
+            model(inputs)
+    compiled = torch.compile(model, backend="eager")  # torch.nn's own class: dynamo inlines its call
+    phases.hook_model(probe, compiled)  # as trace_step(compiled) does
+    for _ in range(4):
+        with probe:
+            compiled(inputs)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert [record.forward_calls for record in records(probe)] == [1] * 6
+
+
 def test_evaluation_and_checkpoint_saves_are_counted_where_they_happen(probe, tmp_path):
     model = SlowForward(sleep_ms=5)
     phases.hook_model(probe, model)

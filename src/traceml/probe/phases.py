@@ -478,29 +478,22 @@ def _call_attribute() -> str:
     return "__call__" if Module.__dict__["__call__"] is Module.__dict__["_call_impl"] else "_call_impl"
 
 
-class _AskIsCompiling:
-    """An older torch, whose torch.compiler has no _is_compiling_flag: the same attribute,
-    asked of is_compiling() (or False where torch has no compiler)."""
+def _compiling() -> Callable[[], bool]:
+    """What the call wrappers ask before timing: True while dynamo traces or torch.export does,
+    so traced code calls straight through and nothing of TraceML enters a graph.
 
-    def __init__(self, is_compiling: Callable[[], bool]):
-        self._is_compiling = is_compiling
-
-    @property
-    def _is_compiling_flag(self) -> bool:
-        return self._is_compiling()
-
-
-def _compiling() -> Any:
-    """What the call wrappers read `_is_compiling_flag` of: True while dynamo traces or
-    torch.export does, so traced code calls straight through and nothing of TraceML enters a
-    graph. It is the flag torch.compiler.is_compiling() returns, read as an attribute: every
-    model call two Python calls lighter."""
+    It is torch.compiler.is_compiling, called, never its flag read as an attribute: dynamo
+    answers the call with a constant while it traces, but a flag read in a wrapper it inlines
+    (a model TraceML timed before the user compiled it) becomes a guard that is never true at
+    run time, and every call then recompiled until dynamo's limit sent the model back to eager.
+    """
     import torch
 
     compiler = getattr(torch, "compiler", None)
-    if hasattr(compiler, "_is_compiling_flag"):
-        return compiler
-    return _AskIsCompiling(getattr(compiler, "is_compiling", None) or (lambda: False))
+    is_compiling = getattr(compiler, "is_compiling", None)
+    if is_compiling is None:  # torch before 2.3
+        is_compiling = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return is_compiling or (lambda: False)
 
 
 def _run_eagerly_under_dynamo(function: Any, callees_too: bool = False) -> None:
@@ -559,7 +552,7 @@ def _timed_call(original: Callable[..., Any], tensor_type: type, compiling: Any)
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         traced = _models.get(id(self))
-        if traced is None or compiling._is_compiling_flag:
+        if traced is None or compiling():
             return original(self, *args, **kwargs)
         return _call_timed_in_general(original, traced, traced.probe, self, args, kwargs, tensor_type, grad_enabled)
 
@@ -574,7 +567,7 @@ def _timed_call(original: Callable[..., Any], tensor_type: type, compiling: Any)
                             tensor_type=tensor_type, batch_size=_batch_size)
 
     def timed_call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if compiling._is_compiling_flag:
+        if compiling():
             return original(self, *args, **kwargs)
         return timer(self, *args, **kwargs)
 
@@ -711,7 +704,7 @@ def on_first_module_call(start: Callable[[Any], None],
     passed: dict = {}  # id -> weakref of each module `wanted` turned down: asked once, not per call
 
     def first_call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if compiling._is_compiling_flag or Module.__dict__.get(attribute) is not first_call:
+        if compiling() or Module.__dict__.get(attribute) is not first_call:
             return original(self, *args, **kwargs)
         known = passed.get(id(self))
         if known is not None and known() is self:

@@ -198,7 +198,7 @@ def time_collectives(probe: StepProbe, model: Any, replace: Callable[[Any, str, 
     """A sharded model (FSDP, or a DeepSpeed engine): wrap torch.distributed's collectives (once, by `replace`, which
     remembers how to undo it) so that, on the CPU, their time inside a step's phases counts as
     the phase's collective wait, and the ledger (if any) gets the all-gathered peak.
-    compiling: the phases' `_is_compiling_flag` holder, for code dynamo traces. True when the
+    compiling: the phases' is_compiling function, for code dynamo traces. True when the
     model's collectives are timed."""
     engine = _deepspeed_engine_class(model)
     if not sharded_modules(model) and engine is None:
@@ -239,7 +239,7 @@ def _wrapped(probe: StepProbe, original: Callable[..., Any], compiling: Any, gat
 
     @functools.wraps(original)
     def collective(*args: Any, **kwargs: Any) -> Any:
-        if compiling._is_compiling_flag:  # dynamo traces the original: it knows collectives by their functions
+        if compiling():  # dynamo traces the original: it knows collectives by their functions
             return original(*args, **kwargs)
         phase = probe.open_phase
         if phase == NO_PHASE or inside[0]:

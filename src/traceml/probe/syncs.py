@@ -47,7 +47,7 @@ class HostSyncSampler:
         self._push = push
         # Whether a tensor lives on the device (the host waits to read it): tensor.is_cuda.
         self._on_device = on_device or (lambda tensor: tensor.is_cuda)
-        self._compiler = is_compiling  # an object whose _is_compiling_flag is True under dynamo
+        self._compiler = is_compiling  # a function, True while dynamo traces (probe.phases._compiling)
         # Frames in these files are not the user's: the site is the first frame outside them.
         self._not_user_code = tuple(os.path.dirname(module.__file__) + os.sep
                                     for module in (torch, sys.modules["traceml"]))
@@ -118,7 +118,7 @@ class HostSyncSampler:
         call, copies = "Tensor." + name, name in _COPIES
 
         def timed(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            if (sampler._reading or (compiler is not None and compiler._is_compiling_flag)
+            if (sampler._reading or (compiler is not None and compiler())
                     or not on_device(tensor)):
                 return original(tensor, *args, **kwargs)
             sampler._reading = True
