@@ -1,6 +1,7 @@
 """The hang locator: a rank that ends no step is named with its line within seconds, live (stderr,
 /metrics) and in the summary the run ends with; planned work and a slow step are no hang."""
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -8,10 +9,11 @@ import threading
 import time
 import urllib.request
 
+import psutil
 import pytest
 from conftest import SCRIPTS, _env
 
-from traceml.diagnose.hangs import HANG_AFTER_S, RankProgress, allowance_s, find_hang
+from traceml.diagnose.hangs import HANG_AFTER_S, RankProgress, allowance_s, find_hang, rank_lost
 from traceml.records import RankPulse
 
 HANG_LOOP = SCRIPTS / "hang_loop.py"
@@ -25,9 +27,10 @@ def progress(rank, steps=20, stalled_s=0.0, pulse=None, now=1000.0, **kwargs):
 
 
 def pulse(rank, stalled_s, steps=20, phase="backward", waiting_in="", stack=(("/home/me/train.py", 42, "load"),),
-          now=1000.0):
+          now=1000.0, **kwargs):
     return RankPulse(rank=rank, unix_s=now - 1.0, steps_ended=steps, since_progress_s=stalled_s - 1.0,
-                     phase=phase, stack=list(stack), innermost="time.py:1 sleep", waiting_in=waiting_in, pid=100 + rank)
+                     phase=phase, stack=list(stack), innermost="time.py:1 sleep", waiting_in=waiting_in,
+                     pid=100 + rank, **kwargs)
 
 
 def test_the_rank_in_its_own_code_is_named_and_the_waiting_one_told_apart():
@@ -65,6 +68,46 @@ def test_every_rank_in_a_collective_is_a_mismatch():
                      1000.0)
     assert hang.finding.rank is None and "called different ones" in hang.finding.summary
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in hang.finding.action
+
+
+def test_counts_of_collectives_say_which_rank_is_behind():
+    ranks = [progress(r, stalled_s=40, pulse=pulse(r, 40, waiting_in="all_reduce", collectives_issued=41))
+             for r in (0, 2)]
+    ranks.insert(1, progress(1, stalled_s=40, pulse=pulse(1, 40, waiting_in="barrier", collectives_issued=39)))
+    hang = find_hang(ranks, 1000.0)
+    assert "rank 1 has issued 2 collectives fewer than ranks 0, 2 (39 against 41)" in hang.finding.summary
+    assert "called different ones" not in hang.finding.summary  # the counts say it better
+    assert [place["collectives_issued"] for place in hang.ranks] == [41, 39, 41]
+    same = [progress(r, stalled_s=40, pulse=pulse(r, 40, waiting_in="all_reduce", collectives_issued=7))
+            for r in (0, 1)]
+    assert "collectives fewer" not in find_hang(same, 1000.0).finding.summary
+
+
+def test_a_dataloader_wait_names_the_worker_that_owes_the_batch():
+    hang = find_hang([progress(0, stalled_s=40, pulse=pulse(0, 40, waiting_in="all_reduce")),
+                      progress(1, stalled_s=38, pulse=pulse(1, 38, phase="in step", waiting_in="DataLoader",
+                                                            loader_worker=3, loader_worker_pid=4242,
+                                                            loader_worker_state="disk wait"))], 1000.0)
+    assert hang.finding.rank == 1
+    assert ("rank 1 is in a DataLoader wait at train.py:42 load: its worker 3 (pid 4242, disk wait) has not "
+            "handed over the batch it owes for 38 s") in hang.finding.summary
+    assert "py-spy dump --pid 4242" in hang.finding.action and "timeout=" in hang.finding.action
+
+
+def test_a_lost_rank_is_told_by_the_signal_that_ended_it():
+    lost = rank_lost([{"rank": 1, "from_step": 15, "exit_code": -9, "pid": 77}],
+                     {1: {"exit_code": -9, "pid": 77}, 0: {"exit_code": -15, "pid": 76}}, world_size=2)
+    assert lost.kind == "RANK_LOST" and lost.severity == "crit" and lost.rank == 1
+    assert lost.summary == ("rank 1 ended without a goodbye some time after step 14 (the last it reported): "
+                            "killed by SIGKILL (exit status -9); rank 0 then stopped by the launcher")
+    assert "out-of-memory killer" in lost.action
+    crash = rank_lost([{"rank": 0, "from_step": 3, "exit_code": -11}], {}, world_size=1)
+    assert crash.summary.startswith("the training process ended without a goodbye") and "SIGSEGV" in crash.summary
+    assert "PYTHONFAULTHANDLER=1" in crash.action
+    elsewhere = rank_lost([{"rank": 5, "from_step": 0}], {}, world_size=8)  # another node's: no status here
+    assert "before it reported a step: its exit status was not seen here" in elsewhere.summary
+    assert "launcher output" in elsewhere.action
+    assert rank_lost([], {0: {"exit_code": -15}}, world_size=2) is None
 
 
 def test_the_pulse_comes_only_while_no_step_ends_and_reads_the_stack():
@@ -128,10 +171,22 @@ class Launched:
         return None
 
     def stop(self, timeout_s=60):
+        """SIGTERM, as a user's Ctrl-C or a scheduler would send; the exit code. Every process
+        the run started must be gone within 15 s after."""
+        try:
+            started = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            started = []
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-        self.stdout, _ = self.process.communicate(timeout=timeout_s)
-        self._reader.join(timeout=5)
+        try:
+            self.stdout, _ = self.process.communicate(timeout=timeout_s)
+        finally:
+            self._reader.join(timeout=5)
+            _, left = psutil.wait_procs(started, timeout=15)
+            for process in left:
+                process.kill()
+        assert not left, f"left behind: {[process.pid for process in left]}"
         return self.process.returncode
 
     def summary(self):
@@ -155,7 +210,7 @@ def test_a_rank_in_its_own_code_is_named_with_its_line_and_the_run_keeps_the_han
         time.sleep(4)  # two more looks: the same hang must not be sent again
     finally:
         returncode = run.stop()
-    assert returncode != 0  # stopped by SIGTERM, as without TraceML
+    assert returncode == 1  # torch.distributed.run's own, stopped by SIGTERM without TraceML
     summary = run.summary()
     assert summary["primary_diagnosis"]["kind"] == "HANG" and summary["primary_diagnosis"]["rank"] == 1
     places = {place["rank"]: place for place in summary["hang"]["ranks"]}
@@ -170,26 +225,70 @@ def test_a_rank_in_its_own_code_is_named_with_its_line_and_the_run_keeps_the_han
     assert len({(alert["kind"], alert["rank"]) for alert in alerts}) == len(alerts)
 
 
-def test_one_process_stuck_in_its_dataloader_is_named_live_on_metrics(tmp_path):
+def test_a_rank_whose_dataloader_worker_hangs_is_named_live_on_metrics(tmp_path):
     port = _free_port()
-    run = Launched(tmp_path, "--hang-worker-rank", 0, "--at", 10, "--zero-code",
-                   traceml_args=("--hang-after", "5", "--metrics-port", str(port), "--on-alert", "sleep 60"))
+    run = Launched(tmp_path, "--hang-worker-rank", 1, "--at", 10, "--zero-code",
+                   traceml_args=("--nproc-per-node", "2", "--hang-after", "5", "--metrics-port", str(port),
+                                 "--on-alert", "sleep 60"))
     try:
         line = run.wait_for("traceml: HANG", timeout_s=90)
         assert line is not None, "".join(run.stderr_lines)[-3000:]
-        assert "rank 0 is in a DataLoader wait at hang_loop.py" in line
+        assert re.search(r"rank 1 is in a DataLoader wait at hang_loop\.py:\d+ main: its worker 0 \(pid \d+, "
+                         r"sleeping\) has not handed over the batch it owes", line), line
+        assert "rank 0 waits in all_reduce" in line
+        assert "rank 1 has issued 1 collective fewer than rank 0" in line
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        assert 'traceml_stalled{rank="0"} 1.0' in metrics
+        assert 'traceml_stalled{rank="1"} 1.0' in metrics and 'traceml_stalled{rank="0"} 1.0' in metrics
         # The alert command that never ends is stopped after its 10 s; the run goes on.
         assert run.wait_for("ran past 10 s for HANG and was stopped", timeout_s=30) is not None
         assert run.process.poll() is None
     finally:
-        run.stop()
-    assert run.summary()["hang"]["stalled_ranks"] == [0]
+        returncode = run.stop()
+    assert returncode == 1  # torch.distributed.run's own under SIGTERM
+    hang = run.summary()["hang"]
+    assert hang["stalled_ranks"] == [0, 1] and hang["culprit_rank"] == 1
+    assert hang["ranks"][1]["state"] == "input" and hang["ranks"][1]["loader_worker"]["worker"] == 0
+
+
+def test_one_process_in_its_own_code_is_named_and_a_slow_save_and_a_compile_are_not(tmp_path):
+    # Allowed 2 s without a step: the 8 s save (to a slow disk) and the first compilation (by a
+    # compiler that takes 8 s), both mid-run, outlast it; only the stall at step 20 is a hang.
+    run = Launched(tmp_path, "--save-at", 5, "--save-s", 8, "--compile-at", 10, "--compile-s", 8,
+                   "--stall-rank", 0, "--at", 20,
+                   traceml_args=("--hang-after", "2"))
+    try:
+        line = run.wait_for("traceml: HANG", timeout_s=240)
+        assert line is not None, "".join(run.stderr_lines)[-3000:]
+        assert re.search(r"rank 0 is in its own code at hang_loop\.py:\d+ load_shard", line), line
+        time.sleep(3)  # three more checks: the same hang is not told again
+    finally:
+        returncode = run.stop()
+    assert returncode == 143  # as `python hang_loop.py` stopped by SIGTERM
+    assert len([line for line in run.stderr_lines if "traceml: HANG" in line]) == 1
+    summary = run.summary()
+    assert summary["hang"]["ranks"][0]["last_step"] == 19
+    assert summary["goodput"]["checkpoint"]["seconds"] > 7.5
+    # What makes the test: the compilation outlasted the allowance and the first pulse's 5 s.
+    assert summary["compile"]["compile_s"] > 2 + 5
+
+
+def test_a_killed_rank_is_named_gone_with_its_exit_status(traceml_run):
+    run = traceml_run("--kill-rank", 1, "--at", 15, script=HANG_LOOP,
+                      traceml_args=("--nproc-per-node", "2", "--mode", "summary"), timeout=120)
+    assert run.returncode == 1, run.stderr[-3000:]  # torch.distributed.run's own for a failed rank
+    summary = run.summary()
+    lost = summary["primary_diagnosis"]
+    assert lost["kind"] == "RANK_LOST" and lost["rank"] == 1
+    assert lost["evidence"]["signal"] == "SIGKILL" and lost["evidence"]["exit_code"] == -9
+    assert "killed by SIGKILL (exit status -9); rank 0 then stopped by the launcher" in lost["summary"]
+    [missing] = summary["missing_ranks"]
+    assert missing["rank"] == 1 and missing["exit_code"] == -9 and missing["from_step"] <= 15
+    card = re.sub(r"[\s│]+", " ", run.stdout)
+    assert "Verdict RANK LOST" in card and "(stopped reporting without a goodbye: killed by SIGKILL)" in card
 
 
 def test_evaluation_on_every_rank_and_a_slow_step_that_ends_raise_none(traceml_run, tmp_path):
-    run = traceml_run("--eval-s", 12, "--at", 10, "--steps", 30, script=HANG_LOOP,
+    run = traceml_run("--eval-s", 20, "--at", 10, "--steps", 30, script=HANG_LOOP,
                       traceml_args=("--nproc-per-node", "2", "--hang-after", "3", "--mode", "summary"), timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "HANG" not in run.stderr

@@ -23,6 +23,7 @@ from traceml import rendezvous
 log = logging.getLogger("traceml")
 
 ZERO_CODE = "traceml.probe.zero_code"
+AGENT = "traceml.agent"
 # torch.distributed.run's own default wait for every node at the rendezvous.
 DEFAULT_RDZV_TIMEOUT_S = 900
 # Once this node's ranks have exited, how long torch.distributed.run may take to follow. Its
@@ -76,7 +77,8 @@ class Launch:
         script = [ZERO_CODE, *self.script_argv]
         if not self.distributed:
             return [sys.executable, "-m", *script]
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc_per_node)]
+        # torch.distributed.run through traceml.agent, which also records the failed ranks' exit status.
+        launcher = [sys.executable, "-m", AGENT, "--nproc-per-node", str(self.nproc_per_node)]
         if self.nnodes == 1:  # torchrun takes a free rendezvous port itself: no port to race for
             return [*launcher, "--standalone", "--module", *script]
         timeout_key = "timeout" if self.rdzv_backend == "static" else "join_timeout"

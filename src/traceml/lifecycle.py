@@ -14,9 +14,9 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from traceml import rendezvous, rundir
+from traceml import agent, rendezvous, rundir
 
 log = logging.getLogger("traceml")
 
@@ -74,6 +74,16 @@ class Run:
                                               "started_at": rundir.iso_time(self.started_unix_s), **run_json})
         self.sampler.start()
 
+    def record_rank_exits(self, exits: Dict[int, Dict[str, int]]) -> None:
+        """How the ranks that failed ended (their exit status, negative for a signal), for the
+        summary: a rank that died without a goodbye is named with it."""
+        failed = {str(rank): status for rank, status in exits.items() if status.get("exit_code")}
+        if failed:
+            try:
+                self.store.set_meta({"rank_exits": failed})
+            except Exception as exc:  # a full disk: the summary names the rank without its status
+                log.debug("could not keep the ranks' exit status: %s", exc)
+
     def finish(self, facts_of: Callable[[Any], Any]) -> Optional[dict]:
         """Stop sampling and collecting, then summarize the store, print the card and write the
         run directory; the summary (None when it failed). `facts_of(store)`: the RunFacts, whose
@@ -102,9 +112,7 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
         return fail(f"cannot listen on {launch.collector_host}:{launch.collector_port} "
                     f"for the collector: {exc.strerror or exc}")
     address = f"{launch.collector_host}:{listening.getsockname()[1]}"  # as Collector.address
-    env = launcher.probe_env(options)
-    env[rendezvous.ENV_COLLECTOR] = address
-    env[rendezvous.ENV_RUN_DIR] = os.fspath(run_dir)
+    env, exits_file = _script_env(launch, options, address, run_dir)
     mode = options.mode or ("cli" if sys.stdout.isatty() else "summary")
     # The dashboard's and /metrics' ports are checked before the script starts (one in use
     # says so and runs nothing), so those views and the collector they read start first.
@@ -141,6 +149,8 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
         "dashboard": views.web.url if views.web is not None else None})
     exit_code = launcher.wait_for_launch(launch, child, output_fd, run.collector)
     ended = time.time()
+    run.record_rank_exits(agent.read_exits(exits_file) if exits_file is not None
+                          else {0: {"exit_code": child.returncode, "pid": child.pid}})
 
     # Ranks on other nodes may still be saying goodbye; a dead rank simply never does.
     run.collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S * (6 if launch.nnodes > 1 else 1))
@@ -150,6 +160,30 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
                                                 started_at_unix_s=run.started_unix_s, ended_at_unix_s=ended))
     views.close(summary, run.run_dir)
     return exit_code
+
+
+def _script_env(launch: Any, options: argparse.Namespace, collector_address: str,
+                run_dir: Path) -> Tuple[Dict[str, str], Optional[str]]:
+    """The script's environment (the probe's options, where to send, where the run's files go),
+    and, for torch.distributed.run, the temporary file where traceml.agent will write the
+    failed ranks' exit status (None without one)."""
+    from traceml import launcher
+
+    env = launcher.probe_env(options)
+    env[rendezvous.ENV_COLLECTOR] = collector_address
+    env[rendezvous.ENV_RUN_DIR] = os.fspath(run_dir)
+    if not launch.distributed:
+        return env, None
+    import tempfile
+
+    try:
+        handle, exits_file = tempfile.mkstemp(prefix="traceml-exits-", suffix=".json")
+    except OSError:  # no temporary directory: the summary names a dead rank without its status
+        return env, None
+    os.close(handle)
+    os.unlink(exits_file)  # written only when a rank fails; read_exits removes it
+    env[agent.ENV_EXITS_FILE] = exits_file
+    return env, exits_file
 
 
 def fail(message: str, code: int = 2) -> int:

@@ -424,6 +424,14 @@ class RankPulse(msgspec.Struct, tag="pulse", array_like=True):
     innermost: str = ""  # the innermost frame of all, "file.py:12 function": the call it waits in
     waiting_in: str = ""  # "all_reduce" (a torch.distributed collective), "DataLoader", or ""
     pid: int = 0
+    # The collectives this rank has issued on its default process group so far (its sequence
+    # number; -1: not distributed, or unread): a rank one short of the others skipped one.
+    collectives_issued: int = -1
+    # In a DataLoader wait: the worker whose batch is awaited, its pid and its state as the
+    # kernel gives it ("sleeping", "running", "disk wait", "gone"); -1, 0, "" otherwise.
+    loader_worker: int = -1
+    loader_worker_pid: int = 0
+    loader_worker_state: str = ""
 
 
 class Finding(msgspec.Struct, omit_defaults=False):

@@ -1,8 +1,10 @@
 """A small loop that averages its gradients by hand with all_reduce (gloo, or one process), for
 the hang locator: at one step a rank can stall in its own code before the collective, its
-DataLoader worker can hang, every rank can evaluate for a while, or a rank can be killed."""
+DataLoader worker can hang, every rank can evaluate for a while, or a rank can be killed; and,
+as planned work that is no hang, a checkpoint save to a slow disk and a compilation mid-run."""
 import argparse
 import contextlib
+import io
 import os
 import signal
 import time
@@ -35,6 +37,30 @@ def load_shard(seconds):
     time.sleep(seconds)
 
 
+class SlowDisk(io.BytesIO):
+    """A checkpoint's destination that takes `seconds` to accept the first write: a network
+    file system at a bad moment."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def write(self, data):
+        if self.seconds:
+            time.sleep(self.seconds)
+            self.seconds = 0
+        return super().write(data)
+
+
+def slow_compiler(seconds):
+    """A torch.compile backend that takes `seconds` to compile (inductor's time on a large model,
+    made certain here), then runs the graph as traced."""
+    def compile_graph(graph_module, example_inputs):
+        time.sleep(seconds)
+        return graph_module.forward
+    return compile_graph
+
+
 def evaluate(model, seconds):
     deadline = time.monotonic() + seconds
     with torch.no_grad():
@@ -52,6 +78,10 @@ def main():
     parser.add_argument("--hang-worker-rank", type=int, default=-1, help="this rank's DataLoader worker hangs")
     parser.add_argument("--eval-s", type=float, default=0.0, help="every rank evaluates this long at --at")
     parser.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself mid-step at --at")
+    parser.add_argument("--save-at", type=int, default=-1, help="save a checkpoint to a slow disk after this step")
+    parser.add_argument("--save-s", type=float, default=8.0)
+    parser.add_argument("--compile-at", type=int, default=-1, help="torch.compile the model at this step")
+    parser.add_argument("--compile-s", type=float, default=8.0, help="how long its compiler takes")
     parser.add_argument("--zero-code", action="store_true")
     args = parser.parse_args()
 
@@ -67,6 +97,10 @@ def main():
     for step in range(args.steps):
         if step == args.at and args.eval_s:
             evaluate(model, args.eval_s)
+        if step == args.save_at:
+            torch.save(model.state_dict(), SlowDisk(args.save_s))
+        if step == args.compile_at:
+            model = torch.compile(model, backend=slow_compiler(args.compile_s))
         with (traceml.trace_step(model) if not args.zero_code else contextlib.nullcontext()):
             inputs, targets = next(loader)
             loss = nn.functional.mse_loss(model(inputs), targets)

@@ -19,6 +19,7 @@ from traceml.analysis.rollup import (Window, max_present, rank_medians, rank_row
 from traceml.collector.store import Store
 from traceml.diagnose import MemoryLimits, Stalls, diagnose
 from traceml.diagnose.captures import grown_layers
+from traceml.diagnose.hangs import rank_lost
 from traceml.diagnose.host_sync import sync_sites
 from traceml.diagnose.run_time import compile_summary
 from traceml.records import Finding, LayerCapture, LayerReport, RankEnd, RankHello, RolledStep, SystemSample
@@ -85,6 +86,10 @@ class RunData:
         self.run_time = self._run_time(store, meta)
         self.goodput = self.run_time.goodput(now_unix_s=None)
         self.lost_ranks: List[int] = meta.get("lost_ranks", [])
+        # How failed ranks ended, from their launcher (traceml.agent; the fork's own wait).
+        self.rank_exits: Dict[int, Dict[str, int]] = {int(rank): status for rank, status
+                                                      in (meta.get("rank_exits") or {}).items()}
+        self.missing_ranks = _missing_ranks(self)
         # A hang the collector saw and the run ended under (analysis.live.HangWatch).
         self.hang: Optional[Dict[str, Any]] = meta.get("hang")
         reports = store.layer_reports()
@@ -106,8 +111,20 @@ class RunData:
             steps_found_by=self.found_by, system=self.samples, stalls=self.stalls,
             captures=self.captures, goodput=self.goodput, compiles=self.compiles, host_syncs=self.host_syncs,
             loader=self.loader, ledger=self.ledger)
-        if self.hang is not None:  # the run's end came while it was stuck: that is what to say first
+        self._say_how_the_run_stopped_first()
+
+    def _say_how_the_run_stopped_first(self) -> None:
+        """A hang the run ended under comes before the rules' findings, and a rank that died
+        before that: its death is the cause a hang follows from."""
+        if self.hang is not None:
             self.findings.insert(0, msgspec.convert(self.hang["finding"], Finding))
+            for place in self.hang["ranks"]:
+                if place["rank"] in self.rank_exits:
+                    place["exit_code"] = self.rank_exits[place["rank"]].get("exit_code")
+        world_size = max([hello.world_size for hello in self.hellos] + [1])
+        lost = rank_lost(self.missing_ranks, self.rank_exits, world_size)
+        if lost is not None:
+            self.findings.insert(0, lost)
 
     def _exact_rank_counts(self, store: Store) -> None:
         """Sampled records give the medians; each rank's step count and last step (which say
@@ -259,7 +276,7 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "mesh": device_mesh(data.ledger, data.ledgers),
         "hang": {key: value for key, value in data.hang.items() if key != "finding"} if data.hang else None,
         "rank_spread": rank_spread(data.records, skip_steps=data.warmup),
-        "missing_ranks": _missing_ranks(data),
+        "missing_ranks": data.missing_ranks,
         **data.deep_dive,  # "layers", "deep_dive"
         "spans": data.spans,
         "captures": [{"rank": c.rank, "step": c.step, "reason": c.reason, "detail": c.detail,
@@ -335,11 +352,19 @@ def _rounded(value: Any) -> Any:
     return value
 
 
-def _missing_ranks(data: RunData) -> List[Dict[str, int]]:
+def _missing_ranks(data: RunData) -> List[Dict[str, Any]]:
     """Ranks that stopped reporting before the others and never said goodbye (died, killed),
-    or that the run's world size promised and never reported at all."""
+    or that the run's world size promised and never reported at all; each with its exit status
+    (negative: the signal that killed it) and pid where its launcher saw it end. A one-process
+    run is missing its rank when a signal ended it before its goodbye."""
     world_size = max([h.world_size for h in data.hellos] + [1])
-    if world_size < 2 or not data.ranks:
+    if world_size < 2:
+        status = data.rank_exits.get(0, {})
+        if data.ends or not data.hellos or (status.get("exit_code") or 0) >= 0:
+            return []
+        last = data.ranks[0]["last_step"] if data.ranks else -1
+        return [{"rank": 0, "from_step": last + 1, **status}]
+    if not data.ranks:
         return []
     said_goodbye = {end.rank for end in data.ends}
     last_step = {rank: -1 for rank in range(world_size)}  # -1: no step from that rank
@@ -349,7 +374,8 @@ def _missing_ranks(data: RunData) -> List[Dict[str, int]]:
     # collector saw it go first; the survivors a launcher then stops are not the cause).
     # Without that record: no goodbye and fewer steps than the others sent.
     lost = set(data.lost_ranks)
-    return [{"rank": rank, "from_step": step + 1} for rank, step in sorted(last_step.items())
+    return [{"rank": rank, "from_step": step + 1, **data.rank_exits.get(rank, {})}
+            for rank, step in sorted(last_step.items())
             if rank not in said_goodbye and (rank in lost if lost else step < last)]
 
 

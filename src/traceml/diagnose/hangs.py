@@ -11,7 +11,12 @@ or, before its first step ends (imports, loading, a first compilation), for FIRS
 Evaluation, a checkpoint save and a compilation that its stack shows are not stalls. The
 finding tells the ranks that wait in a collective from those that never came (what they do
 instead: their line, or a DataLoader wait), and from those that are gone (the connection
-dropped without a goodbye) or frozen (connected, but no pulse for SENDER_SILENT_S).
+dropped without a goodbye) or frozen (connected, but no pulse for SENDER_SILENT_S). Where the
+ranks' counts of issued collectives differ, it says which rank is behind and by how many.
+
+RANK_LOST is the end-of-run twin for a rank that died: it ended without a goodbye (SIGKILL from
+the out-of-memory killer or a scheduler, a crash in native code), named with the exit status its
+launcher saw (traceml.agent) and what that status usually means.
 """
 from __future__ import annotations
 
@@ -88,7 +93,10 @@ def find_hang(ranks: List[RankProgress], now_unix_s: float, hang_after_s: float 
               or (place["stalled"] and place["state"] != "collective")]
     longest_s = max(place["stalled_s"] for place in stalled)
     parts = [_told(place) for place in absent] + [_told(place) for place in waiting]
-    if waiting and not absent:
+    behind = _collectives_behind(places)
+    if behind:
+        parts.append(behind)
+    elif waiting and not absent:
         parts.append("every stalled rank waits in a collective: they called different ones, or one "
                      "called it fewer times")
     culprit = absent[0]["rank"] if absent else None
@@ -118,7 +126,11 @@ def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Di
         "phase": pulse.phase if fresh else None, "waiting_in": (pulse.waiting_in or None) if fresh else None,
         "stack": [f"{f}:{line} {function}" for f, line, function in pulse.stack] if fresh else [],
         "innermost": pulse.innermost if fresh else None,
-        "where": _where(pulse) if fresh else None, "stalled": False, "state": "stepping"}
+        "where": _where(pulse) if fresh else None, "stalled": False, "state": "stepping",
+        "collectives_issued": pulse.collectives_issued if fresh and pulse.collectives_issued >= 0 else None}
+    if fresh and pulse.loader_worker >= 0:
+        place["loader_worker"] = {"worker": pulse.loader_worker, "pid": pulse.loader_worker_pid,
+                                  "state": pulse.loader_worker_state}
     if progress.said_goodbye:
         place["state"] = "ended"
         return place
@@ -161,7 +173,13 @@ def _told(place: Dict[str, Any]) -> str:
         phase = f" from {place['phase']}" if place["phase"] not in (None, "in step", "outside") else ""
         return f"rank {rank} waits in {place['waiting_in']}{phase}{at} for {place['stalled_s']:.0f} s"
     if state == "input":
-        return f"rank {rank} is in a DataLoader wait{at}"
+        worker = place.get("loader_worker")
+        owed = ""
+        if worker:
+            status = ", ".join(filter(None, (f"pid {worker['pid']}" if worker["pid"] else "", worker["state"])))
+            owed = (f": its worker {worker['worker']}{f' ({status})' if status else ''} has not handed "
+                    f"over the batch it owes for {place['stalled_s']:.0f} s")
+        return f"rank {rank} is in a DataLoader wait{at}{owed}"
     if state == "gone":
         alive = place.get("alive")
         status = "" if alive is None else (", its process still runs" if alive else ", its process is gone")
@@ -174,9 +192,33 @@ def _told(place: Dict[str, Any]) -> str:
     return f"rank {rank} is {state}"
 
 
+def _collectives_behind(places: List[Dict[str, Any]]) -> str:
+    """"rank 1 has issued 1 collective fewer than rank 0 (40 against 41)", where the counts the
+    pulses carry differ; "" where they agree or are unknown."""
+    counts = {place["rank"]: place["collectives_issued"] for place in places
+              if place["collectives_issued"] is not None and place["state"] not in ("gone", "ended")}
+    if len(set(counts.values())) < 2:
+        return ""
+    most = max(counts.values())
+    ahead = _ranks_text([rank for rank, count in counts.items() if count == most])
+    told = []
+    for rank, count in counts.items():
+        if count < most:
+            fewer = most - count
+            told.append(f"rank {rank} has issued {fewer} collective{'s' if fewer > 1 else ''} fewer than "
+                        f"{ahead} ({count} against {most})")
+    return "; ".join(told)
+
+
 def _action(absent: List[Dict[str, Any]], waiting: List[Dict[str, Any]]) -> str:
     if absent:
         first = absent[0]
+        if first["state"] == "input":
+            worker_pid = (first.get("loader_worker") or {}).get("pid") or "<its worker's pid>"
+            return (f"Look at rank {first['rank']}'s Dataset: a worker that hands nothing over is stuck in "
+                    "__getitem__ or collate (a file or socket that never answers, a lock taken before "
+                    f"the fork). `py-spy dump --pid {worker_pid}` shows where; the DataLoader's "
+                    "`timeout=` turns such a wait into an error.")
         look = f"rank {first['rank']}'s {first['where']}" if first["where"] else f"rank {first['rank']}"
         return (f"Look at {look}: the other ranks wait for it in a collective it has not reached. "
                 f"`py-spy dump --pid {first['pid']}` shows every thread's stack; a rank that died needs its "
@@ -203,3 +245,70 @@ def _alive(pid: int, host: str) -> Optional[bool]:
 
 def _ranks_text(ranks: List[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+# What a rank's end without a goodbye usually means, by the signal that ended it.
+_CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT")
+_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+
+def rank_lost(missing: List[Dict[str, Any]], exits: Dict[int, Dict[str, int]],
+              world_size: int) -> Optional[Finding]:
+    """RANK_LOST for the ranks that ended without a goodbye (summary's missing_ranks, each with
+    the exit status its launcher saw where one did); exits: every failed rank's status, to tell
+    the ranks the launcher stopped after the first one died. None when no rank went missing."""
+    if not missing:
+        return None
+    first = missing[0]
+    who = f"rank {first['rank']}" if world_size > 1 else "the training process"
+    exit_code = first.get("exit_code")
+    signal = signal_name(exit_code)
+    last_step = first["from_step"] - 1
+    # Its last ~100 ms of records were still in its sender when it died: "after", not "at".
+    after = f"some time after step {last_step} (the last it reported)" if last_step >= 0 else \
+        "before it reported a step"
+    how = (f"killed by {signal} (exit status {exit_code})" if signal else
+           f"exit status {exit_code}" if exit_code is not None else "its exit status was not seen here")
+    summary = f"{who} ended without a goodbye {after}: {how}"
+    others = [entry["rank"] for entry in missing[1:]]
+    if others:
+        summary += f"; {_ranks_text(others)} too"
+    gone = {entry["rank"] for entry in missing}
+    stopped = sorted(rank for rank, status in exits.items()
+                     if rank not in gone and signal_name(status.get("exit_code")) in _STOP_SIGNALS)
+    if stopped:
+        summary += f"; {_ranks_text(stopped)} then stopped by the launcher"
+    if signal == "SIGKILL":
+        action = ("Nothing in a process can catch SIGKILL: on Linux it comes from the kernel's out-of-memory "
+                  "killer (`dmesg -T | grep -i 'killed process'` on its host says so) or from a scheduler "
+                  "past a memory or time limit (its log says so). Compare the host RSS above with the "
+                  "node's memory, and each DataLoader worker's share of it.")
+    elif signal in _CRASH_SIGNALS:
+        action = (f"{signal} is a crash in native code (an extension, a kernel launch, a library the "
+                  "DataLoader's workers use): run with PYTHONFAULTHANDLER=1 to get the Python stack "
+                  "at the crash, or under `gdb -ex run --args python ...` for the native one.")
+    elif signal is not None:
+        action = (f"{signal} came from outside the process: a scheduler's preemption or time limit, or a "
+                  "user. Its log says which; save checkpoints often enough to lose little to it.")
+    elif exit_code is not None:
+        action = ("It exited without running Python's exit handlers: os._exit(), or a library that "
+                  "calls exit() in C. Its own output, above the card, says why.")
+    else:
+        action = ("Its node's launcher output has its exit status (torch.distributed.run prints every "
+                  "failed rank's); a SIGKILL there is most often the out-of-memory killer.")
+    return Finding(kind="RANK_LOST", severity="crit", summary=summary, action=action, rank=first["rank"],
+                   evidence={"rank": first["rank"], "last_step": last_step, "exit_code": exit_code,
+                             "signal": signal, "pid": first.get("pid"),
+                             "ranks_lost": len(missing), "ranks_stopped_after": len(stopped)})
+
+
+def signal_name(exit_code: Optional[int]) -> Optional[str]:
+    """"SIGKILL" for a process killed by signal 9 (exit status -9); None for a plain exit."""
+    if exit_code is None or exit_code >= 0:
+        return None
+    import signal
+
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"

@@ -109,6 +109,26 @@ class LoaderWatch:
                 worker_cpu_wait_s=sum(wait_s for _, wait_s in watched.times_by_worker.values())))
         return out
 
+    def awaited_worker(self) -> Optional[Tuple[int, int, str]]:
+        """While the training thread waits for a batch (a stall's pulse asks): the worker that
+        owes it, as (worker id, pid, state: "sleeping", "running", "disk wait", "gone", ...);
+        None when no noted iterator with workers is owed one."""
+        with self._lock:
+            watching = [watched.ref() for watched in self._watched]
+        for iterator in reversed(watching):  # the newest iterator first: the one a loop is in
+            if iterator is None or not getattr(iterator, "_num_workers", 0):
+                continue
+            # The batch the iterator hands over next, and the worker it was sent to: its task
+            # holds (worker id,) until the batch comes back.
+            task = getattr(iterator, "_task_info", {}).get(getattr(iterator, "_rcvd_idx", -1))
+            if not task or len(task) != 1:
+                continue
+            worker_id = int(task[0])
+            workers = getattr(iterator, "_workers", ())
+            pid = workers[worker_id].pid if worker_id < len(workers) else 0
+            return worker_id, pid or 0, process_state(pid) if pid else ""
+        return None
+
     def _read(self, watched: _Watched) -> bool:
         """Read the iterator's batch count (and, once, its configuration and workers); False
         when it has not handed a batch over since the last reading (or is gone)."""
@@ -159,8 +179,7 @@ def worker_times(pid: int) -> Optional[Tuple[float, float]]:
     once it has ended. From /proc on Linux, checking that it is still this process's child (a
     pid is reused); elsewhere the CPU time from psutil, and no waiting known."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
+        fields = _stat_fields(pid)
     except FileNotFoundError:
         return None
     except OSError:  # no /proc: another system
@@ -174,6 +193,28 @@ def worker_times(pid: int) -> Optional[Tuple[float, float]]:
     except (OSError, IndexError, ValueError):
         wait_s = 0.0
     return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S, wait_s
+
+
+# /proc/PID/stat's state letters, as a stall's finding words them.
+_STATES = {"R": "running", "S": "sleeping", "D": "disk wait", "Z": "gone", "X": "gone", "T": "stopped",
+           "t": "stopped"}
+
+
+def process_state(pid: int) -> str:
+    """A process's state as the kernel gives it ("sleeping", "running", "disk wait", "gone"); ""
+    where it cannot be read."""
+    try:
+        return _STATES.get(_stat_fields(pid)[0].decode(), "")
+    except FileNotFoundError:
+        return "gone"
+    except (OSError, IndexError):
+        return ""
+
+
+def _stat_fields(pid: int) -> List[bytes]:
+    """/proc/PID/stat's fields after the command name: state, parent pid, ... (OSError without it)."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        return stat.read().rsplit(b")", 1)[1].split()
 
 
 def _psutil_cpu_s(pid: int) -> Optional[float]:

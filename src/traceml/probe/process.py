@@ -262,7 +262,7 @@ def _create_probe(model: Any) -> StepProbe:
     sender.span_record = probe.span_record
     sender.steps_ended = lambda: probe.step_index
     # Made where the training runs: its thread is the one whose stack a stall reports.
-    sender.pulses = PulseWatch(probe.rank, probe, threading.get_ident())
+    sender.pulses = PulseWatch(probe.rank, probe, threading.get_ident(), loaders=sender.loaders)
     if timeline is not None:
         timeline.record_from = probe.record_from
         probe.syncs = _host_sync_sampler(probe)

@@ -8,7 +8,10 @@ that steps costs one integer comparison a flush.
 
 What the stack says is read here too, where the frames are: a torch.distributed collective
 being waited in, a DataLoader wait, a checkpoint save or a compilation (the hang rule leaves
-those alone), and which frames are the user's own.
+those alone), and which frames are the user's own. With it go two figures that tell why: the
+collectives the rank has issued (its default process group's sequence number, which counts
+DDP's and FSDP's own as well as the script's), and, in a DataLoader wait, the worker that owes
+the batch and its state (probe/loaders.py).
 """
 from __future__ import annotations
 
@@ -43,8 +46,10 @@ class PulseWatch:
     probe: the StepProbe (its step count, open phase, evaluation flag); thread_id: the
     training thread's ident."""
 
-    def __init__(self, rank: int, probe: Any, thread_id: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, rank: int, probe: Any, thread_id: int, loaders: Any = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.rank, self.probe, self.thread_id, self._clock = rank, probe, thread_id, clock
+        self.loaders = loaders  # the sender's probe.loaders.LoaderWatch, for the worker a wait is on
         self._steps_seen = -1
         self._progress_at = clock()
         self._pulsed_at: Optional[float] = None
@@ -68,10 +73,14 @@ class PulseWatch:
         frames = _frames(frame)
         waiting_in, activity = _read(frames)
         innermost = f"{os.path.basename(frames[0][0])}:{frames[0][1]} {frames[0][2]}" if frames else ""
+        worker = self.loaders.awaited_worker() if waiting_in == "DataLoader" and self.loaders else None
+        worker_id, worker_pid, worker_state = worker or (-1, 0, "")
         return RankPulse(rank=self.rank, unix_s=time.time(), steps_ended=steps,
                          since_progress_s=round(since_progress_s, 3), phase=activity or self._phase(),
                          stack=[frame for frame in frames if is_user_frame(frame[0])][:STACK_FRAMES],
-                         innermost=innermost, waiting_in=waiting_in, pid=os.getpid())
+                         innermost=innermost, waiting_in=waiting_in, pid=os.getpid(),
+                         collectives_issued=collectives_issued(), loader_worker=worker_id,
+                         loader_worker_pid=worker_pid, loader_worker_state=worker_state)
 
     def _phase(self) -> str:
         probe = self.probe
@@ -85,6 +94,18 @@ class PulseWatch:
 
         names = {getattr(step, name): word for name, word in _PHASE_NAMES.items()}
         return names.get(getattr(probe, "open_phase", step.NO_PHASE), "in step")
+
+
+def collectives_issued() -> int:
+    """The collectives issued on the default process group so far, -1 when there is none. Read
+    from its sequence number, a counter the backend keeps (gloo and NCCL alike)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_initialized():
+            return -1
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except Exception:  # a backend without the counter, or a group being torn down
+        return -1
 
 
 def _frames(frame: Any) -> List[Tuple[str, int, str]]:

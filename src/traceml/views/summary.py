@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from traceml.analysis.goodput import goodput_text
 from traceml.analysis.rollup import comm_wait_parts
+from traceml.diagnose.hangs import signal_name
 from traceml.records import ALL_PHASES, OVERLAPPING_PHASES, STEP_PHASES
 from traceml.words import counted, every, size
 
@@ -106,8 +107,11 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     if summary.get("mesh"):
         facts.add_row("Mesh", mesh_text(summary["mesh"]))
     for missing in summary["missing_ranks"]:
+        signal = signal_name(missing.get("exit_code"))
+        how = (f"killed by {signal}" if signal else f"exit status {missing['exit_code']}"
+               if missing.get("exit_code") is not None else "died or killed")
         facts.add_row("Missing", f"[bold red]rank {missing['rank']} from step {missing['from_step']}[/]"
-                                 " (stopped reporting without a goodbye: died or killed)")
+                                 f" (stopped reporting without a goodbye: {how})")
     if steps["records_dropped"]:
         facts.add_row("Dropped", f"[yellow]{steps['records_dropped']} records dropped (buffer full "
                                  f"or collector unreachable)[/]")
