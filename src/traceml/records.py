@@ -2,7 +2,8 @@
 
 A frame on the wire is a fixed header (magic, version, payload length) followed by a
 msgpack payload: a list of tagged records, each encoded as an array (field order is part of
-the wire version, so a field is only ever appended, with a default). The collector rejects a frame with the wrong
+the wire version, so a field is only ever appended, with a default; the store reads a field
+added after a run was written as its default, collector/store.py). The collector rejects a frame with the wrong
 magic or version, or one larger than MAX_FRAME_BYTES, by closing that connection only.
 """
 

@@ -72,8 +72,22 @@ CREATE INDEX IF NOT EXISTS scalars_by_name ON scalars (name, step);
 """
 
 
+# The store's layout, kept in the file (SQLite's user_version). 1: every store before the number
+# was kept (0 in the file). 2: the number kept. A record's field is only ever appended, with a
+# default (records.py): a store written before a field was added reads it as that default, and a
+# column a newer layout dropped is not read. Raise the number when a table's meaning changes.
+STORE_LAYOUT = 2
+# The tables whose rows are a record's fields, one column each, and the record.
+_COLUMNAR = {"steps": STEP_COLUMNS, "rolled": ROLLED_COLUMNS,
+             "system": [field for field in msgspec.structs.fields(SystemSample) if field.name != "gpus"]}
+
+
 class StoreFull(Exception):
     """Some records did not fit in the store (a full disk); the rest were kept."""
+
+
+class StoreTooNew(ValueError):
+    """The store was written by a newer TraceML, in a layout this one cannot read."""
 
 
 class Store:
@@ -93,6 +107,7 @@ class Store:
         self._reserve: Optional[Path] = None  # room held for folding the log when the disk fills
         if readonly:
             self._db = _connect_readonly(path)
+            self._columns = self._read_layout()
             return
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         if path != ":memory:":
@@ -105,12 +120,43 @@ class Store:
             self._db.execute(f"PRAGMA journal_size_limit={WAL_PAGES * 4096}")
             reserve = Path(path + "-reserve")
             self._reserve = reserve if rundir.hold_room(reserve, WAL_PAGES * 4096) else None
+        self._read_layout()  # a newer TraceML's store is refused before anything is written to it
         self._db.executescript(_SCHEMA)
+        self._add_new_columns()
+        self._db.execute(f"PRAGMA user_version={STORE_LAYOUT}")
+        self._columns = self._read_layout()
         self._db.execute("BEGIN")
         self._step_insert = (f"INSERT OR REPLACE INTO steps ({', '.join(_STEP_NAMES)}) "
                              f"VALUES ({', '.join('?' * len(_STEP_NAMES))})")
         self._system_insert = (f"INSERT INTO system ({', '.join(_SYSTEM_NAMES)}, gpus) "
                                f"VALUES ({', '.join('?' * (len(_SYSTEM_NAMES) + 1))})")
+
+    # -- the layout --------------------------------------------------------------------------
+    def _read_layout(self) -> Dict[str, str]:
+        """Check the file's layout; per columnar table, the SELECT list that gives its record's
+        fields in order, with the default of a field the file has no column for."""
+        layout = self._db.execute("PRAGMA user_version").fetchone()[0] or 1
+        if layout > STORE_LAYOUT:
+            raise StoreTooNew(f"{self.path} was written by a newer TraceML (store layout {layout}; this "
+                              f"TraceML {_version()} reads up to {STORE_LAYOUT}): upgrade TraceML to open it")
+        selects = {}
+        for table, fields in _COLUMNAR.items():
+            present = self._table_columns(table)
+            selects[table] = ", ".join(field.name if field.name in present or not present
+                                       else f"{_sql_literal(field)} AS {field.name}" for field in fields)
+        return selects
+
+    def _table_columns(self, table: str) -> set:
+        return {row[1] for row in self._db.execute(f"PRAGMA table_info({table})").fetchall()}
+
+    def _add_new_columns(self) -> None:
+        """A store from before a field was added, opened to write: the field's column, empty."""
+        for table, fields in _COLUMNAR.items():
+            present = self._table_columns(table)
+            for field in fields:
+                if field.name not in present:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {field.name} {_sql_type(field)} "
+                                     f"DEFAULT {_sql_literal(field)}")
 
     # -- writing ----------------------------------------------------------------------------
     # Everything written since the last commit is also kept in memory, in chunks of at most
@@ -292,27 +338,27 @@ class Store:
 
     def steps(self) -> List[StepRecord]:
         return [StepRecord(*row) for row in self._rows(
-            f"SELECT {', '.join(_STEP_NAMES)} FROM steps ORDER BY step, rank")]
+            f"SELECT {self._columns['steps']} FROM steps ORDER BY step, rank")]
 
     def rolled_steps(self) -> List[RolledStep]:
         return [RolledStep(*row) for row in self._rows(
-            f"SELECT {', '.join(_ROLLED_NAMES)} FROM rolled ORDER BY step")]
+            f"SELECT {self._columns['rolled']} FROM rolled ORDER BY step")]
 
     def steps_at(self, steps: Sequence[int]) -> List[StepRecord]:
         """Every rank's records of these steps, in step then rank order."""
         return [StepRecord(*row) for row in self._rows(
-            f"SELECT {', '.join(_STEP_NAMES)} FROM steps WHERE step IN ({', '.join('?' * len(steps))}) "
+            f"SELECT {self._columns['steps']} FROM steps WHERE step IN ({', '.join('?' * len(steps))}) "
             f"ORDER BY step, rank", list(steps))]
 
     def steps_every(self, every: int) -> List[StepRecord]:
         """The records of every `every`-th step (a sample of a long run), in step then rank order."""
         return [StepRecord(*row) for row in self._rows(
-            f"SELECT {', '.join(_STEP_NAMES)} FROM steps WHERE step % ? = 0 ORDER BY step, rank", (every,))]
+            f"SELECT {self._columns['steps']} FROM steps WHERE step % ? = 0 ORDER BY step, rank", (every,))]
 
     def steps_between(self, first: int, last: int) -> List[StepRecord]:
         """The records of steps first to last, in rank then step order."""
         return [StepRecord(*row) for row in self._rows(
-            f"SELECT {', '.join(_STEP_NAMES)} FROM steps WHERE step BETWEEN ? AND ? ORDER BY rank, step",
+            f"SELECT {self._columns['steps']} FROM steps WHERE step BETWEEN ? AND ? ORDER BY rank, step",
             (first, last))]
 
     def step_fields(self, rank: int, since_step: int, fields: Sequence[str]) -> List[tuple]:
@@ -321,7 +367,8 @@ class Store:
         unknown = set(fields) - set(_STEP_NAMES)
         if unknown:
             raise ValueError(f"not step fields: {sorted(unknown)}")
-        return self._rows(f"SELECT step, {', '.join(fields)} FROM steps WHERE rank = ? AND step >= ? "
+        by_name = dict(zip(_STEP_NAMES, self._columns["steps"].split(", ")))
+        return self._rows(f"SELECT step, {', '.join(by_name[name] for name in fields)} FROM steps WHERE rank = ? AND step >= ? "
                           f"ORDER BY step", (rank, since_step))
 
     def ranks(self) -> List[int]:
@@ -359,6 +406,10 @@ class Store:
         """One series' rows from step low to high summed into buckets of `bucket` steps counted
         from step `first`: (slot, *figures) per bucket, the figures of BUCKET_FIGURES[table]."""
         figures = ", ".join(sql for sql, _ in BUCKET_FIGURES[table])
+        if table == "steps":  # an older store's missing column reads as its default
+            for name, select in zip(_STEP_NAMES, self._columns["steps"].split(", ")):
+                if select != name:
+                    figures = figures.replace(f"({name})", f"({select.split(' AS ')[0]})")
         return self._rows(f"SELECT (step - ?) / ?, {figures} FROM {table} "
                           f"WHERE {SERIES[table]} = ? AND step BETWEEN ? AND ? GROUP BY 1",
                           (first, bucket, key, low, high))
@@ -399,7 +450,7 @@ class Store:
             (first, last))]
 
     def latest_system(self) -> Optional[SystemSample]:
-        rows = self._rows(f"SELECT {', '.join(_SYSTEM_NAMES)}, gpus FROM system ORDER BY rowid DESC LIMIT 1")
+        rows = self._rows(f"SELECT {self._columns['system']}, gpus FROM system ORDER BY rowid DESC LIMIT 1")
         return _system_sample(rows[0]) if rows else None
 
     def system_buckets(self, first_row: int, per_bucket: int) -> List[Tuple[SystemSample, int]]:
@@ -442,7 +493,7 @@ class Store:
 
     def system_samples(self) -> List[SystemSample]:
         return [_system_sample(row) for row in self._rows(
-            f"SELECT {', '.join(_SYSTEM_NAMES)}, gpus FROM system ORDER BY unix_s")]
+            f"SELECT {self._columns['system']}, gpus FROM system ORDER BY unix_s")]
 
     def layer_reports(self) -> List[LayerReport]:
         return self._decoded("SELECT report FROM layer_reports ORDER BY rank", LayerReport)
@@ -486,6 +537,27 @@ class Store:
             rows = self._db.execute("SELECT key, value FROM meta").fetchall()
         return {key: json.loads(value) for key, value in rows}
 
+
+
+def _sql_literal(field: Any) -> str:
+    """A field's default as SQL: what an older store reads for a column it lacks."""
+    default = field.default
+    if default is msgspec.NODEFAULT or default is None:
+        return "NULL"
+    if isinstance(default, bool):
+        return str(int(default))
+    if isinstance(default, (int, float)):
+        return repr(default)
+    return "'" + str(default).replace("'", "''") + "'"
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("traceml")
+    except Exception:  # not installed (run from a source tree)
+        return "here"
 
 
 def _system_sample(row: tuple) -> SystemSample:
