@@ -22,7 +22,7 @@ import pytest
 
 from conftest import TRAIN_LOOP, _env
 from test_web import get, read_url
-from traceml.views.summary import PHASE_LABELS
+from traceml.views.summary import PHASE_LABELS, SEVERITY_COLOURS
 
 ROOT = Path(__file__).parent.parent
 ARTIFACTS = Path(os.environ.get("TRACEML_ARTIFACTS", ROOT / "test-artifacts"))
@@ -81,6 +81,8 @@ dist.barrier()
 
 # Everything a person reads on each chart: its data, its axes, and where its words are drawn.
 LOOK_JS = """() => {
+  const severityColours = Object.fromEntries(['crit', 'warn', 'info'].map(
+    (s) => [s, getComputedStyle(document.documentElement).getPropertyValue('--' + s).trim()]));
   const box = (e) => { const b = e.getBoundingClientRect(); return { l: b.left, t: b.top, r: b.right, b: b.bottom }; };
   const charts = [];
   for (const div of document.querySelectorAll('.js-plotly-plot')) {
@@ -135,7 +137,7 @@ LOOK_JS = """() => {
     }
   }
   const text = (id) => (document.getElementById(id) || {}).textContent || '';
-  return { charts, overflows, page_width: document.documentElement.scrollWidth, window_width: window.innerWidth,
+  return { charts, overflows, severity_colours: severityColours, page_width: document.documentElement.scrollWidth, window_width: window.innerWidth,
            live: text('live-status'), steps_seen: Number(text('steps-seen')), rank_verdict: text('rank-verdict'),
            phases_note: text('chart-phases-note'), heatmap_note: text('chart-rank-heatmap-note'),
            rank_memory: Array.from(document.querySelectorAll('#rank-memory tbody tr')).map((r) => r.textContent) };
@@ -412,6 +414,7 @@ def test_traceml_view_of_the_run_reads_as_it_should(straggler, viewed, width):
             "chart-system", "chart-system-memory"} <= ids
     problems = page_problems(look, straggler.facts)
     assert not problems, "\n".join(problems)
+    assert look["severity_colours"] == dict(SEVERITY_COLOURS)  # the server's, not the page's own
 
 
 def test_the_ranks_panel_shows_the_straggler_at_a_glance(straggler, viewed):

@@ -22,6 +22,8 @@ _MAGIC = b"TM"
 STEP_PHASES = ("input_wait", "outside", "h2d", "forward", "backward", "optimizer", "untraced")
 # The model's own work; its share decides COMPUTE_BOUND.
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
+# The phases the probe times itself (on the device, under CUDA), in the order of its step layout.
+TIMED_PHASES = ("h2d",) + COMPUTE_PHASES
 # Garbage-collector pauses overlap the phases above: reported beside them, never added.
 OVERLAPPING_PHASES = ("gc",)
 ALL_PHASES = STEP_PHASES + OVERLAPPING_PHASES
@@ -435,11 +437,67 @@ class RankPulse(msgspec.Struct, tag="pulse", array_like=True):
     loader_worker_state: str = ""
 
 
+try:
+    from enum import StrEnum
+except ImportError:  # Python before 3.11: the same, by hand
+    from enum import Enum
+
+    class StrEnum(str, Enum):  # type: ignore[no-redef]
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return str.__format__(str(self.value), spec)
+
+
+class FindingKind(StrEnum):
+    """What a Finding is about: the one list of kinds (README's table says what each means).
+    A member is its own name as a string, so the JSON, the store and /metrics hold plain text."""
+
+    INSUFFICIENT_DATA = "INSUFFICIENT_DATA"
+    INPUT_BOUND = "INPUT_BOUND"
+    H2D_BOUND = "H2D_BOUND"
+    UNTRACED_WORK = "UNTRACED_WORK"
+    GC_PRESSURE = "GC_PRESSURE"
+    COMPUTE_BOUND = "COMPUTE_BOUND"
+    STEP_SPIKES = "STEP_SPIKES"
+    EVAL_HEAVY = "EVAL_HEAVY"
+    CHECKPOINT_STALL = "CHECKPOINT_STALL"
+    RECOMPILATION = "RECOMPILATION"
+    SLOW_STARTUP = "SLOW_STARTUP"
+    HOST_SYNC = "HOST_SYNC"
+    MEMORY_CREEP = "MEMORY_CREEP"
+    MEMORY_PRESSURE = "MEMORY_PRESSURE"
+    INPUT_STRAGGLER = "INPUT_STRAGGLER"
+    COMPUTE_STRAGGLER = "COMPUTE_STRAGGLER"
+    STRAGGLER = "STRAGGLER"
+    COMM_BOUND = "COMM_BOUND"
+    HANG = "HANG"
+    RANK_LOST = "RANK_LOST"
+
+
+# The kinds that name one rank as the others' wait.
+STRAGGLER_KINDS = frozenset((FindingKind.INPUT_STRAGGLER, FindingKind.COMPUTE_STRAGGLER, FindingKind.STRAGGLER))
+
+
+class Severity(StrEnum):
+    """How bad a Finding is; ALERT_SEVERITIES are the ones worth telling someone about."""
+
+    INFO = "info"
+    WARN = "warn"
+    CRIT = "crit"
+
+
+ALERT_SEVERITIES = frozenset((Severity.WARN, Severity.CRIT))
+
+
 class Finding(msgspec.Struct, omit_defaults=False):
     """One diagnosis: what is wrong, by how much, and the next thing to try."""
 
+    # A FindingKind and a Severity; typed as text so that a run with kinds a later TraceML added
+    # still reads.
     kind: str
-    severity: str  # info | warn | crit
+    severity: str
     summary: str
     action: str
     rank: Optional[int] = None

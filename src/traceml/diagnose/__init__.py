@@ -29,13 +29,15 @@ from traceml.diagnose.spikes import WARN_COST_SHARE, Stalls, periodic, planned_w
 from traceml.diagnose.step_time import (MIN_STEPS, compute_bound, gc_pressure, h2d_bound,
                                         input_bound, insufficient_data, untraced_work)
 from traceml.diagnose.stragglers import comm_bound, straggler
-from traceml.records import CompileRecord, Finding, HostSyncSample, LayerCapture, OomRecord, SystemSample
+from traceml.records import (CompileRecord, Finding, FindingKind, HostSyncSample, LayerCapture, OomRecord,
+                             Severity, SystemSample)
 
-SEVERITY_ORDER = {"crit": 0, "warn": 1, "info": 2}
+SEVERITY_ORDER = {Severity.CRIT: 0, Severity.WARN: 1, Severity.INFO: 2}
+MEMORY_KINDS = (FindingKind.MEMORY_CREEP, FindingKind.MEMORY_PRESSURE)
 VERDICT_SHARE = 0.10  # a finding worth less than this share of the run is never the verdict
 # Share-based findings a stall can explain, and what the stall is in their words.
-STALL_CAUSES = {"UNTRACED_WORK": ("outside", "untraced"), "INPUT_BOUND": ("input_wait",),
-                "GC_PRESSURE": ("gc",)}
+STALL_CAUSES = {FindingKind.UNTRACED_WORK: ("outside", "untraced"), FindingKind.INPUT_BOUND: ("input_wait",),
+                FindingKind.GC_PRESSURE: ("gc",)}
 STALL_WORDS = {"outside": "work between steps", "untraced": "untraced work inside the step",
                "input_wait": "waiting for the DataLoader", "gc": "garbage collection"}
 
@@ -109,7 +111,7 @@ def _one_finding_per_cause(shares: List[Finding], stalls: Stalls) -> List[Findin
         # Its share is the part's own time in the stalls, the figure its words add up to.
         cause = next(kind for kind, phases in STALL_CAUSES.items() if stalls.phase in phases)
         share = stalls.phase_cost_share(stalls.phase)
-        base = Finding(kind=cause, severity="warn" if share >= WARN_COST_SHARE else "info",
+        base = Finding(kind=cause, severity=Severity.WARN if share >= WARN_COST_SHARE else Severity.INFO,
                        summary="", action="", evidence={"share": round(share, 4)})
         return shares + [periodic(base, stalls, STALL_WORDS[stalls.phase], stalls.phase)]
     spikes = step_spikes(stalls)
@@ -124,15 +126,15 @@ def worth(finding: Finding) -> float:
 def _group(finding: Finding) -> int:
     if finding.evidence.get("oom"):
         return 0
-    if finding.kind in ("MEMORY_CREEP", "MEMORY_PRESSURE") and finding.severity == "crit":
+    if finding.kind in MEMORY_KINDS and finding.severity == Severity.CRIT:
         return 1
-    if finding.kind == "COMPUTE_BOUND":
+    if finding.kind == FindingKind.COMPUTE_BOUND:
         return 3
-    if finding.kind in ("INSUFFICIENT_DATA", "MEMORY_CREEP", "MEMORY_PRESSURE"):
+    if finding.kind in MEMORY_KINDS or finding.kind == FindingKind.INSUFFICIENT_DATA:
         return 4
-    if finding.kind == "STEP_SPIKES" and finding.evidence.get("machine_wide"):
+    if finding.kind == FindingKind.STEP_SPIKES and finding.evidence.get("machine_wide"):
         return 4  # the machine's, not the run's: the verdict stays what it is on a quiet machine
-    if finding.severity != "info" and worth(finding) >= VERDICT_SHARE:
+    if finding.severity != Severity.INFO and worth(finding) >= VERDICT_SHARE:
         return 2
     return 4
 

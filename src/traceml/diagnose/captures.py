@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-from traceml.records import (CAPTURE_MEMORY, CAPTURE_REGRESSION, CAPTURE_SPIKE, Finding, LayerCapture,
-                             LayerStat)
+from traceml.records import (CAPTURE_MEMORY, CAPTURE_REGRESSION, CAPTURE_SPIKE, Finding, FindingKind,
+                             LayerCapture, LayerStat)
 
 GROWTH_SHARE = 0.3  # a layer grew: this share above its figure before...
 MIN_GROWTH_MS = 0.2  # ... and by at least this much time a step...
@@ -21,9 +21,9 @@ BROAD_SHARE = 0.5  # no layer holding this share of what grew: the whole model r
 # The findings a capture's reason belongs to, the first present taking it; a regression
 # belongs to the verdict, whatever it is.
 FINDINGS_OF = {
-    CAPTURE_SPIKE: ("STEP_SPIKES", "UNTRACED_WORK", "INPUT_BOUND", "GC_PRESSURE", "CHECKPOINT_STALL",
-                    "EVAL_HEAVY"),
-    CAPTURE_MEMORY: ("MEMORY_CREEP", "MEMORY_PRESSURE"),
+    CAPTURE_SPIKE: (FindingKind.STEP_SPIKES, FindingKind.UNTRACED_WORK, FindingKind.INPUT_BOUND,
+                    FindingKind.GC_PRESSURE, FindingKind.CHECKPOINT_STALL, FindingKind.EVAL_HEAVY),
+    CAPTURE_MEMORY: (FindingKind.MEMORY_CREEP, FindingKind.MEMORY_PRESSURE),
 }
 
 

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from traceml.records import Finding, RankPulse
+from traceml.records import (Finding, FindingKind, RankPulse, Severity)
 
 HANG_AFTER_S = 30.0  # the least a rank goes without ending a step before it is stalled
 HANG_STEP_MULTIPLE = 10.0  # ... or this many of its median steps, when longer
@@ -103,7 +103,7 @@ def find_hang(ranks: List[RankProgress], now_unix_s: float, hang_after_s: float 
     summary = (f"no step has ended for {longest_s:.0f} s on {_ranks_text([p['rank'] for p in stalled])}: "
                + "; ".join(parts))
     action = _action(absent, waiting)
-    finding = Finding(kind="HANG", severity="crit", summary=summary, action=action, rank=culprit,
+    finding = Finding(kind=FindingKind.HANG, severity=Severity.CRIT, summary=summary, action=action, rank=culprit,
                       evidence={"stalled_s": round(longest_s, 1), "stalled_ranks": len(stalled),
                                 "waiting_ranks": len(waiting), "culprit_rank": culprit,
                                 "where": absent[0]["where"] if absent else waiting[0]["where"]})
@@ -296,7 +296,7 @@ def rank_lost(missing: List[Dict[str, Any]], exits: Dict[int, Dict[str, int]],
     else:
         action = ("Its node's launcher output has its exit status (torch.distributed.run prints every "
                   "failed rank's); a SIGKILL there is most often the out-of-memory killer.")
-    return Finding(kind="RANK_LOST", severity="crit", summary=summary, action=action, rank=first["rank"],
+    return Finding(kind=FindingKind.RANK_LOST, severity=Severity.CRIT, summary=summary, action=action, rank=first["rank"],
                    evidence={"rank": first["rank"], "last_step": last_step, "exit_code": exit_code,
                              "signal": signal, "pid": first.get("pid"),
                              "ranks_lost": len(missing), "ranks_stopped_after": len(stopped)})

@@ -10,7 +10,7 @@ import msgspec
 
 from traceml.analysis.ledger import PART_WORDS, part_bytes
 from traceml.analysis.rollup import Window
-from traceml.records import Finding, OomRecord, RankHello, SystemSample
+from traceml.records import (Finding, FindingKind, OomRecord, RankHello, Severity, SystemSample)
 from traceml.words import counted
 
 MIN_POINTS = 20  # steps of memory readings before a trend can be called
@@ -142,7 +142,7 @@ def memory_creep(window: Window, limits: MemoryLimits, layers_alive: Optional[Li
     # settling (a busy machine's RSS drifts by a few percent; a kept graph doubles it).
     soon = oom_step is not None and oom_step - steps[-1] <= OOM_SOON_WINDOWS * (steps[-1] - steps[0])
     fast = oom_step is not None and held[-1] and growth >= CRIT_GROWTH_SHARE * held[-1]
-    return Finding(kind="MEMORY_CREEP", severity="crit" if soon or fast else "warn",
+    return Finding(kind=FindingKind.MEMORY_CREEP, severity=Severity.CRIT if soon or fast else Severity.WARN,
                    summary=summary, action=PART_ADVICE.get(part or "rest", LEAK_CAUSES), evidence=evidence)
 
 
@@ -194,7 +194,7 @@ def memory_pressure(window: Window, limits: MemoryLimits, peak_device_bytes: Opt
         summary += f"; the largest part is {PART_WORDS[part]}: {_gib(size)}, {share:.0%} of rank {row['rank']}'s"
         action = "One larger batch or sequence will not fit. " + PART_ADVICE[part]
         evidence.update(largest_part=part, largest_part_bytes=size, largest_part_rank=row["rank"])
-    return Finding(kind="MEMORY_PRESSURE", severity="crit" if ratio >= PRESSURE_CRIT else "warn",
+    return Finding(kind=FindingKind.MEMORY_PRESSURE, severity=Severity.CRIT if ratio >= PRESSURE_CRIT else Severity.WARN,
                    summary=summary, action=action, evidence=evidence)
 
 
@@ -215,7 +215,7 @@ def out_of_memory(oom: OomRecord, limits: MemoryLimits) -> Finding:
     if largest:
         summary += f"; largest layers by saved activations: {largest}"
     return Finding(
-        kind="MEMORY_PRESSURE", severity="crit", summary=summary, rank=oom.rank,
+        kind=FindingKind.MEMORY_PRESSURE, severity=Severity.CRIT, summary=summary, rank=oom.rank,
         action=("Lower the memory of that phase: a smaller micro-batch with gradient "
                 "accumulation, activation checkpointing on the largest layers, mixed precision; "
                 "if reserved is far above allocated, fragmentation: set "

@@ -7,7 +7,7 @@ from collections import Counter
 from typing import List, Optional, Sequence, Tuple
 
 from traceml.analysis.goodput import Goodput
-from traceml.records import CompileRecord, Finding
+from traceml.records import (CompileRecord, Finding, FindingKind, Severity)
 from traceml.words import counted
 
 STARTUP_LINE = 0.20  # startup at this share of a run ...
@@ -106,7 +106,7 @@ def recompilations(compiles: Sequence[CompileRecord], after_step: int, run_ms: f
     if len(reasons) > 1:
         summary += f" (and {counted(len(reasons) - 1, 'other reason')})"
     return Finding(
-        kind="RECOMPILATION", severity="crit" if share >= RECOMPILE_CRIT else "warn",
+        kind=FindingKind.RECOMPILATION, severity=Severity.CRIT if share >= RECOMPILE_CRIT else Severity.WARN,
         summary=summary,
         action=(f"{action[0].upper()}{action[1:]}. Each recompilation stops the step to compile "
                 "again; past torch._dynamo.config.recompile_limit (8 by default) torch stops "
@@ -133,7 +133,7 @@ def slow_startup(goodput: Optional[Goodput]) -> Optional[Finding]:
                                                          and slowest else "")
                           for key, words, value in told if value >= 0.05)
     return Finding(
-        kind="SLOW_STARTUP", severity="crit" if share >= STARTUP_CRIT else "warn",
+        kind=FindingKind.SLOW_STARTUP, severity=Severity.CRIT if share >= STARTUP_CRIT else Severity.WARN,
         summary=(f"startup takes {goodput.seconds('startup'):.1f} s, {share:.0%} of the run, before "
                  f"the first step" + (f": {described}" if described else "")),
         action=STARTUP_ACTIONS[largest],

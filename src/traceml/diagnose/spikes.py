@@ -22,7 +22,8 @@ import msgspec
 
 from traceml.analysis.goodput import Goodput
 from traceml.analysis.rollup import Window
-from traceml.records import ALL_PHASES, STEP_PHASES, Finding, RolledStep, SystemSample
+from traceml.records import (ALL_PHASES, STEP_PHASES, Finding, FindingKind, RolledStep, Severity,
+                             SystemSample)
 from traceml.words import counted, every, times
 
 MIN_Z = 6.0  # robust z-score (median and MAD) a step must pass to be slow
@@ -270,7 +271,7 @@ def step_spikes(stalls: Stalls) -> Optional[Finding]:
                    f"the run's time")
         action = (BIGGER_INPUT_ACTION if stalls.bigger_inputs
                   else ACTIONS.get(phase, DEFAULT_ACTION.format(phase=phase)))
-    return Finding(kind="STEP_SPIKES", severity="warn" if cost >= WARN_COST_SHARE else "info",
+    return Finding(kind=FindingKind.STEP_SPIKES, severity=Severity.WARN if cost >= WARN_COST_SHARE else Severity.INFO,
                    summary=summary, action=action, evidence=evidence)
 
 
@@ -302,8 +303,8 @@ def planned_work(window: Window, goodput: Optional[Goodput] = None) -> List[Find
     found = []
     run_ms = goodput.wall_s * 1e3 if goodput is not None else window.total_ms
     for kind, name, part, line, what, action in (
-            ("EVAL_HEAVY", "eval", "evaluation", EVAL_LINE, "evaluation", EVAL_ACTION),
-            ("CHECKPOINT_STALL", "checkpoint", "checkpoint", CHECKPOINT_LINE, "a checkpoint save",
+            (FindingKind.EVAL_HEAVY, "eval", "evaluation", EVAL_LINE, "evaluation", EVAL_ACTION),
+            (FindingKind.CHECKPOINT_STALL, "checkpoint", "checkpoint", CHECKPOINT_LINE, "a checkpoint save",
              CHECKPOINT_ACTION)):
         figure = f"{name}_ms"
         if goodput is not None:
@@ -324,7 +325,7 @@ def planned_work(window: Window, goodput: Optional[Goodput] = None) -> List[Find
                      if elsewhere_ms >= PLANNED_ELSEWHERE_SHARE * share * run_ms else "")
         inside = sum(s.untraced_ms >= 0.8 * getattr(s, figure) for s in occurrences) > len(occurrences) / 2
         where = "inside the step" if inside else "between steps"
-        severity = "crit" if share >= 2 * line else "warn" if share >= line else "info"
+        severity = Severity.CRIT if share >= 2 * line else Severity.WARN if share >= line else Severity.INFO
         outliers = [{"step": occurrences[i].step, "ms": round(durations_ms[i], 3)} for i in outlier_indexes]
         found.append(Finding(
             kind=kind, severity=severity,

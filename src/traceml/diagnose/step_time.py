@@ -7,7 +7,7 @@ from typing import Callable, Optional, Tuple
 from traceml.analysis.loaders import LoaderFigures
 from traceml.analysis.rollup import Window
 from traceml.records import (COMPUTE_PHASES, STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER,
-                             STEPS_FROM_TRACE_STEP, Finding)
+                             STEPS_FROM_TRACE_STEP, Finding, FindingKind, Severity)
 from traceml.words import counted
 
 MIN_STEPS = 10
@@ -43,9 +43,9 @@ SMALL_BATCH = 32  # samples: a worker's fixed cost of a hand-over weighs on batc
 
 def _severity(share: float, warn: float, crit: float) -> Optional[str]:
     if share >= crit:
-        return "crit"
+        return Severity.CRIT
     if share >= warn:
-        return "warn"
+        return Severity.WARN
     return None
 
 
@@ -65,8 +65,8 @@ def _severity_clear_of_the_line(window: Window, phase: str, warn: float, crit: f
         return None, None
     low, high = window.share_interval(phase)
     if share >= above and low >= below:
-        return ("crit" if share >= crit else "warn"), (low, high)
-    return ("info" if high >= below else None), (low, high)
+        return (Severity.CRIT if share >= crit else Severity.WARN), (low, high)
+    return (Severity.INFO if high >= below else None), (low, high)
 
 
 def _evidence(window: Window, share: float, phase_ms: float, **extra: object) -> dict:
@@ -84,14 +84,14 @@ def insufficient_data(steps_seen: int, steps_found_by: Optional[str] = None) -> 
     if steps_seen == 0 and steps_found_by != STEPS_FROM_TRACE_STEP:
         # Steps were to be inferred and none were: say so, never "run longer".
         return Finding(
-            kind="INSUFFICIENT_DATA", severity="info",
+            kind=FindingKind.INSUFFICIENT_DATA, severity=Severity.INFO,
             summary="no training steps found: no optimizer.step() and no backward() ran while "
                     "TraceML watched",
             action="Mark the steps with one line around the body of the training loop: "
                    "`with traceml.trace_step(model):`",
             evidence={"steps": 0, "min_steps": MIN_STEPS, "found_by": steps_found_by})
     return Finding(
-        kind="INSUFFICIENT_DATA", severity="info",
+        kind=FindingKind.INSUFFICIENT_DATA, severity=Severity.INFO,
         summary=f"only {counted(steps_seen, 'step')} recorded; at least {MIN_STEPS} are needed for a verdict",
         action="Run longer (or trace more steps) before reading the breakdown as a diagnosis.",
         evidence={"steps": steps_seen, "min_steps": MIN_STEPS})
@@ -107,7 +107,7 @@ def _waiting(window: Window, phase: str, kind: str, what: str,
         return None
     share, wait_ms = window.share(phase), window.mean_ms(phase)
     summary = _of_step(what, share, wait_ms, window)
-    if severity == "info":
+    if severity == Severity.INFO:
         summary += (f", at the {WAIT_WARN_SHARE:.0%} line (95% interval {interval[0]:.1%} to "
                     f"{interval[1]:.1%}; {WAIT_WARN_SHARE * (1 + LINE_MARGIN):.1%} needed, the interval "
                     f"above {WAIT_WARN_SHARE * (1 - LINE_MARGIN):.1%}): too close to call the run bound by it")
@@ -136,7 +136,7 @@ def input_bound(window: Window, loader: Optional[LoaderFigures] = None) -> Optio
         return (f"{describe_loader(loader)}: {cause}", action,
                 {**loader.evidence(), "input_wait_ms_per_batch": round(wait_ms, 3), "loader_cause": code})
 
-    return _waiting(window, "input_wait", "INPUT_BOUND", "input wait", advise)
+    return _waiting(window, "input_wait", FindingKind.INPUT_BOUND, "input wait", advise)
 
 
 def describe_loader(loader: LoaderFigures) -> str:
@@ -259,7 +259,7 @@ H2D_ACTION = ("Pin host memory (DataLoader pin_memory=True) and copy with .to(de
 
 
 def h2d_bound(window: Window) -> Optional[Finding]:
-    return _waiting(window, "h2d", "H2D_BOUND", "host-to-device copying", lambda: ("", H2D_ACTION, {}))
+    return _waiting(window, "h2d", FindingKind.H2D_BOUND, "host-to-device copying", lambda: ("", H2D_ACTION, {}))
 
 
 def untraced_work(window: Window, steps_found_by: Optional[str] = None) -> Optional[Finding]:
@@ -275,7 +275,7 @@ def untraced_work(window: Window, steps_found_by: Optional[str] = None) -> Optio
     where, action = _where_and_what_to_do(outside_share >= untraced_share, steps_found_by,
                                           outside_share, untraced_share)
     return Finding(
-        kind="UNTRACED_WORK", severity=severity,
+        kind=FindingKind.UNTRACED_WORK, severity=severity,
         summary=(f"{_of_step('work outside forward, backward and optimizer', share, work_ms, window)}"
                  f"; {where}"),
         action=action,
@@ -332,7 +332,7 @@ def compute_bound(window: Window, healthy: bool = False) -> Optional[Finding]:
     if comm.share > 0:
         parts += f", less {comm.share:.0%} waiting in collectives"
     return Finding(
-        kind="COMPUTE_BOUND", severity="info",
+        kind=FindingKind.COMPUTE_BOUND, severity=Severity.INFO,
         summary=f"{_of_step('model compute', share, compute_ms, window)} ({parts})",
         action=("The model's own compute dominates, as it should. To go faster: mixed precision "
                 "(torch.autocast with bf16), torch.compile, a fused optimizer (fused=True), or a "
@@ -354,7 +354,7 @@ def gc_pressure(window: Window) -> Optional[Finding]:
     total_gc_ms = sum(s.gc_ms for s in steps)
     full_share = sum(s.gc_gen2_ms for s in steps) / total_gc_ms if total_gc_ms else 0.0
     return Finding(
-        kind="GC_PRESSURE", severity=severity,
+        kind=FindingKind.GC_PRESSURE, severity=severity,
         summary=(f"{_of_step('garbage collection', share, gc_ms, window)}; "
                  f"{collections:.1f} collections a step, median pause {median_pause:.1f} ms, "
                  f"worst {worst_pause:.1f} ms; full (generation 2) collections take "

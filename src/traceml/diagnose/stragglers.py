@@ -13,7 +13,7 @@ import statistics
 from typing import List, Optional
 
 from traceml.analysis.rollup import RankRow, comm_wait_parts
-from traceml.records import Finding
+from traceml.records import (Finding, FindingKind, Severity)
 
 LOSS_WARN_SHARE = 0.05  # the others lose this share of the step waiting: warn
 LOSS_CRIT_SHARE = 0.20  # ... and this much: crit
@@ -44,7 +44,7 @@ def straggler(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
     loss_share = loss_ms / step_ms
     if loss_share < LOSS_WARN_SHARE or slow["behind_share"] < BEHIND_SHARE:
         return None
-    severity = "crit" if loss_share >= LOSS_CRIT_SHARE else "warn"
+    severity = Severity.CRIT if loss_share >= LOSS_CRIT_SHARE else Severity.WARN
     rank = slow["rank"]
 
     input_excess = slow["input_wait_median_ms"] - _median(others, "input_wait_median_ms")
@@ -54,19 +54,19 @@ def straggler(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
     lost = (f"the other ranks wait {loss_ms:.1f} ms a step for it "
             f"({loss_share:.0%} of the {step_ms:.1f} ms step)")
     if input_excess >= CAUSE_SHARE * loss_ms:
-        kind, value, median = "INPUT_STRAGGLER", slow["input_wait_median_ms"], _median(others, "input_wait_median_ms")
+        kind, value, median = FindingKind.INPUT_STRAGGLER, slow["input_wait_median_ms"], _median(others, "input_wait_median_ms")
         summary = f"rank {rank} is slow to get its data: {lost}; its input wait is {value:.1f} ms against {median:.1f} ms on the others"
         action = (f"Look at rank {rank}'s input pipeline: its shard (larger or slower files, a "
                   "slower disk or network mount), per-sample work that varies by shard, too few "
                   "DataLoader workers for it. Balance the shards or raise num_workers.")
     elif compute_excess >= CAUSE_SHARE * loss_ms:
-        kind, value, median = "COMPUTE_STRAGGLER", compute[rank], statistics.median(compute[r["rank"]] for r in others)
+        kind, value, median = FindingKind.COMPUTE_STRAGGLER, compute[rank], statistics.median(compute[r["rank"]] for r in others)
         summary = f"rank {rank} computes longer: {lost}; its forward and backward compute take {value:.1f} ms against {median:.1f} ms on the others"
         action = (f"Find what rank {rank} does more of: larger or longer samples (bucket batches "
                   "by length), extra work only on that rank (logging, metrics, evaluation), or a "
                   "slower or throttled device (check its clocks and temperature).")
     else:
-        kind, value, median = "STRAGGLER", slow["step_median_ms"], _median(others, "step_median_ms")
+        kind, value, median = FindingKind.STRAGGLER, slow["step_median_ms"], _median(others, "step_median_ms")
         summary = f"rank {rank} holds the others back: {lost}; neither its input wait nor its compute explains it"
         action = (f"Compare rank {rank}'s time outside the step and untraced time with the others', "
                   "and its host: CPU contention, another process on its device, a slower link.")
@@ -127,7 +127,7 @@ def comm_bound(ranks: List[RankRow], step_ms: float, sharded_by: str = "") -> Op
         where = "in backward's all-reduce, after the last gradient bucket"
     measured_by = sharded_by or ("FSDP" if sharded else "DDP")
     return Finding(
-        kind="COMM_BOUND", severity="crit" if share >= COMM_CRIT_SHARE else "warn",
+        kind=FindingKind.COMM_BOUND, severity=Severity.CRIT if share >= COMM_CRIT_SHARE else Severity.WARN,
         summary=(f"the step waits {exposed_ms:.1f} ms for collectives ({share:.0%} of the {step_ms:.1f} ms step) "
                  f"even on rank {least['rank']}, the one that waits least: {where}; no rank's lateness explains it"),
         action=ZERO_COMM_ACTION if zero else FSDP_COMM_ACTION if sharded else DDP_COMM_ACTION,

@@ -12,9 +12,9 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import msgspec
 
-from traceml.records import COMPUTE_PHASES, StepRecord
+from traceml.records import TIMED_PHASES, StepRecord
 
-DEVICE_PHASES = ("h2d",) + COMPUTE_PHASES
+DEVICE_PHASES = TIMED_PHASES
 MAX_PENDING_STEPS = 4096  # a device that stops completing work must not grow memory forever
 
 

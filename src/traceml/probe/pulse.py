@@ -27,8 +27,6 @@ PULSE_AFTER_S = 5.0  # a rank this long without ending a step starts sending pul
 PULSE_EVERY_S = 5.0
 STACK_FRAMES = 12  # the user's innermost frames kept
 
-# Phases by the probe's number for them (probe/step.py); the probe is imported lazily.
-_PHASE_NAMES = {"H2D": "h2d", "FORWARD": "forward", "BACKWARD": "backward", "OPTIMIZER": "optimizer"}
 # Functions of torch.distributed a rank waits in for the others.
 _COLLECTIVE_WAITS = frozenset((
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
@@ -92,8 +90,8 @@ class PulseWatch:
             return "outside"
         from traceml.probe import step
 
-        names = {getattr(step, name): word for name, word in _PHASE_NAMES.items()}
-        return names.get(getattr(probe, "open_phase", step.NO_PHASE), "in step")
+        open_phase = getattr(probe, "open_phase", step.NO_PHASE)
+        return step.PHASE_NAMES[open_phase] if 0 <= open_phase < len(step.PHASE_NAMES) else "in step"
 
 
 def collectives_issued() -> int:

@@ -23,7 +23,8 @@ import msgspec
 
 from traceml.probe import layout
 from traceml.probe.ledger import FIRST_READING_STEPS
-from traceml.records import STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, SpanRecord, StepRecord
+from traceml.records import (STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, TIMED_PHASES, SpanRecord,
+                             StepRecord)
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
@@ -45,7 +46,8 @@ _step_slot = {name: index for index, (name, _) in enumerate(layout.STEP_SLOTS)}.
     "comm_wait_ns", "forward_comm_wait_ns", "optimizer_comm_wait_ns", "real_tokens", "token_copies",
     "failed_phase"))
 NO_PHASE = layout.NO_PHASE
-PHASE_NAMES = ("h2d", "forward", "backward", "optimizer")
+PHASE_NAMES = TIMED_PHASES  # by the indexes above: H2D to OPTIMIZER
+assert [_step_slot(name) for name in PHASE_NAMES] == [H2D, FORWARD, BACKWARD, OPTIMIZER]
 # Inferred steps: another optimizer updating this many times with no step ended between means
 # the one that ended steps has stopped (a new phase of training with optimizers of its own).
 TURN_LEFT_UPDATES = 3

@@ -18,11 +18,12 @@ from typing import Any, Callable, Optional, Set, Tuple
 
 import msgspec
 
+from traceml.records import ALERT_SEVERITIES
+
 log = logging.getLogger("traceml")
 
 ALERT_CHECK_S = 2.0
 ALERT_TIMEOUT_S = 10.0
-ALERT_SEVERITIES = ("warn", "crit")
 
 
 class AlertCommand:

@@ -5,7 +5,7 @@ import html
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from traceml.records import ALL_PHASES, STEP_PHASES, RolledStep
-from traceml.views.summary import PHASE_COLOURS, PHASE_LABELS
+from traceml.views.summary import PHASE_COLOURS, PHASE_LABELS, SEVERITY_COLOURS
 from traceml.words import counted, every
 
 MAX_CHART_POINTS = 2000
@@ -16,10 +16,9 @@ h1{font-size:1.4rem} h2{font-size:1.1rem;margin-top:2rem}
 table{border-collapse:collapse} td,th{padding:.25rem .75rem;text-align:right;border-bottom:1px solid #ddd}
 td:first-child,th:first-child{text-align:left}
 .finding{border-left:4px solid #888;padding:.25rem .75rem;margin:.5rem 0}
-.crit{border-color:#d62728}.warn{border-color:#e8a317}.info{border-color:#4c78a8}
 .legend span{display:inline-block;margin-right:1rem}.swatch{width:.8rem;height:.8rem;display:inline-block}
 .evidence span{display:inline-block;margin-right:1rem;font-size:.85rem;color:#555}
-"""
+""" + "".join(f".{severity}{{border-color:{colour}}}" for severity, colour in SEVERITY_COLOURS.items())
 
 
 def render_report(summary: Dict[str, Any], steps: Sequence[RolledStep]) -> str:

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from traceml.analysis.goodput import goodput_text
 from traceml.analysis.rollup import comm_wait_parts
 from traceml.diagnose.hangs import signal_name
-from traceml.records import ALL_PHASES, OVERLAPPING_PHASES, STEP_PHASES
+from traceml.records import (ALL_PHASES, OVERLAPPING_PHASES, STEP_PHASES, STRAGGLER_KINDS, FindingKind, Severity)
 from traceml.words import counted, every, size
 
 CARD_WIDTH = 100
@@ -24,6 +24,8 @@ PHASE_LABELS = {"step": "step", "input_wait": "input wait", "outside": "outside 
 PHASE_COLOURS = {"input_wait": "#e45756", "outside": "#9d9da1", "h2d": "#f58518", "forward": "#4c78a8",
                  "backward": "#72b7b2", "optimizer": "#54a24b", "untraced": "#b279a2", "gc": "#eeca3b",
                  "comm_wait": "#ff9da6"}
+# Each severity's colour on a page (the web page's and report.html's), and its style on a terminal.
+SEVERITY_COLOURS = {Severity.CRIT: "#d62728", Severity.WARN: "#d98c00", Severity.INFO: "#3b73b9"}
 # The order a timeline lays a step's phases out in: the probe measures how long each phase
 # took, not when inside the step; the window after the step is input wait, then the rest.
 TIMELINE_ORDER = ("h2d", "forward", "backward", "optimizer", "untraced", "input_wait", "outside")
@@ -31,10 +33,12 @@ TIMELINE_ORDER = ("h2d", "forward", "backward", "optimizer", "untraced", "input_
 
 def phase_display() -> Dict[str, Any]:
     """The phases' names, colours and order for the web page, which keeps no tables of its own:
-    the step phases stack up to the step, the overlapping ones are drawn beside them. (The
-    timeline sends its TIMELINE_ORDER with its steps.)"""
+    the step phases stack up to the step, the overlapping ones are drawn beside them; with the
+    severities' colours and the finding kinds. (The timeline sends its TIMELINE_ORDER with its
+    steps.)"""
     return {"labels": PHASE_LABELS, "colours": PHASE_COLOURS, "order": list(PHASE_LABELS),
-            "step_phases": list(STEP_PHASES), "overlapping_phases": list(OVERLAPPING_PHASES)}
+            "step_phases": list(STEP_PHASES), "overlapping_phases": list(OVERLAPPING_PHASES),
+            "severity_colours": SEVERITY_COLOURS, "finding_kinds": list(FindingKind)}
 
 
 def straggler_finding(findings: Sequence[Any]) -> Optional[Any]:
@@ -42,7 +46,7 @@ def straggler_finding(findings: Sequence[Any]) -> Optional[Any]:
     as the rules return them (Finding) or as the summary keeps them (dicts)."""
     for finding in findings:
         read = dict.get if isinstance(finding, dict) else getattr
-        if read(finding, "kind").endswith("STRAGGLER"):
+        if read(finding, "kind") in STRAGGLER_KINDS:
             return finding
     return None
 
@@ -56,7 +60,8 @@ def straggler_rank(findings: Sequence[Any]) -> Optional[int]:
 
 
 # -- the card ---------------------------------------------------------------------------------
-SEVERITY_STYLE = {"crit": "bold white on red", "warn": "bold black on yellow", "info": "bold white on blue"}
+SEVERITY_STYLE = {Severity.CRIT: "bold white on red", Severity.WARN: "bold black on yellow",
+                  Severity.INFO: "bold white on blue"}
 
 
 def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:

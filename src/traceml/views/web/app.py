@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from traceml import rundir
 from traceml.analysis.ledger import LEDGER_PARTS, PART_WORDS, ledger_history, part_bytes
 from traceml.analysis.live import snapshot
-from traceml.analysis.rollup import warmup_steps
+from traceml.analysis.rollup import comm_wait_parts, warmup_steps
 from traceml.analysis.summary import RunData, RunFacts, build_summary, deep_dive_figures, device_names
 from traceml.collector.store import Store
 from traceml.records import ALL_PHASES
@@ -172,6 +172,8 @@ class RunSource:
         with self._lock:
             self._own_time.refresh()
             heatmap = queries.rank_heatmap(self._own_time.coarsen(points))
+        # Each rank's comm wait by phase, as the card splits it: the page keeps no arithmetic of its own.
+        rows = [{**row, "comm_wait_parts": comm_wait_parts(row)} for row in rows]
         return {"ranks": rows, "spread": spread, "straggler": straggler_rank(findings),
                 "straggler_summary": _finding(straggler)["summary"] if straggler is not None else None,
                 "heatmap": heatmap, "warmup_steps": self.warmup_steps()}

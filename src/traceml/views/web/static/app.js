@@ -648,14 +648,13 @@ function rankBars(rows, straggler) {
   const traces = [];
   const bar = (name, y, color, what, pattern) => traces.push({ type: 'bar', name, x: names, y,
     marker: { color, pattern }, hovertemplate: '%{x}: %{y:.2f} ms<extra>' + what + '</extra>' });
-  // The wait inside each phase: FSDP's all-gathers in forward, the rest (DDP's all-reduce,
-  // FSDP's re-gathers and reduce-scatters) in backward.
-  const forwardWait = (row) => row.forward_comm_wait_median_ms || 0;
-  const within = { forward: forwardWait, backward: (row) => (row.comm_wait_median_ms || 0) - forwardWait(row) };
+  // The wait inside each phase (the server's split: FSDP's all-gathers in forward, ZeRO's in the
+  // optimizer, the rest in backward), drawn apart from the phase's work.
+  const within = (row, p) => (row.comm_wait_parts || {})[p] || 0;
   for (const p of state.phases.step_phases) {
     if (!rows.some((row) => isNum(ms(row, p)) && ms(row, p) > 0)) continue;
-    if (within[p] && waits) {
-      bar(label(p), rows.map((row) => Math.max(0, (ms(row, p) || 0) - within[p](row))), colour(p),
+    if (waits && rows.some((row) => within(row, p) > 0)) {
+      bar(label(p), rows.map((row) => Math.max(0, (ms(row, p) || 0) - within(row, p))), colour(p),
         p + ' less comm wait');
     } else {
       bar(label(p), rows.map((row) => ms(row, p)), colour(p), label(p));
@@ -907,7 +906,13 @@ async function main() {
     clearTimeout(resizeTimer);
     resizeTimer = setTimeout(() => { if (state.timeline) renderTimeline(state.timeline); }, 200);
   });
-  await load('/api/phases', (phases) => { state.phases = phases; }, ['conn']);
+  await load('/api/phases', (phases) => {
+    state.phases = phases;
+    // The severities' colours are the server's too: the stylesheet's are only the fallback.
+    for (const [severity, colour] of Object.entries(phases.severity_colours || {})) {
+      document.documentElement.style.setProperty('--' + severity, colour);
+    }
+  }, ['conn']);
   await Promise.all([refreshOverview(), refreshCharts(), refreshLayers()]);
   state.initialFinal = Boolean(state.overview) && state.overview.live === false;
   startStream();
