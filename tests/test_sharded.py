@@ -72,7 +72,9 @@ def test_even_ranks_with_slow_collectives_are_comm_bound(traceml_run):
     calls = float(run.stdout.split("slowed collectives a step: ")[1].split()[0])
     least = min(r["comm_wait_median_ms"] for r in summary["ranks"])
     assert least >= calls * 3.0
-    assert primary["evidence"]["comm_wait_ms"] == round(least, 3)
+    # The rank table keeps 4 decimals and the evidence 3, each rounded from the full figure:
+    # 64.29349 is 64.2935 there and 64.293 here, so round(64.2935, 3) may be a unit off.
+    assert primary["evidence"]["comm_wait_ms"] == pytest.approx(least, abs=1e-3)
     assert "set_modules_to_forward_prefetch" in primary["action"]
 
 
