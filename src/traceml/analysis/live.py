@@ -13,7 +13,7 @@ from traceml.analysis.loaders import loader_figures
 from traceml.analysis.rollup import RankRow, Window, max_present, rank_medians, rank_spread, warmup_steps
 from traceml.diagnose import MemoryLimits, diagnose
 from traceml.diagnose.hangs import Hang, RankProgress, find_hang, hang_after_s_from_env
-from traceml.records import (ALERT_SEVERITIES, Finding, FindingKind, LayerReport, SystemSample)
+from traceml.records import ALERT_SEVERITIES, Finding, FindingKind, LayerReport, SystemSample
 
 RECENT_WINDOW = 200  # steps the live figures are computed over
 
@@ -65,7 +65,8 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
         findings.insert(0, hang.finding)
     seen = {finding.kind for _, finding in alerts}
     for finding in findings:
-        if finding.kind not in seen and finding.kind != FindingKind.INSUFFICIENT_DATA and finding.severity in ALERT_SEVERITIES:
+        if (finding.kind not in seen and finding.kind != FindingKind.INSUFFICIENT_DATA
+                and finding.severity in ALERT_SEVERITIES):
             alerts.append((elapsed_s, finding))
     state = LiveState(script, elapsed_s, window, steps_seen, ranks, collector.world_size, system,
                       limits, collector.latest_layers, findings, alerts)

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from traceml.records import (Finding, FindingKind, RankPulse, Severity)
+from traceml.records import Finding, FindingKind, RankPulse, Severity
 
 HANG_AFTER_S = 30.0  # the least a rank goes without ending a step before it is stalled
 HANG_STEP_MULTIPLE = 10.0  # ... or this many of its median steps, when longer
@@ -296,7 +296,8 @@ def rank_lost(missing: List[Dict[str, Any]], exits: Dict[int, Dict[str, int]],
     else:
         action = ("Its node's launcher output has its exit status (torch.distributed.run prints every "
                   "failed rank's); a SIGKILL there is most often the out-of-memory killer.")
-    return Finding(kind=FindingKind.RANK_LOST, severity=Severity.CRIT, summary=summary, action=action, rank=first["rank"],
+    return Finding(kind=FindingKind.RANK_LOST, severity=Severity.CRIT, summary=summary, action=action,
+                   rank=first["rank"],
                    evidence={"rank": first["rank"], "last_step": last_step, "exit_code": exit_code,
                              "signal": signal, "pid": first.get("pid"),
                              "ranks_lost": len(missing), "ranks_stopped_after": len(stopped)})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from traceml.analysis.rollup import Window
-from traceml.records import (Finding, FindingKind, HostSyncSample, Severity)
+from traceml.records import Finding, FindingKind, HostSyncSample, Severity
 from traceml.words import counted
 
 EVERY_STEP_LINE = 0.5  # calls per sampled step from one line: below, an occasional read (logging every N steps)
@@ -75,7 +75,8 @@ def host_sync(samples: Sequence[HostSyncSample], window: Window) -> Optional[Fin
               f"queue the next kernels: up to {overlap_ms:.1f} ms a step ({share:.0%}) could overlap "
               "with the GPU instead.")
     return Finding(
-        kind=FindingKind.HOST_SYNC, severity=Severity.WARN if share >= WARN_SHARE else Severity.INFO, summary=summary, action=action,
+        kind=FindingKind.HOST_SYNC, severity=Severity.WARN if share >= WARN_SHARE else Severity.INFO,
+        summary=summary, action=action,
         evidence={"share": round(share, 4), "site": top["site"], "code": top["code"], "call": top["call"],
                   "calls_per_step": top["calls_per_step"], "wait_ms_per_step": top["wait_ms_per_step"],
                   "wait_share": round(wait_ms / step_ms, 4), "lines": len(every_step),

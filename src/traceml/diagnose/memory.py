@@ -10,7 +10,7 @@ import msgspec
 
 from traceml.analysis.ledger import PART_WORDS, part_bytes
 from traceml.analysis.rollup import Window
-from traceml.records import (Finding, FindingKind, OomRecord, RankHello, Severity, SystemSample)
+from traceml.records import Finding, FindingKind, OomRecord, RankHello, Severity, SystemSample
 from traceml.words import counted
 
 MIN_POINTS = 20  # steps of memory readings before a trend can be called
@@ -194,7 +194,8 @@ def memory_pressure(window: Window, limits: MemoryLimits, peak_device_bytes: Opt
         summary += f"; the largest part is {PART_WORDS[part]}: {_gib(size)}, {share:.0%} of rank {row['rank']}'s"
         action = "One larger batch or sequence will not fit. " + PART_ADVICE[part]
         evidence.update(largest_part=part, largest_part_bytes=size, largest_part_rank=row["rank"])
-    return Finding(kind=FindingKind.MEMORY_PRESSURE, severity=Severity.CRIT if ratio >= PRESSURE_CRIT else Severity.WARN,
+    return Finding(kind=FindingKind.MEMORY_PRESSURE,
+                   severity=Severity.CRIT if ratio >= PRESSURE_CRIT else Severity.WARN,
                    summary=summary, action=action, evidence=evidence)
 
 

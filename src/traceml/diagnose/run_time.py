@@ -7,7 +7,7 @@ from collections import Counter
 from typing import List, Optional, Sequence, Tuple
 
 from traceml.analysis.goodput import Goodput
-from traceml.records import (CompileRecord, Finding, FindingKind, Severity)
+from traceml.records import CompileRecord, Finding, FindingKind, Severity
 from traceml.words import counted
 
 STARTUP_LINE = 0.20  # startup at this share of a run ...

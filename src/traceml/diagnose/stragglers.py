@@ -13,7 +13,7 @@ import statistics
 from typing import List, Optional
 
 from traceml.analysis.rollup import RankRow, comm_wait_parts
-from traceml.records import (Finding, FindingKind, Severity)
+from traceml.records import Finding, FindingKind, Severity
 
 LOSS_WARN_SHARE = 0.05  # the others lose this share of the step waiting: warn
 LOSS_CRIT_SHARE = 0.20  # ... and this much: crit
@@ -54,13 +54,15 @@ def straggler(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
     lost = (f"the other ranks wait {loss_ms:.1f} ms a step for it "
             f"({loss_share:.0%} of the {step_ms:.1f} ms step)")
     if input_excess >= CAUSE_SHARE * loss_ms:
-        kind, value, median = FindingKind.INPUT_STRAGGLER, slow["input_wait_median_ms"], _median(others, "input_wait_median_ms")
+        kind, value = FindingKind.INPUT_STRAGGLER, slow["input_wait_median_ms"]
+        median = _median(others, "input_wait_median_ms")
         summary = f"rank {rank} is slow to get its data: {lost}; its input wait is {value:.1f} ms against {median:.1f} ms on the others"
         action = (f"Look at rank {rank}'s input pipeline: its shard (larger or slower files, a "
                   "slower disk or network mount), per-sample work that varies by shard, too few "
                   "DataLoader workers for it. Balance the shards or raise num_workers.")
     elif compute_excess >= CAUSE_SHARE * loss_ms:
-        kind, value, median = FindingKind.COMPUTE_STRAGGLER, compute[rank], statistics.median(compute[r["rank"]] for r in others)
+        kind, value = FindingKind.COMPUTE_STRAGGLER, compute[rank]
+        median = statistics.median(compute[r["rank"]] for r in others)
         summary = f"rank {rank} computes longer: {lost}; its forward and backward compute take {value:.1f} ms against {median:.1f} ms on the others"
         action = (f"Find what rank {rank} does more of: larger or longer samples (bucket batches "
                   "by length), extra work only on that rank (logging, metrics, evaluation), or a "

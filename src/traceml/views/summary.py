@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from traceml.analysis.goodput import goodput_text
 from traceml.analysis.rollup import comm_wait_parts
 from traceml.diagnose.hangs import signal_name
-from traceml.records import (ALL_PHASES, OVERLAPPING_PHASES, STEP_PHASES, STRAGGLER_KINDS, FindingKind, Severity)
+from traceml.records import ALL_PHASES, OVERLAPPING_PHASES, STEP_PHASES, STRAGGLER_KINDS, FindingKind, Severity
 from traceml.words import counted, every, size
 
 CARD_WIDTH = 100
