@@ -71,13 +71,19 @@ class PulseWatch:
         frames = _frames(frame)
         waiting_in, activity = _read(frames)
         innermost = f"{os.path.basename(frames[0][0])}:{frames[0][1]} {frames[0][2]}" if frames else ""
+        # The count is a call into the process group from this thread: made only once a step has
+        # ended (the group is set up) and while the training thread is not inside torch.distributed
+        # but to wait in a collective (it is not using the group then); -1 otherwise.
+        in_distributed = any("/torch/distributed/" in path.replace("\\", "/") for path, _, _ in frames)
+        in_collective = waiting_in not in ("", "DataLoader")
+        count = collectives_issued() if steps and (in_collective or not in_distributed) else -1
         worker = self.loaders.awaited_worker() if waiting_in == "DataLoader" and self.loaders else None
         worker_id, worker_pid, worker_state = worker or (-1, 0, "")
         return RankPulse(rank=self.rank, unix_s=time.time(), steps_ended=steps,
                          since_progress_s=round(since_progress_s, 3), phase=activity or self._phase(),
                          stack=[frame for frame in frames if is_user_frame(frame[0])][:STACK_FRAMES],
                          innermost=innermost, waiting_in=waiting_in, pid=os.getpid(),
-                         collectives_issued=collectives_issued(), loader_worker=worker_id,
+                         collectives_issued=count, loader_worker=worker_id,
                          loader_worker_pid=worker_pid, loader_worker_state=worker_state)
 
     def _phase(self) -> str:
