@@ -107,7 +107,11 @@ class Store:
         self._reserve: Optional[Path] = None  # room held for folding the log when the disk fills
         if readonly:
             self._db = _connect_readonly(path)
-            self._columns = self._read_layout()
+            try:
+                self._columns = self._read_layout()
+            except StoreTooNew:
+                self._db.close()
+                raise
             return
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         if path != ":memory:":
@@ -132,19 +136,23 @@ class Store:
                                f"VALUES ({', '.join('?' * (len(_SYSTEM_NAMES) + 1))})")
 
     # -- the layout --------------------------------------------------------------------------
-    def _read_layout(self) -> Dict[str, str]:
-        """Check the file's layout; per columnar table, the SELECT list that gives its record's
-        fields in order, with the default of a field the file has no column for."""
+    def _read_layout(self) -> Dict[str, Dict[str, str]]:
+        """Check the file's layout; per columnar table, each field's SQL: its column, or its
+        default where the file has no column for it."""
         layout = self._db.execute("PRAGMA user_version").fetchone()[0] or 1
         if layout > STORE_LAYOUT:
             raise StoreTooNew(f"{self.path} was written by a newer TraceML (store layout {layout}; this "
                               f"TraceML {_version()} reads up to {STORE_LAYOUT}): upgrade TraceML to open it")
-        selects = {}
+        read_as = {}
         for table, fields in _COLUMNAR.items():
             present = self._table_columns(table)
-            selects[table] = ", ".join(field.name if field.name in present or not present
-                                       else f"{_sql_literal(field)} AS {field.name}" for field in fields)
-        return selects
+            read_as[table] = {field.name: field.name if field.name in present or not present
+                              else _sql_literal(field) for field in fields}
+        return read_as
+
+    def _select(self, table: str) -> str:
+        """The SELECT list that gives a columnar table's record fields in order."""
+        return ", ".join(sql if sql == name else f"{sql} AS {name}" for name, sql in self._columns[table].items())
 
     def _table_columns(self, table: str) -> set:
         return {row[1] for row in self._db.execute(f"PRAGMA table_info({table})").fetchall()}
@@ -338,27 +346,27 @@ class Store:
 
     def steps(self) -> List[StepRecord]:
         return [StepRecord(*row) for row in self._rows(
-            f"SELECT {self._columns['steps']} FROM steps ORDER BY step, rank")]
+            f"SELECT {self._select('steps')} FROM steps ORDER BY step, rank")]
 
     def rolled_steps(self) -> List[RolledStep]:
         return [RolledStep(*row) for row in self._rows(
-            f"SELECT {self._columns['rolled']} FROM rolled ORDER BY step")]
+            f"SELECT {self._select('rolled')} FROM rolled ORDER BY step")]
 
     def steps_at(self, steps: Sequence[int]) -> List[StepRecord]:
         """Every rank's records of these steps, in step then rank order."""
         return [StepRecord(*row) for row in self._rows(
-            f"SELECT {self._columns['steps']} FROM steps WHERE step IN ({', '.join('?' * len(steps))}) "
+            f"SELECT {self._select('steps')} FROM steps WHERE step IN ({', '.join('?' * len(steps))}) "
             f"ORDER BY step, rank", list(steps))]
 
     def steps_every(self, every: int) -> List[StepRecord]:
         """The records of every `every`-th step (a sample of a long run), in step then rank order."""
         return [StepRecord(*row) for row in self._rows(
-            f"SELECT {self._columns['steps']} FROM steps WHERE step % ? = 0 ORDER BY step, rank", (every,))]
+            f"SELECT {self._select('steps')} FROM steps WHERE step % ? = 0 ORDER BY step, rank", (every,))]
 
     def steps_between(self, first: int, last: int) -> List[StepRecord]:
         """The records of steps first to last, in rank then step order."""
         return [StepRecord(*row) for row in self._rows(
-            f"SELECT {self._columns['steps']} FROM steps WHERE step BETWEEN ? AND ? ORDER BY rank, step",
+            f"SELECT {self._select('steps')} FROM steps WHERE step BETWEEN ? AND ? ORDER BY rank, step",
             (first, last))]
 
     def step_fields(self, rank: int, since_step: int, fields: Sequence[str]) -> List[tuple]:
@@ -367,8 +375,8 @@ class Store:
         unknown = set(fields) - set(_STEP_NAMES)
         if unknown:
             raise ValueError(f"not step fields: {sorted(unknown)}")
-        by_name = dict(zip(_STEP_NAMES, self._columns["steps"].split(", ")))
-        return self._rows(f"SELECT step, {', '.join(by_name[name] for name in fields)} FROM steps WHERE rank = ? AND step >= ? "
+        read_as = self._columns["steps"]
+        return self._rows(f"SELECT step, {', '.join(read_as[name] for name in fields)} FROM steps WHERE rank = ? AND step >= ? "
                           f"ORDER BY step", (rank, since_step))
 
     def ranks(self) -> List[int]:
@@ -407,9 +415,9 @@ class Store:
         from step `first`: (slot, *figures) per bucket, the figures of BUCKET_FIGURES[table]."""
         figures = ", ".join(sql for sql, _ in BUCKET_FIGURES[table])
         if table == "steps":  # an older store's missing column reads as its default
-            for name, select in zip(_STEP_NAMES, self._columns["steps"].split(", ")):
-                if select != name:
-                    figures = figures.replace(f"({name})", f"({select.split(' AS ')[0]})")
+            for name, sql in self._columns["steps"].items():
+                if sql != name:
+                    figures = figures.replace(f"({name})", f"({sql})")
         return self._rows(f"SELECT (step - ?) / ?, {figures} FROM {table} "
                           f"WHERE {SERIES[table]} = ? AND step BETWEEN ? AND ? GROUP BY 1",
                           (first, bucket, key, low, high))
@@ -450,7 +458,7 @@ class Store:
             (first, last))]
 
     def latest_system(self) -> Optional[SystemSample]:
-        rows = self._rows(f"SELECT {self._columns['system']}, gpus FROM system ORDER BY rowid DESC LIMIT 1")
+        rows = self._rows(f"SELECT {self._select('system')}, gpus FROM system ORDER BY rowid DESC LIMIT 1")
         return _system_sample(rows[0]) if rows else None
 
     def system_buckets(self, first_row: int, per_bucket: int) -> List[Tuple[SystemSample, int]]:
@@ -493,7 +501,7 @@ class Store:
 
     def system_samples(self) -> List[SystemSample]:
         return [_system_sample(row) for row in self._rows(
-            f"SELECT {self._columns['system']}, gpus FROM system ORDER BY unix_s")]
+            f"SELECT {self._select('system')}, gpus FROM system ORDER BY unix_s")]
 
     def layer_reports(self) -> List[LayerReport]:
         return self._decoded("SELECT report FROM layer_reports ORDER BY rank", LayerReport)
