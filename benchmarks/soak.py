@@ -54,14 +54,14 @@ def main() -> None:
     args = parser.parse_args()
     source_dir = str(Path(__file__).resolve().parent.parent / "src")
     sys.path.insert(0, source_dir)
-    from traceml.analysis.live import snapshot
+    from traceml.report.live import snapshot
     from traceml.analysis.goodput import RunTime
     from traceml.analysis.rollup import LiveRollup
     from traceml.collector.server import Collector
     from traceml.collector.store import Store
     from traceml.lifecycle import finish_run
-    from traceml.analysis.summary import RunFacts
-    from traceml.views.web.app import RunSource
+    from traceml.report.summary import RunFacts
+    from traceml.report.run_source import RunSource
 
     me = psutil.Process()
     with tempfile.TemporaryDirectory() as folder:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from traceml.collector.store import Store
 from traceml.records import RankHello, ScalarRecord, SpanRecord, StepRecord
-from traceml.views.web.app import RunSource, WebServer
+from traceml.report.run_source import RunSource
+from traceml.views.web.app import WebServer
 
 ENDPOINTS = ["/api/overview", "/api/steps", "/api/steps?start=500000&end=501000", "/api/ranks",
              "/api/timeline?steps=50", "/api/system", "/api/spans", "/api/scalars", "/api/layers"]

@@ -172,7 +172,8 @@ def captured_on_the_web_page(run_dir):
     """The web dashboard of a finished run, in a real browser: each finding card's captured line."""
     from playwright.sync_api import sync_playwright
 
-    from traceml.views.web.app import RunSource, WebServer
+    from traceml.report.run_source import RunSource
+    from traceml.views.web.app import WebServer
 
     web = WebServer(RunSource.of_finished_run(run_dir), "127.0.0.1", 0)
     web.start()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from traceml.analysis.rollup import Window
-from traceml.analysis.summary import RunData, build_summary
+from traceml.report.summary import RunData, build_summary
 from traceml.collector.store import Store
 from traceml.diagnose import diagnose
 from traceml.diagnose.host_sync import host_sync, sync_sites

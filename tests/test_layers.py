@@ -1,6 +1,9 @@
-"""Imports point down the data flow: the records at the bottom; the probe and the collector on
-them; the analysis above; the views above that; the command line on top. Every import counts,
-those inside functions included (they hide an edge, they do not remove it)."""
+"""Imports point down the data flow, and each layer imports only the layers it reads: the records
+at the bottom; the probe (inside training) and the collector (its own process) on them, apart;
+the per-step analysis; the diagnosis rules over it; the report, which builds a run's figures and
+findings from the store or the live collector; the views, which show the report and never read
+the store; the command line on top. Every import counts, those inside functions included (they
+hide an edge, they do not remove it)."""
 import ast
 import sys
 from pathlib import Path
@@ -12,13 +15,30 @@ SRC = Path(__file__).parent.parent / "src"
 # package's public API, which loads the rest lazily: the top).
 LAYERS = [
     ("records", ("traceml.records", "traceml.rendezvous", "traceml.rundir", "traceml.words")),
-    ("probe and collector", ("traceml.probe", "traceml.collector", "traceml.integrations")),
-    ("analysis", ("traceml.analysis", "traceml.diagnose")),
+    ("probe", ("traceml.probe", "traceml.integrations")),
+    ("collector", ("traceml.collector",)),
+    ("analysis", ("traceml.analysis",)),
+    ("diagnose", ("traceml.diagnose",)),
+    ("report", ("traceml.report",)),
     ("views", ("traceml.views",)),
-    ("command line", ("traceml.cli", "traceml.lifecycle", "traceml.launcher", "traceml.agent", "traceml.__main__", "traceml.hf_decorators", "traceml")),
+    ("command line", ("traceml.cli", "traceml.lifecycle", "traceml.launcher", "traceml.agent", "traceml.__main__",
+                      "traceml.hf_decorators", "traceml")),
 ]
-# Upward edges not yet turned round, each with what it is waiting for. The list only shrinks:
-# a new upward edge fails the test, and so does an entry here that is no longer needed.
+# The layers below each one that it may import (its own always). The probe and the collector
+# run in different processes and share only the records; the analysis and the rules are pure
+# arithmetic over records; the views read a run through the report, never the store.
+MAY_IMPORT = {
+    "records": set(),
+    "probe": {"records"},
+    "collector": {"records"},
+    "analysis": {"records"},
+    "diagnose": {"records", "analysis"},
+    "report": {"records", "collector", "analysis", "diagnose"},
+    "views": {"records", "analysis", "diagnose", "report"},
+    "command line": {name for name, _ in LAYERS[:-1]},
+}
+# Edges against the layers not yet turned round, each with what it is waiting for. The list only
+# shrinks: a new such edge fails the test, and so does an entry here that is no longer needed.
 KNOWN_UPWARD: dict = {}
 
 
@@ -74,29 +94,52 @@ def test_every_module_has_a_layer():
         layer_of(module_name(path))
 
 
-def test_imports_point_down_the_data_flow():
-    upward = {(source, target) for source, target in edges() if layer_of(target) > layer_of(source)}
-    new = sorted(upward - set(KNOWN_UPWARD))
-    assert not new, "imports against the data flow:\n" + "\n".join(
-        f"  {s} ({LAYERS[layer_of(s)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})" for s, t in new)
-    stale = sorted(set(KNOWN_UPWARD) - upward)
+def layer_name(module: str) -> str:
+    return LAYERS[layer_of(module)][0]
+
+
+def against_the_layers(source: str, target: str) -> bool:
+    """An import from a layer to one it may not read: above it, or a layer it skips."""
+    source_layer, target_layer = layer_name(source), layer_name(target)
+    return target_layer != source_layer and target_layer not in MAY_IMPORT[source_layer]
+
+
+def test_every_layer_may_import_only_layers_below_it():
+    order = [name for name, _ in LAYERS]
+    assert set(MAY_IMPORT) == set(order)
+    for name, below in MAY_IMPORT.items():
+        assert all(order.index(lower) < order.index(name) for lower in below), name
+
+
+def test_imports_keep_to_the_layers():
+    found = {(source, target) for source, target in edges() if against_the_layers(source, target)}
+    new = sorted(found - set(KNOWN_UPWARD))
+    assert not new, "imports against the layers:\n" + "\n".join(
+        f"  {s} ({layer_name(s)}) imports {t} ({layer_name(t)})" for s, t in new)
+    stale = sorted(set(KNOWN_UPWARD) - found)
     assert not stale, f"no longer needed in KNOWN_UPWARD: {stale}"
 
 
-@pytest.mark.parametrize("planted", ["from traceml.views.summary import flat_summary",
-                                     "def f():\n    import traceml.cli\n"])
-def test_the_check_sees_an_upward_import_even_inside_a_function(tmp_path, planted, monkeypatch):
-    package = tmp_path / "traceml" / "probe"
+@pytest.mark.parametrize("where, planted", [
+    ("probe", "from traceml.views.summary import flat_summary"),  # up
+    ("probe", "def f():\n    import traceml.cli\n"),  # up, hidden in a function
+    ("probe", "from traceml.collector.store import Store"),  # across: another process's
+    ("views", "from traceml.collector.store import Store"),  # down, but past the report
+    ("analysis", "from traceml.diagnose import diagnose"),  # up one
+])
+def test_the_check_sees_an_import_against_the_layers(tmp_path, where, planted, monkeypatch):
+    package = tmp_path / "traceml" / where
     package.mkdir(parents=True)
     (tmp_path / "traceml" / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
     (package / "planted.py").write_text(planted)
-    for module in ("views/summary.py", "cli.py"):
+    for module in ("views/summary.py", "cli.py", "collector/store.py", "diagnose/__init__.py"):
         (tmp_path / "traceml" / module).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "traceml" / module).write_text("")
     monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
-    found = [(s, t) for s, t in edges() if layer_of(t) > layer_of(s)]
-    assert found and found[0][0] == "traceml.probe.planted"
+    found = [(s, t) for s, t in edges() if against_the_layers(s, t)]
+    assert found == [(f"traceml.{where}.planted", found[0][1])]
+    assert not [(s, t) for s, t in edges() if s != f"traceml.{where}.planted" and against_the_layers(s, t)]
 
 
 def cycles(graph):

@@ -519,7 +519,7 @@ def test_the_card_off_a_terminal_keeps_every_figure_whole(straggler, single):
 
 
 def test_print_comparison_gives_a_long_path_the_width_it_needs(straggler, single, tmp_path):
-    from traceml.analysis.compare import ComparedRun, compare
+    from traceml.report.compare import ComparedRun, compare
     from traceml.views.compare import print_comparison
 
     long_name = tmp_path / ("a-run-directory-whose-name-alone-is-longer-than-a-terminal-is-wide-"
@@ -540,7 +540,7 @@ def test_a_rank_whose_first_steps_arrive_late_still_fills_its_row(tmp_path):
     they came must not leave a hole at the start of that rank's heatmap row (or in the means)."""
     from traceml.collector.store import Store
     from traceml.records import RankHello, StepRecord
-    from traceml.views.web import queries
+    from traceml.report import queries
 
     store = Store(str(tmp_path / "telemetry.sqlite"))
     store.write([RankHello(1, 1, 2, 0, "h", 1, "cpu", "cpu", None, "2", ["x"], 0.0)])  # rank 0: not yet

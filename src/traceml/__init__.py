@@ -58,7 +58,7 @@ def summary() -> dict:
 
 
 def _summarize_steps(steps: List[Any]) -> Dict[str, Any]:
-    from traceml.analysis.summary import flat_summary
+    from traceml.report.summary import flat_summary
 
     return flat_summary(steps)
 

@@ -212,7 +212,7 @@ def view_command(args: argparse.Namespace) -> int:
 
 # -- traceml compare / export -----------------------------------------------------------------
 def compare_command(args: argparse.Namespace) -> int:
-    from traceml.analysis.compare import ComparedRun, compare
+    from traceml.report.compare import ComparedRun, compare
     from traceml.views.compare import print_comparison
 
     try:

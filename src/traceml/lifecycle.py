@@ -47,7 +47,7 @@ class Run:
         """Open the store and serve the collector (on `listening`, a socket rendezvous.listen
         bound, or on host:port); its address. OSError with the one line to say otherwise."""
         from traceml.analysis.goodput import RunTime
-        from traceml.analysis.live import HangWatch
+        from traceml.report.live import HangWatch
         from traceml.analysis.rollup import LiveRollup
         from traceml.collector.server import Collector
         from traceml.collector.store import Store
@@ -154,7 +154,7 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
 
     # Ranks on other nodes may still be saying goodbye; a dead rank simply never does.
     run.collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S * (6 if launch.nnodes > 1 else 1))
-    from traceml.analysis.summary import RunFacts
+    from traceml.report.summary import RunFacts
 
     summary = run.finish(lambda store: RunFacts(script=launch.script.name, argv=argv, exit_code=exit_code,
                                                 started_at_unix_s=run.started_unix_s, ended_at_unix_s=ended))
@@ -197,7 +197,7 @@ def _import_end_of_run() -> None:
     import importlib
 
     try:
-        importlib.import_module("traceml.analysis.summary")
+        importlib.import_module("traceml.report.summary")
         importlib.import_module("traceml.views.report")
         importlib.import_module("traceml.views.summary").prepare_card()
     except Exception:  # finish_run imports them again and says what went wrong
@@ -244,7 +244,7 @@ def host_collector(script: str, parent_pid: int, host: str, port: int, ready_fd:
         # Rank 0 is gone without waiting for us, or we are told to stop: give the ranks
         # a moment to send their last records.
         run.collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S)
-    from traceml.analysis.summary import RunFacts
+    from traceml.report.summary import RunFacts
 
     summary = run.finish(lambda store: RunFacts.from_store(store, script=script))
     views.close(summary, run.run_dir)
@@ -291,7 +291,8 @@ class LiveViews:
                               f"{exc.strerror or exc}") from None
 
     def start_dashboard(self, host: str, port: int, run: Run, script: str) -> None:
-        from traceml.views.web.app import PortInUse, RunSource, serve_run
+        from traceml.report.run_source import RunSource
+        from traceml.views.web.app import PortInUse, serve_run
 
         try:
             self.web = serve_run(RunSource.of_live_run(run.run_dir, run.store, run.collector, script,
@@ -315,7 +316,7 @@ class LiveViews:
         if self.web is not None:
             return self.web.source
         if self._own_source is None:
-            from traceml.views.web.app import RunSource
+            from traceml.report.run_source import RunSource
 
             self._own_source = RunSource.of_live_run(run.run_dir, run.store, run.collector, script,
                                                      run.started_unix_s)
@@ -361,7 +362,7 @@ def finish_run(store: Any, run_dir: Optional[Path], facts: Any) -> Optional[dict
     import json
 
     from traceml.views.report import render_report
-    from traceml.analysis.summary import RunData, build_summary
+    from traceml.report.summary import RunData, build_summary
     from traceml.views.summary import card_text, print_card
 
     try:

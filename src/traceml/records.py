@@ -27,6 +27,9 @@ TIMED_PHASES = ("h2d",) + COMPUTE_PHASES
 # Garbage-collector pauses overlap the phases above: reported beside them, never added.
 OVERLAPPING_PHASES = ("gc",)
 ALL_PHASES = STEP_PHASES + OVERLAPPING_PHASES
+# The order a timeline lays a step's phases out in: the probe measures how long each phase
+# took, not when inside the step; the window after the step is input wait, then the rest.
+TIMELINE_ORDER = ("h2d", "forward", "backward", "optimizer", "untraced", "input_wait", "outside")
 
 # How a rank's steps were found (RankHello and RankEnd steps_from); the trainer integrations
 # name themselves.

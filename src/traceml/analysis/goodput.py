@@ -107,15 +107,6 @@ class Goodput(msgspec.Struct):
         return self.parts[part]["seconds"] if self.parts else 0.0
 
 
-def goodput_text(parts: Dict[str, Dict[str, float]]) -> str:
-    """"81% · evaluation 11% · checkpoint 5% · startup 3%": the training share, then the other
-    parts largest first (those under half a percent left out). Shown after "Goodput"."""
-    rest = sorted((part for part in PARTS if part != "training" and parts[part]["share"] >= 0.005),
-                  key=lambda part: -parts[part]["share"])
-    return " · ".join([f"{parts['training']['share']:.0%}"] + [f"{part} {parts[part]['share']:.0%}"
-                                                               for part in rest])
-
-
 class RunTime:
     """Every rank's RankTime, fed record by record."""
 

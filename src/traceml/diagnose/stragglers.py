@@ -10,10 +10,10 @@ figures against the other ranks' median then name the cause.
 from __future__ import annotations
 
 import statistics
-from typing import List, Optional
+from typing import Any, List, Optional, Sequence
 
 from traceml.analysis.rollup import RankRow, comm_wait_parts
-from traceml.records import Finding, FindingKind, Severity
+from traceml.records import STRAGGLER_KINDS, Finding, FindingKind, Severity
 
 LOSS_WARN_SHARE = 0.05  # the others lose this share of the step waiting: warn
 LOSS_CRIT_SHARE = 0.20  # ... and this much: crit
@@ -139,3 +139,21 @@ def comm_bound(ranks: List[RankRow], step_ms: float, sharded_by: str = "") -> Op
                   "backward_comm_wait_ms": round(backward_ms, 3), "optimizer_comm_wait_ms": round(optimizer_ms, 3),
                   "step_median_ms": round(step_ms, 3), "least_waiting_rank": least["rank"],
                   "ranks": len(ranks), "measured_by": f"{measured_by} collectives" if sharded else "DDP all-reduce"})
+
+
+def straggler_finding(findings: Sequence[Any]) -> Optional[Any]:
+    """The straggler finding (INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER), or None. Findings
+    as the rules return them (Finding) or as the summary keeps them (dicts)."""
+    for finding in findings:
+        read = dict.get if isinstance(finding, dict) else getattr
+        if read(finding, "kind") in STRAGGLER_KINDS:
+            return finding
+    return None
+
+
+def straggler_rank(findings: Sequence[Any]) -> Optional[int]:
+    """The rank a straggler finding names (the rank tables mark it), or None."""
+    finding = straggler_finding(findings)
+    if finding is None:
+        return None
+    return finding["rank"] if isinstance(finding, dict) else finding.rank

@@ -1,4 +1,4 @@
-"""`traceml compare`'s table: the comparison analysis/compare.py makes, printed with rich.
+"""`traceml compare`'s table: the comparison report/compare.py makes, printed with rich.
 
 Numbers and paths are never cut: off a terminal the table takes the width it needs, and where a
 width is imposed (a narrow terminal) the phases are laid out as lines that wrap between whole

@@ -16,17 +16,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import IO, Any, Dict, Iterator, List, Optional, Tuple
+from typing import IO, Any, Dict, List, Optional, Tuple
 
-import msgspec
-
-from traceml import rundir
-from traceml.collector.store import STEP_COLUMNS, Store
-from traceml.views.summary import TIMELINE_ORDER
+from traceml.records import TIMELINE_ORDER
+from traceml.report.stored_records import STEP_FIELDS, StoredRecords
 
 FORMATS = ("chrome", "jsonl", "csv")
 SUFFIX = {"chrome": "trace.json", "jsonl": "records.jsonl", "csv": "steps.csv"}
-STEP_NAMES = [field.name for field in STEP_COLUMNS]
 STEPS_TID, GC_TID, FIRST_SPAN_TID = 1, 2, 10
 
 
@@ -49,65 +45,53 @@ def export_run(run_dir: Path, fmt: str, steps: Optional[str], out: Optional[str]
     stdout; None: a file in the run dir); (how many step records, where). Raises ValueError or
     OSError with the one line to say what is wrong."""
     first, last = parse_steps(steps)
-    store_path = run_dir / rundir.STORE_NAME
-    if not store_path.is_file():
-        raise ValueError(f"{run_dir} holds no {rundir.STORE_NAME}: not a TraceML run directory")
-    store = Store(os.fspath(store_path), readonly=True)
+    records = StoredRecords.open(run_dir)
     target = out or os.fspath(run_dir / SUFFIX[fmt])
     try:
         if target == "-":
-            return export(store, fmt, first, last, sys.stdout), target
+            return export(records, fmt, first, last, sys.stdout), target
         with open(target, "w", newline="") as stream:
-            return export(store, fmt, first, last, stream), target
+            return export(records, fmt, first, last, stream), target
     except OSError as exc:
         raise OSError(f"cannot write {target}: {exc.strerror or exc}") from None
     finally:
-        store.close()
+        records.close()
 
 
-def _steps(store: Store, first: int, last: int) -> Iterator[Dict[str, Any]]:
-    for step in store.steps_between(first, last):
-        yield msgspec.structs.asdict(step)
-
-
-def _rows(records: List[Any]) -> List[Dict[str, Any]]:
-    return [msgspec.structs.asdict(record) for record in records]
-
-
-def export(store: Store, fmt: str, first: int, last: int, out: IO[str]) -> int:
+def export(records: StoredRecords, fmt: str, first: int, last: int, out: IO[str]) -> int:
     """Write the run's records between steps first and last; returns how many steps went out."""
     if fmt == "csv":
         writer = csv.writer(out)
-        writer.writerow(STEP_NAMES)
+        writer.writerow(STEP_FIELDS)
         count = 0
-        for step in _steps(store, first, last):
-            writer.writerow([step[name] for name in STEP_NAMES])
+        for step in records.steps(first, last):
+            writer.writerow([step[name] for name in STEP_FIELDS])
             count += 1
         return count
     if fmt == "jsonl":
         count = 0
-        for step in _steps(store, first, last):
+        for step in records.steps(first, last):
             out.write(json.dumps({"type": "step", **step}) + "\n")
             count += 1
-        for span in _rows(store.spans_between(first, last)):
+        for span in records.spans(first, last):
             out.write(json.dumps({"type": "span", **span}) + "\n")
-        for scalar in _rows(store.scalars_between(first, last)):
+        for scalar in records.scalars(first, last):
             out.write(json.dumps({"type": "scalar", **scalar}) + "\n")
         return count
     if fmt == "chrome":
-        events, count = chrome_events(store, first, last)
+        events, count = chrome_events(records, first, last)
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, out)
         return count
     raise ValueError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
 
 
-def chrome_events(store: Store, first: int, last: int) -> Tuple[List[Dict[str, Any]], int]:
+def chrome_events(records: StoredRecords, first: int, last: int) -> Tuple[List[Dict[str, Any]], int]:
     events: List[Dict[str, Any]] = []
     ranks = set()
     count = 0
     origin: Optional[float] = None  # microseconds: times start at the first step shown
     previous_end: Dict[int, int] = {}
-    for step in _steps(store, first, last):
+    for step in records.steps(first, last):
         rank = step["rank"]
         start_us = round(step["start_unix_s"] * 1e6)
         origin = start_us if origin is None else min(origin, start_us)
@@ -146,7 +130,7 @@ def chrome_events(store: Store, first: int, last: int) -> Tuple[List[Dict[str, A
                                     for name, value in counters.items()}})
     span_tids: Dict[Tuple[int, str], int] = {}
     span_end: Dict[Tuple[int, str], int] = {}
-    for span in _rows(store.spans_between(first, last)):
+    for span in records.spans(first, last):
         key = (span["rank"], span["name"])
         if key not in span_tids:
             span_tids[key] = FIRST_SPAN_TID + len([k for k in span_tids if k[0] == span["rank"]])

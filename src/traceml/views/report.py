@@ -105,7 +105,7 @@ def _phase_table(phases: Dict[str, Any]) -> str:
 
 
 def _span_table(spans: Dict[str, Any]) -> str:
-    """The user spans, as analysis/summary.py's span_figures defines their figures."""
+    """The user spans, as report/summary.py's span_figures defines their figures."""
     rows = "".join(f"<tr><td>{_e(name)}</td><td>{span['count']}</td><td>{span['steps']}</td>"
                    f"<td>{span['median_ms']:.2f}</td><td>{span['total_ms_per_step']:.2f}</td>"
                    f"<td>{span['share']:.1%}</td></tr>" for name, span in spans.items())

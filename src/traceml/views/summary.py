@@ -1,15 +1,16 @@
 """What every view shows alike (the phases' names, colours and order; the straggler's rank) and
-the end-of-run card, printed from the summary analysis/summary.py builds."""
+the end-of-run card, printed from the summary report/summary.py builds."""
 from __future__ import annotations
 
 import io
 import re
 from typing import Any, Dict, List, Optional, Sequence
 
-from traceml.analysis.goodput import goodput_text
+from traceml.analysis.goodput import PARTS
 from traceml.analysis.rollup import comm_wait_parts
 from traceml.diagnose.hangs import signal_name
-from traceml.records import ALL_PHASES, OVERLAPPING_PHASES, STEP_PHASES, STRAGGLER_KINDS, FindingKind, Severity
+from traceml.diagnose.stragglers import straggler_rank
+from traceml.records import ALL_PHASES, OVERLAPPING_PHASES, STEP_PHASES, FindingKind, Severity
 from traceml.words import counted, every, size
 
 CARD_WIDTH = 100
@@ -26,9 +27,6 @@ PHASE_COLOURS = {"input_wait": "#e45756", "outside": "#9d9da1", "h2d": "#f58518"
                  "comm_wait": "#ff9da6"}
 # Each severity's colour on a page (the web page's and report.html's), and its style on a terminal.
 SEVERITY_COLOURS = {Severity.CRIT: "#d62728", Severity.WARN: "#d98c00", Severity.INFO: "#3b73b9"}
-# The order a timeline lays a step's phases out in: the probe measures how long each phase
-# took, not when inside the step; the window after the step is input wait, then the rest.
-TIMELINE_ORDER = ("h2d", "forward", "backward", "optimizer", "untraced", "input_wait", "outside")
 
 
 def phase_display() -> Dict[str, Any]:
@@ -41,22 +39,13 @@ def phase_display() -> Dict[str, Any]:
             "severity_colours": SEVERITY_COLOURS, "finding_kinds": list(FindingKind)}
 
 
-def straggler_finding(findings: Sequence[Any]) -> Optional[Any]:
-    """The straggler finding (INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER), or None. Findings
-    as the rules return them (Finding) or as the summary keeps them (dicts)."""
-    for finding in findings:
-        read = dict.get if isinstance(finding, dict) else getattr
-        if read(finding, "kind") in STRAGGLER_KINDS:
-            return finding
-    return None
-
-
-def straggler_rank(findings: Sequence[Any]) -> Optional[int]:
-    """The rank a straggler finding names (the rank tables mark it), or None."""
-    finding = straggler_finding(findings)
-    if finding is None:
-        return None
-    return finding["rank"] if isinstance(finding, dict) else finding.rank
+def goodput_text(parts: Dict[str, Dict[str, float]]) -> str:
+    """"81% · evaluation 11% · checkpoint 5% · startup 3%": the training share, then the other
+    parts largest first (those under half a percent left out). Shown after "Goodput"."""
+    rest = sorted((part for part in PARTS if part != "training" and parts[part]["share"] >= 0.005),
+                  key=lambda part: -parts[part]["share"])
+    return " · ".join([f"{parts['training']['share']:.0%}"] + [f"{part} {parts[part]['share']:.0%}"
+                                                               for part in rest])
 
 
 # -- the card ---------------------------------------------------------------------------------
@@ -174,7 +163,7 @@ def _captured_row(verdict: Any, finding: Dict[str, Any]) -> None:
 
 
 def _span_table(spans: Dict[str, Any]) -> Any:
-    """The user spans (Trace.span), as analysis/summary.py's span_figures defines their figures."""
+    """The user spans (Trace.span), as report/summary.py's span_figures defines their figures."""
     from rich import box
     from rich.table import Table
     from rich.text import Text

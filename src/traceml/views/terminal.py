@@ -14,11 +14,11 @@ import statistics
 import time
 from typing import Any, List, Optional, Tuple
 
-from traceml.analysis.goodput import goodput_text
-from traceml.analysis.live import LiveState, snapshot
+from traceml.diagnose.stragglers import straggler_rank
 from traceml.records import STEP_PHASES, Finding
-from traceml.analysis.summary import layer_rows
-from traceml.views.summary import PHASE_LABELS, SEVERITY_STYLE, straggler_rank
+from traceml.report.live import LiveState, snapshot
+from traceml.report.summary import layer_rows
+from traceml.views.summary import PHASE_LABELS, SEVERITY_STYLE, goodput_text
 from traceml.words import counted
 
 REFRESH_S = 0.5

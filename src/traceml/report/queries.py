@@ -14,8 +14,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from traceml.analysis.rollup import max_present
 from traceml.collector.store import BUCKET_FIGURES, Store
-from traceml.records import ALL_PHASES
-from traceml.views.summary import TIMELINE_ORDER
+from traceml.records import ALL_PHASES, TIMELINE_ORDER
 
 MAX_POINTS = 2000
 MAX_TIMELINE_STEPS = 200

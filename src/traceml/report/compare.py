@@ -43,7 +43,7 @@ class ComparedRun:
             summary = json.loads(summary_path.read_text())
         if store_path.is_file():
             from traceml.collector.store import Store
-            from traceml.analysis.summary import RunData, RunFacts, build_summary
+            from traceml.report.summary import RunData, RunFacts, build_summary
 
             store = Store(str(store_path), readonly=True)
             try:
