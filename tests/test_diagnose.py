@@ -3,9 +3,10 @@ import random
 
 import pytest
 
-from traceml.analysis.rollup import Window, roll_up, warmup_steps
+from traceml.analysis.rollup import Window, roll_up
+from traceml.records import warmup_steps
 from traceml.records import RolledStep
-from traceml.diagnose import diagnose
+from traceml.diagnose import DiagnosisInput, diagnose
 from traceml.diagnose.step_time import (COMPUTE_SHARE, LINE_MARGIN, MIN_STEPS, UNTRACED_CRIT_SHARE,
                                         UNTRACED_WARN_SHARE, WAIT_CRIT_SHARE, WAIT_WARN_SHARE)
 from test_records import step
@@ -44,7 +45,7 @@ def kinds(findings):
 def test_waiting_rules_at_their_thresholds(phase, kind, share, severity):
     assert WAIT_WARN_SHARE * (1 + LINE_MARGIN) == pytest.approx(0.125)
     assert WAIT_WARN_SHARE * (1 - LINE_MARGIN) == pytest.approx(0.075)
-    findings = diagnose(window(**{phase: share * 100.0}), steps_seen=20)
+    findings = diagnose(DiagnosisInput(window(**{phase: share * 100.0}), steps_seen=20))
     assert kinds(findings).get(kind) == severity
     if severity == "info":  # told under Also: the verdict is the healthy run's
         assert findings[0].kind == "COMPUTE_BOUND"
@@ -67,7 +68,7 @@ def test_a_share_that_sits_on_the_line_gives_the_same_verdict_run_after_run(mean
     # The same loop, run after run: input wait a little under or over the 10% line each time
     # (7.6% to 11.8% of the step over these windows; four real runs of one loop gave 7.7-11.8%).
     for seed in range(5):
-        findings = diagnose(noisy_window(mean_wait_ms, seed), steps_seen=300)
+        findings = diagnose(DiagnosisInput(noisy_window(mean_wait_ms, seed), steps_seen=300))
         assert findings[0].kind == "COMPUTE_BOUND", findings[0]
         (finding,) = [f for f in findings if f.kind == "INPUT_BOUND"]
         assert finding.severity == "info"
@@ -78,7 +79,7 @@ def test_a_share_that_sits_on_the_line_gives_the_same_verdict_run_after_run(mean
 
 
 def test_a_share_clear_of_the_line_is_the_verdict():
-    findings = diagnose(noisy_window(16.0, seed=0), steps_seen=300)
+    findings = diagnose(DiagnosisInput(noisy_window(16.0, seed=0), steps_seen=300))
     assert findings[0].kind == "INPUT_BOUND" and findings[0].severity == "warn"
     assert findings[0].evidence["share"] >= 0.125 and findings[0].evidence["share_low"] >= 0.075
 
@@ -90,7 +91,7 @@ def test_a_share_clear_of_the_line_but_too_noisy_to_be_sure_is_at_the_line():
     noisy = Window([rolled(i, input_wait=90.0 if rng.random() < 0.15 else 0.5) for i in range(40)])
     low = noisy.share_interval("input_wait")[0]
     assert noisy.share("input_wait") >= 0.125 and low < 0.075
-    (finding,) = [f for f in diagnose(noisy, steps_seen=40) if f.kind == "INPUT_BOUND"]
+    (finding,) = [f for f in diagnose(DiagnosisInput(noisy, steps_seen=40)) if f.kind == "INPUT_BOUND"]
     assert finding.severity == "info"
 
 
@@ -99,13 +100,13 @@ def test_a_share_clear_of_the_line_but_too_noisy_to_be_sure_is_at_the_line():
     (UNTRACED_CRIT_SHARE - 0.001, "warn"), (UNTRACED_CRIT_SHARE, "crit")])
 def test_untraced_work_at_its_thresholds(share, severity):
     # Split between outside and untraced: the rule looks at their sum.
-    findings = diagnose(window(outside=share * 60.0, untraced=share * 40.0), steps_seen=20)
+    findings = diagnose(DiagnosisInput(window(outside=share * 60.0, untraced=share * 40.0), steps_seen=20))
     assert kinds(findings).get("UNTRACED_WORK") == severity
 
 
 def test_untraced_work_names_where_the_time_is():
-    outside = [f for f in diagnose(window(outside=40.0), steps_seen=20) if f.kind == "UNTRACED_WORK"][0]
-    inside = [f for f in diagnose(window(untraced=40.0), steps_seen=20) if f.kind == "UNTRACED_WORK"][0]
+    outside = [f for f in diagnose(DiagnosisInput(window(outside=40.0), steps_seen=20)) if f.kind == "UNTRACED_WORK"][0]
+    inside = [f for f in diagnose(DiagnosisInput(window(untraced=40.0), steps_seen=20)) if f.kind == "UNTRACED_WORK"][0]
     assert "between steps" in outside.summary and "item()" in outside.action
     assert "inside the step" in inside.summary and "trace_step(model)" in inside.action
 
@@ -115,7 +116,7 @@ def test_untraced_work_names_where_the_time_is():
 def test_compute_bound_when_the_model_dominates(compute, expected):
     # Compute = forward (the rest) + 10 ms backward; the remainder is outside.
     outside = 100.0 - compute * 100.0
-    findings = diagnose(window(outside=outside, backward=10.0), steps_seen=20)
+    findings = diagnose(DiagnosisInput(window(outside=outside, backward=10.0), steps_seen=20))
     assert ("COMPUTE_BOUND" in kinds(findings)) is expected
     if expected:
         finding = [f for f in findings if f.kind == "COMPUTE_BOUND"][0]
@@ -124,26 +125,26 @@ def test_compute_bound_when_the_model_dominates(compute, expected):
 
 
 def test_a_healthy_compute_bound_run_has_it_as_primary():
-    findings = diagnose(window(input_wait=2.0, outside=3.0, untraced=5.0, backward=40.0), steps_seen=20)
+    findings = diagnose(DiagnosisInput(window(input_wait=2.0, outside=3.0, untraced=5.0, backward=40.0), steps_seen=20))
     assert [f.kind for f in findings] == ["COMPUTE_BOUND"]
 
 
 def test_primary_is_what_acting_on_it_would_win_not_the_most_severe():
     # 35% between steps (warn) is worth more of the run than 25% input wait (crit).
-    findings = diagnose(window(input_wait=25.0, h2d=13.0, outside=35.0), steps_seen=20)
+    findings = diagnose(DiagnosisInput(window(input_wait=25.0, h2d=13.0, outside=35.0), steps_seen=20))
     assert [(f.kind, f.severity) for f in findings] == [
         ("UNTRACED_WORK", "warn"), ("INPUT_BOUND", "crit"), ("H2D_BOUND", "warn")]
 
 
 def test_every_window_gets_a_verdict():
     # Nothing above a threshold alone: 9% input, 9% h2d, 49% compute leaves 33% untraced.
-    findings = diagnose(window(input_wait=9.0, h2d=9.0, outside=33.0), steps_seen=20)
+    findings = diagnose(DiagnosisInput(window(input_wait=9.0, h2d=9.0, outside=33.0), steps_seen=20))
     assert findings and findings[0].kind == "UNTRACED_WORK"
 
 
 @pytest.mark.parametrize("steps_seen,insufficient", [(MIN_STEPS - 1, True), (MIN_STEPS, False)])
 def test_insufficient_data_below_ten_steps(steps_seen, insufficient):
-    findings = diagnose(window(count=steps_seen, input_wait=50.0), steps_seen=steps_seen)
+    findings = diagnose(DiagnosisInput(window(count=steps_seen, input_wait=50.0), steps_seen=steps_seen))
     assert (findings[0].kind == "INSUFFICIENT_DATA") is insufficient
     if insufficient:
         assert len(findings) == 1 and str(steps_seen) in findings[0].summary
@@ -186,7 +187,7 @@ from traceml.records import OomRecord
 @pytest.mark.parametrize("share,severity", [(GC_WARN_SHARE - 0.001, None), (GC_WARN_SHARE, "warn"),
                                             (GC_CRIT_SHARE - 0.001, "warn"), (GC_CRIT_SHARE, "crit")])
 def test_gc_pressure_at_its_thresholds(share, severity):
-    findings = diagnose(window(gc=share * 100.0), steps_seen=20)
+    findings = diagnose(DiagnosisInput(window(gc=share * 100.0), steps_seen=20))
     assert kinds(findings).get("GC_PRESSURE") == severity
 
 
@@ -281,8 +282,8 @@ def test_out_of_memory_is_the_primary_finding_even_in_a_short_run():
     oom = OomRecord(rank=0, step=3, phase="backward", layer="blocks.2.mlp", message="CUDA out of memory",
                     allocated_bytes=79 * 2 ** 30, reserved_bytes=80 * 2 ** 30, peak_bytes=79 * 2 ** 30,
                     largest_layers=[("blocks.2.mlp", 3 * 2 ** 30)])
-    findings = diagnose(window(count=3), steps_seen=3, oom=oom,
-                        limits=MemoryLimits(device_capacity_bytes=80 * 2 ** 30))
+    findings = diagnose(DiagnosisInput(window(count=3), steps_seen=3, oom=oom,
+                        limits=MemoryLimits(device_capacity_bytes=80 * 2 ** 30)))
     assert [f.kind for f in findings] == ["MEMORY_PRESSURE", "INSUFFICIENT_DATA"]
     assert "in backward, inside layer blocks.2.mlp" in findings[0].summary
     assert "79.00 GiB allocated of 80.00 GiB" in findings[0].summary
@@ -332,7 +333,7 @@ def test_one_stall_ten_times_longer_hides_neither_the_period_nor_its_cost():
     stalls = Stalls(window)
     assert stalls.period == 10 and [s.step for s in stalls.outliers] == [49]
     said_ms = 9 * 150.0 + 2000.0  # nine typical stalls and the outlier, as the words give them
-    (untraced,) = [f for f in diagnose(window, steps_seen=100) if f.kind == "UNTRACED_WORK"]
+    (untraced,) = [f for f in diagnose(DiagnosisInput(window, steps_seen=100)) if f.kind == "UNTRACED_WORK"]
     assert untraced.evidence["period_steps"] == 10 and untraced.evidence["outliers"] == [{"step": 49, "ms": 2000.0}]
     assert untraced.summary == ("every 10 steps, untraced work inside the step takes 150 ms (one of them "
                                 "2000 ms) against a median step of 100.0 ms: 25% of the run")
@@ -356,7 +357,7 @@ def test_early_slow_steps_that_never_come_back_are_warm_up_not_a_finding():
     stalls = Stalls(window)
     assert not stalls.episodes
     assert [(w["first_step"], w["steps"]) for w in stalls.warmup_note()] == [(8, 1), (12, 2)]
-    findings = diagnose(window, steps_seen=100)
+    findings = diagnose(DiagnosisInput(window, steps_seen=100))
     assert findings[0].kind == "COMPUTE_BOUND" and "STEP_SPIKES" not in kinds(findings)
     # The same stalls that come back later are not warm-up.
     assert Stalls(stalled_window({8, 12, 13, 60, 61})).episodes
@@ -367,7 +368,7 @@ def test_steps_traceml_slowed_itself_are_never_spikes():
     for step in window.steps:
         step.instrumented = step.step % 10 == 0  # deep-dive every 10 steps
     assert not Stalls(window).episodes
-    assert "STEP_SPIKES" not in kinds(diagnose(window, steps_seen=100))
+    assert "STEP_SPIKES" not in kinds(diagnose(DiagnosisInput(window, steps_seen=100)))
 
 
 def test_a_machine_wide_stall_is_named_as_such_not_blamed_on_a_phase():
@@ -393,7 +394,7 @@ def test_a_machine_wide_stall_is_named_as_such_not_blamed_on_a_phase():
 def test_periodic_untraced_work_is_one_finding_told_by_its_period():
     # A synchronous save-like stall inside the step every 20 steps: 1 s each, not torch.save.
     window = stalled_window({19, 39, 59, 79, 99}, extra_ms=1000.0)
-    findings = diagnose(window, steps_seen=100)
+    findings = diagnose(DiagnosisInput(window, steps_seen=100))
     assert [f.kind for f in findings].count("UNTRACED_WORK") == 1 and "STEP_SPIKES" not in kinds(findings)
     primary = findings[0]
     assert primary.kind == "UNTRACED_WORK" and primary.evidence["period_steps"] == 20
@@ -430,7 +431,7 @@ def test_a_periodic_stall_is_found_in_its_own_part_when_the_machine_jitters():
     stalls = Stalls(window)
     assert stalls.period == 10 and stalls.phase == "untraced"
     assert stalls.growth_ms["untraced"] == pytest.approx(250.0)
-    findings = diagnose(window, steps_seen=100)
+    findings = diagnose(DiagnosisInput(window, steps_seen=100))
     # Its mean share (under 15%) is under UNTRACED_WORK's own line: named by its cause all the same.
     assert window.share("untraced") < UNTRACED_WARN_SHARE
     primary = findings[0]
@@ -444,15 +445,15 @@ def test_a_periodic_stall_is_found_in_its_own_part_when_the_machine_jitters():
 def test_irregular_stalls_on_a_busy_machine_are_the_machines_and_listed_under_also():
     # Descheduled now and then: each stall lands in whichever phase ran, here the forward.
     window = stalled_window({23, 41, 42, 58, 67, 88}, extra_ms=250.0, forward=1.0)  # 13% of the run
-    quiet = diagnose(window, steps_seen=100)
+    quiet = diagnose(DiagnosisInput(window, steps_seen=100))
     assert quiet[0].kind == "STEP_SPIKES" and quiet[0].evidence["machine_wide"] is False
-    busy = diagnose(window, steps_seen=100, system=busy_machine())
+    busy = diagnose(DiagnosisInput(window, steps_seen=100, system=busy_machine()))
     assert busy[0].kind == "COMPUTE_BOUND"
     spikes = next(f for f in busy if f.kind == "STEP_SPIKES")
     assert spikes.evidence["machine_wide"] is True and spikes.summary.startswith("the machine stalls")
     # A periodic stall of one part is the run's own, busy machine or not.
-    periodic = diagnose(stalled_window({19, 39, 59, 79, 99}, extra_ms=1000.0), steps_seen=100,
-                        system=busy_machine())
+    periodic = diagnose(DiagnosisInput(stalled_window({19, 39, 59, 79, 99}, extra_ms=1000.0), steps_seen=100,
+                        system=busy_machine()))
     assert periodic[0].kind == "UNTRACED_WORK" and periodic[0].evidence["period_steps"] == 20
 
 
@@ -460,7 +461,7 @@ def test_a_checkpoint_inside_the_step_is_checkpoint_stall_and_nothing_else():
     window = stalled_window({19, 39, 59, 79, 99}, extra_ms=1000.0)
     for step in window.steps:
         step.checkpoint_ms = 1000.0 if step.step % 20 == 19 else 0.0
-    findings = diagnose(window, steps_seen=100)
+    findings = diagnose(DiagnosisInput(window, steps_seen=100))
     assert [f.kind for f in findings][:2] == ["CHECKPOINT_STALL", "COMPUTE_BOUND"]
     assert "UNTRACED_WORK" not in kinds(findings) and "STEP_SPIKES" not in kinds(findings)
     assert findings[0].summary == "every 20 steps, a checkpoint save inside the step takes 1000 ms: 33% of the run"
@@ -471,7 +472,7 @@ def test_evaluation_every_n_steps_is_noted_under_a_compute_bound_verdict():
     window = stalled_window({19, 39, 59, 79, 99}, extra_ms=180.0, outside=1.0)  # 8% of the run
     for step in window.steps:
         step.eval_ms = 180.0 if step.step % 20 == 19 else 0.0
-    findings = diagnose(window, steps_seen=100)
+    findings = diagnose(DiagnosisInput(window, steps_seen=100))
     assert [f.kind for f in findings] == ["COMPUTE_BOUND", "EVAL_HEAVY"]
     assert findings[1].severity == "info" and findings[1].evidence["period_steps"] == 20
     assert findings[1].summary == "every 20 steps, evaluation between steps takes 180 ms: 8% of the run"
@@ -503,7 +504,7 @@ def test_an_evaluation_ten_times_slower_is_named_apart_and_keeps_the_period():
     evaluations = {step: 100.0 for step in range(9, 100, 10)}
     evaluations[9] = 1200.0
     window = evaluated_window(evaluations)
-    findings = diagnose(window, steps_seen=100)
+    findings = diagnose(DiagnosisInput(window, steps_seen=100))
     assert [f.kind for f in findings] == ["EVAL_HEAVY", "COMPUTE_BOUND"]
     found = findings[0]
     assert found.evidence["period_steps"] == 10 and found.evidence["count"] == 10
@@ -517,14 +518,14 @@ def test_irregular_evaluations_are_counted_all_and_once_is_once():
     # What a field run stored: five evaluations over 996 steps of 15 ms, one of them 458 ms.
     evaluations = dict(zip((120, 310, 500, 730, 905), (68.6, 56.1, 457.6, 42.6, 41.3)))
     window = evaluated_window(evaluations, count=996, step_ms=15.0)
-    (found,) = [f for f in diagnose(window, steps_seen=996) if f.kind == "EVAL_HEAVY"]
+    (found,) = [f for f in diagnose(DiagnosisInput(window, steps_seen=996)) if f.kind == "EVAL_HEAVY"]
     assert found.evidence["count"] == 5 and found.evidence["period_steps"] is None
     assert found.evidence["outliers"] == [{"step": 500, "ms": 457.6}]
     assert said_ms(found.evidence) / window.total_ms == pytest.approx(found.evidence["share"], abs=1e-4)
     assert found.summary == ("5 times in 996 steps, evaluation between steps takes 52 ms (one of them 458 ms): "
                              "4% of the run")
     window = evaluated_window({50: 3000.0})
-    (found,) = [f for f in diagnose(window, steps_seen=100) if f.kind == "EVAL_HEAVY"]
+    (found,) = [f for f in diagnose(DiagnosisInput(window, steps_seen=100)) if f.kind == "EVAL_HEAVY"]
     assert found.summary == "once in 100 steps, evaluation between steps takes 3000 ms: 23% of the run"
     assert found.evidence["count"] == 1 and found.evidence["outliers"] == []
 
@@ -538,7 +539,7 @@ def test_evaluation_outside_the_steps_counted_is_said_and_added_up():
     parts = {part: {"seconds": 0.0, "share": 0.0} for part in PARTS}
     parts["evaluation"] = {"seconds": evaluation_s, "share": evaluation_s / run_s}
     goodput = Goodput(wall_s=run_s, parts=parts, startup={})
-    (found,) = [f for f in diagnose(window, steps_seen=100, goodput=goodput) if f.kind == "EVAL_HEAVY"]
+    (found,) = [f for f in diagnose(DiagnosisInput(window, steps_seen=100, goodput=goodput)) if f.kind == "EVAL_HEAVY"]
     assert found.evidence["elsewhere_ms"] == pytest.approx(1000.0)
     assert said_ms(found.evidence) / (run_s * 1e3) == pytest.approx(found.evidence["share"], abs=1e-4)
     assert found.summary == ("every 10 steps, evaluation between steps takes 100 ms, and 1000 ms more "
@@ -547,7 +548,7 @@ def test_evaluation_outside_the_steps_counted_is_said_and_added_up():
 
 def test_a_finding_worth_less_than_a_tenth_of_the_run_is_never_the_verdict():
     # Input wait at 9% of the step (a warn at 10%... it is below) and GC at 9.5%: under Also.
-    findings = diagnose(window(input_wait=9.0, gc=9.5, backward=30.0), steps_seen=20)
+    findings = diagnose(DiagnosisInput(window(input_wait=9.0, gc=9.5, backward=30.0), steps_seen=20))
     assert findings[0].kind == "COMPUTE_BOUND"
     below = Finding(kind="INPUT_BOUND", severity="crit", summary="", action="",
                     evidence={"share": VERDICT_SHARE - 0.01})
@@ -575,7 +576,7 @@ def test_the_ranking_puts_an_oom_first_then_memory_at_risk_then_worth():
     ("Hugging Face Trainer (optimizer updates)", "the trainer's own work between updates", "trace_step"),
 ])
 def test_the_words_fit_how_the_steps_were_found(found_by, said, not_said):
-    (finding,) = [f for f in diagnose(window(outside=60.0), steps_seen=20, steps_found_by=found_by)
+    (finding,) = [f for f in diagnose(DiagnosisInput(window(outside=60.0), steps_seen=20, steps_found_by=found_by))
                   if f.kind == "UNTRACED_WORK"]
     assert said in finding.summary
     assert not_said not in finding.summary + finding.action
@@ -595,7 +596,7 @@ def test_slow_steps_with_bigger_batches_are_the_loops_not_the_machines():
             step.step_ms = step.forward_ms + step.backward_ms + step.optimizer_ms
             step.samples = 64
         steps.append(step)
-    findings = diagnose(Window(steps), steps_seen=100)
+    findings = diagnose(DiagnosisInput(Window(steps), steps_seen=100))
     spikes = findings[0]
     assert spikes.kind == "STEP_SPIKES" and spikes.evidence["machine_wide"] is False
     assert spikes.evidence["period_steps"] == 10 and spikes.evidence["input_ratio"] == 8.0
@@ -611,4 +612,4 @@ def test_bigger_batches_are_found_by_their_inputs_when_the_machine_jitters():
             step.step_ms += 300.0
     stalls = Stalls(window)
     assert stalls.period == 10 and stalls.bigger_inputs and not stalls.machine_wide
-    assert diagnose(window, steps_seen=100)[0].kind == "STEP_SPIKES"
+    assert diagnose(DiagnosisInput(window, steps_seen=100))[0].kind == "STEP_SPIKES"

@@ -13,7 +13,7 @@ from torch import nn
 from traceml.analysis.rollup import Window
 from traceml.report.summary import RunData, build_summary
 from traceml.collector.store import Store
-from traceml.diagnose import diagnose
+from traceml.diagnose import DiagnosisInput, diagnose
 from traceml.diagnose.host_sync import host_sync, sync_sites
 from traceml.probe import phases, syncs
 from traceml.probe.step import StepProbe
@@ -146,7 +146,7 @@ def test_a_gpu_bound_loop_that_syncs_is_told_but_not_the_verdict():
     # The host waits 8 ms of a 10 ms step, but has nothing of its own to overlap: removing the
     # sync wins little, so the verdict stays COMPUTE_BOUND.
     window = window_of(10.0, 0.05, 0.05)
-    findings = diagnose(window, steps_seen=30, host_syncs=[item_sample(wait_ms=80.0)])
+    findings = diagnose(DiagnosisInput(window, steps_seen=30, host_syncs=[item_sample(wait_ms=80.0)]))
     assert findings[0].kind == "COMPUTE_BOUND"
     told = next(f for f in findings if f.kind == "HOST_SYNC")
     assert told.severity == "info" and told.evidence["share"] == pytest.approx(0.01)

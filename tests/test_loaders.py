@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset, dataloader
 
 from traceml.analysis.loaders import loader_figures
 from traceml.analysis.rollup import Window
-from traceml.diagnose import diagnose
+from traceml.diagnose import DiagnosisInput, diagnose
 from traceml.probe import phases
 from traceml.probe.loaders import LoaderWatch, worker_times
 from traceml.probe.step import StepProbe
@@ -139,7 +139,7 @@ def test_the_figures_are_measured_between_each_iterators_first_and_last_reading(
 
 
 def input_bound_of(window, figures):
-    (finding,) = [f for f in diagnose(window, steps_seen=len(window), loader=figures) if f.kind == "INPUT_BOUND"]
+    (finding,) = [f for f in diagnose(DiagnosisInput(window, steps_seen=len(window), loader=figures)) if f.kind == "INPUT_BOUND"]
     return finding
 
 

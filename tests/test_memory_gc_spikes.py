@@ -1,7 +1,8 @@
 """Memory creep, GC pressure and step spikes on real CPU loops, and a healthy run free of them."""
 import json
 
-from traceml.analysis.rollup import Window, roll_up, warmup_steps
+from traceml.analysis.rollup import Window, roll_up
+from traceml.records import warmup_steps
 from traceml.collector.store import Store
 from traceml.diagnose.memory import MIN_GROWTH_BYTES, MemoryLimits, memory_creep
 

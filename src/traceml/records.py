@@ -31,6 +31,23 @@ ALL_PHASES = STEP_PHASES + OVERLAPPING_PHASES
 # took, not when inside the step; the window after the step is input wait, then the rest.
 TIMELINE_ORDER = ("h2d", "forward", "backward", "optimizer", "untraced", "input_wait", "outside")
 
+# The warm-up rule, one for the probe, the rollup and the rules: a run's first steps (the
+# allocator growing, autotuning, DataLoader workers starting) are not the run.
+MAX_WARMUP_STEPS = 5  # figures start after a tenth of the steps, at most this many
+WARMUP_STALL_STEPS = 20  # a stall that starts this early among the measured steps (or in their
+WARMUP_STALL_SHARE = 0.1  # first tenth, when longer) and never comes back is warm-up, not a finding
+
+
+def warmup_steps(step_count: int) -> int:
+    """The steps left out at the start of a run of step_count steps (numbered from 0)."""
+    return min(MAX_WARMUP_STEPS, step_count // 10)
+
+
+def warmup_stall_horizon(first_step: int, measured_steps: int) -> int:
+    """The step before which a stall that never comes back counts as warm-up."""
+    return first_step + max(WARMUP_STALL_STEPS, int(WARMUP_STALL_SHARE * measured_steps))
+
+
 # How a rank's steps were found (RankHello and RankEnd steps_from); the trainer integrations
 # name themselves.
 STEPS_FROM_TRACE_STEP = "trace_step"

@@ -17,7 +17,6 @@ import msgspec
 from traceml.analysis.bootstrap import share_interval
 from traceml.records import ALL_PHASES, STEP_PHASES, RolledStep, StepRecord
 
-MAX_WARMUP_STEPS = 5
 
 
 class PhaseStats(msgspec.Struct):
@@ -80,11 +79,6 @@ def _roll_step(step: int, ranks: List[StepRecord]) -> RolledStep:
         comm_wait_ms=median("comm_wait_ms") if all(r.comm_wait_ms is not None for r in ranks) else None,
         forward_comm_wait_ms=median("forward_comm_wait_ms"),
     )
-
-
-def warmup_steps(step_count: int) -> int:
-    """Steps left out at the start: allocator, autotuning and worker start-up are not the run."""
-    return min(MAX_WARMUP_STEPS, step_count // 10)
 
 
 class Window:

@@ -18,13 +18,14 @@ import msgspec
 
 from traceml.collector.store import Store
 from traceml.records import (HEADER_BYTES, CompileRecord, FrameError, HostSyncSample, LayerCapture, LayerReport,
-                             LoaderSample, MemoryLedger, RankEnd, RankHello, RankPulse, StepRecord, SystemSample,
+                             LoaderSample, MemoryLedger, OomRecord, RankEnd, RankHello, RankPulse, StepRecord, SystemSample,
                              decode_payload, parse_header)
 
 log = logging.getLogger("traceml")
 COMMIT_INTERVAL_S = 0.5
 RECENT_STEPS = 512  # per rank, for the live views
 RECENT_LEDGERS = 4096  # memory ledger readings, sent when a figure moves
+RECENT_SYSTEM_SAMPLES = 900  # the node's samples (one a second), for the live rules' machine-wide stalls
 RECENT_LOADER_SAMPLES = 1024  # every rank's DataLoader figures (two a second each), for the live views
 # A connection must greet within HELLO_TIMEOUT_S, send each frame's rest within FRAME_TIMEOUT_S
 # of its header, and say something at least every IDLE_TIMEOUT_S (ranks send a heartbeat
@@ -62,6 +63,8 @@ class Collector:
         self.recent_by_rank: Dict[int, Deque[StepRecord]] = {}  # each rank's recent steps
         self.hellos: Dict[int, RankHello] = {}
         self.latest_system: Optional[SystemSample] = None
+        self.system_samples: Deque[SystemSample] = collections.deque(maxlen=RECENT_SYSTEM_SAMPLES)
+        self.ooms: List[OomRecord] = []  # the step that ran out of memory, for the post-mortem
         self.latest_layers: Optional[LayerReport] = None
         self.captures: List[LayerCapture] = []  # deep-dive captured when a rule fired
         self.run_time = run_time  # every rank's wall time so far, for goodput
@@ -75,6 +78,7 @@ class Collector:
         # they died or were killed, and the summary reports them missing.
         self.lost_ranks: Set[int] = set()
         self.ended_ranks: Set[int] = set()  # those that said goodbye
+        self.ends: List[RankEnd] = []  # their goodbyes (how each found its steps in the end)
         self.pulses: Dict[int, RankPulse] = {}  # each stalled rank's latest word on where it is
         self.last_heard_unix_s: Dict[int, float] = {}  # each rank's latest frame
         self.hang_watch = hang_watch
@@ -154,6 +158,9 @@ class Collector:
                 recent.append(record)
             elif kind is SystemSample:
                 self.latest_system = record
+                self.system_samples.append(record)
+            elif kind is OomRecord:
+                self.ooms.append(record)
             elif kind is LayerReport:
                 self.latest_layers = record
             elif kind is LayerCapture:
@@ -170,6 +177,7 @@ class Collector:
                 self.pulses[record.rank] = record
             elif kind is RankEnd:
                 self.ended_ranks.add(record.rank)
+                self.ends.append(record)
             if self.run_time is not None and (kind is StepRecord or kind is CompileRecord
                                               or kind is RankHello or kind is RankEnd):
                 self.run_time.add(record)

@@ -16,6 +16,7 @@ finding's period), and ranks the findings so the first is the primary diagnosis:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 from traceml.analysis.goodput import Goodput
@@ -42,55 +43,75 @@ STALL_WORDS = {"outside": "work between steps", "untraced": "untraced work insid
                "input_wait": "waiting for the DataLoader", "gc": "garbage collection"}
 
 
-def diagnose(window: Window, steps_seen: int, ranks: Optional[List[RankRow]] = None,
-             limits: Optional[MemoryLimits] = None, peak_device_bytes: Optional[int] = None,
-             peak_rss_bytes: Optional[int] = None, oom: Optional[OomRecord] = None,
-             layers_alive: Optional[List[dict]] = None,
-             steps_found_by: Optional[str] = None, system: Sequence[SystemSample] = (),
-             stalls: Optional[Stalls] = None, captures: Sequence[LayerCapture] = (),
-             goodput: Optional[Goodput] = None, compiles: Sequence[CompileRecord] = (),
-             host_syncs: Sequence[HostSyncSample] = (), loader: Optional[LoaderFigures] = None,
-             ledger: Optional[List[dict]] = None) -> List[Finding]:
-    """Every finding for this window, the primary diagnosis first (see the ranking above).
+@dataclass
+class DiagnosisInput:
+    """Everything the rules read of a run. report.diagnosis builds it one way for the live views
+    and the final summary, so both give the same verdict on the same steps.
 
-    ranks: per-rank medians (rollup.rank_medians) when there are several; limits and peaks:
-    what memory there is and what the run reached; oom: the step that ran out of memory;
+    window: the measured steps (warm-up left out); steps_seen: the run's steps so far;
+    ranks: every rank's row (rollup.rank_medians; the rank rules need two ranks or more);
+    limits and peaks: what memory there is and what the run reached; oom: the step that ran out
+    of memory; layers_alive: the deep-dive's leaf layers whose outputs outlive their step;
     steps_found_by: how steps were found (records.STEPS_FROM_*, or a trainer), for the words;
     system: the node's samples, to tell a machine-wide stall; stalls: the window's slow steps
-    when the caller has them already (the summary reports their warm-up); captures: deep-dive
-    taken when a rule fired in the probe, named in the evidence of the finding it belongs to;
-    goodput: the run's wall time by part (planned work and startup are measured against it);
-    compiles: torch.compile's compilations, for RECOMPILATION; host_syncs: the probe's sampled
-    host syncs (CUDA), for HOST_SYNC; loader: the training DataLoader's figures
-    (analysis.loaders), for what INPUT_BOUND advises; ledger: what holds each rank's memory
-    (analysis.ledger), for which part the memory rules name.
+    (the summary reports their warm-up too); captures: deep-dive taken when a rule fired in the
+    probe, named in the evidence of the finding it belongs to; goodput: the run's wall time by
+    part (planned work and startup are measured against it); compiles: torch.compile's
+    compilations, for RECOMPILATION; host_syncs: the probe's sampled host syncs (CUDA), for
+    HOST_SYNC; loader: the training DataLoader's figures (analysis.loaders), for what
+    INPUT_BOUND advises; ledger: what holds each rank's memory (analysis.ledger), for which part
+    the memory rules name.
     """
-    limits = limits or MemoryLimits()
+
+    window: Window
+    steps_seen: int
+    ranks: List[RankRow] = field(default_factory=list)
+    limits: MemoryLimits = field(default_factory=MemoryLimits)
+    peak_device_bytes: Optional[int] = None
+    peak_rss_bytes: Optional[int] = None
+    oom: Optional[OomRecord] = None
+    layers_alive: List[dict] = field(default_factory=list)
+    steps_found_by: Optional[str] = None
+    system: Sequence[SystemSample] = ()
+    stalls: Optional[Stalls] = None
+    captures: Sequence[LayerCapture] = ()
+    goodput: Optional[Goodput] = None
+    compiles: Sequence[CompileRecord] = ()
+    host_syncs: Sequence[HostSyncSample] = ()
+    loader: Optional[LoaderFigures] = None
+    ledger: List[dict] = field(default_factory=list)
+
+
+def diagnose(run: DiagnosisInput) -> List[Finding]:
+    """Every finding for the run's window, the primary diagnosis first (see the ranking above)."""
+    window, limits, oom, ledger, goodput = run.window, run.limits, run.oom, run.ledger, run.goodput
     findings: List[Finding] = [out_of_memory(oom, limits)] if oom is not None else []
-    if steps_seen < MIN_STEPS:
-        return findings + [insufficient_data(steps_seen, steps_found_by)]
-    stalls = stalls if stalls is not None else Stalls(window, system)
-    shares = [finding for finding in (input_bound(window, loader), h2d_bound(window),
-                                      untraced_work(window, steps_found_by), gc_pressure(window))
+    if run.steps_seen < MIN_STEPS:
+        return findings + [insufficient_data(run.steps_seen, run.steps_found_by)]
+    stalls = run.stalls if run.stalls is not None else Stalls(window, run.system)
+    shares = [finding for finding in (input_bound(window, run.loader), h2d_bound(window),
+                                      untraced_work(window, run.steps_found_by), gc_pressure(window))
               if finding is not None]
     findings += _one_finding_per_cause(shares, stalls) + planned_work(window, goodput)
     run_ms = goodput.wall_s * 1e3 if goodput is not None else window.total_ms
     after_step = window.steps[0].step if len(window) else 0
-    findings += [finding for finding in (recompilations(compiles, after_step, run_ms), slow_startup(goodput),
-                                         host_sync(host_syncs, window))
+    findings += [finding for finding in (recompilations(run.compiles, after_step, run_ms), slow_startup(goodput),
+                                         host_sync(run.host_syncs, window))
                  if finding is not None]
-    findings += [finding for finding in (compute_bound(window), memory_creep(window, limits, layers_alive, ledger))
+    findings += [finding for finding in (compute_bound(window),
+                                         memory_creep(window, limits, run.layers_alive, ledger))
                  if finding is not None]
     if oom is None:  # the post-mortem already says how full memory was
-        findings += [f for f in (memory_pressure(window, limits, peak_device_bytes, peak_rss_bytes, ledger),) if f]
-    if ranks:
-        sharded_by = next((row["sharded_by"] for row in ledger or () if row.get("sharded_by")), "")
-        findings += [f for f in (straggler(ranks, window.step_median_ms),
-                                 comm_bound(ranks, window.step_median_ms, sharded_by)) if f]
+        findings += [f for f in (memory_pressure(window, limits, run.peak_device_bytes, run.peak_rss_bytes,
+                                                 ledger),) if f]
+    if len(run.ranks) > 1:
+        sharded_by = next((row["sharded_by"] for row in ledger if row.get("sharded_by")), "")
+        findings += [f for f in (straggler(run.ranks, window.step_median_ms),
+                                 comm_bound(run.ranks, window.step_median_ms, sharded_by)) if f]
     if not any(_group(f) <= 3 for f in findings):
         findings.append(compute_bound(window, healthy=True))
     findings = rank(findings)
-    attach_captures(findings, captures)
+    attach_captures(findings, run.captures)
     return findings
 
 
@@ -144,4 +165,4 @@ def rank(findings: List[Finding]) -> List[Finding]:
     return sorted(findings, key=lambda f: (_group(f), -worth(f), SEVERITY_ORDER[f.severity]))
 
 
-__all__ = ["diagnose", "rank", "worth", "Finding", "MemoryLimits", "SEVERITY_ORDER", "Stalls"]
+__all__ = ["diagnose", "DiagnosisInput", "rank", "worth", "Finding", "MemoryLimits", "SEVERITY_ORDER", "Stalls"]

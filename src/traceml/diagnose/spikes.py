@@ -23,7 +23,7 @@ import msgspec
 from traceml.analysis.goodput import Goodput
 from traceml.analysis.rollup import Window
 from traceml.records import (ALL_PHASES, STEP_PHASES, Finding, FindingKind, RolledStep, Severity,
-                             SystemSample)
+                             SystemSample, warmup_stall_horizon)
 from traceml.words import counted, every, times
 
 MIN_Z = 6.0  # robust z-score (median and MAD) a step must pass to be slow
@@ -35,8 +35,6 @@ MAJOR_SHARE = 0.25  # a slow step counts when its excess is at least this share 
 MIN_REPEATS = 3  # episodes at one gap that make a period
 MIN_GAP = 2  # steps between the starts of two episodes of a period
 PERIODIC_SHARE = 0.6  # this share of the gaps between episodes equal: a period
-WARMUP_HORIZON = 20  # episodes starting within this many steps of the window (or its first
-WARMUP_HORIZON_SHARE = 0.1  # tenth, when longer) that never recur are warm-up
 WARN_COST_SHARE = 0.05  # stalls costing this share of the run's time: warn (below: info)
 EXPLAINED_SHARE = 0.5  # a cause (one phase, planned work) that accounts for this much of the excess
 MACHINE_GROWTH = 0.3  # every part of the step this much longer in the slow steps: the machine
@@ -386,7 +384,7 @@ def _stall_episodes(steps: List[RolledStep], values_ms: List[float], min_excess_
     mad = statistics.median(abs(v - median) for v in values_ms) or max(median, 1e-3) * 0.01
     episodes = _episodes([(step.step, value - median) for step, value in zip(steps, values_ms)
                           if 0.6745 * (value - median) / mad > MIN_Z and value - median > min_excess_ms])
-    horizon = steps[0].step + max(WARMUP_HORIZON, int(WARMUP_HORIZON_SHARE * len(steps)))
+    horizon = warmup_stall_horizon(steps[0].step, len(steps))
     early = [e for e in episodes if e.first_step < horizon]
     later = [e for e in episodes if e.first_step >= horizon]
     warmup: List[Episode] = []

@@ -32,8 +32,8 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from traceml.records import (CAPTURE_MEMORY, CAPTURE_REGRESSION, CAPTURE_SPIKE, LayerCapture, LayerReport,
-                             LayerStat, StepRecord)
+from traceml.records import (CAPTURE_MEMORY, CAPTURE_REGRESSION, CAPTURE_SPIKE, MAX_WARMUP_STEPS, LayerCapture,
+                             LayerReport, LayerStat, StepRecord)
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
@@ -510,7 +510,9 @@ class AnomalyWatch:
     off the training's): one step far slower than the run's baseline, the recent steps' median
     well above it, or memory held at a step's end jumping. The next step takes `request`."""
 
-    WARMUP_STEPS = 10  # steps before the baseline starts
+    # The baseline is frozen for the rest of the run, so it starts well clear of the warm-up
+    # (records.warmup_steps): at twice the most steps the summary leaves out.
+    BASELINE_FROM_STEP = 2 * MAX_WARMUP_STEPS
     BASELINE_COUNT = 50  # steps whose median is the baseline
     SPIKE_RATIO = 3.0
     REGRESSION_RATIO = 1.3
@@ -530,7 +532,7 @@ class AnomalyWatch:
         self._quiet_until: Dict[str, int] = {}
 
     def observe(self, record: StepRecord) -> None:
-        if record.instrumented or record.step < self.WARMUP_STEPS:
+        if record.instrumented or record.step < self.BASELINE_FROM_STEP:
             return
         held = record.device_allocated_bytes if record.device_allocated_bytes is not None else record.host_rss_bytes
         before, self._held_bytes = self._held_bytes, held

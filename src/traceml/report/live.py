@@ -1,5 +1,6 @@
 """The live state every live view shows: the collector's recent steps, diagnosed by the rules
-the final summary uses, at one moment. The terminal and the web dashboard both read it."""
+the final summary uses, with their input built the same way (report.diagnosis), at one moment.
+The terminal and the web dashboard both read it."""
 from __future__ import annotations
 
 import statistics
@@ -8,12 +9,11 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from traceml.analysis.goodput import Goodput
-from traceml.analysis.ledger import ledger_rows
-from traceml.analysis.loaders import loader_figures
-from traceml.analysis.rollup import RankRow, Window, max_present, rank_medians, rank_spread, warmup_steps
+from traceml.analysis.rollup import RankRow, Window, rank_spread
 from traceml.diagnose import MemoryLimits, diagnose
 from traceml.diagnose.hangs import Hang, RankProgress, find_hang, hang_after_s_from_env
-from traceml.records import ALERT_SEVERITIES, Finding, FindingKind, LayerReport, SystemSample
+from traceml.records import ALERT_SEVERITIES, Finding, FindingKind, LayerReport, SystemSample, warmup_steps
+from traceml.report.diagnosis import RunRecords, diagnosis_input
 
 RECENT_WINDOW = 200  # steps the live figures are computed over
 
@@ -35,31 +35,24 @@ class LiveState:
 
 def snapshot(collector: Any, script: str, elapsed_s: float,
              alerts: List[Tuple[float, Finding]]) -> LiveState:
-    """Read the collector's live state and diagnose it with the rules the summary uses.
+    """Read the collector's live state and diagnose it as the summary does (report.diagnosis),
+    over the latest RECENT_WINDOW steps.
 
     `alerts` collects each finding kind the first time it appears (it is updated in place).
     """
     rolled = list(collector.live.recent)
     steps_seen = collector.live.newest_step + 1
-    warmup = warmup_steps(steps_seen)
-    window = Window([s for s in rolled[-RECENT_WINDOW:] if s.step >= warmup])
     records = [record for recent in list(collector.recent_by_rank.values()) for record in list(recent)]
-    ranks = rank_medians(records, skip_steps=0) if len(collector.recent_by_rank) > 1 else []
     system = collector.latest_system
-    limits = MemoryLimits.of_run(list(collector.hellos.values()), system)
-    findings: List[Finding] = []
-    goodput = collector.run_time.goodput(now_unix_s=time.time())
-    ledger = ledger_rows(list(collector.ledgers), records, first_step=window.steps[0].step if len(window) else None)
-    if rolled:
-        hellos = list(collector.hellos.values())
-        findings = diagnose(window, steps_seen=steps_seen, ranks=ranks or None, limits=limits,
-                            peak_device_bytes=max_present(s.device_peak_bytes for s in rolled),
-                            peak_rss_bytes=max_present(s.host_rss_bytes for s in rolled),
-                            steps_found_by=hellos[0].steps_from if hellos else None,
-                            system=[system] if system is not None else [],
-                            captures=list(collector.captures), goodput=goodput,
-                            compiles=list(collector.compiles), host_syncs=list(collector.host_syncs),
-                            loader=loader_figures(list(collector.loaders), window, hellos), ledger=ledger)
+    hellos = list(collector.hellos.values())
+    inputs = diagnosis_input(RunRecords(
+        rolled=rolled, steps=records, hellos=hellos, ends=list(collector.ends),
+        system=list(collector.system_samples), ooms=list(collector.ooms), compiles=list(collector.compiles),
+        host_syncs=list(collector.host_syncs), captures=list(collector.captures),
+        loader_samples=list(collector.loaders), ledgers=list(collector.ledgers),
+        layer_report=collector.latest_layers, goodput=collector.run_time.goodput(now_unix_s=time.time()),
+        steps_seen=steps_seen, recent_steps=RECENT_WINDOW))
+    findings = diagnose(inputs) if rolled else []
     hang = getattr(getattr(collector, "hang_watch", None), "hang", None)
     if hang is not None:
         findings.insert(0, hang.finding)
@@ -68,12 +61,13 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
         if (finding.kind not in seen and finding.kind != FindingKind.INSUFFICIENT_DATA
                 and finding.severity in ALERT_SEVERITIES):
             alerts.append((elapsed_s, finding))
-    state = LiveState(script, elapsed_s, window, steps_seen, ranks, collector.world_size, system,
-                      limits, collector.latest_layers, findings, alerts)
-    state.goodput = goodput
-    state.ledger = ledger
+    ranks = inputs.ranks if len(collector.recent_by_rank) > 1 else []
+    state = LiveState(script, elapsed_s, inputs.window, steps_seen, ranks, collector.world_size, system,
+                      inputs.limits, collector.latest_layers, findings, alerts)
+    state.goodput = inputs.goodput
+    state.ledger = inputs.ledger
     if ranks:
-        state.spread = rank_spread(records, skip_steps=warmup)
+        state.spread = rank_spread(records, skip_steps=warmup_steps(steps_seen))
     return state
 
 

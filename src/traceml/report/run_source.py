@@ -12,13 +12,14 @@ from typing import Any, Dict, List, Optional
 
 from traceml import rundir
 from traceml.analysis.ledger import LEDGER_PARTS, PART_WORDS, ledger_history, part_bytes
-from traceml.analysis.rollup import comm_wait_parts, warmup_steps
+from traceml.analysis.rollup import comm_wait_parts
 from traceml.collector.store import Store
 from traceml.diagnose.stragglers import straggler_finding, straggler_rank
-from traceml.records import ALL_PHASES
+from traceml.records import ALL_PHASES, warmup_steps
 from traceml.report import queries
 from traceml.report.live import snapshot
-from traceml.report.summary import RunData, RunFacts, build_summary, deep_dive_figures, device_names
+from traceml.report.deep_dive import deep_dive_figures
+from traceml.report.summary import RunData, RunFacts, build_summary, device_names
 
 LIVE_STATE_S = 0.5
 

@@ -12,21 +12,20 @@ import msgspec
 from traceml import rundir
 from traceml.analysis.goodput import RunTime
 from traceml.analysis.hardware import device_peak_tflops
-from traceml.analysis.ledger import device_mesh, ledger_history, ledger_rows
-from traceml.analysis.loaders import loader_figures
-from traceml.analysis.rollup import (Window, max_present, rank_medians, rank_row, rank_spread,
-                                      roll_up, warmup_steps)
+from traceml.analysis.ledger import device_mesh, ledger_history
+from traceml.analysis.rollup import max_present, rank_row, rank_spread, roll_up
 from traceml.collector.store import Store
-from traceml.diagnose import MemoryLimits, Stalls, diagnose
+from traceml.diagnose import diagnose
 from traceml.diagnose.captures import grown_layers
 from traceml.diagnose.hangs import rank_lost
 from traceml.diagnose.host_sync import sync_sites
 from traceml.diagnose.run_time import compile_summary
-from traceml.records import Finding, LayerCapture, LayerReport, RankEnd, RankHello, RolledStep, SystemSample
+from traceml.records import Finding, LayerCapture, RankEnd, RankHello, RolledStep, SystemSample, warmup_steps
+from traceml.report.deep_dive import deep_dive_figures
+from traceml.report.diagnosis import RunRecords, diagnosis_input
 
 SCHEMA_VERSION = 1
 RANK_SAMPLE_STEPS = 10_000  # beyond this many steps, per-rank figures read every k-th step
-LOW_COVERAGE = 0.6  # leaf modules holding less of the model's time than this: the card says why
 
 
 class RunFacts(msgspec.Struct):
@@ -71,46 +70,40 @@ class RunData:
             self.records = store.steps()
             self.rolled = roll_up(self.records)
         self.warmup = warmup_steps(len(self.rolled))
-        self.window = Window(self.rolled[self.warmup:])
         self.hellos: List[RankHello] = store.hellos()
         self.ends: List[RankEnd] = store.ends()
         self.samples: List[SystemSample] = store.system_samples()
-        self.ranks = rank_medians(self.records, skip_steps=self.warmup)
-        if self.rank_sample_every > 1:
-            self._exact_rank_counts(store)
-        self.spans = span_figures(store, self.window.steps[0].step if len(self.window) else None,
-                                  sample_every=self.rank_sample_every)
-        self.ooms = store.ooms()
         self.compiles = store.compiles()
-        self.host_syncs = store.host_syncs()
         self.run_time = self._run_time(store, meta)
         self.goodput = self.run_time.goodput(now_unix_s=None)
+        reports = store.layer_reports()
+        self.layer_report = reports[0] if reports else None  # rank 0's, or the first rank's
+        self.deep_dive = deep_dive_figures(self.layer_report)
+        self.ooms, self.host_syncs, self.ledgers = store.ooms(), store.host_syncs(), store.ledgers()
+        # What the rules read, built as the live views build it (report.diagnosis).
+        self.inputs = diagnosis_input(RunRecords(
+            rolled=self.rolled, steps=self.records, hellos=self.hellos, ends=self.ends, system=self.samples,
+            ooms=self.ooms, compiles=self.compiles, host_syncs=self.host_syncs, captures=store.captures(),
+            loader_samples=store.loader_samples(), ledgers=self.ledgers, layer_report=self.layer_report,
+            goodput=self.goodput))
+        inputs = self.inputs
+        self.window, self.ranks, self.stalls = inputs.window, inputs.ranks, inputs.stalls
+        self.limits, self.found_by, self.loader, self.ledger = inputs.limits, inputs.steps_found_by, inputs.loader, \
+            inputs.ledger
+        self.captures: List[LayerCapture] = list(inputs.captures)
+        if self.rank_sample_every > 1:
+            self._exact_rank_counts(store)
+            inputs.ranks = self.ranks
+        self.spans = span_figures(store, self.window.steps[0].step if len(self.window) else None,
+                                  sample_every=self.rank_sample_every)
         self.lost_ranks: List[int] = meta.get("lost_ranks", [])
         # How failed ranks ended, from their launcher (traceml.agent; the fork's own wait).
         self.rank_exits: Dict[int, Dict[str, int]] = {int(rank): status for rank, status
                                                       in (meta.get("rank_exits") or {}).items()}
         self.missing_ranks = _missing_ranks(self)
-        # A hang the collector saw and the run ended under (analysis.live.HangWatch).
+        # A hang the collector saw and the run ended under (report.live.HangWatch).
         self.hang: Optional[Dict[str, Any]] = meta.get("hang")
-        reports = store.layer_reports()
-        self.layer_report = reports[0] if reports else None  # rank 0's, or the first rank's
-        self.deep_dive = deep_dive_figures(self.layer_report)
-        self.limits = MemoryLimits.of_run(self.hellos, self.samples[-1] if self.samples else None)
-        self.found_by = _steps_found_by(self)
-        self.stalls = Stalls(self.window, self.samples)
-        self.captures: List[LayerCapture] = store.captures()
-        self.loader = loader_figures(store.loader_samples(), self.window, self.hellos)
-        self.ledgers = store.ledgers()
-        self.ledger = ledger_rows(self.ledgers, self.records, self.deep_dive["layers"],
-                                  first_step=self.window.steps[0].step if len(self.window) else None)
-        self.findings: List[Finding] = diagnose(
-            self.window, steps_seen=len(self.rolled), ranks=self.ranks if len(self.ranks) > 1 else None,
-            limits=self.limits, peak_device_bytes=max_present(s.device_peak_bytes for s in self.rolled),
-            peak_rss_bytes=max_present(s.host_rss_bytes for s in self.rolled),
-            oom=self.ooms[0] if self.ooms else None, layers_alive=self._layers_alive(),
-            steps_found_by=self.found_by, system=self.samples, stalls=self.stalls,
-            captures=self.captures, goodput=self.goodput, compiles=self.compiles, host_syncs=self.host_syncs,
-            loader=self.loader, ledger=self.ledger)
+        self.findings: List[Finding] = diagnose(inputs)
         self._say_how_the_run_stopped_first()
 
     def _say_how_the_run_stopped_first(self) -> None:
@@ -149,28 +142,6 @@ class RunData:
         steps = self.records if self.rank_sample_every == 1 else store.steps()
         return RunTime.of([*self.hellos, *steps, *self.compiles, *self.ends])
 
-    def _layers_alive(self) -> List[Dict[str, Any]]:
-        rows = [row for row in self.deep_dive["layers"] if row["leaf"] and row["alive_bytes"]]
-        return [{"name": row["name"], "alive_bytes": row["alive_bytes"]}
-                for row in sorted(rows, key=lambda row: -row["alive_bytes"])]
-
-
-def deep_dive_figures(report: Optional[LayerReport]) -> Dict[str, Any]:
-    """The deep-dive as the summary and the web page give it: its per-layer rows ("layers"), and
-    ("deep_dive") how they were sampled and how much of the model's time its leaf modules hold,
-    with the words for a low coverage. No rows and None without a deep-dive."""
-    if report is None:
-        return {"layers": [], "deep_dive": None}
-    note = None
-    if min(report.forward_coverage, report.backward_coverage) < LOW_COVERAGE:
-        note = (f"leaf modules hold {report.forward_coverage:.0%} of forward and "
-                f"{report.backward_coverage:.0%} of backward: the rest runs in the model's own code "
-                "between them (functional calls such as F.scaled_dot_product_attention, residual "
-                "adds, reshapes) and counts in the parent modules' rows")
-    return {"layers": layer_rows(report),
-            "deep_dive": {"sampled_steps": report.sampled_steps, "every_n_steps": report.every_n_steps,
-                          "forward_coverage": report.forward_coverage,
-                          "backward_coverage": report.backward_coverage, "coverage_note": note}}
 
 
 def span_figures(store: Store, first_step: Optional[int], sample_every: int = 1) -> Dict[str, Dict[str, Any]]:
@@ -208,20 +179,6 @@ def device_names(hellos: List[RankHello]) -> List[str]:
     """The run's devices as the card names them: "cpu", "cuda:0 (NVIDIA H100 80GB HBM3)"."""
     return sorted({h.device_name if h.device == "cpu" else f"{h.device} ({h.device_name})"
                    for h in hellos})
-
-
-def layer_rows(report: LayerReport) -> List[Dict[str, Any]]:
-    """Deep-dive figures per step (the sums over sampled steps, divided by their count), slowest first."""
-    per_step = 1.0 / report.sampled_steps
-    rows = [{"name": layer.name, "type": layer.kind, "leaf": layer.leaf,
-             "calls_per_step": layer.calls * per_step, "forward_ms": layer.forward_ms * per_step,
-             "backward_ms": layer.backward_ms * per_step,
-             "memory_bytes": round(layer.saved_bytes * per_step),
-             "output_bytes": round(layer.output_bytes * per_step),
-             "allocated_delta_bytes": (round(layer.allocated_delta_bytes * per_step)
-                                       if layer.allocated_delta_bytes is not None else None),
-             "alive_bytes": layer.alive_bytes} for layer in report.layers]
-    return sorted(rows, key=lambda row: -(row["forward_ms"] + row["backward_ms"]))
 
 
 def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
@@ -290,10 +247,9 @@ def flat_summary(records: List[Any]) -> Dict[str, Any]:
     """One rank's figures so far as a flat dict (traceml.summary()), for W&B or MLflow: the
     same rollup, warm-up and rules as the card, over the records this process sent."""
     rolled = roll_up(records)
-    window = Window(rolled[warmup_steps(len(rolled)):])
-    findings = diagnose(window, steps_seen=len(rolled),
-                        peak_device_bytes=max_present(s.device_peak_bytes for s in rolled),
-                        peak_rss_bytes=max_present(s.host_rss_bytes for s in rolled)) if rolled else []
+    inputs = diagnosis_input(RunRecords(rolled=rolled, steps=[]))
+    window = inputs.window
+    findings = diagnose(inputs) if rolled else []
     flat: Dict[str, Any] = {
         "traceml/steps": len(rolled),
         "traceml/step/median_ms": window.step_median_ms,
@@ -329,16 +285,6 @@ def _model_flops(data: RunData) -> Dict[str, Any]:
     peak = device_peak_tflops(names[0]) if names else None
     return {"flops_per_step": flops, "achieved_tflops": achieved,
             "mfu": achieved / peak if peak else None, "device_peak_tflops": peak}
-
-
-def _steps_found_by(data: RunData) -> Optional[str]:
-    """How rank 0 found its steps: its goodbye knows best (an explicit trace_step may have
-    replaced inference late); a rank that died only said so in its hello."""
-    for records in (data.ends, data.hellos):
-        said = [r.steps_from for r in sorted(records, key=lambda r: r.rank) if r.steps_from]
-        if said:
-            return said[0]
-    return None
 
 
 def _rounded(value: Any) -> Any:

@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Tuple
 from traceml.diagnose.stragglers import straggler_rank
 from traceml.records import STEP_PHASES, Finding
 from traceml.report.live import LiveState, snapshot
-from traceml.report.summary import layer_rows
+from traceml.report.deep_dive import layer_rows
 from traceml.views.summary import PHASE_LABELS, SEVERITY_STYLE, goodput_text
 from traceml.words import counted
 
