@@ -54,14 +54,14 @@ def main() -> None:
     args = parser.parse_args()
     source_dir = str(Path(__file__).resolve().parent.parent / "src")
     sys.path.insert(0, source_dir)
-    from traceml.report.live import snapshot
     from traceml.analysis.goodput import RunTime
     from traceml.analysis.rollup import LiveRollup
     from traceml.collector.server import Collector
     from traceml.collector.store import Store
+    from traceml.report.live import snapshot
     from traceml.lifecycle import finish_run
-    from traceml.report.summary import RunFacts
     from traceml.report.run_source import RunSource
+    from traceml.report.summary import RunFacts
 
     me = psutil.Process()
     with tempfile.TemporaryDirectory() as folder:

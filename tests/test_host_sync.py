@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from traceml.analysis.rollup import Window
-from traceml.report.summary import RunData, build_summary
 from traceml.collector.store import Store
 from traceml.diagnose import DiagnosisInput, diagnose
 from traceml.diagnose.host_sync import host_sync, sync_sites
 from traceml.probe import phases, syncs
 from traceml.probe.step import StepProbe
 from traceml.records import HostSyncSample, SyncSite, decode_payload, encode_frame
+from traceml.report.summary import RunData, build_summary
 from traceml.views.summary import card_text
 from test_records import hello, step
 from test_summary import FACTS

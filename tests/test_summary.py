@@ -8,8 +8,8 @@ import pytest
 
 from traceml.collector.store import Store
 from traceml.records import GpuSample, RankEnd, SpanRecord, SystemSample
-from traceml.views.report import render_report
 from traceml.report.summary import RunData, RunFacts, build_summary
+from traceml.views.report import render_report
 from traceml.views.summary import CARD_WIDTH, card_text
 from test_records import hello, step
 

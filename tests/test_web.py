@@ -18,10 +18,10 @@ import pytest
 from traceml.collector.store import Store
 from traceml.records import (STEP_PHASES, GpuSample, MemoryLedger, RankHello, ScalarRecord, StepRecord,
                              SystemSample)
-from traceml.report.run_source import RunSource
-from traceml.views.web.app import WebServer, worded_memory
 from traceml.report import queries
 from traceml.report.queries import MAX_POINTS
+from traceml.report.run_source import RunSource
+from traceml.views.web.app import WebServer, worded_memory
 
 from conftest import SCRIPTS, TRAIN_LOOP, _env
 

@@ -47,10 +47,10 @@ class Run:
         """Open the store and serve the collector (on `listening`, a socket rendezvous.listen
         bound, or on host:port); its address. OSError with the one line to say otherwise."""
         from traceml.analysis.goodput import RunTime
-        from traceml.report.live import HangWatch
         from traceml.analysis.rollup import LiveRollup
         from traceml.collector.server import Collector
         from traceml.collector.store import Store
+        from traceml.report.live import HangWatch
 
         if listening is not None:
             port = listening.getsockname()[1]
@@ -361,8 +361,8 @@ def finish_run(store: Any, run_dir: Optional[Path], facts: Any) -> Optional[dict
     """Summarize the store, write the run directory, print the card. Never raises."""
     import json
 
-    from traceml.views.report import render_report
     from traceml.report.summary import RunData, build_summary
+    from traceml.views.report import render_report
     from traceml.views.summary import card_text, print_card
 
     try:
