@@ -62,7 +62,6 @@ class Collector:
         self.live = live  # recent steps across ranks
         self.recent_by_rank: Dict[int, Deque[StepRecord]] = {}  # each rank's recent steps
         self.hellos: Dict[int, RankHello] = {}
-        self.latest_system: Optional[SystemSample] = None
         self.system_samples: Deque[SystemSample] = collections.deque(maxlen=RECENT_SYSTEM_SAMPLES)
         self.ooms: List[OomRecord] = []  # the step that ran out of memory, for the post-mortem
         self.latest_layers: Optional[LayerReport] = None
@@ -77,8 +76,7 @@ class Collector:
         # Ranks whose connection dropped with no goodbye while other ranks were still there:
         # they died or were killed, and the summary reports them missing.
         self.lost_ranks: Set[int] = set()
-        self.ended_ranks: Set[int] = set()  # those that said goodbye
-        self.ends: List[RankEnd] = []  # their goodbyes (how each found its steps in the end)
+        self.ends: Dict[int, RankEnd] = {}  # the goodbyes of the ranks that said one
         self.pulses: Dict[int, RankPulse] = {}  # each stalled rank's latest word on where it is
         self.last_heard_unix_s: Dict[int, float] = {}  # each rank's latest frame
         self.hang_watch = hang_watch
@@ -99,6 +97,10 @@ class Collector:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def latest_system(self) -> Optional[SystemSample]:
+        return self.system_samples[-1] if self.system_samples else None
 
     def start(self, listening: Optional[socket.socket] = None) -> str:
         """Bind and serve on a background thread; raises OSError when the port cannot be bound.
@@ -157,7 +159,6 @@ class Collector:
                     recent = self.recent_by_rank[record.rank] = collections.deque(maxlen=RECENT_STEPS)
                 recent.append(record)
             elif kind is SystemSample:
-                self.latest_system = record
                 self.system_samples.append(record)
             elif kind is OomRecord:
                 self.ooms.append(record)
@@ -176,8 +177,7 @@ class Collector:
             elif kind is RankPulse:
                 self.pulses[record.rank] = record
             elif kind is RankEnd:
-                self.ended_ranks.add(record.rank)
-                self.ends.append(record)
+                self.ends[record.rank] = record
             if self.run_time is not None and (kind is StepRecord or kind is CompileRecord
                                               or kind is RankHello or kind is RankEnd):
                 self.run_time.add(record)

@@ -46,7 +46,7 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
     system = collector.latest_system
     hellos = list(collector.hellos.values())
     inputs = diagnosis_input(RunRecords(
-        rolled=rolled, steps=records, hellos=hellos, ends=list(collector.ends),
+        rolled=rolled, steps=records, hellos=hellos, ends=list(collector.ends.values()),
         system=list(collector.system_samples), ooms=list(collector.ooms), compiles=list(collector.compiles),
         host_syncs=list(collector.host_syncs), captures=list(collector.captures),
         loader_samples=list(collector.loaders), ledgers=list(collector.ledgers),
@@ -121,6 +121,6 @@ def live_progress(collector: Any, now_unix_s: float) -> List[RankProgress]:
         progress.append(RankProgress(
             rank=rank, pid=hello.pid, host=hello.host, steps_ended=steps_ended, last_progress_unix_s=last,
             median_step_ms=median, last_heard_unix_s=collector.last_heard_unix_s.get(rank, now_unix_s),
-            pulse=collector.pulses.get(rank), said_goodbye=rank in collector.ended_ranks,
+            pulse=collector.pulses.get(rank), said_goodbye=rank in collector.ends,
             gone=rank in collector.lost_ranks))
     return progress
