@@ -101,7 +101,7 @@ typedef struct {
     char auto_steps;      /* steps are inferred (no trace_step) */
     char layers_active;   /* this step runs deep-dive's hooks */
     char comm_timed;      /* DDP's collective wait is timed */
-    char turn_known;      /* inferred steps: the optimizer ending steps is known (step.py _turn_known) */
+    char optimizer_ends_steps;  /* inferred steps: an optimizer's update ends steps, backward never (step.py) */
     int rank;
     long long step_index;
     long long step_start_ns;
@@ -116,9 +116,8 @@ typedef struct {
     PyObject *timeline;   /* DeviceTimeline on CUDA, else None */
     PyObject *sender;
     PyObject *host_rss;
-    PyObject *step_optimizer;   /* inferred steps: id() of the optimizer whose step ends a step, or None */
-    PyObject *last_optimizer;   /* id() of the optimizer that stepped last, or None */
-    PyObject *model_wait_ends;  /* the step after which a model is no longer awaited, or None */
+    PyObject *settled_optimizer;  /* inferred steps: id() of the optimizer whose update ends a step with
+                                   * nothing left to learn (step.py _settled_optimizer), or None */
     PyObject *span_totals;      /* user spans: name -> its SpanTotal for the latest step it ran in */
     /* The closed step and the unconfirmed one as numbers (has_*), when the compiled end made
      * them; step.py's _closed and _unconfirmed read them as the objects Python makes. */
@@ -157,9 +156,7 @@ state_traverse(ProbeState *self, visitproc visit, void *arg)
     Py_VISIT(self->timeline);
     Py_VISIT(self->sender);
     Py_VISIT(self->host_rss);
-    Py_VISIT(self->step_optimizer);
-    Py_VISIT(self->last_optimizer);
-    Py_VISIT(self->model_wait_ends);
+    Py_VISIT(self->settled_optimizer);
     Py_VISIT(self->span_totals);
     int visited = entry_traverse(&self->closed_entry, visit, arg);
     if (visited == 0)
@@ -179,9 +176,7 @@ state_clear(ProbeState *self)
     Py_CLEAR(self->timeline);
     Py_CLEAR(self->sender);
     Py_CLEAR(self->host_rss);
-    Py_CLEAR(self->step_optimizer);
-    Py_CLEAR(self->last_optimizer);
-    Py_CLEAR(self->model_wait_ends);
+    Py_CLEAR(self->settled_optimizer);
     Py_CLEAR(self->span_totals);
     entry_clear(&self->closed_entry);
     entry_clear(&self->unconfirmed_entry);
@@ -220,10 +215,8 @@ static PyMemberDef state_members[] = {
     {"sender", T_OBJECT, offsetof(ProbeState, sender), 0, NULL},
     {"host_rss", T_OBJECT, offsetof(ProbeState, host_rss), 0, NULL},
     {"rank", T_INT, offsetof(ProbeState, rank), 0, NULL},
-    {"_turn_known", T_BOOL, offsetof(ProbeState, turn_known), 0, NULL},
-    {"_step_optimizer", T_OBJECT, offsetof(ProbeState, step_optimizer), 0, NULL},
-    {"_last_optimizer", T_OBJECT, offsetof(ProbeState, last_optimizer), 0, NULL},
-    {"_model_wait_ends", T_OBJECT, offsetof(ProbeState, model_wait_ends), 0, NULL},
+    {"_optimizer_ends_steps", T_BOOL, offsetof(ProbeState, optimizer_ends_steps), 0, NULL},
+    {"_settled_optimizer", T_OBJECT, offsetof(ProbeState, settled_optimizer), 0, NULL},
     {"span_totals", T_OBJECT, offsetof(ProbeState, span_totals), 0, NULL},
     {NULL},
 };
@@ -1006,7 +999,7 @@ time_backward(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnam
     close_phase(state, sums, BACKWARD, start_ns);
     Py_XDECREF(sums);
     /* backward_returned has nothing to do once an optimizer ends the steps */
-    if (result != NULL && state->auto_steps && is_none(state->step_optimizer)
+    if (result != NULL && state->auto_steps && !state->optimizer_ends_steps
             && call_probe(self->probe, str_backward_returned, NULL) < 0) {
         Py_DECREF(result);
         return NULL;  /* as the Python patch: backward_returned guards itself */
@@ -1033,13 +1026,14 @@ before_optimizer_step(Timer *self, PyObject *const *args, size_t nargsf, PyObjec
     return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
 }
 
-/* Inferred steps: StepProbe.optimizer_stepped, whose common call (the optimizer that ends the
- * steps, its turn known, no model awaited) ends the step here; any other goes to Python. */
+/* Inferred steps: StepProbe.optimizer_stepped, whose common call (the settled optimizer's: the
+ * one that ends the steps, its turn known, no model awaited) ends the step here; any other goes
+ * to Python. */
 static PyObject *
 optimizer_stepped(ProbeState *state, PyObject *optimizer)
 {
-    int settled = state->turn_known && is_none(state->model_wait_ends) && !is_none(state->step_optimizer)
-        && PyLong_CheckExact(state->step_optimizer) && PyLong_AsVoidPtr(state->step_optimizer) == (void *)optimizer;
+    int settled = !is_none(state->settled_optimizer) && PyLong_CheckExact(state->settled_optimizer)
+        && PyLong_AsVoidPtr(state->settled_optimizer) == (void *)optimizer;
     if (PyErr_Occurred()) {
         PyErr_Clear();
         settled = 0;
@@ -1049,7 +1043,6 @@ optimizer_stepped(ProbeState *state, PyObject *optimizer)
             return NULL;  /* as the Python hook: optimizer_stepped guards itself */
         Py_RETURN_NONE;
     }
-    Py_XSETREF(state->last_optimizer, Py_NewRef(state->step_optimizer));  /* the same id() */
     if (state->in_step && state->open_phase == NO_PHASE)
         return state_exit(state, NULL, 0);  /* None, as exit guards itself */
     Py_RETURN_NONE;

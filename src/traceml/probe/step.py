@@ -23,8 +23,8 @@ import msgspec
 
 from traceml.probe import layout
 from traceml.probe.ledger import FIRST_READING_STEPS
-from traceml.records import (STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, TIMED_PHASES, SpanRecord,
-                             StepRecord)
+from traceml.probe.turns import OptimizerTurn
+from traceml.records import STEPS_FROM_TRACE_STEP, TIMED_PHASES, SpanRecord, StepRecord
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
@@ -48,9 +48,6 @@ _step_slot = {name: index for index, (name, _) in enumerate(layout.STEP_SLOTS)}.
 NO_PHASE = layout.NO_PHASE
 PHASE_NAMES = TIMED_PHASES  # by the indexes above: H2D to OPTIMIZER
 assert [_step_slot(name) for name in PHASE_NAMES] == [H2D, FORWARD, BACKWARD, OPTIMIZER]
-# Inferred steps: another optimizer updating this many times with no step ended between means
-# the one that ended steps has stopped (a new phase of training with optimizers of its own).
-TURN_LEFT_UPDATES = 3
 
 
 class SpanTotal:
@@ -154,8 +151,9 @@ class _PythonProbeState:
                  "comm_timed", "step_index", "_step_start_ns", "setup_started_ns", "due_step", "_closed",
                  "_optimizer_timed", "_optimizer_start_ns",
                  "_unconfirmed", "timeline", "sender", "host_rss", "rank", "span_totals",
-                 # inferred steps: what optimizer_stepped reads on every update (see reset_inferred_steps)
-                 "_step_optimizer", "_last_optimizer", "_turn_known", "_model_wait_ends")
+                 # inferred steps: what optimizer_stepped and backward_returned read on every call
+                 # (see reset_inferred_steps)
+                 "_settled_optimizer", "_optimizer_ends_steps")
 
     # -- step boundaries: `with trace_step(model):` enters and exits the probe itself ---------
     def __enter__(self) -> "StepProbe":
@@ -180,7 +178,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
     # the rest: set-up, deep-dive, inferred steps, DDP, spans, the end of the run.
     __slots__ = ("_start_event", "_phase_events", "_gradients_done_ns", "_open_event", "_gc_start_ns",
                  "device_memory", "exit_code", "_unix_at_zero_s", "_gradients_done_event", "_layers",
-                 "_backward_ends_steps", "_optimizers_seen", "_updates_in_step", "_evaluation_start_ns",
+                 "_turn", "_optimizers_seen", "_model_wait_ends", "_evaluation_start_ns",
                  "_grad_enabled", "tail_eval_ns", "tail_checkpoint_ns",
                  "on_fault", "time_the_model_of", "stop_awaiting_models", "_syncs", "sync_due_step", "_layers_due_step",
                  "_ledger_due_step")
@@ -252,13 +250,14 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         # phase and ends when the optimizer steps, or, in a loop that no torch.optim optimizer
         # updates, when backward returns. An explicit trace_step turns this off for good.
         self.auto_steps = False
-        self._step_optimizer: Optional[int] = None  # id() of the optimizer whose step ends a step
-        self._last_optimizer: Optional[int] = None  # id() of the optimizer that stepped last
-        self._turn_known = False  # whether the optimizer ending steps is the last of a turn
-        self._backward_ends_steps: Optional[bool] = None  # decided at the first backward
+        self._turn = OptimizerTurn(self.set_steps_from, _any_optimizer_made)  # which update ends a step
+        # What the hot paths read of it (the compiled ones too, in their C struct), set after
+        # each update it is told of: the optimizer whose update ends a step with nothing left to
+        # learn (the turn settled, no model awaited), else None; and whether an optimizer ends
+        # steps at all (then backward never does).
+        self._settled_optimizer: Optional[int] = None
+        self._optimizer_ends_steps = False
         self._optimizers_seen: set = set()  # id() of each optimizer whose model is timed
-        # id() of each other optimizer -> (the step of its last update, its updates in that step)
-        self._updates_in_step: dict = {}
         self._model_wait_ends: Optional[int] = None  # the step after which a model is no longer awaited
 
     def enter(self, now: int = 0) -> "StepProbe":
@@ -567,19 +566,17 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         turn (a GAN's discriminator, then its generator), a step is one turn of them all: the
         first one seen stepping ends the first step, and once it comes round again the one that
         stepped just before it, the last of the turn, ends the steps. The forward of each
-        optimizer's model is forward."""
-        optimizer_id, last_id = id(optimizer), self._last_optimizer
-        self._last_optimizer = optimizer_id
+        optimizer's model is forward. The turn is learnt by OptimizerTurn (probe/turns.py)."""
+        optimizer_id = id(optimizer)
         # Once the turn is known and no model is awaited, the bookkeeping has nothing to do.
-        settled = optimizer_id == self._step_optimizer and self._turn_known and self._model_wait_ends is None
-        if not settled and not self._learn_turn(optimizer, optimizer_id, last_id):
+        if optimizer_id != self._settled_optimizer and not self._learn_turn(optimizer, optimizer_id):
             return
         if self.in_step and self.open_phase == NO_PHASE:
             self.__exit__(None, None, None)
 
-    def _learn_turn(self, optimizer: Any, optimizer_id: int, last_id: Optional[int]) -> bool:
-        """optimizer_stepped's bookkeeping until the turn is known: which optimizer ends the
-        steps, and the model each one trains. False when this update does not end a step."""
+    def _learn_turn(self, optimizer: Any, optimizer_id: int) -> bool:
+        """optimizer_stepped's bookkeeping until the turn is known: the model each optimizer
+        trains, then the turn's word on this update. False when it does not end a step."""
         if optimizer_id not in self._optimizers_seen:
             self._optimizers_seen.add(optimizer_id)
             self.watch_optimizer(optimizer)
@@ -590,19 +587,11 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
             # since the wait costs every module call a little.
             self.stop_awaiting_models()
             self._model_wait_ends = None
-        if self._step_optimizer is None:
-            self._step_optimizer = optimizer_id
-            if self._backward_ends_steps:  # the optimizer came late: it decides from now on
-                self.set_steps_from(STEPS_FROM_OPTIMIZER)
-            self._backward_ends_steps = False
-        elif optimizer_id != self._step_optimizer:
-            return self._takes_over_the_turn(optimizer_id)
-        elif not self._turn_known:  # the first optimizer comes round again: the turn is known
-            self._turn_known = True
-            if last_id != optimizer_id:
-                self._step_optimizer = last_id  # another stepped since: it ends the turn
-                return False
-        return True
+        turn = self._turn
+        ends_step = turn.update_ends_step(optimizer_id, self.step_index)
+        self._optimizer_ends_steps = turn.step_optimizer is not None
+        self._settled_optimizer = turn.settled if self._model_wait_ends is None else None
+        return ends_step
 
     def watch_optimizer(self, optimizer: Any) -> None:
         """An optimizer seen stepping (first seen while inferring steps, or on a sampled step):
@@ -611,31 +600,13 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         if ledger is not None:
             ledger.watch_optimizer(optimizer)
 
-    def _takes_over_the_turn(self, optimizer_id: int) -> bool:
-        """Another optimizer's update: when it has updated TURN_LEFT_UPDATES times with no step
-        ended between, the optimizer that ended steps no longer steps (fine-tuning with a new
-        optimizer, a GAN after pretraining): the turn is learnt again from this one, whose
-        update ends the step, as the first optimizer's did. True when it does."""
-        step, updates = self._updates_in_step.get(optimizer_id, (-1, 0))
-        updates = updates + 1 if step == self.step_index else 1
-        if updates < TURN_LEFT_UPDATES:
-            self._updates_in_step[optimizer_id] = (self.step_index, updates)
-            return False
-        self._updates_in_step.clear()
-        self._step_optimizer, self._turn_known = optimizer_id, False
-        return True
-
     def backward_returned(self) -> None:
         """Inferred steps in a loop that no torch.optim optimizer updates (manual SGD, a custom
         update): each top-level backward ends a step. Decided at the first backward: when no
         optimizer has been made by then, backward ends steps until an optimizer steps."""
-        if self._step_optimizer is not None or self.open_phase != NO_PHASE or not self.in_step:
+        if self._optimizer_ends_steps or self.open_phase != NO_PHASE or not self.in_step:
             return
-        if self._backward_ends_steps is None:
-            self._backward_ends_steps = not _any_optimizer_made()
-            if self._backward_ends_steps:
-                self.set_steps_from(STEPS_FROM_BACKWARD)
-        if self._backward_ends_steps:
+        if self._turn.backward_ends_step():
             self.__exit__(None, None, None)
 
     def stop_inferring_steps(self) -> None:
