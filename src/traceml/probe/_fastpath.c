@@ -225,7 +225,7 @@ static PyMemberDef state_members[] = {
  * new step's and window's lists start from. */
 static PyObject *closed_step_type, *ended_window_type, *step_zeros, *window_zeros;
 static PyObject *str_enter_long, *str_exit_long, *str_push, *str_latest_bytes, *str_buffer, *str_capacity,
-    *str_append;
+    *str_append, *str_spans, *str_push_span;
 
 static inline int
 is_none(PyObject *value)
@@ -233,9 +233,10 @@ is_none(PyObject *value)
     return value == NULL || value == Py_None;
 }
 
-/* The sender push_record last appended for: its buffer's bound append and its capacity (both
- * fixed once a Sender is made), looked up again only when another sender comes. */
-static PyObject *known_sender, *known_buffer, *known_append;
+/* The sender push_record and push_span last appended for: its buffer (Records) and its spans'
+ * queue (the (name, total) pairs its thread makes SpanRecords of), their bound appends and its
+ * capacity (all fixed once a Sender is made), looked up again only when another sender comes. */
+static PyObject *known_sender, *known_buffer, *known_append, *known_spans, *known_spans_append;
 static Py_ssize_t known_capacity;
 
 static int
@@ -243,18 +244,24 @@ know_sender(PyObject *sender)
 {
     PyObject *buffer = PyObject_GetAttr(sender, str_buffer);
     PyObject *append = buffer ? PyObject_GetAttr(buffer, str_append) : NULL;
-    PyObject *capacity = append ? PyObject_GetAttr(sender, str_capacity) : NULL;
+    PyObject *spans = append ? PyObject_GetAttr(sender, str_spans) : NULL;
+    PyObject *spans_append = spans ? PyObject_GetAttr(spans, str_append) : NULL;
+    PyObject *capacity = spans_append ? PyObject_GetAttr(sender, str_capacity) : NULL;
     Py_ssize_t room = capacity ? PyLong_AsSsize_t(capacity) : -1;
     Py_XDECREF(capacity);
     if (room < 0) {
         Py_XDECREF(buffer);
         Py_XDECREF(append);
+        Py_XDECREF(spans);
+        Py_XDECREF(spans_append);
         PyErr_Clear();
         return -1;
     }
     Py_XSETREF(known_sender, Py_NewRef(sender));
     Py_XSETREF(known_buffer, buffer);
     Py_XSETREF(known_append, append);
+    Py_XSETREF(known_spans, spans);
+    Py_XSETREF(known_spans_append, spans_append);
     known_capacity = room;
     return 0;
 }
@@ -272,6 +279,31 @@ push_record(PyObject *sender, PyObject *record)
     } else {
         PyErr_Clear();
         pushed = PyObject_CallMethodOneArg(sender, str_push, record);
+    }
+    if (pushed == NULL)
+        return -1;
+    Py_DECREF(pushed);
+    return 0;
+}
+
+/* sender.push_span(ended) without its Python frame: a span's (name, total) appended to the
+ * sender's spans queue while it and the buffer have room (its thread makes the SpanRecord, so
+ * the buffer holds Records only). Full (where push_span drops it and counts it), or a sender
+ * without them, goes to push_span itself. -1 with an error set when it could not be pushed. */
+static int
+push_span(PyObject *sender, PyObject *ended)
+{
+    Py_ssize_t held = -1;
+    if (sender == known_sender || know_sender(sender) == 0) {
+        Py_ssize_t buffered = PyObject_Size(known_buffer), waiting = PyObject_Size(known_spans);
+        held = buffered < 0 || waiting < 0 ? -1 : buffered + waiting;
+    }
+    PyObject *pushed;
+    if (held >= 0 && held < known_capacity) {
+        pushed = PyObject_CallOneArg(known_spans_append, ended);
+    } else {
+        PyErr_Clear();
+        pushed = PyObject_CallMethodOneArg(sender, str_push_span, ended);
     }
     if (pushed == NULL)
         return -1;
@@ -1271,7 +1303,8 @@ static PyTypeObject SpanTotalType = {
 };
 
 /* One call of a user span, added to its name's total for its step (no object made); a call
- * in a later step hands the earlier total to the sender as (name, total) and starts anew. */
+ * in a later step hands the earlier total to the sender as (name, total) (push_span) and starts
+ * anew. */
 static int
 add_span_call(ProbeState *state, PyObject *name, long long start_ns, long long end_ns)
 {
@@ -1291,7 +1324,7 @@ add_span_call(ProbeState *state, PyObject *name, long long start_ns, long long e
     }
     if (held != NULL) {
         PyObject *ended = PyTuple_Pack(2, name, held);
-        int pushed = ended == NULL ? -1 : push_record(state->sender, ended);
+        int pushed = ended == NULL ? -1 : push_span(state->sender, ended);
         Py_XDECREF(ended);
         if (pushed < 0)
             return -1;
@@ -1673,7 +1706,8 @@ PyInit__fastpath(void)
         {&str_name, "__name__"}, {&str_qualname, "__qualname__"}, {&str_doc, "__doc__"},
         {&str_module, "__module__"}, {&str_enter_long, "enter"}, {&str_exit_long, "exit"},
         {&str_push, "push"}, {&str_latest_bytes, "latest_bytes"}, {&str_buffer, "_buffer"},
-        {&str_capacity, "capacity"}, {&str_append, "append"},
+        {&str_capacity, "capacity"}, {&str_append, "append"}, {&str_spans, "_spans"},
+        {&str_push_span, "push_span"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)

@@ -257,7 +257,6 @@ def _create_probe(model: Any) -> StepProbe:
     probe.time_the_model_of = _time_the_model_of
     probe.stop_awaiting_models = disarm_first_call
     probe._grad_enabled = torch.is_grad_enabled
-    sender.record_from = probe.record_from
     sender.drain_steps = probe.drain_steps
     sender.span_record = probe.span_record
     sender.steps_ended = lambda: probe.step_index

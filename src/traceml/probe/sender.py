@@ -1,8 +1,9 @@
 """The probe's bounded buffer and the one background thread that ships records to the collector.
 
-The training thread only appends to the buffer (the compiled probe queues its steps in a ring of
-numbers instead, which this thread empties into the buffer each round); when either is full it
-drops the record and counts it, it never waits. The background thread resolves CUDA events,
+The training thread only appends to the buffer (the probe queues its ended steps in a ring
+instead, and its user spans' totals in the spans queue, which this thread makes into records
+and moves into the buffer each round, so the buffer holds records only); when full it drops
+the record and counts it, it never waits. The background thread resolves CUDA events,
 refreshes host RSS, batches records into frames and sends them over TCP. While no collector is reachable the records
 wait in the buffer (which drops when full); at exit what could not be sent is counted as dropped.
 """
@@ -23,7 +24,6 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 from traceml import rendezvous
 from traceml.probe.ledger import LedgerWatch
 from traceml.probe.loaders import LoaderWatch
-from traceml.probe.step import EndedWindow
 from traceml.records import HEADER_BYTES, RankEnd, RankHello, Record, StepRecord, decode_payload, encode_frame
 
 log = logging.getLogger("traceml")
@@ -54,20 +54,24 @@ class Sender:
     def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None,
                  capacity: int = BUFFER_CAPACITY, address: Optional[str] = None):
         self.hello = hello
-        # Turn the probe's ended windows into StepRecords and its user spans' totals ((name,
-        # total) tuples) into SpanRecords, here, off the training thread.
-        self.record_from: Callable[[EndedWindow], Record] = lambda raw: raw  # type: ignore[assignment,return-value]
+        # Turn the probe's user spans' totals ((name, total) tuples) into SpanRecords, here,
+        # off the training thread.
         self.span_record: Callable[[tuple], Record] = lambda ended: ended  # type: ignore[assignment,return-value]
-        # The probe's steps ended since the last round (StepRecords, or EndedWindows for
-        # record_from) and how many its full ring dropped (StepProbe.drain_steps): they join the
-        # buffer each round, in order.
-        self.drain_steps: Callable[[], Tuple[List[Any], int]] = lambda: ([], 0)
+        # The probe's steps ended since the last round, as StepRecords, and how many its full
+        # ring dropped (StepProbe.drain_steps): they join the buffer each round, in order.
+        self.drain_steps: Callable[[], Tuple[List[StepRecord], int]] = lambda: ([], 0)
         self.timeline = timeline
         self.host_rss = host_rss  # refreshed here, each round, off the training thread
         self.capacity = capacity  # fixed once made: the compiled push keeps it (_fastpath.push_record)
         self.records_sent = 0
         self.records_dropped = 0
-        self._buffer: Deque[Any] = collections.deque()  # Records, and the probe's EndedWindows
+        self._buffer: Deque[Record] = collections.deque()  # Records only
+        # User spans' totals as the training thread hands them over, (name, total): made into
+        # SpanRecords each round, here (_take_ended_spans). The buffer's capacity holds both.
+        self._spans: Deque[tuple] = collections.deque()
+        # local_steps takes the probe's ended steps on the training thread as the rounds do on
+        # this one: one at a time, or a step held between the probe and the buffer is unseen.
+        self._taking_steps = threading.Lock()
         # This rank's latest steps, for traceml.summary() inside the training process: the
         # frames of steps sent (see RECENT_STEPS_KEPT) as (how many steps, frame), and last,
         # while a frame's steps are being gathered and sent, the list of them. local_steps runs
@@ -109,6 +113,14 @@ class Sender:
             return
         self._buffer.append(record)
 
+    def push_span(self, ended: tuple) -> None:
+        """A user span's (name, total) for a step it no longer runs in (StepProbe.span_done; the
+        compiled spans append here directly): this thread makes its SpanRecord."""
+        if len(self._buffer) + len(self._spans) >= self.capacity:
+            self.records_dropped += 1
+            return
+        self._spans.append(ended)
+
     def defer(self, pending: Any, limit: int) -> None:
         """Hold a record whose value the device has not copied yet; the sender sends it when
         pending.ready(). Dropped and counted when `limit` are already waiting."""
@@ -125,8 +137,7 @@ class Sender:
         sent: List[Any] = []
         for kept in list(self._sent_steps):
             sent.extend(list(kept) if type(kept) is list else decode_payload(kept[1][HEADER_BYTES:]))
-        pending = [self.record_from(r) if type(r) is EndedWindow else r for r in list(self._buffer)]
-        return sent + [r for r in pending if type(r) is StepRecord]
+        return sent + [record for record in list(self._buffer) if type(record) is StepRecord]
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -143,6 +154,7 @@ class Sender:
             log.warning("traceml: telemetry sender did not stop in time; the last records are lost")
             return
         self._take_ended_steps()
+        self._take_ended_spans()
         self._watch_loaders(flushing=False, final=True)
         self._read_last_ledger()  # this thread has stopped: close() runs on the training's
         # Let the device finish the last steps' events and scalar copies.
@@ -200,6 +212,7 @@ class Sender:
                 if self.host_rss is not None:
                     self.host_rss.refresh()
                 self._take_ended_steps()
+                self._take_ended_spans()
                 if rounds % ROUNDS_PER_FLUSH == 0:
                     self._collect_device_steps()
                     self._pulse()
@@ -251,13 +264,25 @@ class Sender:
             log.debug("traceml: memory ledger failed at the end", exc_info=True)
 
     def _take_ended_steps(self) -> None:
-        ended, dropped = self.drain_steps()
-        room = max(0, self.capacity - len(self._buffer))
-        if len(ended) > room:  # a full buffer drops, as push does
-            dropped += len(ended) - room
-            del ended[room:]
-        self.records_dropped += dropped
-        self._buffer.extend(ended)
+        """The probe's steps ended since the last call, as StepRecords, into the buffer."""
+        with self._taking_steps:
+            ended, dropped = self.drain_steps()
+            room = max(0, self.capacity - len(self._buffer))
+            if len(ended) > room:  # a full buffer drops, as push does
+                dropped += len(ended) - room
+                del ended[room:]
+            self.records_dropped += dropped
+            self._buffer.extend(ended)
+
+    def _take_ended_spans(self) -> None:
+        """The spans handed over since the last call, as SpanRecords, into the buffer."""
+        spans, buffer = self._spans, self._buffer
+        while spans:  # one at a time: the training thread may append meanwhile
+            ended = spans.popleft()
+            if len(buffer) >= self.capacity:  # a full buffer drops, as push does
+                self.records_dropped += 1
+            else:
+                buffer.append(self.span_record(ended))
 
     def _collect_device_steps(self) -> None:
         """Move what the device has finished into the buffer: steps whose events are done,
@@ -291,10 +316,6 @@ class Sender:
                     kind = type(record)
                     if kind is StepRecord:
                         steps.append(record)
-                    elif kind is EndedWindow:
-                        steps.append(self.record_from(record))
-                    elif kind is tuple:
-                        others.append(self.span_record(record))
                     else:
                         if kind is RankEnd:  # the goodbye carries the final counts
                             record.records_sent = self.records_sent + len(steps) + len(others)
@@ -413,6 +434,6 @@ class Sender:
 
 
 def _drain_count(buffer: Deque[Any]) -> int:
-    count = len(buffer)  # each item is one record's worth (a span's (name, total) is one SpanRecord)
+    count = len(buffer)
     buffer.clear()
     return count

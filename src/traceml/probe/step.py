@@ -12,6 +12,7 @@ The process's one probe is made, hooked in and taken out by process.py.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -149,7 +150,7 @@ class _PythonProbeState:
 
     __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "in_evaluation", "layers_active",
                  "comm_timed", "step_index", "_step_start_ns", "setup_started_ns", "due_step", "_closed",
-                 "_optimizer_timed", "_optimizer_start_ns",
+                 "_optimizer_timed", "_optimizer_start_ns", "_ended_steps", "_steps_dropped",
                  "_unconfirmed", "timeline", "sender", "host_rss", "rank", "span_totals",
                  # inferred steps: what optimizer_stepped and backward_returned read on every call
                  # (see reset_inferred_steps)
@@ -162,13 +163,35 @@ class _PythonProbeState:
     def __exit__(self, exc_type: Any, failed: Optional[BaseException], tb: Any) -> None:
         self.exit(failed=failed)  # type: ignore[attr-defined]
 
-    # -- ended steps: the compiled state queues them in a ring of numbers, taken by the sender
-    # (drain_steps), so that a step's end makes no object; here they go to its buffer at once.
+    def __init__(self) -> None:
+        # The steps whose window has ended, as EndedWindows, until the sender's thread takes
+        # them (drain_steps), and how many were dropped meanwhile: the compiled state's ring.
+        self._ended_steps: Any = collections.deque()
+        self._steps_dropped = 0
+
+    # -- ended steps: the compiled state queues them in a ring of numbers, here in a deque of
+    # EndedWindows; either way the sender's thread takes them (drain_steps) and makes their
+    # StepRecords, so that the training thread does none of that arithmetic.
     def publish_ended(self, ending: "EndedWindow") -> None:
-        self.sender.push(ending)
+        sender = self.sender
+        try:
+            held = len(self._ended_steps) + len(sender._buffer)
+        except AttributeError:  # a sender without a buffer of its own: its push decides, as in C
+            sender.push(ending)
+            return
+        # The steps waiting and the sender's buffer together hold its capacity, as in C.
+        if held >= sender.capacity:
+            self._steps_dropped += 1
+        else:
+            self._ended_steps.append(ending)
 
     def _drain_ring(self, record_type: Any, unix_at_zero_s: float) -> Tuple[list, int]:
-        return [], 0
+        ended, steps = self._ended_steps, []
+        while ended:  # one at a time: the training thread may append meanwhile
+            steps.append(ended.popleft())
+        dropped = self._steps_dropped
+        self._steps_dropped -= dropped  # not = 0: a drop counted meanwhile stays for next time
+        return steps, dropped
 
 
 class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeState):  # type: ignore[misc]
@@ -185,6 +208,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
 
     def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
                  host_rss: Any = None):
+        super().__init__()
         self.sender = sender
         self.timeline = timeline  # DeviceTimeline on CUDA, None when the host clock is the device clock
         self.device_memory = device_memory
@@ -423,17 +447,20 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self.timeline.submit(PendingDeviceStep(ending, closed.start_event, closed.end_event,
                                                ending.next_start_event, closed.phase_events))
 
-    def drain_steps(self) -> Tuple[list, int]:
-        """The sender's thread: the steps ended since its last round, in order, and how many a
-        full ring dropped. The compiled path queues a step as numbers and its StepRecord is made
-        here, in C, by record_from's arithmetic (the capture rules see it as record_from's own);
-        a step ended in Python comes as its EndedWindow, for record_from."""
+    def drain_steps(self) -> Tuple[List[StepRecord], int]:
+        """The sender's thread: the StepRecords of the steps ended since its last round, in
+        order, and how many a full ring dropped. The compiled path queues a step as numbers and
+        its StepRecord is made in C, by record_from's arithmetic (the capture rules see it as
+        record_from's own); a step ended in Python comes as its EndedWindow, made into its
+        StepRecord here by record_from."""
         steps, dropped = self._drain_ring(StepRecord, self._unix_at_zero_s)
         layers = self.layers
-        if layers is not None and layers.watch is not None:
-            for record in steps:
-                if type(record) is StepRecord:
-                    layers.watch.observe(record)
+        watch = layers.watch if layers is not None else None
+        for index, step in enumerate(steps):
+            if type(step) is not StepRecord:
+                steps[index] = self.record_from(step)  # which the watch observes itself
+            elif watch is not None:
+                watch.observe(step)
         return steps, dropped
 
     def record_from(self, ending: EndedWindow) -> StepRecord:
@@ -637,7 +664,8 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
     def span_done(self, name: str, start_ns: int, end_ns: int) -> None:
         """One call of a user span, added to its name's total for its step: the step in flight,
         else the step whose window (it runs to the next step's start) this gap belongs to. A
-        call in a later step hands the earlier total to the sender as (name, total). Where the
+        call in a later step hands the earlier total to the sender as (name, total), for its
+        thread to make the SpanRecord of (span_record). Where the
         compiled timers are built, the Trace API's spans do this in C (_fastpath.SpanTotal)."""
         step = self.step_index if self.in_step else max(0, self.step_index - 1)
         held = self.span_totals.get(name)
@@ -646,14 +674,14 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
             held.calls += 1
             return
         if held is not None:
-            self.sender.push((name, held))
+            self.sender.push_span((name, held))
         self.span_totals[name] = SpanTotal(step, start_ns, end_ns - start_ns)
 
     def flush_spans(self) -> None:
         """Hand the sender every span total still held (at the end of the traced run)."""
         totals, self.span_totals = self.span_totals, {}
         for name, total in totals.items():
-            self.sender.push((name, total))
+            self.sender.push_span((name, total))
 
     def span_record(self, ended: tuple) -> SpanRecord:
         """The sender's thread: the SpanRecord of a (name, total) that span_done handed over."""
