@@ -19,11 +19,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Deque, List, Optional, Tuple
+from typing import Any, Callable, Deque, List, Optional, Protocol, Tuple
 
 from traceml import rendezvous
 from traceml.probe.ledger import LedgerWatch
 from traceml.probe.loaders import LoaderWatch
+from traceml.probe.pulse import PulseWatch
 from traceml.records import HEADER_BYTES, RankEnd, RankHello, Record, StepRecord, decode_payload, encode_frame
 
 log = logging.getLogger("traceml")
@@ -48,18 +49,37 @@ HEARTBEAT_S = 20.0  # an empty frame when nothing else went out: the collector d
 QUIET_CONNECT_S = 15.0  # other ranks may start before rank 0's collector: no warning before this
 
 
+class StepFeed(Protocol):
+    """What the sender takes from the probe that feeds it (a probe.step.StepProbe), on its thread."""
+
+    rank: int
+    step_index: int  # the steps ended so far
+
+    def drain_steps(self) -> Tuple[List[StepRecord], int]:
+        """The steps ended since the last call, as StepRecords, in order; and how many were dropped."""
+
+    def record_from(self, ending: Any) -> StepRecord:
+        """The StepRecord of a step the DeviceTimeline held until its events were done."""
+
+    def span_record(self, ended: tuple) -> Record:
+        """The SpanRecord of a user span's (name, total), handed over by push_span."""
+
+
 class Sender:
-    """Buffer plus background shipping for one training process."""
+    """Buffer plus background shipping for one training process.
+
+    feed_of makes the probe that feeds it, given the sender, once the sender is built: the probe
+    pushes to the sender and the sender drains the probe, so one of them is made for the other
+    (None: a sender on its own, which ships what is pushed). training_thread: the ident of the
+    thread whose stack a stall reports (probe/pulse.py; None: no pulses). web_port, run_name:
+    for the collector rank 0 starts under the Trace API (its web page, its run directory's name).
+    """
 
     def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None,
-                 capacity: int = BUFFER_CAPACITY, address: Optional[str] = None):
+                 capacity: int = BUFFER_CAPACITY, address: Optional[str] = None,
+                 feed_of: Optional[Callable[["Sender"], StepFeed]] = None, training_thread: Optional[int] = None,
+                 web_port: Optional[int] = None, run_name: Optional[str] = None):
         self.hello = hello
-        # Turn the probe's user spans' totals ((name, total) tuples) into SpanRecords, here,
-        # off the training thread.
-        self.span_record: Callable[[tuple], Record] = lambda ended: ended  # type: ignore[assignment,return-value]
-        # The probe's steps ended since the last round, as StepRecords, and how many its full
-        # ring dropped (StepProbe.drain_steps): they join the buffer each round, in order.
-        self.drain_steps: Callable[[], Tuple[List[StepRecord], int]] = lambda: ([], 0)
         self.timeline = timeline
         self.host_rss = host_rss  # refreshed here, each round, off the training thread
         self.capacity = capacity  # fixed once made: the compiled push keeps it (_fastpath.push_record)
@@ -91,20 +111,21 @@ class Sender:
         env_run_dir = os.environ.get(rendezvous.ENV_RUN_DIR)
         self.run_dir: Optional[Path] = Path(env_run_dir) if env_run_dir else None
         self._collector_process: Optional[subprocess.Popen] = None
-        # Rank 0 under the Trace API: the collector it starts serves the web page on web_port,
-        # and names the run directory after run_name.
-        self.web_port: Optional[int] = None
-        self.run_name: Optional[str] = None
+        self.web_port, self.run_name = web_port, run_name
         self.steps_from = hello.steps_from  # the probe updates it; the goodbye carries it
         self.compile_watch: Any = None  # a probe.compile.CompileWatch once torch compiles
         # The training's DataLoader iterators: the patches note them, this thread reads them.
         self.loaders: Optional[LoaderWatch] = LoaderWatch(hello.rank)
         # What holds the memory: the training thread reads it (see probe/ledger.py), close() last.
         self.ledger: Optional[LedgerWatch] = LedgerWatch(hello.rank)
-        self.steps_ended: Callable[[], int] = lambda: 0  # the probe's step count, for the last reading's step
-        self.pulses: Any = None  # a probe.pulse.PulseWatch: where the training thread is while no step ends
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
+        # Last: the probe reads the sender as it is made (its ledger, its buffer).
+        self.feed: Optional[StepFeed] = feed_of(self) if feed_of is not None else None
+        # Where the training thread is while no step ends; None once its frames cannot be read.
+        self.pulses: Optional[PulseWatch] = None
+        if self.feed is not None and training_thread is not None:
+            self.pulses = PulseWatch(self.feed.rank, self.feed, training_thread, loaders=self.loaders)
 
     # -- training thread ------------------------------------------------------------------
     def push(self, record: Any) -> None:
@@ -257,7 +278,7 @@ class Sender:
         if ledger is None:
             return
         try:
-            reading = ledger.reading(self.steps_ended(), final=True)
+            reading = ledger.reading(self.feed.step_index if self.feed is not None else 0, final=True)
             if reading is not None:
                 self.push(reading)
         except Exception:
@@ -265,8 +286,10 @@ class Sender:
 
     def _take_ended_steps(self) -> None:
         """The probe's steps ended since the last call, as StepRecords, into the buffer."""
+        if self.feed is None:
+            return
         with self._taking_steps:
-            ended, dropped = self.drain_steps()
+            ended, dropped = self.feed.drain_steps()
             room = max(0, self.capacity - len(self._buffer))
             if len(ended) > room:  # a full buffer drops, as push does
                 dropped += len(ended) - room
@@ -277,12 +300,15 @@ class Sender:
     def _take_ended_spans(self) -> None:
         """The spans handed over since the last call, as SpanRecords, into the buffer."""
         spans, buffer = self._spans, self._buffer
+        if self.feed is None:  # spans come from the probe: none without one
+            return
+        span_record = self.feed.span_record
         while spans:  # one at a time: the training thread may append meanwhile
             ended = spans.popleft()
             if len(buffer) >= self.capacity:  # a full buffer drops, as push does
                 self.records_dropped += 1
             else:
-                buffer.append(self.span_record(ended))
+                buffer.append(span_record(ended))
 
     def _collect_device_steps(self) -> None:
         """Move what the device has finished into the buffer: steps whose events are done,
@@ -292,9 +318,9 @@ class Sender:
         if self.compile_watch is not None and self.compile_watch.ended:
             for record in self.compile_watch.records(final=self._stop.is_set()):
                 self.push(record)
-        if self.timeline is None:
+        if self.timeline is None or self.feed is None:
             return
-        for record in self.timeline.resolve_ready():
+        for record in self.timeline.resolve_ready(self.feed.record_from):
             self.push(record)
 
     def _flush(self) -> None:

@@ -206,8 +206,17 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
                  "on_fault", "time_the_model_of", "stop_awaiting_models", "_syncs", "sync_due_step", "_layers_due_step",
                  "_ledger_due_step")
 
-    def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
-                 host_rss: Any = None):
+    def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None, host_rss: Any = None,
+                 on_fault: Optional[Callable[[str], None]] = None,
+                 time_the_model_of: Optional[Callable[[Any], bool]] = None,
+                 stop_awaiting_models: Optional[Callable[[], None]] = None,
+                 grad_enabled: Optional[Callable[[], bool]] = None, syncs: Any = None):
+        """What the process around the probe does for it (process.py hands these in; a probe
+        made on its own only logs and times no model): on_fault, after an internal fault, takes
+        TraceML out of the training; time_the_model_of, at an optimizer's first step, times the
+        model it trains (True when a model is now awaited); stop_awaiting_models, once none is,
+        stops looking at each module call; grad_enabled is torch.is_grad_enabled (a forward
+        without gradients starts no inferred step); syncs, the HostSyncSampler on CUDA."""
         super().__init__()
         self.sender = sender
         self.timeline = timeline  # DeviceTimeline on CUDA, None when the host clock is the device clock
@@ -238,17 +247,19 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         # Under DDP: collective wait inside backward, see note_gradients_done.
         self.comm_timed = False
         self._gradients_done_ns, self._gradients_done_event = 0, None
-        self._layers = self._syncs = None  # LayerProbe under deep-dive, HostSyncSampler on CUDA: see each
+        self._layers = None  # LayerProbe under deep-dive, see layers
         # The next step whose start has work to do (due_step: the first of the next steps that
         # call layers.begin_step and syncs.begin_step, each saying after each call), and whether
         # this step runs deep-dive's hooks: most steps skip all of it.
         self.due_step = self._layers_due_step = self.sync_due_step = math.inf
         self._ledger_due_step = FIRST_READING_STEPS[0] if getattr(sender, "ledger", None) else math.inf
-        self._reschedule()  # the memory ledger's first reading (probe/ledger.py says when)
+        # The memory ledger's first reading (probe/ledger.py says when) and the sampler's first
+        # sample: the syncs setter schedules both.
+        self.syncs = syncs
         self.layers_active = False
         self.tail_eval_ns = self.tail_checkpoint_ns = 0  # after the last step (see finish)
         self.reset_inferred_steps()
-        self._grad_enabled: Any = lambda: True  # torch.is_grad_enabled, once torch is here
+        self._grad_enabled: Callable[[], bool] = grad_enabled or _grad_always_enabled
         # True while a trainer's evaluation runs (an integration says so): timed as a whole as
         # evaluation, and its loader waits are not the training's input wait.
         self.in_evaluation, self._evaluation_start_ns = False, 0
@@ -260,12 +271,9 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         # Inferred steps: the step before, its window ended at this step's start, held until
         # this one proves to be a step (see exit).
         self._unconfirmed: Optional[EndedWindow] = None
-        # What the process around the probe does for it (process.py hands these in): after an
-        # internal fault, take TraceML out of the training; at an optimizer's first step, time
-        # the model it trains; once no model is awaited, stop looking at each module call.
-        self.on_fault: Callable[[str], None] = _log_fault
-        self.time_the_model_of: Callable[[Any], bool] = lambda optimizer: False
-        self.stop_awaiting_models: Callable[[], None] = lambda: None
+        self.on_fault: Callable[[str], None] = on_fault or _log_fault
+        self.time_the_model_of: Callable[[Any], bool] = time_the_model_of or _times_no_model
+        self.stop_awaiting_models: Callable[[], None] = stop_awaiting_models or _awaits_no_model
 
     def reset_inferred_steps(self) -> None:
         """Off until infer_steps turns it on; also at a detach, so that the next traced region
@@ -771,6 +779,20 @@ _probe: Optional[StepProbe] = None
 def _log_fault(where: str) -> None:
     """A probe made on its own (no process.py around it) only says what went wrong."""
     log.warning("traceml: internal error in %s", where, exc_info=True)
+
+
+def _times_no_model(optimizer: Any) -> bool:
+    """A probe made on its own hooks no model: none is awaited."""
+    return False
+
+
+def _awaits_no_model() -> None:
+    """A probe made on its own awaits no model: nothing to stop."""
+
+
+def _grad_always_enabled() -> bool:
+    """A probe made on its own, before torch is here: every forward may start a step."""
+    return True
 
 
 def _real_tokens(counted: Optional[int], copies: Optional[List[Any]]) -> Optional[int]:
