@@ -38,6 +38,11 @@ def fresh_device():
     FakeEvent.created = 0
 
 
+def as_it_is(host):
+    """The host side of a pending step, here already its StepRecord (the probe's record_from makes it)."""
+    return host
+
+
 def at(ms, timeline):
     FakeEvent.device_now_ms = ms
     return timeline.record()
@@ -53,10 +58,10 @@ def test_steps_resolve_in_order_only_once_their_events_completed():
     timeline.submit(PendingDeviceStep(host, start, end, next_start,
                                       [("forward", f0, f1), ("backward", b0, b1)]))
     FakeEvent.device_done_ms = 95  # the device has not reached the step's end yet
-    assert timeline.resolve_ready() == []
+    assert timeline.resolve_ready(as_it_is) == []
     assert timeline.pending_count == 1
     FakeEvent.device_done_ms = 130
-    (record,) = timeline.resolve_ready()
+    (record,) = timeline.resolve_ready(as_it_is)
     assert record.device_timed
     assert record.forward_ms == 30 and record.backward_ms == 60
     assert record.gpu_idle_ms == 20  # end of step 0 at 100, first event of step 1 at 120
@@ -70,7 +75,7 @@ def test_events_go_back_to_the_pool_except_the_next_steps_start():
     timeline.submit(PendingDeviceStep(step(0), events[0], events[3], next_start,
                                       [("forward", events[1], events[2])]))
     FakeEvent.device_done_ms = 1000
-    timeline.resolve_ready()
+    timeline.resolve_ready(as_it_is)
     created = FakeEvent.created
     reused = [timeline.record() for _ in range(4)]
     assert FakeEvent.created == created  # four events came back from the pool
@@ -85,9 +90,9 @@ def test_a_later_step_waits_for_an_earlier_one():
     timeline.submit(PendingDeviceStep(step(0), s0, e0, s1, []))
     timeline.submit(PendingDeviceStep(step(1), s1, e1, None, []))
     FakeEvent.device_done_ms = 40
-    assert timeline.resolve_ready() == []
+    assert timeline.resolve_ready(as_it_is) == []
     FakeEvent.device_done_ms = 60
-    assert [r.step for r in timeline.resolve_ready()] == [0, 1]
+    assert [r.step for r in timeline.resolve_ready(as_it_is)] == [0, 1]
 
 
 def test_pending_steps_are_bounded_when_the_device_never_finishes():
@@ -97,7 +102,7 @@ def test_pending_steps_are_bounded_when_the_device_never_finishes():
         timeline.submit(PendingDeviceStep(step(index), timeline.record(), timeline.record(), None, []))
     assert timeline.pending_count == MAX_PENDING_STEPS
     assert timeline.dropped_steps == 5
-    assert timeline.resolve_ready() == []  # nothing completed: nothing waited for either
+    assert timeline.resolve_ready(as_it_is) == []  # nothing completed: nothing waited for either
 
 
 def test_host_waits_hidden_behind_device_work_are_not_counted():

@@ -175,8 +175,8 @@ def _step_records(probe, items):
 
 
 def test_a_full_buffer_drops_and_counts_each_new_record_and_each_sender_has_its_own():
-    """The compiled end queues each step in the probe's ring, the Python end in the sender's
-    buffer; the sender's round moves the ring's to its buffer. Either way, once the steps
+    """The compiled end queues each step in the probe's ring as numbers, the Python end as an
+    EndedWindow; the sender's round moves them to its buffer as StepRecords. Either way, once the steps
     waiting and the buffer's records fill the sender's capacity each new step is dropped and
     counted, never waited for, and each probe and sender has its own."""
     from test_records import hello
@@ -185,9 +185,9 @@ def test_a_full_buffer_drops_and_counts_each_new_record_and_each_sender_has_its_
     from traceml.probe.step import StepProbe
 
     for capacity, held in ((3, 0), (5, 0), (5, 2)):
-        sender = Sender(hello(), capacity=capacity, address="127.0.0.1:1")  # never started: nothing drains
-        probe = StepProbe(sender)
-        sender.drain_steps = probe.drain_steps
+        # never started: nothing drains
+        sender = Sender(hello(), capacity=capacity, address="127.0.0.1:1", feed_of=StepProbe)
+        probe = sender.feed
         for _ in range(held):  # records already waiting in the buffer take their room
             sender.push(("a span", None))
         for _ in range(10):
@@ -211,9 +211,8 @@ def test_steps_ended_by_either_path_reach_the_sender_in_order_with_their_figures
     from traceml.probe.sender import Sender
     from traceml.probe.step import EVAL_NS, FORWARD, StepProbe
 
-    sender = Sender(hello(), address="127.0.0.1:1")
-    probe = StepProbe(sender)
-    sender.drain_steps = probe.drain_steps
+    sender = Sender(hello(), address="127.0.0.1:1", feed_of=StepProbe)
+    probe = sender.feed
     starts_ns, failed_start_ns = [], None
     for step in range(12):
         if step == 4:
@@ -256,10 +255,10 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
     from traceml.probe.sender import Sender
     from traceml.probe.step import REAL_TOKENS, TOKEN_COPIES, StepProbe
 
-    sender = Sender(hello(), address="127.0.0.1:1")
-    probe = StepProbe(sender, host_rss=SimpleNamespace(latest_bytes=123_456_789))
+    sender = Sender(hello(), address="127.0.0.1:1",
+                    feed_of=lambda sender: StepProbe(sender, host_rss=SimpleNamespace(latest_bytes=123_456_789)))
+    probe = sender.feed
     probe.comm_timed = True
-    sender.drain_steps = probe.drain_steps
     ms = 1_000_000
     with probe:
         start_ns = probe._step_start_ns

@@ -101,7 +101,7 @@ typedef struct {
     char auto_steps;      /* steps are inferred (no trace_step) */
     char layers_active;   /* this step runs deep-dive's hooks */
     char comm_timed;      /* DDP's collective wait is timed */
-    char turn_known;      /* inferred steps: the optimizer ending steps is known (step.py _turn_known) */
+    char optimizer_ends_steps;  /* inferred steps: an optimizer's update ends steps, backward never (step.py) */
     int rank;
     long long step_index;
     long long step_start_ns;
@@ -116,9 +116,8 @@ typedef struct {
     PyObject *timeline;   /* DeviceTimeline on CUDA, else None */
     PyObject *sender;
     PyObject *host_rss;
-    PyObject *step_optimizer;   /* inferred steps: id() of the optimizer whose step ends a step, or None */
-    PyObject *last_optimizer;   /* id() of the optimizer that stepped last, or None */
-    PyObject *model_wait_ends;  /* the step after which a model is no longer awaited, or None */
+    PyObject *settled_optimizer;  /* inferred steps: id() of the optimizer whose update ends a step with
+                                   * nothing left to learn (step.py _settled_optimizer), or None */
     PyObject *span_totals;      /* user spans: name -> its SpanTotal for the latest step it ran in */
     /* The closed step and the unconfirmed one as numbers (has_*), when the compiled end made
      * them; step.py's _closed and _unconfirmed read them as the objects Python makes. */
@@ -157,9 +156,7 @@ state_traverse(ProbeState *self, visitproc visit, void *arg)
     Py_VISIT(self->timeline);
     Py_VISIT(self->sender);
     Py_VISIT(self->host_rss);
-    Py_VISIT(self->step_optimizer);
-    Py_VISIT(self->last_optimizer);
-    Py_VISIT(self->model_wait_ends);
+    Py_VISIT(self->settled_optimizer);
     Py_VISIT(self->span_totals);
     int visited = entry_traverse(&self->closed_entry, visit, arg);
     if (visited == 0)
@@ -179,9 +176,7 @@ state_clear(ProbeState *self)
     Py_CLEAR(self->timeline);
     Py_CLEAR(self->sender);
     Py_CLEAR(self->host_rss);
-    Py_CLEAR(self->step_optimizer);
-    Py_CLEAR(self->last_optimizer);
-    Py_CLEAR(self->model_wait_ends);
+    Py_CLEAR(self->settled_optimizer);
     Py_CLEAR(self->span_totals);
     entry_clear(&self->closed_entry);
     entry_clear(&self->unconfirmed_entry);
@@ -220,10 +215,8 @@ static PyMemberDef state_members[] = {
     {"sender", T_OBJECT, offsetof(ProbeState, sender), 0, NULL},
     {"host_rss", T_OBJECT, offsetof(ProbeState, host_rss), 0, NULL},
     {"rank", T_INT, offsetof(ProbeState, rank), 0, NULL},
-    {"_turn_known", T_BOOL, offsetof(ProbeState, turn_known), 0, NULL},
-    {"_step_optimizer", T_OBJECT, offsetof(ProbeState, step_optimizer), 0, NULL},
-    {"_last_optimizer", T_OBJECT, offsetof(ProbeState, last_optimizer), 0, NULL},
-    {"_model_wait_ends", T_OBJECT, offsetof(ProbeState, model_wait_ends), 0, NULL},
+    {"_optimizer_ends_steps", T_BOOL, offsetof(ProbeState, optimizer_ends_steps), 0, NULL},
+    {"_settled_optimizer", T_OBJECT, offsetof(ProbeState, settled_optimizer), 0, NULL},
     {"span_totals", T_OBJECT, offsetof(ProbeState, span_totals), 0, NULL},
     {NULL},
 };
@@ -232,7 +225,7 @@ static PyMemberDef state_members[] = {
  * new step's and window's lists start from. */
 static PyObject *closed_step_type, *ended_window_type, *step_zeros, *window_zeros;
 static PyObject *str_enter_long, *str_exit_long, *str_push, *str_latest_bytes, *str_buffer, *str_capacity,
-    *str_append;
+    *str_append, *str_spans, *str_push_span;
 
 static inline int
 is_none(PyObject *value)
@@ -240,9 +233,10 @@ is_none(PyObject *value)
     return value == NULL || value == Py_None;
 }
 
-/* The sender push_record last appended for: its buffer's bound append and its capacity (both
- * fixed once a Sender is made), looked up again only when another sender comes. */
-static PyObject *known_sender, *known_buffer, *known_append;
+/* The sender push_record and push_span last appended for: its buffer (Records) and its spans'
+ * queue (the (name, total) pairs its thread makes SpanRecords of), their bound appends and its
+ * capacity (all fixed once a Sender is made), looked up again only when another sender comes. */
+static PyObject *known_sender, *known_buffer, *known_append, *known_spans, *known_spans_append;
 static Py_ssize_t known_capacity;
 
 static int
@@ -250,18 +244,24 @@ know_sender(PyObject *sender)
 {
     PyObject *buffer = PyObject_GetAttr(sender, str_buffer);
     PyObject *append = buffer ? PyObject_GetAttr(buffer, str_append) : NULL;
-    PyObject *capacity = append ? PyObject_GetAttr(sender, str_capacity) : NULL;
+    PyObject *spans = append ? PyObject_GetAttr(sender, str_spans) : NULL;
+    PyObject *spans_append = spans ? PyObject_GetAttr(spans, str_append) : NULL;
+    PyObject *capacity = spans_append ? PyObject_GetAttr(sender, str_capacity) : NULL;
     Py_ssize_t room = capacity ? PyLong_AsSsize_t(capacity) : -1;
     Py_XDECREF(capacity);
     if (room < 0) {
         Py_XDECREF(buffer);
         Py_XDECREF(append);
+        Py_XDECREF(spans);
+        Py_XDECREF(spans_append);
         PyErr_Clear();
         return -1;
     }
     Py_XSETREF(known_sender, Py_NewRef(sender));
     Py_XSETREF(known_buffer, buffer);
     Py_XSETREF(known_append, append);
+    Py_XSETREF(known_spans, spans);
+    Py_XSETREF(known_spans_append, spans_append);
     known_capacity = room;
     return 0;
 }
@@ -279,6 +279,31 @@ push_record(PyObject *sender, PyObject *record)
     } else {
         PyErr_Clear();
         pushed = PyObject_CallMethodOneArg(sender, str_push, record);
+    }
+    if (pushed == NULL)
+        return -1;
+    Py_DECREF(pushed);
+    return 0;
+}
+
+/* sender.push_span(ended) without its Python frame: a span's (name, total) appended to the
+ * sender's spans queue while it and the buffer have room (its thread makes the SpanRecord, so
+ * the buffer holds Records only). Full (where push_span drops it and counts it), or a sender
+ * without them, goes to push_span itself. -1 with an error set when it could not be pushed. */
+static int
+push_span(PyObject *sender, PyObject *ended)
+{
+    Py_ssize_t held = -1;
+    if (sender == known_sender || know_sender(sender) == 0) {
+        Py_ssize_t buffered = PyObject_Size(known_buffer), waiting = PyObject_Size(known_spans);
+        held = buffered < 0 || waiting < 0 ? -1 : buffered + waiting;
+    }
+    PyObject *pushed;
+    if (held >= 0 && held < known_capacity) {
+        pushed = PyObject_CallOneArg(known_spans_append, ended);
+    } else {
+        PyErr_Clear();
+        pushed = PyObject_CallMethodOneArg(sender, str_push_span, ended);
     }
     if (pushed == NULL)
         return -1;
@@ -1006,7 +1031,7 @@ time_backward(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnam
     close_phase(state, sums, BACKWARD, start_ns);
     Py_XDECREF(sums);
     /* backward_returned has nothing to do once an optimizer ends the steps */
-    if (result != NULL && state->auto_steps && is_none(state->step_optimizer)
+    if (result != NULL && state->auto_steps && !state->optimizer_ends_steps
             && call_probe(self->probe, str_backward_returned, NULL) < 0) {
         Py_DECREF(result);
         return NULL;  /* as the Python patch: backward_returned guards itself */
@@ -1033,13 +1058,14 @@ before_optimizer_step(Timer *self, PyObject *const *args, size_t nargsf, PyObjec
     return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
 }
 
-/* Inferred steps: StepProbe.optimizer_stepped, whose common call (the optimizer that ends the
- * steps, its turn known, no model awaited) ends the step here; any other goes to Python. */
+/* Inferred steps: StepProbe.optimizer_stepped, whose common call (the settled optimizer's: the
+ * one that ends the steps, its turn known, no model awaited) ends the step here; any other goes
+ * to Python. */
 static PyObject *
 optimizer_stepped(ProbeState *state, PyObject *optimizer)
 {
-    int settled = state->turn_known && is_none(state->model_wait_ends) && !is_none(state->step_optimizer)
-        && PyLong_CheckExact(state->step_optimizer) && PyLong_AsVoidPtr(state->step_optimizer) == (void *)optimizer;
+    int settled = !is_none(state->settled_optimizer) && PyLong_CheckExact(state->settled_optimizer)
+        && PyLong_AsVoidPtr(state->settled_optimizer) == (void *)optimizer;
     if (PyErr_Occurred()) {
         PyErr_Clear();
         settled = 0;
@@ -1049,7 +1075,6 @@ optimizer_stepped(ProbeState *state, PyObject *optimizer)
             return NULL;  /* as the Python hook: optimizer_stepped guards itself */
         Py_RETURN_NONE;
     }
-    Py_XSETREF(state->last_optimizer, Py_NewRef(state->step_optimizer));  /* the same id() */
     if (state->in_step && state->open_phase == NO_PHASE)
         return state_exit(state, NULL, 0);  /* None, as exit guards itself */
     Py_RETURN_NONE;
@@ -1278,7 +1303,8 @@ static PyTypeObject SpanTotalType = {
 };
 
 /* One call of a user span, added to its name's total for its step (no object made); a call
- * in a later step hands the earlier total to the sender as (name, total) and starts anew. */
+ * in a later step hands the earlier total to the sender as (name, total) (push_span) and starts
+ * anew. */
 static int
 add_span_call(ProbeState *state, PyObject *name, long long start_ns, long long end_ns)
 {
@@ -1298,7 +1324,7 @@ add_span_call(ProbeState *state, PyObject *name, long long start_ns, long long e
     }
     if (held != NULL) {
         PyObject *ended = PyTuple_Pack(2, name, held);
-        int pushed = ended == NULL ? -1 : push_record(state->sender, ended);
+        int pushed = ended == NULL ? -1 : push_span(state->sender, ended);
         Py_XDECREF(ended);
         if (pushed < 0)
             return -1;
@@ -1680,7 +1706,8 @@ PyInit__fastpath(void)
         {&str_name, "__name__"}, {&str_qualname, "__qualname__"}, {&str_doc, "__doc__"},
         {&str_module, "__module__"}, {&str_enter_long, "enter"}, {&str_exit_long, "exit"},
         {&str_push, "push"}, {&str_latest_bytes, "latest_bytes"}, {&str_buffer, "_buffer"},
-        {&str_capacity, "capacity"}, {&str_append, "append"},
+        {&str_capacity, "capacity"}, {&str_append, "append"}, {&str_spans, "_spans"},
+        {&str_push_span, "push_span"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)

@@ -48,8 +48,6 @@ class DeviceTimeline:
 
     def __init__(self, make_event: Callable[[], Any]):
         self._make_event = make_event
-        # Turns PendingDeviceStep.host into a StepRecord (the probe sets it to its record_from).
-        self.record_from: Callable[[Any], StepRecord] = lambda host: host
         self._pool: List[Any] = []
         self._pending: Deque[PendingDeviceStep] = collections.deque()
         self.dropped_steps = 0
@@ -74,8 +72,9 @@ class DeviceTimeline:
         self._pending.append(step)
 
     # -- background thread ----------------------------------------------------------------
-    def resolve_ready(self) -> List[StepRecord]:
-        """Turn every leading pending step whose events have all completed into a record."""
+    def resolve_ready(self, record_from: Callable[[Any], StepRecord]) -> List[StepRecord]:
+        """Turn every leading pending step whose events have all completed into a record:
+        record_from makes its host side (PendingDeviceStep.host; the sender passes the probe's)."""
         done: List[StepRecord] = []
         while self._pending:
             step = self._pending[0]
@@ -83,7 +82,7 @@ class DeviceTimeline:
             if not all(event.query() for event in events):
                 break  # steps complete in stream order: later ones are not ready either
             self._pending.popleft()
-            done.append(_resolve(step, self.record_from(step.host)))
+            done.append(_resolve(step, record_from(step.host)))
             # The next step's start event belongs to that step and is released with it.
             for event in events:
                 if event is not step.next_start_event:

@@ -9,7 +9,7 @@ installed.
 """
 
 # Bumped when the compiled timers' behaviour changes in a way the layout does not show.
-VERSION = 9
+VERSION = 10
 
 NO_PHASE = -1
 

@@ -10,7 +10,7 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 class DeviceMemory:
     """The CUDA caching allocator's counters for one device: host-side reads, never a sync."""
 
-    def __init__(self, torch: Any, device: Any):
+    def __init__(self, torch: Any, device: Any, counting: bool = True):
         self._cuda = torch.cuda
         self._device = device
         self._index = device.index if device.index is not None else torch.cuda.current_device()
@@ -18,7 +18,7 @@ class DeviceMemory:
         # torch.cuda.memory_allocated() and friends each flatten the allocator's whole stats
         # dict; one read of the nested dict gives all three figures for a fraction of that.
         self._nested_stats = getattr(torch._C, "_cuda_memoryStats", None)
-        self.counting = True  # False: Trace(profile_memory=False), capacity only
+        self.counting = counting  # False: Trace(profile_memory=False), capacity only
 
     def reset_peak(self) -> None:
         if self.counting:

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, List, Optional
+from typing import Any, List, Optional, cast
 
 from traceml.probe import step
 from traceml.probe.phases import (disarm_first_call, hook_model, install_patches, on_first_module_call, owner_of,
@@ -235,46 +235,34 @@ def _create_probe(model: Any) -> StepProbe:
     import torch
 
     from traceml.probe.memory import DeviceMemory, HostRss
-    from traceml.probe.pulse import PulseWatch
+    from traceml.probe.phases import _compiling
     from traceml.probe.sender import Sender
 
     device = _model_device(torch, model if model is not None else _create_options.get("device_of"))
     timeline = device_memory = None
+    profile_memory = _create_options.get("profile_memory", True)
     if device.type == "cuda":
         from traceml.probe.clock import DeviceTimeline
 
         timeline = DeviceTimeline(lambda: torch.cuda.Event(enable_timing=True))
-        device_memory = DeviceMemory(torch, device)
-    profile_memory = _create_options.get("profile_memory", True)
-    if device_memory is not None:
-        device_memory.counting = profile_memory
+        device_memory = DeviceMemory(torch, device, counting=profile_memory)
     host_rss = HostRss() if profile_memory else None
-    sender = Sender(_hello(torch, device, device_memory), timeline=timeline, host_rss=host_rss)
-    sender.web_port = _create_options.get("web_port")
-    sender.run_name = _create_options.get("run_name")
-    probe = StepProbe(sender, timeline=timeline, device_memory=device_memory, host_rss=host_rss)
-    probe.on_fault = _disable
-    probe.time_the_model_of = _time_the_model_of
-    probe.stop_awaiting_models = disarm_first_call
-    probe._grad_enabled = torch.is_grad_enabled
-    sender.record_from = probe.record_from
-    sender.drain_steps = probe.drain_steps
-    sender.span_record = probe.span_record
-    sender.steps_ended = lambda: probe.step_index
+
+    def probe_for(sender: Sender) -> StepProbe:
+        """The step probe feeding this sender: made by the sender once it is built."""
+        syncs = None if timeline is None else HostSyncSampler(rank_env()[0], sender.push, is_compiling=_compiling())
+        return StepProbe(sender, timeline=timeline, device_memory=device_memory, host_rss=host_rss,
+                         on_fault=_disable, time_the_model_of=_time_the_model_of,
+                         stop_awaiting_models=disarm_first_call, grad_enabled=torch.is_grad_enabled, syncs=syncs)
+
     # Made where the training runs: its thread is the one whose stack a stall reports.
-    sender.pulses = PulseWatch(probe.rank, probe, threading.get_ident(), loaders=sender.loaders)
-    if timeline is not None:
-        timeline.record_from = probe.record_from
-        probe.syncs = _host_sync_sampler(probe)
+    sender = Sender(_hello(torch, device, device_memory), timeline=timeline, host_rss=host_rss, feed_of=probe_for,
+                    training_thread=threading.get_ident(), web_port=_create_options.get("web_port"),
+                    run_name=_create_options.get("run_name"))
+    probe = cast(StepProbe, sender.feed)  # what probe_for made
     sender.start()
     atexit.register(_at_exit)
     return probe
-
-
-def _host_sync_sampler(probe: StepProbe) -> Any:
-    from traceml.probe.phases import _compiling
-
-    return HostSyncSampler(probe.rank, probe.sender.push, is_compiling=_compiling())
 
 
 def _model_device(torch: Any, model: Any) -> Any:

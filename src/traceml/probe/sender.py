@@ -1,8 +1,9 @@
 """The probe's bounded buffer and the one background thread that ships records to the collector.
 
-The training thread only appends to the buffer (the compiled probe queues its steps in a ring of
-numbers instead, which this thread empties into the buffer each round); when either is full it
-drops the record and counts it, it never waits. The background thread resolves CUDA events,
+The training thread only appends to the buffer (the probe queues its ended steps in a ring
+instead, and its user spans' totals in the spans queue, which this thread makes into records
+and moves into the buffer each round, so the buffer holds records only); when full it drops
+the record and counts it, it never waits. The background thread resolves CUDA events,
 refreshes host RSS, batches records into frames and sends them over TCP. While no collector is reachable the records
 wait in the buffer (which drops when full); at exit what could not be sent is counted as dropped.
 """
@@ -18,12 +19,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Deque, List, Optional, Tuple
+from typing import Any, Callable, Deque, List, Optional, Protocol, Tuple
 
 from traceml import rendezvous
 from traceml.probe.ledger import LedgerWatch
 from traceml.probe.loaders import LoaderWatch
-from traceml.probe.step import EndedWindow
+from traceml.probe.pulse import PulseWatch
 from traceml.records import HEADER_BYTES, RankEnd, RankHello, Record, StepRecord, decode_payload, encode_frame
 
 log = logging.getLogger("traceml")
@@ -48,26 +49,49 @@ HEARTBEAT_S = 20.0  # an empty frame when nothing else went out: the collector d
 QUIET_CONNECT_S = 15.0  # other ranks may start before rank 0's collector: no warning before this
 
 
+class StepFeed(Protocol):
+    """What the sender takes from the probe that feeds it (a probe.step.StepProbe), on its thread."""
+
+    rank: int
+    step_index: int  # the steps ended so far
+
+    def drain_steps(self) -> Tuple[List[StepRecord], int]:
+        """The steps ended since the last call, as StepRecords, in order; and how many were dropped."""
+
+    def record_from(self, ending: Any) -> StepRecord:
+        """The StepRecord of a step the DeviceTimeline held until its events were done."""
+
+    def span_record(self, ended: tuple) -> Record:
+        """The SpanRecord of a user span's (name, total), handed over by push_span."""
+
+
 class Sender:
-    """Buffer plus background shipping for one training process."""
+    """Buffer plus background shipping for one training process.
+
+    feed_of makes the probe that feeds it, given the sender, once the sender is built: the probe
+    pushes to the sender and the sender drains the probe, so one of them is made for the other
+    (None: a sender on its own, which ships what is pushed). training_thread: the ident of the
+    thread whose stack a stall reports (probe/pulse.py; None: no pulses). web_port, run_name:
+    for the collector rank 0 starts under the Trace API (its web page, its run directory's name).
+    """
 
     def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None,
-                 capacity: int = BUFFER_CAPACITY, address: Optional[str] = None):
+                 capacity: int = BUFFER_CAPACITY, address: Optional[str] = None,
+                 feed_of: Optional[Callable[["Sender"], StepFeed]] = None, training_thread: Optional[int] = None,
+                 web_port: Optional[int] = None, run_name: Optional[str] = None):
         self.hello = hello
-        # Turn the probe's ended windows into StepRecords and its user spans' totals ((name,
-        # total) tuples) into SpanRecords, here, off the training thread.
-        self.record_from: Callable[[EndedWindow], Record] = lambda raw: raw  # type: ignore[assignment,return-value]
-        self.span_record: Callable[[tuple], Record] = lambda ended: ended  # type: ignore[assignment,return-value]
-        # The probe's steps ended since the last round (StepRecords, or EndedWindows for
-        # record_from) and how many its full ring dropped (StepProbe.drain_steps): they join the
-        # buffer each round, in order.
-        self.drain_steps: Callable[[], Tuple[List[Any], int]] = lambda: ([], 0)
         self.timeline = timeline
         self.host_rss = host_rss  # refreshed here, each round, off the training thread
         self.capacity = capacity  # fixed once made: the compiled push keeps it (_fastpath.push_record)
         self.records_sent = 0
         self.records_dropped = 0
-        self._buffer: Deque[Any] = collections.deque()  # Records, and the probe's EndedWindows
+        self._buffer: Deque[Record] = collections.deque()  # Records only
+        # User spans' totals as the training thread hands them over, (name, total): made into
+        # SpanRecords each round, here (_take_ended_spans). The buffer's capacity holds both.
+        self._spans: Deque[tuple] = collections.deque()
+        # local_steps takes the probe's ended steps on the training thread as the rounds do on
+        # this one: one at a time, or a step held between the probe and the buffer is unseen.
+        self._taking_steps = threading.Lock()
         # This rank's latest steps, for traceml.summary() inside the training process: the
         # frames of steps sent (see RECENT_STEPS_KEPT) as (how many steps, frame), and last,
         # while a frame's steps are being gathered and sent, the list of them. local_steps runs
@@ -87,20 +111,21 @@ class Sender:
         env_run_dir = os.environ.get(rendezvous.ENV_RUN_DIR)
         self.run_dir: Optional[Path] = Path(env_run_dir) if env_run_dir else None
         self._collector_process: Optional[subprocess.Popen] = None
-        # Rank 0 under the Trace API: the collector it starts serves the web page on web_port,
-        # and names the run directory after run_name.
-        self.web_port: Optional[int] = None
-        self.run_name: Optional[str] = None
+        self.web_port, self.run_name = web_port, run_name
         self.steps_from = hello.steps_from  # the probe updates it; the goodbye carries it
         self.compile_watch: Any = None  # a probe.compile.CompileWatch once torch compiles
         # The training's DataLoader iterators: the patches note them, this thread reads them.
         self.loaders: Optional[LoaderWatch] = LoaderWatch(hello.rank)
         # What holds the memory: the training thread reads it (see probe/ledger.py), close() last.
         self.ledger: Optional[LedgerWatch] = LedgerWatch(hello.rank)
-        self.steps_ended: Callable[[], int] = lambda: 0  # the probe's step count, for the last reading's step
-        self.pulses: Any = None  # a probe.pulse.PulseWatch: where the training thread is while no step ends
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
+        # Last: the probe reads the sender as it is made (its ledger, its buffer).
+        self.feed: Optional[StepFeed] = feed_of(self) if feed_of is not None else None
+        # Where the training thread is while no step ends; None once its frames cannot be read.
+        self.pulses: Optional[PulseWatch] = None
+        if self.feed is not None and training_thread is not None:
+            self.pulses = PulseWatch(self.feed.rank, self.feed, training_thread, loaders=self.loaders)
 
     # -- training thread ------------------------------------------------------------------
     def push(self, record: Any) -> None:
@@ -108,6 +133,14 @@ class Sender:
             self.records_dropped += 1
             return
         self._buffer.append(record)
+
+    def push_span(self, ended: tuple) -> None:
+        """A user span's (name, total) for a step it no longer runs in (StepProbe.span_done; the
+        compiled spans append here directly): this thread makes its SpanRecord."""
+        if len(self._buffer) + len(self._spans) >= self.capacity:
+            self.records_dropped += 1
+            return
+        self._spans.append(ended)
 
     def defer(self, pending: Any, limit: int) -> None:
         """Hold a record whose value the device has not copied yet; the sender sends it when
@@ -125,8 +158,7 @@ class Sender:
         sent: List[Any] = []
         for kept in list(self._sent_steps):
             sent.extend(list(kept) if type(kept) is list else decode_payload(kept[1][HEADER_BYTES:]))
-        pending = [self.record_from(r) if type(r) is EndedWindow else r for r in list(self._buffer)]
-        return sent + [r for r in pending if type(r) is StepRecord]
+        return sent + [record for record in list(self._buffer) if type(record) is StepRecord]
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -143,6 +175,7 @@ class Sender:
             log.warning("traceml: telemetry sender did not stop in time; the last records are lost")
             return
         self._take_ended_steps()
+        self._take_ended_spans()
         self._watch_loaders(flushing=False, final=True)
         self._read_last_ledger()  # this thread has stopped: close() runs on the training's
         # Let the device finish the last steps' events and scalar copies.
@@ -200,6 +233,7 @@ class Sender:
                 if self.host_rss is not None:
                     self.host_rss.refresh()
                 self._take_ended_steps()
+                self._take_ended_spans()
                 if rounds % ROUNDS_PER_FLUSH == 0:
                     self._collect_device_steps()
                     self._pulse()
@@ -244,20 +278,37 @@ class Sender:
         if ledger is None:
             return
         try:
-            reading = ledger.reading(self.steps_ended(), final=True)
+            reading = ledger.reading(self.feed.step_index if self.feed is not None else 0, final=True)
             if reading is not None:
                 self.push(reading)
         except Exception:
             log.debug("traceml: memory ledger failed at the end", exc_info=True)
 
     def _take_ended_steps(self) -> None:
-        ended, dropped = self.drain_steps()
-        room = max(0, self.capacity - len(self._buffer))
-        if len(ended) > room:  # a full buffer drops, as push does
-            dropped += len(ended) - room
-            del ended[room:]
-        self.records_dropped += dropped
-        self._buffer.extend(ended)
+        """The probe's steps ended since the last call, as StepRecords, into the buffer."""
+        if self.feed is None:
+            return
+        with self._taking_steps:
+            ended, dropped = self.feed.drain_steps()
+            room = max(0, self.capacity - len(self._buffer))
+            if len(ended) > room:  # a full buffer drops, as push does
+                dropped += len(ended) - room
+                del ended[room:]
+            self.records_dropped += dropped
+            self._buffer.extend(ended)
+
+    def _take_ended_spans(self) -> None:
+        """The spans handed over since the last call, as SpanRecords, into the buffer."""
+        spans, buffer = self._spans, self._buffer
+        if self.feed is None:  # spans come from the probe: none without one
+            return
+        span_record = self.feed.span_record
+        while spans:  # one at a time: the training thread may append meanwhile
+            ended = spans.popleft()
+            if len(buffer) >= self.capacity:  # a full buffer drops, as push does
+                self.records_dropped += 1
+            else:
+                buffer.append(span_record(ended))
 
     def _collect_device_steps(self) -> None:
         """Move what the device has finished into the buffer: steps whose events are done,
@@ -267,9 +318,9 @@ class Sender:
         if self.compile_watch is not None and self.compile_watch.ended:
             for record in self.compile_watch.records(final=self._stop.is_set()):
                 self.push(record)
-        if self.timeline is None:
+        if self.timeline is None or self.feed is None:
             return
-        for record in self.timeline.resolve_ready():
+        for record in self.timeline.resolve_ready(self.feed.record_from):
             self.push(record)
 
     def _flush(self) -> None:
@@ -291,10 +342,6 @@ class Sender:
                     kind = type(record)
                     if kind is StepRecord:
                         steps.append(record)
-                    elif kind is EndedWindow:
-                        steps.append(self.record_from(record))
-                    elif kind is tuple:
-                        others.append(self.span_record(record))
                     else:
                         if kind is RankEnd:  # the goodbye carries the final counts
                             record.records_sent = self.records_sent + len(steps) + len(others)
@@ -413,6 +460,6 @@ class Sender:
 
 
 def _drain_count(buffer: Deque[Any]) -> int:
-    count = len(buffer)  # each item is one record's worth (a span's (name, total) is one SpanRecord)
+    count = len(buffer)
     buffer.clear()
     return count

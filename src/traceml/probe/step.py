@@ -12,6 +12,7 @@ The process's one probe is made, hooked in and taken out by process.py.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -23,8 +24,8 @@ import msgspec
 
 from traceml.probe import layout
 from traceml.probe.ledger import FIRST_READING_STEPS
-from traceml.records import (STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, TIMED_PHASES, SpanRecord,
-                             StepRecord)
+from traceml.probe.turns import OptimizerTurn
+from traceml.records import STEPS_FROM_TRACE_STEP, TIMED_PHASES, SpanRecord, StepRecord
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
@@ -48,9 +49,6 @@ _step_slot = {name: index for index, (name, _) in enumerate(layout.STEP_SLOTS)}.
 NO_PHASE = layout.NO_PHASE
 PHASE_NAMES = TIMED_PHASES  # by the indexes above: H2D to OPTIMIZER
 assert [_step_slot(name) for name in PHASE_NAMES] == [H2D, FORWARD, BACKWARD, OPTIMIZER]
-# Inferred steps: another optimizer updating this many times with no step ended between means
-# the one that ended steps has stopped (a new phase of training with optimizers of its own).
-TURN_LEFT_UPDATES = 3
 
 
 class SpanTotal:
@@ -152,10 +150,11 @@ class _PythonProbeState:
 
     __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "in_evaluation", "layers_active",
                  "comm_timed", "step_index", "_step_start_ns", "setup_started_ns", "due_step", "_closed",
-                 "_optimizer_timed", "_optimizer_start_ns",
+                 "_optimizer_timed", "_optimizer_start_ns", "_ended_steps", "_steps_dropped",
                  "_unconfirmed", "timeline", "sender", "host_rss", "rank", "span_totals",
-                 # inferred steps: what optimizer_stepped reads on every update (see reset_inferred_steps)
-                 "_step_optimizer", "_last_optimizer", "_turn_known", "_model_wait_ends")
+                 # inferred steps: what optimizer_stepped and backward_returned read on every call
+                 # (see reset_inferred_steps)
+                 "_settled_optimizer", "_optimizer_ends_steps")
 
     # -- step boundaries: `with trace_step(model):` enters and exits the probe itself ---------
     def __enter__(self) -> "StepProbe":
@@ -164,13 +163,35 @@ class _PythonProbeState:
     def __exit__(self, exc_type: Any, failed: Optional[BaseException], tb: Any) -> None:
         self.exit(failed=failed)  # type: ignore[attr-defined]
 
-    # -- ended steps: the compiled state queues them in a ring of numbers, taken by the sender
-    # (drain_steps), so that a step's end makes no object; here they go to its buffer at once.
+    def __init__(self) -> None:
+        # The steps whose window has ended, as EndedWindows, until the sender's thread takes
+        # them (drain_steps), and how many were dropped meanwhile: the compiled state's ring.
+        self._ended_steps: Any = collections.deque()
+        self._steps_dropped = 0
+
+    # -- ended steps: the compiled state queues them in a ring of numbers, here in a deque of
+    # EndedWindows; either way the sender's thread takes them (drain_steps) and makes their
+    # StepRecords, so that the training thread does none of that arithmetic.
     def publish_ended(self, ending: "EndedWindow") -> None:
-        self.sender.push(ending)
+        sender = self.sender
+        try:
+            held = len(self._ended_steps) + len(sender._buffer)
+        except AttributeError:  # a sender without a buffer of its own: its push decides, as in C
+            sender.push(ending)
+            return
+        # The steps waiting and the sender's buffer together hold its capacity, as in C.
+        if held >= sender.capacity:
+            self._steps_dropped += 1
+        else:
+            self._ended_steps.append(ending)
 
     def _drain_ring(self, record_type: Any, unix_at_zero_s: float) -> Tuple[list, int]:
-        return [], 0
+        ended, steps = self._ended_steps, []
+        while ended:  # one at a time: the training thread may append meanwhile
+            steps.append(ended.popleft())
+        dropped = self._steps_dropped
+        self._steps_dropped -= dropped  # not = 0: a drop counted meanwhile stays for next time
+        return steps, dropped
 
 
 class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeState):  # type: ignore[misc]
@@ -180,13 +201,23 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
     # the rest: set-up, deep-dive, inferred steps, DDP, spans, the end of the run.
     __slots__ = ("_start_event", "_phase_events", "_gradients_done_ns", "_open_event", "_gc_start_ns",
                  "device_memory", "exit_code", "_unix_at_zero_s", "_gradients_done_event", "_layers",
-                 "_backward_ends_steps", "_optimizers_seen", "_updates_in_step", "_evaluation_start_ns",
+                 "_turn", "_optimizers_seen", "_model_wait_ends", "_evaluation_start_ns",
                  "_grad_enabled", "tail_eval_ns", "tail_checkpoint_ns",
                  "on_fault", "time_the_model_of", "stop_awaiting_models", "_syncs", "sync_due_step", "_layers_due_step",
                  "_ledger_due_step")
 
-    def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None,
-                 host_rss: Any = None):
+    def __init__(self, sender: Any, timeline: Any = None, device_memory: Any = None, host_rss: Any = None,
+                 on_fault: Optional[Callable[[str], None]] = None,
+                 time_the_model_of: Optional[Callable[[Any], bool]] = None,
+                 stop_awaiting_models: Optional[Callable[[], None]] = None,
+                 grad_enabled: Optional[Callable[[], bool]] = None, syncs: Any = None):
+        """What the process around the probe does for it (process.py hands these in; a probe
+        made on its own only logs and times no model): on_fault, after an internal fault, takes
+        TraceML out of the training; time_the_model_of, at an optimizer's first step, times the
+        model it trains (True when a model is now awaited); stop_awaiting_models, once none is,
+        stops looking at each module call; grad_enabled is torch.is_grad_enabled (a forward
+        without gradients starts no inferred step); syncs, the HostSyncSampler on CUDA."""
+        super().__init__()
         self.sender = sender
         self.timeline = timeline  # DeviceTimeline on CUDA, None when the host clock is the device clock
         self.device_memory = device_memory
@@ -216,17 +247,19 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         # Under DDP: collective wait inside backward, see note_gradients_done.
         self.comm_timed = False
         self._gradients_done_ns, self._gradients_done_event = 0, None
-        self._layers = self._syncs = None  # LayerProbe under deep-dive, HostSyncSampler on CUDA: see each
+        self._layers = None  # LayerProbe under deep-dive, see layers
         # The next step whose start has work to do (due_step: the first of the next steps that
         # call layers.begin_step and syncs.begin_step, each saying after each call), and whether
         # this step runs deep-dive's hooks: most steps skip all of it.
         self.due_step = self._layers_due_step = self.sync_due_step = math.inf
         self._ledger_due_step = FIRST_READING_STEPS[0] if getattr(sender, "ledger", None) else math.inf
-        self._reschedule()  # the memory ledger's first reading (probe/ledger.py says when)
+        # The memory ledger's first reading (probe/ledger.py says when) and the sampler's first
+        # sample: the syncs setter schedules both.
+        self.syncs = syncs
         self.layers_active = False
         self.tail_eval_ns = self.tail_checkpoint_ns = 0  # after the last step (see finish)
         self.reset_inferred_steps()
-        self._grad_enabled: Any = lambda: True  # torch.is_grad_enabled, once torch is here
+        self._grad_enabled: Callable[[], bool] = grad_enabled or _grad_always_enabled
         # True while a trainer's evaluation runs (an integration says so): timed as a whole as
         # evaluation, and its loader waits are not the training's input wait.
         self.in_evaluation, self._evaluation_start_ns = False, 0
@@ -238,12 +271,9 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         # Inferred steps: the step before, its window ended at this step's start, held until
         # this one proves to be a step (see exit).
         self._unconfirmed: Optional[EndedWindow] = None
-        # What the process around the probe does for it (process.py hands these in): after an
-        # internal fault, take TraceML out of the training; at an optimizer's first step, time
-        # the model it trains; once no model is awaited, stop looking at each module call.
-        self.on_fault: Callable[[str], None] = _log_fault
-        self.time_the_model_of: Callable[[Any], bool] = lambda optimizer: False
-        self.stop_awaiting_models: Callable[[], None] = lambda: None
+        self.on_fault: Callable[[str], None] = on_fault or _log_fault
+        self.time_the_model_of: Callable[[Any], bool] = time_the_model_of or _times_no_model
+        self.stop_awaiting_models: Callable[[], None] = stop_awaiting_models or _awaits_no_model
 
     def reset_inferred_steps(self) -> None:
         """Off until infer_steps turns it on; also at a detach, so that the next traced region
@@ -252,13 +282,14 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         # phase and ends when the optimizer steps, or, in a loop that no torch.optim optimizer
         # updates, when backward returns. An explicit trace_step turns this off for good.
         self.auto_steps = False
-        self._step_optimizer: Optional[int] = None  # id() of the optimizer whose step ends a step
-        self._last_optimizer: Optional[int] = None  # id() of the optimizer that stepped last
-        self._turn_known = False  # whether the optimizer ending steps is the last of a turn
-        self._backward_ends_steps: Optional[bool] = None  # decided at the first backward
+        self._turn = OptimizerTurn(self.set_steps_from, _any_optimizer_made)  # which update ends a step
+        # What the hot paths read of it (the compiled ones too, in their C struct), set after
+        # each update it is told of: the optimizer whose update ends a step with nothing left to
+        # learn (the turn settled, no model awaited), else None; and whether an optimizer ends
+        # steps at all (then backward never does).
+        self._settled_optimizer: Optional[int] = None
+        self._optimizer_ends_steps = False
         self._optimizers_seen: set = set()  # id() of each optimizer whose model is timed
-        # id() of each other optimizer -> (the step of its last update, its updates in that step)
-        self._updates_in_step: dict = {}
         self._model_wait_ends: Optional[int] = None  # the step after which a model is no longer awaited
 
     def enter(self, now: int = 0) -> "StepProbe":
@@ -424,17 +455,20 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self.timeline.submit(PendingDeviceStep(ending, closed.start_event, closed.end_event,
                                                ending.next_start_event, closed.phase_events))
 
-    def drain_steps(self) -> Tuple[list, int]:
-        """The sender's thread: the steps ended since its last round, in order, and how many a
-        full ring dropped. The compiled path queues a step as numbers and its StepRecord is made
-        here, in C, by record_from's arithmetic (the capture rules see it as record_from's own);
-        a step ended in Python comes as its EndedWindow, for record_from."""
+    def drain_steps(self) -> Tuple[List[StepRecord], int]:
+        """The sender's thread: the StepRecords of the steps ended since its last round, in
+        order, and how many a full ring dropped. The compiled path queues a step as numbers and
+        its StepRecord is made in C, by record_from's arithmetic (the capture rules see it as
+        record_from's own); a step ended in Python comes as its EndedWindow, made into its
+        StepRecord here by record_from."""
         steps, dropped = self._drain_ring(StepRecord, self._unix_at_zero_s)
         layers = self.layers
-        if layers is not None and layers.watch is not None:
-            for record in steps:
-                if type(record) is StepRecord:
-                    layers.watch.observe(record)
+        watch = layers.watch if layers is not None else None
+        for index, step in enumerate(steps):
+            if type(step) is not StepRecord:
+                steps[index] = self.record_from(step)  # which the watch observes itself
+            elif watch is not None:
+                watch.observe(step)
         return steps, dropped
 
     def record_from(self, ending: EndedWindow) -> StepRecord:
@@ -567,19 +601,17 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         turn (a GAN's discriminator, then its generator), a step is one turn of them all: the
         first one seen stepping ends the first step, and once it comes round again the one that
         stepped just before it, the last of the turn, ends the steps. The forward of each
-        optimizer's model is forward."""
-        optimizer_id, last_id = id(optimizer), self._last_optimizer
-        self._last_optimizer = optimizer_id
+        optimizer's model is forward. The turn is learnt by OptimizerTurn (probe/turns.py)."""
+        optimizer_id = id(optimizer)
         # Once the turn is known and no model is awaited, the bookkeeping has nothing to do.
-        settled = optimizer_id == self._step_optimizer and self._turn_known and self._model_wait_ends is None
-        if not settled and not self._learn_turn(optimizer, optimizer_id, last_id):
+        if optimizer_id != self._settled_optimizer and not self._learn_turn(optimizer, optimizer_id):
             return
         if self.in_step and self.open_phase == NO_PHASE:
             self.__exit__(None, None, None)
 
-    def _learn_turn(self, optimizer: Any, optimizer_id: int, last_id: Optional[int]) -> bool:
-        """optimizer_stepped's bookkeeping until the turn is known: which optimizer ends the
-        steps, and the model each one trains. False when this update does not end a step."""
+    def _learn_turn(self, optimizer: Any, optimizer_id: int) -> bool:
+        """optimizer_stepped's bookkeeping until the turn is known: the model each optimizer
+        trains, then the turn's word on this update. False when it does not end a step."""
         if optimizer_id not in self._optimizers_seen:
             self._optimizers_seen.add(optimizer_id)
             self.watch_optimizer(optimizer)
@@ -590,19 +622,11 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
             # since the wait costs every module call a little.
             self.stop_awaiting_models()
             self._model_wait_ends = None
-        if self._step_optimizer is None:
-            self._step_optimizer = optimizer_id
-            if self._backward_ends_steps:  # the optimizer came late: it decides from now on
-                self.set_steps_from(STEPS_FROM_OPTIMIZER)
-            self._backward_ends_steps = False
-        elif optimizer_id != self._step_optimizer:
-            return self._takes_over_the_turn(optimizer_id)
-        elif not self._turn_known:  # the first optimizer comes round again: the turn is known
-            self._turn_known = True
-            if last_id != optimizer_id:
-                self._step_optimizer = last_id  # another stepped since: it ends the turn
-                return False
-        return True
+        turn = self._turn
+        ends_step = turn.update_ends_step(optimizer_id, self.step_index)
+        self._optimizer_ends_steps = turn.step_optimizer is not None
+        self._settled_optimizer = turn.settled if self._model_wait_ends is None else None
+        return ends_step
 
     def watch_optimizer(self, optimizer: Any) -> None:
         """An optimizer seen stepping (first seen while inferring steps, or on a sampled step):
@@ -611,31 +635,13 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         if ledger is not None:
             ledger.watch_optimizer(optimizer)
 
-    def _takes_over_the_turn(self, optimizer_id: int) -> bool:
-        """Another optimizer's update: when it has updated TURN_LEFT_UPDATES times with no step
-        ended between, the optimizer that ended steps no longer steps (fine-tuning with a new
-        optimizer, a GAN after pretraining): the turn is learnt again from this one, whose
-        update ends the step, as the first optimizer's did. True when it does."""
-        step, updates = self._updates_in_step.get(optimizer_id, (-1, 0))
-        updates = updates + 1 if step == self.step_index else 1
-        if updates < TURN_LEFT_UPDATES:
-            self._updates_in_step[optimizer_id] = (self.step_index, updates)
-            return False
-        self._updates_in_step.clear()
-        self._step_optimizer, self._turn_known = optimizer_id, False
-        return True
-
     def backward_returned(self) -> None:
         """Inferred steps in a loop that no torch.optim optimizer updates (manual SGD, a custom
         update): each top-level backward ends a step. Decided at the first backward: when no
         optimizer has been made by then, backward ends steps until an optimizer steps."""
-        if self._step_optimizer is not None or self.open_phase != NO_PHASE or not self.in_step:
+        if self._optimizer_ends_steps or self.open_phase != NO_PHASE or not self.in_step:
             return
-        if self._backward_ends_steps is None:
-            self._backward_ends_steps = not _any_optimizer_made()
-            if self._backward_ends_steps:
-                self.set_steps_from(STEPS_FROM_BACKWARD)
-        if self._backward_ends_steps:
+        if self._turn.backward_ends_step():
             self.__exit__(None, None, None)
 
     def stop_inferring_steps(self) -> None:
@@ -666,7 +672,8 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
     def span_done(self, name: str, start_ns: int, end_ns: int) -> None:
         """One call of a user span, added to its name's total for its step: the step in flight,
         else the step whose window (it runs to the next step's start) this gap belongs to. A
-        call in a later step hands the earlier total to the sender as (name, total). Where the
+        call in a later step hands the earlier total to the sender as (name, total), for its
+        thread to make the SpanRecord of (span_record). Where the
         compiled timers are built, the Trace API's spans do this in C (_fastpath.SpanTotal)."""
         step = self.step_index if self.in_step else max(0, self.step_index - 1)
         held = self.span_totals.get(name)
@@ -675,14 +682,14 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
             held.calls += 1
             return
         if held is not None:
-            self.sender.push((name, held))
+            self.sender.push_span((name, held))
         self.span_totals[name] = SpanTotal(step, start_ns, end_ns - start_ns)
 
     def flush_spans(self) -> None:
         """Hand the sender every span total still held (at the end of the traced run)."""
         totals, self.span_totals = self.span_totals, {}
         for name, total in totals.items():
-            self.sender.push((name, total))
+            self.sender.push_span((name, total))
 
     def span_record(self, ended: tuple) -> SpanRecord:
         """The sender's thread: the SpanRecord of a (name, total) that span_done handed over."""
@@ -772,6 +779,20 @@ _probe: Optional[StepProbe] = None
 def _log_fault(where: str) -> None:
     """A probe made on its own (no process.py around it) only says what went wrong."""
     log.warning("traceml: internal error in %s", where, exc_info=True)
+
+
+def _times_no_model(optimizer: Any) -> bool:
+    """A probe made on its own hooks no model: none is awaited."""
+    return False
+
+
+def _awaits_no_model() -> None:
+    """A probe made on its own awaits no model: nothing to stop."""
+
+
+def _grad_always_enabled() -> bool:
+    """A probe made on its own, before torch is here: every forward may start a step."""
+    return True
 
 
 def _real_tokens(counted: Optional[int], copies: Optional[List[Any]]) -> Optional[int]:
