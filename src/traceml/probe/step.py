@@ -225,25 +225,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self.rank = rank_env()[0]
         self.exit_code: Optional[int] = None
         self.setup_started_ns = 0
-        # The step in flight: 0 between steps, else how deep trace_step blocks are nested (an
-        # integration's inside a user's); the step ends when the outermost one exits.
-        self.in_step = 0
-        # In a step the patches may time inline, without phase_begin and phase_end (see enter).
-        self.plain = False
-        self.step_index = self._step_start_ns = 0
-        # The update being timed: id() of the optimizer whose step opened it (0: none), its start;
-        # one whose step calls another's (ZeroRedundancyOptimizer) is timed once, by the outer one.
-        self._optimizer_timed = self._optimizer_start_ns = 0
-        # Wall clock = this offset + perf_counter: one reading, not a time.time() per step.
-        self._unix_at_zero_s = time.time() - _now_ns() / 1e9
-        self._start_event: Any = None
-        self.open_phase, self._open_event = NO_PHASE, None  # only a phase's outermost call is timed
-        self.sums = [*_STEP_ZEROS]  # the step in flight (see _STEP_ZEROS)
-        self._phase_events: List[Tuple[str, Any, Any]] = []
-        # The window's GC pauses, evaluation and checkpoint saves (see _WINDOW_ZEROS), added to
-        # in place by gc_callback, the model's calls outside steps and torch.save.
-        self.window = [*_WINDOW_ZEROS]
-        self._gc_start_ns = 0
+        self._empty_step_state()
         # Under DDP: collective wait inside backward, see note_gradients_done.
         self.comm_timed = False
         self._gradients_done_ns, self._gradients_done_event = 0, None
@@ -274,6 +256,28 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self.on_fault: Callable[[str], None] = on_fault or _log_fault
         self.time_the_model_of: Callable[[Any], bool] = time_the_model_of or _times_no_model
         self.stop_awaiting_models: Callable[[], None] = stop_awaiting_models or _awaits_no_model
+
+    def _empty_step_state(self) -> None:
+        """No step in flight and an empty window: what the step's hot paths read and write."""
+        # The step in flight: 0 between steps, else how deep trace_step blocks are nested (an
+        # integration's inside a user's); the step ends when the outermost one exits.
+        self.in_step = 0
+        # In a step the patches may time inline, without phase_begin and phase_end (see enter).
+        self.plain = False
+        self.step_index = self._step_start_ns = 0
+        # The update being timed: id() of the optimizer whose step opened it (0: none), its start;
+        # one whose step calls another's (ZeroRedundancyOptimizer) is timed once, by the outer one.
+        self._optimizer_timed = self._optimizer_start_ns = 0
+        # Wall clock = this offset + perf_counter: one reading, not a time.time() per step.
+        self._unix_at_zero_s = time.time() - _now_ns() / 1e9
+        self._start_event: Any = None
+        self.open_phase, self._open_event = NO_PHASE, None  # only a phase's outermost call is timed
+        self.sums = [*_STEP_ZEROS]  # the step in flight (see _STEP_ZEROS)
+        self._phase_events: List[Tuple[str, Any, Any]] = []
+        # The window's GC pauses, evaluation and checkpoint saves (see _WINDOW_ZEROS), added to
+        # in place by gc_callback, the model's calls outside steps and torch.save.
+        self.window = [*_WINDOW_ZEROS]
+        self._gc_start_ns = 0
 
     def reset_inferred_steps(self) -> None:
         """Off until infer_steps turns it on; also at a detach, so that the next traced region
