@@ -91,7 +91,7 @@ def test_a_killed_rank_is_reported_missing_and_the_rest_is_kept(traceml_run):
 # -- two nodes on this machine, and how their runs end -----------------------------------------
 # Every port is taken by binding to 0: the test holds the rendezvous store (c10d, which both
 # nodes join as clients) and node 0's collector binds port 0, which node 1 reads in run.json.
-ENDING_BOUND_S = 60.0  # README, Reliability: a node's run ends within this of its ranks' end
+ENDING_BOUND_S = 60.0  # docs/reliability.md: a node's run ends within this of its ranks' end
 
 
 class TwoNodes:

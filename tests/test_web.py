@@ -1,11 +1,13 @@
 """The web dashboard against real servers: a finished run served in-process, `traceml run
 --mode dashboard` and `traceml view` as subprocesses, the seed API script, and a real browser."""
+import base64
 import json
 import os
 import re
 import signal
 import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import time
@@ -446,6 +448,7 @@ CHROMIUM = "/usr/bin/chromium"
 def test_browser_renders_the_live_page_mid_run(tmp_path):
     from playwright.sync_api import sync_playwright
 
+    docs_shot = Path(os.environ.get("TRACEML_DOCS_SCREENSHOT") or ARTIFACTS / "dashboard-docs.png")
     run_dir = tmp_path / "run"
     process = subprocess.Popen(
         [sys.executable, "-m", "traceml", "run", "--mode", "dashboard", "--port", "0", "--deep",
@@ -498,6 +501,13 @@ def test_browser_renders_the_live_page_mid_run(tmp_path):
             # Deep-dive layers arrive within a few refreshes; the table sorts on a click.
             page.wait_for_function("document.querySelectorAll('#layers-table tbody tr').length >= 3",
                                    timeout=30000)
+            # The docs' picture of the dashboard: the top of the page as a person first sees it
+            # (scripts/docs_screenshot.sh points TRACEML_DOCS_SCREENSHOT at docs/assets/).
+            docs_shot.parent.mkdir(parents=True, exist_ok=True)
+            page.evaluate("window.scrollTo(0, 0)")
+            page.screenshot(path=str(docs_shot), clip={"x": 0, "y": 0, **DOCS_SHOT_SIZE})
+            # Decoded in a blank page of its own, to count its colours.
+            colours = browser.new_page().evaluate(COUNT_COLOURS, base64.b64encode(docs_shot.read_bytes()).decode())
             page.click('#layers-table th[data-key="name"]')
             names = page.eval_on_selector_all("#layers-table tbody tr td:first-child",
                                               "cells => cells.map(c => c.textContent)")
@@ -509,3 +519,29 @@ def test_browser_renders_the_live_page_mid_run(tmp_path):
         process.kill()
     assert process.returncode == 0
     assert (ARTIFACTS / "dashboard-live.png").stat().st_size > 20_000
+    width, height = png_size(docs_shot)
+    assert (width, height) == (DOCS_SHOT_SIZE["width"], DOCS_SHOT_SIZE["height"])
+    # A page that drew: charts and text give many colours; a blank or half-loaded page gives few.
+    assert colours > 1000, f"{docs_shot} shows {colours} colours: a blank page?"
+
+
+DOCS_SHOT_SIZE = {"width": 1400, "height": 1300}
+COUNT_COLOURS = """async (png) => {
+    const image = new Image();
+    image.src = "data:image/png;base64," + png;
+    await image.decode();
+    const canvas = document.createElement("canvas");
+    [canvas.width, canvas.height] = [image.width, image.height];
+    const context = canvas.getContext("2d");
+    context.drawImage(image, 0, 0);
+    const pixels = context.getImageData(0, 0, image.width, image.height).data, seen = new Set();
+    for (let i = 0; i < pixels.length; i += 4) seen.add((pixels[i] << 16) | (pixels[i + 1] << 8) | pixels[i + 2]);
+    return seen.size;
+}"""
+
+
+def png_size(path):
+    """(width, height) from a PNG file's header; fails on a file that is not a PNG."""
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])

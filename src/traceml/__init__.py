@@ -19,7 +19,7 @@ def trace_step(model: Any = None) -> Any:
     """Trace one optimizer step: `with traceml.trace_step(model): ...`.
 
     Splits the step into input wait, host-to-device copies, forward (the outermost call of
-    `model`), backward, optimizer and the rest, with memory; the README says what each one counts.
+    `model`), backward, optimizer and the rest, with memory; docs/phases-and-verdicts.md says what each one counts.
     """
     global _trace_step
     if _trace_step is None:

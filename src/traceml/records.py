@@ -471,7 +471,7 @@ except ImportError:  # Python before 3.11: the same, by hand
 
 
 class FindingKind(StrEnum):
-    """What a Finding is about: the one list of kinds (README's table says what each means).
+    """What a Finding is about: the one list of kinds (docs/phases-and-verdicts.md says what each means).
     A member is its own name as a string, so the JSON, the store and /metrics hold plain text."""
 
     INSUFFICIENT_DATA = "INSUFFICIENT_DATA"

@@ -514,7 +514,7 @@ class AnomalyWatch:
     # (records.warmup_steps): at twice the most steps the summary leaves out.
     BASELINE_FROM_STEP = 2 * MAX_WARMUP_STEPS
     BASELINE_COUNT = 50  # steps whose median is the baseline
-    SPIKE_RATIO = 3.0  # not the STEP_SPIKES rule's slow step, on purpose (README, "Capture on anomaly")
+    SPIKE_RATIO = 3.0  # not the STEP_SPIKES rule's slow step, on purpose (docs/deep-dive.md, "Capture on anomaly")
     REGRESSION_RATIO = 1.3
     REGRESSION_WINDOW = 20  # steps whose median is compared with the baseline, every as many
     MEMORY_JUMP_SHARE = 0.10  # of the memory held the step before...

@@ -1,5 +1,5 @@
-"""The end-of-run summary built from the store: final_summary.json (its schema in the README),
-and traceml.summary()'s flat figures. The card and the other views print it (views/)."""
+"""The end-of-run summary built from the store: final_summary.json (its keys told in docs/,
+page by page), and traceml.summary()'s flat figures. The card and the other views print it (views/)."""
 from __future__ import annotations
 
 import os
