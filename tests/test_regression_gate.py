@@ -91,16 +91,16 @@ def test_folders_of_repeats_compare_as_one_side_each(runs, tmp_path):
 
 
 # -- the defences, on steps made to drift ---------------------------------------------------------
-def side(step_ms, other_cores=0.0, label="run"):
+def side(step_ms, other_cores=0.0, cpu_wait_share=0.0, label="run"):
     """A run whose steps took step_ms each (every phase in the forward), on a machine where other
-    processes used other_cores."""
+    processes used other_cores and the training waited cpu_wait_share of its time for a CPU."""
     zeros = [0.0] * len(step_ms)
     series = {"step": list(step_ms), "forward": list(step_ms)}
     series.update({name: zeros for name in ("input_wait", "outside", "h2d", "backward", "optimizer",
                                             "untraced", "gc")})
     summary = {"phases": {name: {"median_ms": sorted(values)[len(values) // 2], "share": 0.0}
                           for name, values in series.items()}}
-    return ComparedRun(label, summary, [series], other_cores)
+    return ComparedRun(label, summary, [series], other_cores, cpu_wait_share)
 
 
 def steady(ms, count=200, wobble=0.01):
@@ -127,6 +127,12 @@ def test_a_busier_machine_during_one_run_voids_the_verdict_and_the_gate():
     # Load alike on both sides: the same 30% is a regression.
     result = compare(side(steady(10.0), other_cores=1.0), side(steady(13.0), other_cores=1.2))
     assert result["verdict"] == "REGRESSION" and gate(result)["exit_code"] == 1
+    # A saturated machine: other processes use every core either way, but the training waited
+    # for one far longer during A.
+    result = compare(side(steady(10.0), other_cores=1.8, cpu_wait_share=0.45),
+                     side(steady(13.0), other_cores=1.8, cpu_wait_share=0.05))
+    assert result["verdict"] == "INCONCLUSIVE"
+    assert "waited for a CPU 45% of its time during A and 5% during B" in result["reason"]
 
 
 def test_a_change_inside_the_margin_is_equivalent_and_passes():

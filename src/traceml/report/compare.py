@@ -11,8 +11,9 @@ What drift can do, and what the verdict reads so that it cannot:
   which no interval over one run's steps can see. So a change counts only beyond
   ±EQUIVALENCE_MARGIN: IMPROVEMENT when the whole interval lies below -5%, REGRESSION when it
   lies above +5%, EQUIVALENT when it lies within ±5%, INCONCLUSIVE otherwise.
-- A machine busier during one run than the other (other processes' CPU, from the collector's
-  samples) makes any change suspect: no IMPROVEMENT or REGRESSION then, INCONCLUSIVE instead.
+- A machine busier during one run than the other makes any change suspect: no IMPROVEMENT or
+  REGRESSION then, INCONCLUSIVE instead. Busier, from the collector's samples: the training
+  waited for a CPU a larger share of its time, or other processes used more cores.
 - Repeats measure run-to-run variance itself: BASE and NEW may each be a folder of runs of the
   same code, best made interleaved (base, new, base, new, ...), so that drift falls on both.
   The bootstrap then resamples runs and, within each, stretches.
@@ -34,7 +35,10 @@ RESAMPLES = 2000
 BLOCKS = 10  # stretches of time a run's steps are cut into
 MIN_BLOCK_STEPS = 3  # steps in each stretch, at the least
 MIN_BLOCKS = 5  # stretches a run needs for an interval: 15 measured steps
-LOAD_DIFFERENCE_CORES = 0.5  # other processes' CPU differing by this much: not the same machine
+# Two sides ran on an equally busy machine unless other processes' CPU differs by this much...
+LOAD_DIFFERENCE_CORES = 0.5
+# ... or the share of its time the training waited, ready, for a CPU does.
+CPU_WAIT_DIFFERENCE = 0.10
 
 # What `traceml compare --fail-on regression` exits with.
 EXIT_PASS, EXIT_REGRESSION, EXIT_INCONCLUSIVE = 0, 1, 3
@@ -42,12 +46,14 @@ EXIT_PASS, EXIT_REGRESSION, EXIT_INCONCLUSIVE = 0, 1, 3
 
 class ComparedRun:
     """One side of a comparison: a run, or repeats of the same code (a folder of run
-    directories). Each repeat's steps per phase, in the order they ran, and how many cores other
-    processes used meanwhile (None where not known)."""
+    directories). Each repeat's steps per phase, in the order they ran, and how busy the machine
+    was meanwhile: the cores other processes used, the share of its time the training waited
+    for a CPU (medians over the collector's samples; None where not known)."""
 
     def __init__(self, label: str, summary: Dict[str, Any], repeats: List[Dict[str, List[float]]],
-                 other_cores: Optional[float] = None):
-        self.label, self.summary, self.repeats, self.other_cores = label, summary, repeats, other_cores
+                 other_cores: Optional[float] = None, cpu_wait_share: Optional[float] = None):
+        self.label, self.summary, self.repeats = label, summary, repeats
+        self.other_cores, self.cpu_wait_share = other_cores, cpu_wait_share
 
     @property
     def steps(self) -> Dict[str, List[float]]:
@@ -78,9 +84,9 @@ class ComparedRun:
                 raise FileNotFoundError(f"{path} holds no run: no {rundir.SUMMARY_JSON} or "
                                         f"{rundir.STORE_NAME} in it or in its folders")
             loaded = [cls._load_one(run) for run in runs]
-            busy = [run.other_cores for run in loaded if run.other_cores is not None]
             return cls(str(path), loaded[0].summary, [run.repeats[0] for run in loaded],
-                       statistics.median(busy) if busy else None)
+                       _median([run.other_cores for run in loaded]),
+                       _median([run.cpu_wait_share for run in loaded]))
         return cls._load_one(path)
 
     @classmethod
@@ -90,7 +96,7 @@ class ComparedRun:
         store_path = run_dir / rundir.STORE_NAME
         steps: Dict[str, List[float]] = {}
         summary: Optional[Dict[str, Any]] = None
-        other_cores: Optional[float] = None
+        other_cores = cpu_wait_share = None
         if summary_path.is_file():
             summary = json.loads(summary_path.read_text())
         if store_path.is_file():
@@ -104,24 +110,36 @@ class ComparedRun:
                     summary = build_summary(data, RunFacts.from_store(store))
                 steps = {name: [getattr(s, f"{name}_ms") or 0.0 for s in data.window.steps]
                          for name in ("step",) + ALL_PHASES}
-                other_cores = _other_cores(data.samples)
+                other_cores, cpu_wait_share = _other_cores(data.samples), _cpu_wait_share(data.samples)
             finally:
                 store.close()
         if summary is None:
             raise FileNotFoundError(f"{path}: no {rundir.SUMMARY_JSON} or {rundir.STORE_NAME} there")
-        return cls(str(path), summary, [steps], other_cores)
+        return cls(str(path), summary, [steps], other_cores, cpu_wait_share)
+
+
+def _median(values: Sequence[Optional[float]]) -> Optional[float]:
+    known = [value for value in values if value is not None]
+    return round(statistics.median(known), 2) if known else None
 
 
 def _other_cores(samples: Sequence[Any]) -> Optional[float]:
-    """The median number of cores that processes other than the training used during the run."""
-    busy = [max(0.0, sample.cpu_percent / 100.0 * sample.cpu_count - sample.training_cpu_percent / 100.0)
-            for sample in samples if sample.cpu_count]
-    return round(statistics.median(busy), 2) if busy else None
+    """The cores that processes other than the training used during the run."""
+    return _median([max(0.0, sample.cpu_percent / 100.0 * sample.cpu_count - sample.training_cpu_percent / 100.0)
+                    for sample in samples if sample.cpu_count])
+
+
+def _cpu_wait_share(samples: Sequence[Any]) -> Optional[float]:
+    """The share of its time the training waited, ready to run, for a CPU during the run."""
+    return _median([sample.training_cpu_wait_percent / (sample.training_cpu_wait_percent + sample.training_cpu_percent)
+                    for sample in samples if sample.training_cpu_wait_percent is not None
+                    and sample.training_cpu_wait_percent + sample.training_cpu_percent > 0])
 
 
 def compare(a: ComparedRun, b: ComparedRun, seed: int = 0) -> Dict[str, Any]:
     rng = random.Random(seed)
     machine = {"other_cores_a": a.other_cores, "other_cores_b": b.other_cores,
+               "cpu_wait_share_a": a.cpu_wait_share, "cpu_wait_share_b": b.cpu_wait_share,
                "repeats_a": len(a.repeats), "repeats_b": len(b.repeats)}
     busier = machine["busier"] = _busier(machine)
     step = _compare_series(a, b, "step", rng, busier)
@@ -141,12 +159,16 @@ def compare(a: ComparedRun, b: ComparedRun, seed: int = 0) -> Dict[str, Any]:
 def _busier(machine: Dict[str, Any]) -> Optional[str]:
     """Why the two sides did not run on an equally busy machine, or None when they did (or
     when it is not known)."""
+    wait_a, wait_b = machine["cpu_wait_share_a"], machine["cpu_wait_share_b"]
+    if wait_a is not None and wait_b is not None and abs(wait_a - wait_b) >= CPU_WAIT_DIFFERENCE:
+        return (f"the machine was busier during {'B' if wait_b > wait_a else 'A'}: the training waited "
+                f"for a CPU {wait_a:.0%} of its time during A and {wait_b:.0%} during B; rerun both "
+                "side by side")
     cores_a, cores_b = machine["other_cores_a"], machine["other_cores_b"]
-    if cores_a is None or cores_b is None or abs(cores_a - cores_b) < LOAD_DIFFERENCE_CORES:
-        return None
-    side = "B" if cores_b > cores_a else "A"
-    return (f"the machine was busier during {side}: other processes used {cores_a:g} cores during "
-            f"A and {cores_b:g} during B; rerun both side by side")
+    if cores_a is not None and cores_b is not None and abs(cores_a - cores_b) >= LOAD_DIFFERENCE_CORES:
+        return (f"the machine was busier during {'B' if cores_b > cores_a else 'A'}: other processes "
+                f"used {cores_a:g} cores during A and {cores_b:g} during B; rerun both side by side")
+    return None
 
 
 def _compare_series(a: ComparedRun, b: ComparedRun, name: str, rng: random.Random,
