@@ -128,11 +128,14 @@ def test_a_busier_machine_during_one_run_voids_the_verdict_and_the_gate():
     result = compare(side(steady(10.0), other_cores=1.0), side(steady(13.0), other_cores=1.2))
     assert result["verdict"] == "REGRESSION" and gate(result)["exit_code"] == 1
     # A saturated machine: other processes use every core either way, but the training waited
-    # for one far longer during A.
-    result = compare(side(steady(10.0), other_cores=1.8, cpu_wait_share=0.45),
-                     side(steady(13.0), other_cores=1.8, cpu_wait_share=0.05))
+    # for one longer during A, which alone slows its compute by (1 - 0.79) / (1 - 0.84) = 1.31.
+    result = compare(side(steady(13.0), other_cores=1.8, cpu_wait_share=0.84),
+                     side(steady(10.0), other_cores=1.8, cpu_wait_share=0.79))
     assert result["verdict"] == "INCONCLUSIVE"
-    assert "waited for a CPU 45% of its time during A and 5% during B" in result["reason"]
+    assert "waited for a CPU 84% of its time during A and 79% during B" in result["reason"]
+    # A steady neighbour: the same waits on both sides doubt nothing.
+    result = compare(side(steady(10.0), cpu_wait_share=0.40), side(steady(13.0), cpu_wait_share=0.43))
+    assert result["verdict"] == "REGRESSION"
 
 
 def test_a_change_inside_the_margin_is_equivalent_and_passes():

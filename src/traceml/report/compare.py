@@ -37,8 +37,9 @@ MIN_BLOCK_STEPS = 3  # steps in each stretch, at the least
 MIN_BLOCKS = 5  # stretches a run needs for an interval: 15 measured steps
 # Two sides ran on an equally busy machine unless other processes' CPU differs by this much...
 LOAD_DIFFERENCE_CORES = 0.5
-# ... or the share of its time the training waited, ready, for a CPU does.
-CPU_WAIT_DIFFERENCE = 0.10
+# ... or the training's waits for a CPU alone would make one side this much slower than the
+# other: a training that waits a share w of its time runs CPU-bound work at (1 - w) of its speed.
+CPU_WAIT_SLOWDOWN = 0.10
 
 # What `traceml compare --fail-on regression` exits with.
 EXIT_PASS, EXIT_REGRESSION, EXIT_INCONCLUSIVE = 0, 1, 3
@@ -160,7 +161,8 @@ def _busier(machine: Dict[str, Any]) -> Optional[str]:
     """Why the two sides did not run on an equally busy machine, or None when they did (or
     when it is not known)."""
     wait_a, wait_b = machine["cpu_wait_share_a"], machine["cpu_wait_share_b"]
-    if wait_a is not None and wait_b is not None and abs(wait_a - wait_b) >= CPU_WAIT_DIFFERENCE:
+    if wait_a is not None and wait_b is not None and \
+            max(1.0 - wait_a, 1.0 - wait_b) / max(min(1.0 - wait_a, 1.0 - wait_b), 0.01) - 1.0 >= CPU_WAIT_SLOWDOWN:
         return (f"the machine was busier during {'B' if wait_b > wait_a else 'A'}: the training waited "
                 f"for a CPU {wait_a:.0%} of its time during A and {wait_b:.0%} during B; rerun both "
                 "side by side")
