@@ -123,10 +123,13 @@ def test_a_capture_is_told_by_the_finding_its_rule_belongs_to():
     assert spikes.evidence["captured_step"] == 120
     assert "saves 0.5 → 13.3 MiB" in creep.evidence["captured_layers"]
     assert "captured_layers" not in healthy.evidence
-    # A regression belongs to the verdict, whatever it is.
-    findings = [healthy]
-    attach_captures(findings, [capture([stat("a", 8)], [stat("a", 24)])])
-    assert "captured_layers" in healthy.evidence
+    # Steps slowing down belong to the model's compute; beside an unrelated verdict alone, a
+    # capture is told by no finding (it stays in the summary's captures).
+    attach_captures([healthy], [capture([stat("a", 8)], [stat("a", 24)])])
+    assert healthy.evidence["captured_grown"] == 1 and "a (Linear)" in healthy.evidence["captured_layers"]
+    loader = Finding(kind="INPUT_BOUND", severity="warn", summary="", action="", evidence={"share": 0.2})
+    attach_captures([loader], [capture([stat("a", 8)], [stat("a", 24)])])
+    assert "captured_layers" not in loader.evidence
 
 
 def test_a_layer_that_slows_down_mid_run_is_captured_and_named(traceml_run, tmp_path):

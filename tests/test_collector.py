@@ -206,3 +206,33 @@ def test_local_steps_sees_every_step_while_a_frame_is_stuck_in_sending(tmp_path)
         peer.close()
         listener.close()
     assert sender.records_sent >= 20000
+
+
+def test_the_sampler_sees_the_training_wait_for_a_cpu(tmp_path):
+    """More busy training processes than cores: between them they wait, ready, for a CPU at
+    least as long as the cores they lack, which the sampler reads from Linux's schedstat."""
+    import os
+    import subprocess
+    import sys
+
+    from traceml.collector.system import SystemSampler
+
+    if not os.path.exists(f"/proc/{os.getpid()}/schedstat"):
+        pytest.skip("no schedstat: Linux's scheduler statistics are off")
+    cores = len(os.sched_getaffinity(0))
+    spin = "import time\nend = time.time() + 20\nwhile time.time() < end: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(cores + 2)]
+    try:
+        sampler = SystemSampler(lambda samples: None, lambda: [p.pid for p in busy])
+        assert sampler.sample().training_cpu_wait_percent is None  # the first sample starts the count
+        time.sleep(1.5)
+        sample = sampler.sample()
+        # cores + 2 spinning on `cores` cores: 2 cores' worth of them wait at any moment, or more
+        # on a machine busy with anything else. Half of that leaves room for the sampler's own
+        # reading times.
+        assert sample.training_cpu_wait_percent >= 100.0, sample
+        assert sample.training_cpu_percent <= 100.0 * cores + 10.0
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()

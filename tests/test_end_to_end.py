@@ -37,7 +37,7 @@ def test_slow_dataset_is_input_bound(traceml_run):
     assert "DataLoader(num_workers=0, batch_size=8)" in primary["summary"]
     # The card went to stdout, between the script's own output and the end.
     assert "trained 30 steps" in run.stdout
-    assert "INPUT BOUND" in run.stdout
+    assert "INPUT_BOUND" in run.stdout
     assert "step time (last" not in run.stdout  # not a terminal: no live dashboard, on its own
 
 
@@ -222,6 +222,42 @@ def test_help_lists_the_four_commands_and_nothing_internal():
     listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("    ")]
     assert listed == ["run", "view", "compare", "export"]
     assert "SUPPRESS" not in result.stdout and "_collect" not in result.stdout
+
+
+def traceml_cli(*args):
+    return subprocess.run([sys.executable, "-m", "traceml", *args], capture_output=True, text=True,
+                          env=_env(), timeout=60)
+
+
+def test_version_and_every_command_explains_itself():
+    from traceml import __version__
+
+    for flag in ("--version", "-V"):
+        assert traceml_cli(flag).stdout == f"traceml {__version__}\n"
+    # An unknown command lists the four commands, not the collector's internal one.
+    wrong = traceml_cli("trace")
+    assert wrong.returncode == 2 and "'run', 'view', 'compare', 'export')" in wrong.stderr
+    assert "_collect" not in wrong.stderr
+    from traceml.cli import _parser
+
+    commands = next(action for action in _parser()._actions if action.dest == "command")
+    assert list(commands.choices) == ["run", "view", "compare", "export"]
+    for name, command in commands.choices.items():
+        assert command.description and command.epilog.startswith(f"example: traceml {name} "), name
+        for action in command._actions:
+            assert action.help, (name, action.dest)  # every argument says what it is for
+        assert f"example: traceml {name} " in command.format_help()
+
+
+def test_a_path_that_is_not_a_run_is_said_once(tmp_path):
+    missing = tmp_path / "nowhere"
+    for args in (("view", missing), ("export", missing, "--format", "csv")):
+        result = traceml_cli(*map(str, args))
+        assert result.returncode == 2 and result.stderr == f"traceml: no such run directory: {missing}\n"
+    result = traceml_cli("view", str(tmp_path))
+    assert result.stderr == f"traceml: {tmp_path} is not a TraceML run directory: it holds no telemetry.sqlite\n"
+    result = traceml_cli("compare", str(missing), str(tmp_path))
+    assert result.returncode == 2 and result.stderr == f"traceml: cannot compare: no such run: {missing}\n"
 
 
 def test_a_malformed_rendezvous_endpoint_is_a_one_line_error(traceml_run):

@@ -285,7 +285,7 @@ def test_a_killed_rank_is_named_gone_with_its_exit_status(traceml_run):
     [missing] = summary["missing_ranks"]
     assert missing["rank"] == 1 and missing["exit_code"] == -9 and missing["from_step"] <= 15
     card = re.sub(r"[\s│]+", " ", run.stdout)
-    assert "Verdict RANK LOST" in card and "(stopped reporting without a goodbye: killed by SIGKILL)" in card
+    assert "Verdict RANK_LOST" in card and "(stopped reporting without a goodbye: killed by SIGKILL)" in card
 
 
 def test_evaluation_on_every_rank_and_a_slow_step_that_ends_raise_none(traceml_run, tmp_path):

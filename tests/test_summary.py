@@ -74,7 +74,7 @@ def test_card_fits_100_columns_and_shows_the_figures(tmp_path):
     card = card_text(summary)
     lines = card.splitlines()
     assert max(len(line) for line in lines) <= CARD_WIDTH
-    assert "INPUT BOUND" in card
+    assert "INPUT_BOUND" in card
     assert "input wait is 60% of the step: 6.0 ms of 10.0 ms" in card
     assert "median 10.0 ms" in card and "p90 10.0 ms" in card
     assert "100.00 steps/s" in card and "800.0 samples/s" in card
@@ -85,6 +85,14 @@ def test_card_fits_100_columns_and_shows_the_figures(tmp_path):
     assert "7 records dropped" in card
     phase_line = next(line for line in lines if "input wait" in line and "%" in line)
     assert "6.00" in phase_line and "60.0%" in phase_line
+    # Every label's value starts in one column, above the phase table and below it, the
+    # verdict's kind too, spelled as the JSON spells it.
+    def value_column(label):
+        line = next(line for line in lines if line.startswith(f"│ {label} "))
+        return len(line) - len(line[len(f"│ {label}"):].lstrip())
+    columns = {label: value_column(label) for label in ("Run", "Steps", "Step time", "Verdict", "Why", "Next", "Also")}
+    assert len(set(columns.values())) == 1, columns
+    assert "Verdict    INPUT_BOUND" in card
 
 
 def test_report_is_self_contained_with_its_charts(tmp_path):

@@ -146,12 +146,12 @@ def test_live_dashboard_in_a_real_terminal(tmp_path):
     current = headers[-1]  # the latest redraw
     steps_done = int(current.split(" · step ")[1].split(" ")[0].replace(",", ""))
     assert 10 < steps_done < 400  # live, mid-run
-    assert "steps/s" in current and "samples/s" in current and "INPUT BOUND" in current
+    assert "steps/s" in current and "samples/s" in current and "INPUT_BOUND" in current
     shares = [float(match.group(2)) for line in live
               if (match := re.search(r"input wait\s+([\d.]+) ms\s+([\d.]+)%", line))]
     assert shares and shares[-1] > 40.0  # 8 samples x 3 ms in a step of ~30 ms
     assert any("step time (last" in line for line in live)
     final = "\n".join(screen.display)
     assert "trained 400 steps" in final  # the script's own output, intact
-    assert "Verdict" in final and "INPUT BOUND" in final  # the card at the end
+    assert "Verdict" in final and "INPUT_BOUND" in final  # the card at the end
     assert (tmp_path / "run" / "final_summary.json").is_file()

@@ -473,7 +473,7 @@ def test_browser_renders_the_live_page_mid_run(tmp_path):
             shown_steps = int(page.inner_text("#steps-seen"))
             overview = get(base, "/api/overview")
             assert 20 <= shown_steps <= overview["steps_seen"] < 600
-            assert page.inner_text("#verdict") == "INPUT BOUND" == overview["primary"]["kind"].replace("_", " ")
+            assert page.inner_text("#verdict") == "INPUT_BOUND" == overview["primary"]["kind"]
             assert page.locator('#findings .finding[data-kind="INPUT_BOUND"]').count() == 1
             # Goodput so far: the training share as a percentage, startup beside it.
             assert re.fullmatch(r"\d{1,3}%", page.inner_text("#goodput"))

@@ -9,9 +9,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import List, Optional
 
+from traceml import rundir
+from traceml.records import ALL_PHASES
+from traceml.rendezvous import COLLECT_COMMAND
+from traceml.report.compare import EQUIVALENCE_MARGIN
 from traceml.launcher import DEFAULT_RDZV_TIMEOUT_S, Launch, run_without_collector
 from traceml.lifecycle import fail as _fail
 from traceml.lifecycle import say as _say
@@ -37,6 +42,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     # No logging.basicConfig: its handler would be the script's too once `traceml run` forks
     # it (launcher.ScriptFork), and the script's own basicConfig would then do nothing.
     # Unconfigured, logging prints warnings as "%(message)s" on stderr all the same.
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [COLLECT_COMMAND]:  # internal, so kept out of the parser every user sees
+        return collect_command(_collect_parser().parse_args(argv[1:]))
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "run":
@@ -47,19 +55,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         return compare_command(args)
     if args.command == "export":
         return export_command(args)
-    if args.command == "_collect":
-        return collect_command(args)
     parser.print_help()
     return 2
 
 
 def _parser() -> argparse.ArgumentParser:
+    from traceml import __version__
+
     parser = argparse.ArgumentParser(prog="traceml", description="Always-on observability for "
-                                     "PyTorch training: where each step's time and memory go.")
+                                     "PyTorch training: where each step's time and memory go.",
+                                     epilog="example: traceml run train.py --epochs 1")
+    parser.add_argument("-V", "--version", action="version", version=f"traceml {__version__}",
+                        help="print the version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    run = commands.add_parser("run", help="run a training script under TraceML",
-                              description="Run SCRIPT with the same Python under a collector; "
-                                          "print the card and write the run directory at the end.")
+    run = _command(commands, "run", "run a training script under TraceML",
+                   "Run SCRIPT with the same Python under a collector; print the card and write the "
+                   "run directory at the end.",
+                   "traceml run --mode summary train.py --lr 3e-4")
     run.add_argument("--mode", choices=("cli", "dashboard", "summary"), default=None,
                      help="cli: live terminal dashboard; dashboard: live web dashboard; summary: "
                           "the card at the end only (default: cli on a terminal, else summary)")
@@ -84,9 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
-    view = commands.add_parser("view", help="reopen a finished run in the web dashboard",
-                               description="Serve a run directory's telemetry.sqlite in the web "
-                                           "dashboard (read-only) until Ctrl-C.")
+    view = _command(commands, "view", "reopen a finished run in the web dashboard",
+                    "Serve a run directory's telemetry.sqlite in the web dashboard (read-only) "
+                    "until Ctrl-C.", "traceml view traceml_runs/20261205-101500-train")
     view.add_argument("run_dir", type=Path, help="the run's directory (holds telemetry.sqlite)")
     _web_arguments(view)
     _other_commands(commands)
@@ -97,8 +109,10 @@ def _distributed_arguments(run: argparse.ArgumentParser) -> None:
     distributed = run.add_argument_group("distributed (launched through torch.distributed.run)")
     distributed.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                              help="ranks on this node")
-    distributed.add_argument("--nnodes", type=int, default=1, metavar="M")
-    distributed.add_argument("--node-rank", type=int, default=0, metavar="R")
+    distributed.add_argument("--nnodes", type=int, default=1, metavar="M",
+                             help="nodes in the run (default 1)")
+    distributed.add_argument("--node-rank", type=int, default=0, metavar="R",
+                             help="this node's rank among them (default 0)")
     distributed.add_argument("--master-addr", default=None, metavar="A",
                              help="node 0's address (default 127.0.0.1)")
     distributed.add_argument("--master-port", type=int, default=None, metavar="P",
@@ -117,24 +131,57 @@ def _distributed_arguments(run: argparse.ArgumentParser) -> None:
 
 
 def _other_commands(commands: "argparse._SubParsersAction") -> None:
-    compare = commands.add_parser("compare", help="did my change help? two runs, phase by phase",
-                                  description="Compare two runs (run directories or "
-                                              "final_summary.json files): medians per phase with "
-                                              "bootstrap intervals, a verdict, the change in "
-                                              "diagnosis and the environment.")
-    compare.add_argument("run_a", type=Path, help="the baseline run")
-    compare.add_argument("run_b", type=Path, help="the changed run")
-    compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    compare = _command(commands, "compare", "did my change help? two runs, phase by phase",
+                       "Compare two runs (run directories, final_summary.json files, or folders of "
+                       "repeated runs): medians per phase with intervals, a verdict, the change in "
+                       "diagnosis and the environment. With --fail-on regression it is a CI gate: "
+                       "exit 1 on a regression beyond the threshold, 3 when the runs cannot tell, "
+                       "0 otherwise.",
+                       "traceml compare runs/base runs/new --fail-on regression --threshold 10")
+    compare.add_argument("run_a", type=Path, help="the baseline: a run, or a folder of repeated runs")
+    compare.add_argument("run_b", type=Path, help="the changed run, or a folder of repeated runs")
+    compare.add_argument("--json", action="store_true",
+                         help="print the comparison (and the gate's decision) as JSON")
+    gate = compare.add_argument_group("regression gate")
+    gate.add_argument("--fail-on", choices=("regression",), default=None,
+                      help="exit 1 when B is a regression beyond --threshold")
+    gate.add_argument("--threshold", type=_percent, default=None, metavar="PCT",
+                      help="how much slower counts as a regression, in percent of the baseline "
+                           f"(default {EQUIVALENCE_MARGIN * 100:g}%%)")
+    gate.add_argument("--phase", choices=("step",) + ALL_PHASES, default="step", metavar="NAME",
+                      help="judge this phase's median instead of the step's: one of "
+                           + ", ".join(ALL_PHASES))
+    gate.add_argument("--inconclusive-ok", action="store_true",
+                      help="exit 0, not 3, when the runs are too short or too noisy to tell")
 
-    export = commands.add_parser("export", help="a run's records as a Perfetto trace, JSON lines or CSV")
-    export.add_argument("run_dir", type=Path)
-    export.add_argument("--format", choices=("chrome", "jsonl", "csv"), required=True)
+    export = _command(commands, "export", "a run's records as a Perfetto trace, JSON lines or CSV",
+                      "Write a finished run's step records (with phases, spans and memory) to a "
+                      "file: chrome is a trace that Perfetto and chrome://tracing open; jsonl "
+                      "and csv are one step a line.",
+                      "traceml export traceml_runs/20261205-101500-train --format chrome")
+    export.add_argument("run_dir", type=Path, help="the run's directory (holds telemetry.sqlite)")
+    export.add_argument("--format", choices=("chrome", "jsonl", "csv"), required=True,
+                        help="chrome (Perfetto), jsonl or csv")
     export.add_argument("--steps", default=None, metavar="A:B",
                         help="only steps A to B, inclusive (either side may be left out)")
     export.add_argument("--out", default=None, metavar="FILE",
                         help="where to write ('-' for stdout; default: a file in the run dir)")
 
-    collect = commands.add_parser("_collect")  # internal: no help, so not listed
+
+
+def _command(commands: "argparse._SubParsersAction", name: str, summary: str, description: str,
+             example: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help says what it does and shows one line that uses it."""
+    # Raw, so that the example stays on one line to copy; the description is wrapped here.
+    return commands.add_parser(name, help=summary, description=textwrap.fill(description, 78),
+                               epilog=f"example: {example}",
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _collect_parser() -> argparse.ArgumentParser:
+    """`python -m traceml _collect ...`, which rank 0 of a plain `python train.py` runs
+    (rendezvous.spawn_collector_process)."""
+    collect = argparse.ArgumentParser(prog=f"traceml {COLLECT_COMMAND}")
     collect.add_argument("--ready-fd", type=int, required=True)
     collect.add_argument("--parent-pid", type=int, required=True)
     collect.add_argument("--script", required=True)
@@ -142,6 +189,7 @@ def _other_commands(commands: "argparse._SubParsersAction") -> None:
     collect.add_argument("--port", type=int, default=0)
     collect.add_argument("--web-port", type=int, default=None)
     collect.add_argument("--web-host", default="127.0.0.1")
+    return collect
 
 
 def _web_arguments(parser: argparse.ArgumentParser) -> None:
@@ -166,6 +214,17 @@ def _seconds(text: str) -> float:
     return seconds
 
 
+def _percent(text: str) -> float:
+    """A threshold in percent ("10", "10%", "2.5") as a fraction of the baseline."""
+    try:
+        percent = float(text.rstrip("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a percentage: {text!r}") from None
+    if not 0.0 <= percent < 1000.0:
+        raise argparse.ArgumentTypeError(f"{text}% is out of range (0 to 1000)")
+    return percent / 100.0
+
+
 def _port(text: str) -> int:
     try:
         port = int(text)
@@ -178,7 +237,7 @@ def _port(text: str) -> int:
 
 # -- traceml run --------------------------------------------------------------------------------
 def run_command(args: argparse.Namespace) -> int:
-    from traceml import lifecycle, rendezvous, rundir
+    from traceml import lifecycle, rendezvous
 
     if not Path(args.script).is_file():
         return _fail(f"no such script: {args.script}")
@@ -212,7 +271,7 @@ def view_command(args: argparse.Namespace) -> int:
 
 # -- traceml compare / export -----------------------------------------------------------------
 def compare_command(args: argparse.Namespace) -> int:
-    from traceml.report.compare import ComparedRun, compare
+    from traceml.report.compare import ComparedRun, compare, gate
     from traceml.views.compare import print_comparison
 
     try:
@@ -220,13 +279,17 @@ def compare_command(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as exc:
         return _fail(f"cannot compare: {exc}")
     result = compare(*runs)
+    if args.fail_on:
+        result["gate"] = gate(result, args.phase, args.threshold, args.inconclusive_ok)
+    elif args.threshold is not None or args.phase != "step" or args.inconclusive_ok:
+        return _fail("--threshold, --phase and --inconclusive-ok need --fail-on regression")
     if args.json:
         import json
 
         print(json.dumps(result, indent=2))
     else:
         print_comparison(result)
-    return 0
+    return result["gate"]["exit_code"] if args.fail_on else 0
 
 
 def export_command(args: argparse.Namespace) -> int:
@@ -234,7 +297,7 @@ def export_command(args: argparse.Namespace) -> int:
 
     try:
         count, target = export_run(args.run_dir, args.format, args.steps, args.out)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, rundir.RunDirError) as exc:
         return _fail(str(exc))
     if target != "-":
         _say(f"traceml: {count} step records written to {target}")

@@ -262,6 +262,9 @@ class SystemSample(msgspec.Struct, tag="system", array_like=True):
     training_rss_bytes: int
     gpus: List[GpuSample] = []
     cpu_count: int = 0  # logical CPUs: cpu_percent's 100 is all of them (0: not known)
+    # Time the training's threads were ready to run but waited for a CPU, 100 = one core's
+    # worth (Linux's schedstat): how much a busy machine held the training back. None: not known.
+    training_cpu_wait_percent: Optional[float] = None
 
 
 class RankEnd(msgspec.Struct, tag="end", array_like=True):

@@ -100,9 +100,13 @@ def _numeric_address(host: str, port: int) -> Tuple[Any, Any]:
 
 
 # -- python train.py: rank 0 starts the run's collector as a process of its own ---------------
+# The collector's own command (cli.py): no user types it, so no help lists it.
+COLLECT_COMMAND = "_collect"
+
+
 def spawn_collector_process(hello: Any, host: str, port: int, web_port: Optional[int] = None,
                             run_name: Optional[str] = None) -> Tuple[subprocess.Popen, str, Path]:
-    """Start `python -m traceml _collect` for this run and return it with its address and the
+    """Start `python -m traceml _collect` (COLLECT_COMMAND) for this run and return it with its address and the
     run dir it keeps; with web_port, it serves the web dashboard too (the Trace API), never in
     the training process."""
     from traceml import rundir
@@ -112,7 +116,7 @@ def spawn_collector_process(hello: Any, host: str, port: int, web_port: Optional
     # Chosen here, so that rank 0 knows where its run goes even if the collector dies.
     run_dir = Path(os.environ.get(ENV_RUN_DIR) or rundir.default_run_dir(script))
     env = {**os.environ, ENV_RUN_DIR: os.fspath(run_dir)}
-    command = [sys.executable, "-m", "traceml", "_collect", "--ready-fd", str(write_fd),
+    command = [sys.executable, "-m", "traceml", COLLECT_COMMAND, "--ready-fd", str(write_fd),
                "--parent-pid", str(os.getpid()), "--script", script, "--host", host,
                "--port", str(port)]
     if web_port is not None:

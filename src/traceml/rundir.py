@@ -19,7 +19,7 @@ RESERVE_BYTES = 128 * 1024
 
 
 class RunDirError(Exception):
-    """A run directory that must not be used (it holds an earlier run)."""
+    """A run directory that must not be used (it holds an earlier run), or that holds no run."""
 
 
 def default_run_dir(script: str, root: str = RUNS_ROOT) -> Path:
@@ -38,6 +38,19 @@ def check_not_taken(run_dir: Path) -> None:
     if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         raise RunDirError(f"run dir {run_dir} already exists and is not empty; "
                           "choose another --run-dir")
+
+
+def finished_store(run_dir: Path) -> Path:
+    """The store of a run directory written earlier; RunDirError, with the one line to say,
+    when the path is missing, not a directory, or holds no store."""
+    if not run_dir.exists():
+        raise RunDirError(f"no such run directory: {run_dir}")
+    if not run_dir.is_dir():
+        raise RunDirError(f"{run_dir} is a file, not a run directory")
+    store = run_dir / STORE_NAME
+    if not store.is_file():
+        raise RunDirError(f"{run_dir} is not a TraceML run directory: it holds no {STORE_NAME}")
+    return store
 
 
 def prepare(run_dir: Path) -> Tuple[Optional[Path], Optional[str]]:

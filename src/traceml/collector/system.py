@@ -31,6 +31,9 @@ class SystemSampler:
         self._training_pids = training_pids
         self.interval_s = interval_s
         self._processes: Dict[int, Any] = {}
+        # Each training process's threads' summed wait for a CPU at the last sample, and when.
+        self._waited_ns: Dict[int, int] = {}
+        self._waited_at_ns = 0
         self._nvml_handles: Optional[List[Any]] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-system", daemon=True)
@@ -68,6 +71,7 @@ class SystemSampler:
         psutil = self._psutil
         memory = psutil.virtual_memory()
         cpu, rss = self._training_usage()
+        cpu_wait = self._training_cpu_wait()
         return SystemSample(
             unix_s=time.time(),
             cpu_percent=float(psutil.cpu_percent(None)),
@@ -77,6 +81,7 @@ class SystemSampler:
             training_rss_bytes=rss,
             gpus=_read_gpus(self._nvml_handles or []),
             cpu_count=psutil.cpu_count() or 0,
+            training_cpu_wait_percent=cpu_wait,
         )
 
     def _training_usage(self) -> tuple:
@@ -101,6 +106,37 @@ class SystemSampler:
             except psutil.Error:
                 continue
         return cpu, rss
+
+
+    def _training_cpu_wait(self) -> Optional[float]:
+        """The training processes' wait for a CPU since the last sample, in percent of one core
+        (None at the first sample, or where Linux's schedstat is not there). A process seen for
+        the first time counts from the next sample."""
+        now_ns = time.monotonic_ns()
+        waited = {pid: ns for pid, ns in ((pid, _cpu_wait_ns(pid)) for pid in self._processes) if ns is not None}
+        elapsed_ns, self._waited_at_ns = now_ns - self._waited_at_ns, now_ns
+        before, self._waited_ns = self._waited_ns, waited
+        known = [ns - before[pid] for pid, ns in waited.items() if pid in before and ns >= before[pid]]
+        if not known or elapsed_ns <= 0:
+            return None
+        return round(100.0 * sum(known) / elapsed_ns, 2)
+
+
+def _cpu_wait_ns(pid: int) -> Optional[int]:
+    """How long the threads of a process have waited, ready, for a CPU (/proc/PID/task/*/schedstat,
+    its second figure), or None where that is not there."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat", "rb") as stream:
+                total += int(stream.read().split()[1])
+        except (OSError, ValueError, IndexError):  # a thread that just ended
+            continue
+    return total
 
 
 def _open_nvml() -> Optional[List[Any]]:

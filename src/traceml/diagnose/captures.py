@@ -18,9 +18,12 @@ TOTAL_SHARE = 0.1  # ... and this share of all the leaf layers' time a step
 MIN_GROWTH_BYTES = 2 ** 20  # ... or this much saved memory a step
 TOP_LAYERS = 3  # layers named in a finding's evidence
 BROAD_SHARE = 0.5  # no layer holding this share of what grew: the whole model ran slower
-# The findings a capture's reason belongs to, the first present taking it; a regression
-# belongs to the verdict, whatever it is.
+# The findings a capture's reason belongs to, the first present taking it. Steps slowing down
+# against the run's start are the model's time growing; with none of these findings, a capture
+# stays in the summary's captures and beside no finding.
 FINDINGS_OF = {
+    CAPTURE_REGRESSION: (FindingKind.COMPUTE_BOUND, FindingKind.COMPUTE_STRAGGLER, FindingKind.STEP_SPIKES,
+                         FindingKind.RECOMPILATION),
     CAPTURE_SPIKE: (FindingKind.STEP_SPIKES, FindingKind.UNTRACED_WORK, FindingKind.INPUT_BOUND,
                     FindingKind.GC_PRESSURE, FindingKind.CHECKPOINT_STALL, FindingKind.EVAL_HEAVY),
     CAPTURE_MEMORY: (FindingKind.MEMORY_CREEP, FindingKind.MEMORY_PRESSURE),
@@ -80,14 +83,11 @@ def capture_text(capture: LayerCapture, rows: Sequence[Dict[str, object]]) -> st
 
 def attach_captures(findings: List[Finding], captures: Sequence[LayerCapture]) -> None:
     """Name each capture's grown layers in the evidence of the finding its rule belongs to
-    (`captured_layers`, with `captured_step`); a finding keeps the first capture that names
-    layers, else the first."""
+    (`captured_layers`, with `captured_step` and `captured_grown`, how many layers grew); a
+    finding keeps the first capture that names layers, else the first."""
     for capture in captures:
-        kinds = FINDINGS_OF.get(capture.reason)
-        if capture.reason == CAPTURE_REGRESSION or kinds is None:
-            owner = findings[0] if findings else None
-        else:
-            owner = next((f for f in findings if f.kind in kinds), None)
+        kinds = FINDINGS_OF.get(capture.reason, ())
+        owner = next((f for f in findings if f.kind in kinds), None)
         if owner is None:
             continue
         rows = grown_layers(capture)

@@ -1,12 +1,22 @@
-"""`traceml compare RUN_A RUN_B`: did the change help? Phase by phase, with a verdict decided by
-bootstrap confidence intervals on the per-step medians, the change in diagnosis and what else
-differs between the two runs.
+"""`traceml compare BASE NEW`: did the change help? Phase by phase, with a verdict that a machine
+whose speed drifts cannot fake, the change in diagnosis and what else differs between the runs;
+with `--fail-on regression`, the decision a CI job exits on.
 
-The verdict reads the 95% interval of the relative change in median step time (B against A):
-entirely below zero: IMPROVEMENT; entirely above: REGRESSION; otherwise, inside
-±EQUIVALENCE_MARGIN: EQUIVALENT (any change is too small to matter), else INCONCLUSIVE (the runs
-are too short or too noisy to tell). Steps are resampled in blocks (a moving-block bootstrap),
-since neighbouring steps are not independent (analysis/bootstrap.py).
+What drift can do, and what the verdict reads so that it cannot:
+- A machine's speed wanders within a run (a neighbour starts, the clock throttles). Each run's
+  steps are cut into stretches of time (BLOCKS) and the interval of the change in median step is
+  bootstrapped over those stretches, not over single steps: a run that sped up or slowed down
+  halfway gives a wide interval, not a confident one.
+- Two processes running the same code differ by a few percent (memory layout, caches, clocks),
+  which no interval over one run's steps can see. So a change counts only beyond
+  ±EQUIVALENCE_MARGIN: IMPROVEMENT when the whole interval lies below -5%, REGRESSION when it
+  lies above +5%, EQUIVALENT when it lies within ±5%, INCONCLUSIVE otherwise.
+- A machine busier during one run than the other makes any change suspect: no IMPROVEMENT or
+  REGRESSION then, INCONCLUSIVE instead. Busier, from the collector's samples: the training
+  waited for a CPU a larger share of its time, or other processes used more cores.
+- Repeats measure run-to-run variance itself: BASE and NEW may each be a folder of runs of the
+  same code, best made interleaved (base, new, base, new, ...), so that drift falls on both.
+  The bootstrap then resamples runs and, within each, stretches.
 """
 from __future__ import annotations
 
@@ -17,28 +27,77 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from traceml import rundir
-from traceml.analysis.bootstrap import CONFIDENCE, block_resample, evenly, interval
+from traceml.analysis.bootstrap import CONFIDENCE, interval
 from traceml.records import ALL_PHASES
 
-EQUIVALENCE_MARGIN = 0.05  # an interval within 5% of the step either way: no change that matters
+EQUIVALENCE_MARGIN = 0.05  # a change within 5% of the baseline either way does not count
 RESAMPLES = 2000
-PHASE_RESAMPLES = 500
+BLOCKS = 10  # stretches of time a run's steps are cut into
+MIN_BLOCK_STEPS = 3  # steps in each stretch, at the least
+MIN_BLOCKS = 5  # stretches a run needs for an interval: 15 measured steps
+# Two sides ran on an equally busy machine unless other processes' CPU differs by this much...
+LOAD_DIFFERENCE_CORES = 0.5
+# ... or the training's waits for a CPU alone would make one side this much slower than the
+# other: a training that waits a share w of its time runs CPU-bound work at (1 - w) of its speed.
+CPU_WAIT_SLOWDOWN = 0.10
+
+# What `traceml compare --fail-on regression` exits with.
+EXIT_PASS, EXIT_REGRESSION, EXIT_INCONCLUSIVE = 0, 1, 3
 
 
 class ComparedRun:
-    """One side of a comparison: its summary, and its measured steps' times per phase."""
+    """One side of a comparison: a run, or repeats of the same code (a folder of run
+    directories). Each repeat's steps per phase, in the order they ran, and how busy the machine
+    was meanwhile: the cores other processes used, the share of its time the training waited
+    for a CPU (medians over the collector's samples; None where not known)."""
 
-    def __init__(self, label: str, summary: Dict[str, Any], steps: Dict[str, List[float]]):
-        self.label, self.summary, self.steps = label, summary, steps
+    def __init__(self, label: str, summary: Dict[str, Any], repeats: List[Dict[str, List[float]]],
+                 other_cores: Optional[float] = None, cpu_wait_share: Optional[float] = None):
+        self.label, self.summary, self.repeats = label, summary, repeats
+        self.other_cores, self.cpu_wait_share = other_cores, cpu_wait_share
+
+    @property
+    def steps(self) -> Dict[str, List[float]]:
+        """Every repeat's steps per phase, one after the other."""
+        pooled: Dict[str, List[float]] = {}
+        for repeat in self.repeats:
+            for name, values in repeat.items():
+                pooled.setdefault(name, []).extend(values)
+        return pooled
+
+    def median_ms(self, name: str) -> float:
+        """One run's median as its card gives it; repeats' medians over all their steps."""
+        pooled = self.steps.get(name, [])
+        if len(self.repeats) > 1 and pooled:
+            return statistics.median(pooled)
+        return self.summary["phases"][name]["median_ms"]
 
     @classmethod
     def load(cls, path: Path) -> "ComparedRun":
-        """A run directory, or a final_summary.json (with its store beside it when there is one)."""
+        """A run directory, a final_summary.json (with its store beside it when there is one), or a
+        folder of run directories: repeats of the same code."""
+        if not path.exists():
+            raise FileNotFoundError(f"no such run: {path}")
+        if path.is_dir() and not (path / rundir.STORE_NAME).is_file() and not (path / rundir.SUMMARY_JSON).is_file():
+            runs = sorted(child for child in path.iterdir()
+                          if (child / rundir.STORE_NAME).is_file() or (child / rundir.SUMMARY_JSON).is_file())
+            if not runs:
+                raise FileNotFoundError(f"{path} holds no run: no {rundir.SUMMARY_JSON} or "
+                                        f"{rundir.STORE_NAME} in it or in its folders")
+            loaded = [cls._load_one(run) for run in runs]
+            return cls(str(path), loaded[0].summary, [run.repeats[0] for run in loaded],
+                       _median([run.other_cores for run in loaded]),
+                       _median([run.cpu_wait_share for run in loaded]))
+        return cls._load_one(path)
+
+    @classmethod
+    def _load_one(cls, path: Path) -> "ComparedRun":
         run_dir = path if path.is_dir() else path.parent
         summary_path = path if path.is_file() else run_dir / rundir.SUMMARY_JSON
         store_path = run_dir / rundir.STORE_NAME
         steps: Dict[str, List[float]] = {}
         summary: Optional[Dict[str, Any]] = None
+        other_cores = cpu_wait_share = None
         if summary_path.is_file():
             summary = json.loads(summary_path.read_text())
         if store_path.is_file():
@@ -50,66 +109,157 @@ class ComparedRun:
                 data = RunData(store)
                 if summary is None:
                     summary = build_summary(data, RunFacts.from_store(store))
-                steps = {name: [getattr(s, f"{name}_ms") for s in data.window.steps]
+                steps = {name: [getattr(s, f"{name}_ms") or 0.0 for s in data.window.steps]
                          for name in ("step",) + ALL_PHASES}
+                other_cores, cpu_wait_share = _other_cores(data.samples), _cpu_wait_share(data.samples)
             finally:
                 store.close()
         if summary is None:
             raise FileNotFoundError(f"{path}: no {rundir.SUMMARY_JSON} or {rundir.STORE_NAME} there")
-        return cls(str(path), summary, steps)
+        return cls(str(path), summary, [steps], other_cores, cpu_wait_share)
+
+
+def _median(values: Sequence[Optional[float]]) -> Optional[float]:
+    known = [value for value in values if value is not None]
+    return round(statistics.median(known), 2) if known else None
+
+
+def _other_cores(samples: Sequence[Any]) -> Optional[float]:
+    """The cores that processes other than the training used during the run."""
+    return _median([max(0.0, sample.cpu_percent / 100.0 * sample.cpu_count - sample.training_cpu_percent / 100.0)
+                    for sample in samples if sample.cpu_count])
+
+
+def _cpu_wait_share(samples: Sequence[Any]) -> Optional[float]:
+    """The share of its time the training waited, ready to run, for a CPU during the run."""
+    return _median([sample.training_cpu_wait_percent / (sample.training_cpu_wait_percent + sample.training_cpu_percent)
+                    for sample in samples if sample.training_cpu_wait_percent is not None
+                    and sample.training_cpu_wait_percent + sample.training_cpu_percent > 0])
 
 
 def compare(a: ComparedRun, b: ComparedRun, seed: int = 0) -> Dict[str, Any]:
     rng = random.Random(seed)
-    step = _compare_series(a.steps.get("step", []), b.steps.get("step", []), RESAMPLES, rng,
-                           a.summary["phases"]["step"]["median_ms"], b.summary["phases"]["step"]["median_ms"])
-    verdict, reason = _verdict(step)
-    phases = {name: _compare_series(a.steps.get(name, []), b.steps.get(name, []), PHASE_RESAMPLES, rng,
-                                    a.summary["phases"][name]["median_ms"],
-                                    b.summary["phases"][name]["median_ms"])
-              for name in ALL_PHASES}
+    machine = {"other_cores_a": a.other_cores, "other_cores_b": b.other_cores,
+               "cpu_wait_share_a": a.cpu_wait_share, "cpu_wait_share_b": b.cpu_wait_share,
+               "repeats_a": len(a.repeats), "repeats_b": len(b.repeats)}
+    busier = machine["busier"] = _busier(machine)
+    step = _compare_series(a, b, "step", rng, busier)
+    # A phase's change counts only beyond 5% of the step as well: a phase of 0.1 ms in a 10 ms
+    # step may double from one run to the next without anything a user would want to know.
+    step_margin_ms = EQUIVALENCE_MARGIN * step["median_a_ms"]
+    phases = {name: _compare_series(a, b, name, rng, busier, step_margin_ms) for name in ALL_PHASES}
     for name in ALL_PHASES:
         phases[name]["share_a"] = a.summary["phases"][name]["share"]
         phases[name]["share_b"] = b.summary["phases"][name]["share"]
-    return {"a": a.label, "b": b.label, "verdict": verdict, "reason": reason,
-            "confidence": CONFIDENCE, "equivalence_margin": EQUIVALENCE_MARGIN,
+    return {"a": a.label, "b": b.label, "verdict": step["verdict"], "reason": step["reason"],
+            "confidence": CONFIDENCE, "equivalence_margin": EQUIVALENCE_MARGIN, "machine": machine,
             "step": step, "phases": phases, "diagnosis": _diagnosis(a.summary, b.summary),
             "environment": _environment(a.summary, b.summary)}
 
 
-def _compare_series(a: Sequence[float], b: Sequence[float], resamples: int, rng: random.Random,
-                    median_a: float, median_b: float) -> Dict[str, Any]:
-    """Medians (from the summaries), their difference, and its bootstrap interval, in ms and
-    relative to A (None when A's median is zero, or when per-step data is missing)."""
+def _busier(machine: Dict[str, Any]) -> Optional[str]:
+    """Why the two sides did not run on an equally busy machine, or None when they did (or
+    when it is not known)."""
+    wait_a, wait_b = machine["cpu_wait_share_a"], machine["cpu_wait_share_b"]
+    if wait_a is not None and wait_b is not None and \
+            max(1.0 - wait_a, 1.0 - wait_b) / max(min(1.0 - wait_a, 1.0 - wait_b), 0.01) - 1.0 >= CPU_WAIT_SLOWDOWN:
+        return (f"the machine was busier during {'B' if wait_b > wait_a else 'A'}: the training waited "
+                f"for a CPU {wait_a:.0%} of its time during A and {wait_b:.0%} during B; rerun both "
+                "side by side")
+    cores_a, cores_b = machine["other_cores_a"], machine["other_cores_b"]
+    if cores_a is not None and cores_b is not None and abs(cores_a - cores_b) >= LOAD_DIFFERENCE_CORES:
+        return (f"the machine was busier during {'B' if cores_b > cores_a else 'A'}: other processes "
+                f"used {cores_a:g} cores during A and {cores_b:g} during B; rerun both side by side")
+    return None
+
+
+def _compare_series(a: ComparedRun, b: ComparedRun, name: str, rng: random.Random,
+                    busier: Optional[str], least_margin_ms: float = 0.0) -> Dict[str, Any]:
+    """Medians, their difference, its interval over stretches of time (and repeats), in ms and
+    relative to A (None when A's median is zero or per-step data is missing), and the verdict:
+    a change counts beyond ±EQUIVALENCE_MARGIN of A's median, and beyond least_margin_ms."""
+    median_a, median_b = a.median_ms(name), b.median_ms(name)
     result: Dict[str, Any] = {"median_a_ms": median_a, "median_b_ms": median_b,
                               "delta_ms": median_b - median_a,
                               "delta_share": (median_b - median_a) / median_a if median_a else None,
-                              "ci_ms": None, "ci_share": None, "steps_a": len(a), "steps_b": len(b)}
-    if len(a) < 5 or len(b) < 5:
-        return result
-    a, b = evenly(a), evenly(b)
-    low, high = interval(sorted(statistics.median(block_resample(b, rng)) - statistics.median(block_resample(a, rng))
-                                for _ in range(resamples)))
-    result["ci_ms"] = [low, high]
-    if median_a:
-        result["ci_share"] = [low / median_a, high / median_a]
+                              "ci_ms": None, "ci_share": None,
+                              "steps_a": len(a.steps.get(name, [])), "steps_b": len(b.steps.get(name, []))}
+    blocks_a = [_block_medians(repeat.get(name, [])) for repeat in a.repeats]
+    blocks_b = [_block_medians(repeat.get(name, [])) for repeat in b.repeats]
+    if all(blocks_a) and all(blocks_b):
+        low, high = interval(sorted(_resampled_median(blocks_b, rng) - _resampled_median(blocks_a, rng)
+                                    for _ in range(RESAMPLES)))
+        result["ci_ms"] = [low, high]
+        if median_a:
+            result["ci_share"] = [low / median_a, high / median_a]
+    result["margin_ms"] = max(EQUIVALENCE_MARGIN * median_a, least_margin_ms)
+    result["verdict"], result["reason"] = _verdict(result, busier)
     return result
 
 
-def _verdict(step: Dict[str, Any]) -> Tuple[str, str]:
-    interval = step["ci_share"]
-    if interval is None:
-        return "INCONCLUSIVE", ("no per-step data to resample (a summary file without its "
-                                "telemetry.sqlite, or fewer than 5 measured steps)")
-    low, high = interval
-    span = f"{CONFIDENCE:.0%} interval of the change in median step: {low:+.1%} to {high:+.1%}"
-    if high < 0:
-        return "IMPROVEMENT", f"{span}: B is faster"
-    if low > 0:
-        return "REGRESSION", f"{span}: B is slower"
-    if -EQUIVALENCE_MARGIN <= low and high <= EQUIVALENCE_MARGIN:
-        return "EQUIVALENT", f"{span}: no change beyond ±{EQUIVALENCE_MARGIN:.0%}"
-    return "INCONCLUSIVE", f"{span}: too wide to tell; run longer or on a quieter machine"
+def _block_medians(values: Sequence[float]) -> List[float]:
+    """The medians of a run's steps in up to BLOCKS consecutive stretches; none for a run too
+    short to cut into MIN_BLOCKS."""
+    count = min(BLOCKS, len(values) // MIN_BLOCK_STEPS)
+    if count < MIN_BLOCKS:
+        return []
+    size = len(values) / count
+    return [statistics.median(values[round(i * size):round((i + 1) * size)]) for i in range(count)]
+
+
+def _resampled_median(repeats: List[List[float]], rng: random.Random) -> float:
+    """One bootstrap draw: repeats drawn with replacement, stretches within each likewise."""
+    pooled: List[float] = []
+    for blocks in rng.choices(repeats, k=len(repeats)):
+        pooled.extend(rng.choices(blocks, k=len(blocks)))
+    return statistics.median(pooled)
+
+
+def _verdict(series: Dict[str, Any], busier: Optional[str]) -> Tuple[str, str]:
+    if series["ci_share"] is None:
+        return "INCONCLUSIVE", (f"no interval: a summary file without its telemetry.sqlite, fewer than "
+                                f"{MIN_BLOCKS * MIN_BLOCK_STEPS} measured steps, or a baseline median of 0")
+    (low, high), (low_ms, high_ms) = series["ci_share"], series["ci_ms"]
+    margin_ms = series["margin_ms"]
+    text = f"{CONFIDENCE:.0%} interval of the change in median: {low:+.1%} to {high:+.1%}"
+    margin = f"±{margin_ms / series['median_a_ms']:.0%}"
+    if -margin_ms <= low_ms and high_ms <= margin_ms:
+        return "EQUIVALENT", f"{text}: no change beyond {margin}"
+    if busier and (high_ms < -margin_ms or low_ms > margin_ms):
+        return "INCONCLUSIVE", f"{text}, but {busier}"
+    if high_ms < -margin_ms:
+        return "IMPROVEMENT", f"{text}: B is faster, by more than {margin} can hide"
+    if low_ms > margin_ms:
+        return "REGRESSION", f"{text}: B is slower, by more than {margin} can hide"
+    return "INCONCLUSIVE", (f"{text}: it reaches past {margin}; run longer or repeat each side "
+                            f"(a folder of runs), side by side on a quiet machine")
+
+
+def gate(result: Dict[str, Any], phase: str = "step", threshold: Optional[float] = None,
+         inconclusive_ok: bool = False) -> Dict[str, Any]:
+    """`--fail-on regression`: fail when the phase (or the step) is a REGRESSION and slower by
+    more than the threshold; pass when its interval shows it cannot be slower by more than the
+    threshold (EQUIVALENT and IMPROVEMENT included); otherwise the runs cannot tell."""
+    threshold = EQUIVALENCE_MARGIN if threshold is None else threshold
+    series = result["step"] if phase == "step" else result["phases"][phase]
+    verdict, change, span = series["verdict"], series["delta_share"], series["ci_share"]
+    what = "the median step" if phase == "step" else f"the median {phase}"
+    if verdict == "REGRESSION" and change > threshold:
+        decision, code = "fail", EXIT_REGRESSION
+        reason = f"{what} is {change:+.1%} slower: a regression beyond the {threshold:.0%} threshold"
+    elif verdict in ("EQUIVALENT", "IMPROVEMENT"):
+        decision, code = "pass", EXIT_PASS
+        reason = f"{what}: {verdict}, no regression"
+    elif span is not None and span[1] <= threshold and not result["machine"]["busier"]:
+        decision, code = "pass", EXIT_PASS
+        reason = f"{what} is at most {span[1]:+.1%} slower: within the {threshold:.0%} threshold"
+    else:
+        decision, code = "inconclusive", EXIT_INCONCLUSIVE
+        reason = f"{what}: {series['reason']}"
+    if code == EXIT_INCONCLUSIVE and inconclusive_ok:
+        code = EXIT_PASS
+    return {"phase": phase, "threshold": threshold, "verdict": verdict, "decision": decision,
+            "exit_code": code, "reason": reason}
 
 
 def _diagnosis(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:

@@ -48,10 +48,7 @@ class RunSource:
     @classmethod
     def of_finished_run(cls, run_dir: Path) -> "RunSource":
         """A run directory on disk: its store, read-only, and its summary."""
-        store_path = run_dir / rundir.STORE_NAME
-        if not store_path.is_file():
-            raise FileNotFoundError(f"{run_dir} holds no {rundir.STORE_NAME}: not a TraceML run directory")
-        source = cls(run_dir, Store(os.fspath(store_path), readonly=True))
+        source = cls(run_dir, Store(os.fspath(rundir.finished_store(run_dir)), readonly=True))
         summary_path = run_dir / rundir.SUMMARY_JSON
         try:
             source.summary = json.loads(summary_path.read_text())

@@ -22,11 +22,8 @@ class StoredRecords:
 
     @classmethod
     def open(cls, run_dir: Path) -> "StoredRecords":
-        """Raises ValueError when run_dir holds no store."""
-        store_path = run_dir / rundir.STORE_NAME
-        if not store_path.is_file():
-            raise ValueError(f"{run_dir} holds no {rundir.STORE_NAME}: not a TraceML run directory")
-        return cls(Store(os.fspath(store_path), readonly=True))
+        """Raises rundir.RunDirError when run_dir holds no run."""
+        return cls(Store(os.fspath(rundir.finished_store(run_dir)), readonly=True))
 
     def steps(self, first: int, last: int) -> Iterator[Dict[str, Any]]:
         for step in self.store.steps_between(first, last):

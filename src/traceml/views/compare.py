@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterable, List, Tuple
 
 VERDICT_STYLE = {"IMPROVEMENT": "bold white on green", "REGRESSION": "bold white on red",
                  "EQUIVALENT": "bold white on blue", "INCONCLUSIVE": "bold black on yellow"}
+GATE_STYLE = {"fail": "bold white on red", "pass": "bold white on green", "inconclusive": "bold black on yellow"}
 TEXT_WIDTH = 80  # prose wraps here, off a terminal, unless the table or a path needs more
 UNBOUNDED = 10_000  # columns: wide enough to measure anything unwrapped
 
@@ -47,7 +48,19 @@ class _Comparison:
         if diagnosis["gone"] or diagnosis["new"]:
             lines.append(Text(f"  gone: {', '.join(diagnosis['gone']) or '-'}   new: "
                               f"{', '.join(diagnosis['new']) or '-'}"))
-        return [head, runs, Text(""), phases, *lines, Text(""), _environment(result["environment"])]
+        machine = result["machine"]
+        if machine["busier"]:
+            lines.append(Text.assemble(("Machine ", "bold"), (machine["busier"], "bold yellow")))
+        if machine["repeats_a"] > 1 or machine["repeats_b"] > 1:
+            lines.append(Text.assemble(("Repeats ", "bold"), f"A {machine['repeats_a']} runs, "
+                                                             f"B {machine['repeats_b']} runs"))
+        parts = [head, runs, Text(""), phases, *lines, Text(""), _environment(result["environment"])]
+        if "gate" in result:
+            gate = result["gate"]
+            parts += [Text(""), Text.assemble(("Gate ", "bold"), (f" {gate['decision'].upper()} ",
+                                                                  GATE_STYLE[gate["decision"]]),
+                                              f"  {gate['reason']} (exit {gate['exit_code']})")]
+        return parts
 
     def __rich_console__(self, console: Any, options: Any) -> Iterable[Any]:
         from rich.measure import Measurement

@@ -53,6 +53,11 @@ SEVERITY_STYLE = {Severity.CRIT: "bold white on red", Severity.WARN: "bold black
                   Severity.INFO: "bold white on blue"}
 
 
+# The card's labels ("Step time", "Captured", ...) in one column width, so that the facts above
+# the tables and the verdict below them start their values in the same column.
+LABEL_WIDTH = 9
+
+
 def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     """The card as a rich renderable, `width` columns wide (CARD_WIDTH at most)."""
     from rich import box
@@ -66,7 +71,7 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     throughput, system, memory = summary["throughput"], summary["system"], summary["memory"]
 
     facts = Table.grid(padding=(0, 2))
-    facts.add_column(style="bold", no_wrap=True)
+    facts.add_column(style="bold", no_wrap=True, width=LABEL_WIDTH)
     facts.add_column()
     exit_note = "" if run["exit_code"] in (0, None) else f"  [bold red]exit code {run['exit_code']}[/]"
     facts.add_row("Run", f"{escape(run['script'])}  ·  {run['duration_s']:.1f} s  ·  world size "
@@ -133,11 +138,11 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
         parts.extend(_layer_tables(summary))
 
     verdict = Table.grid(padding=(0, 2))
-    verdict.add_column(style="bold", no_wrap=True)
+    verdict.add_column(style="bold", no_wrap=True, width=LABEL_WIDTH)
     verdict.add_column()
     primary = summary["primary_diagnosis"]
     if primary:
-        badge = Text(f" {primary['kind'].replace('_', ' ')} ", style=SEVERITY_STYLE[primary["severity"]])
+        badge = Text(primary["kind"], style=SEVERITY_STYLE[primary["severity"]])
         verdict.add_row("Verdict", badge)
         # Text, not markup: findings carry brackets and paths that rich must not interpret.
         verdict.add_row("Why", Text(primary["summary"]))
@@ -154,12 +159,13 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
 
 
 def _captured_row(verdict: Any, finding: Dict[str, Any]) -> None:
-    """The layers an automatic capture found grown, right under the finding it belongs to."""
+    """The layers an automatic capture found grown, right under the finding it belongs to. A
+    capture that found none stays in final_summary.json: on the card it would tell nothing."""
     from rich.text import Text
 
-    captured = (finding.get("evidence") or {}).get("captured_layers")
-    if captured:
-        verdict.add_row("Captured", Text(captured))
+    evidence = finding.get("evidence") or {}
+    if evidence.get("captured_layers") and evidence.get("captured_grown"):
+        verdict.add_row("Captured", Text(evidence["captured_layers"]))
 
 
 def _span_table(spans: Dict[str, Any]) -> Any:

@@ -105,7 +105,7 @@ def _header(state: LiveState) -> Any:
     primary = next((f for f in state.findings), None)
     if primary is not None:
         text.append("  ")
-        text.append(f" {primary.kind.replace('_', ' ')} ", style=SEVERITY_STYLE[primary.severity])
+        text.append(f" {primary.kind} ", style=SEVERITY_STYLE[primary.severity])
     return text
 
 

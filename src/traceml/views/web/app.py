@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from traceml.report import queries
+from traceml.rundir import RunDirError
 from traceml.report.run_source import RunSource
 from traceml.views.summary import adapter_text, phase_display
 
@@ -247,6 +248,8 @@ def view_finished_run(run_dir: Path, host: str, port: int, announce: Callable[[s
 
     try:
         source = RunSource.of_finished_run(run_dir)
+    except RunDirError as exc:  # already the one line: no such directory, or no run in it
+        raise OSError(str(exc)) from None
     except (OSError, ValueError) as exc:
         raise OSError(f"cannot open {run_dir}: {exc}") from None
     except Exception as exc:  # a store SQLite cannot read

@@ -193,7 +193,7 @@ function renderOverview(ov) {
 
   const verdict = $('verdict');
   const primary = ov.primary;
-  verdict.textContent = primary ? String(primary.kind).replace(/_/g, ' ') : 'no verdict yet';
+  verdict.textContent = primary ? String(primary.kind) : 'no verdict yet';
   verdict.className = 'badge ' + (primary ? primary.severity : 'none');
   if (primary) verdict.title = primary.summary || '';
 
@@ -240,13 +240,14 @@ function renderFindings(findings) {
     const card = make('div', 'finding ' + (f.severity || 'info'));
     card.dataset.kind = f.kind;
     const head = make('div', 'head');
-    head.append(make('span', 'kind', String(f.kind).replace(/_/g, ' ')));
+    head.append(make('span', 'kind', String(f.kind)));
     if (isNum(f.rank)) head.append(make('span', 'muted', 'rank ' + f.rank));
     head.append(make('span', 'summary', f.summary || ''));
     card.append(head);
     if (f.action) card.append(make('div', 'action', 'Next: ' + f.action));
     const ev = f.evidence || {};
-    if (ev.captured_layers) card.append(make('div', 'captured', 'Captured ' + ev.captured_layers));
+    // A capture that found no layer grown tells nothing: final_summary.json keeps it.
+    if (ev.captured_layers && ev.captured_grown) card.append(make('div', 'captured', 'Captured ' + ev.captured_layers));
     const keys = Object.keys(ev).filter((k) => k !== 'captured_layers'); // shown above, in words
     if (keys.length) {
       const dl = make('dl', 'evidence');

@@ -1,0 +1,156 @@
+"""`traceml compare --fail-on regression`, the CI gate: real runs of the same loop, unchanged and
+20% slower, gated as a CI job would; and the verdict's defences against a drifting machine,
+each shown on steps made to drift."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TRAIN_LOOP, _env
+from traceml.report.compare import ComparedRun, compare, gate
+
+# A step of 8 samples x 1 ms of loading and a tiny model's compute: mostly sleep, which a busy
+# machine stretches little, since these tests judge the gate, not the machine. The slow loop
+# loads each sample in 1.25 ms: 2 ms more a step, a 20% slowdown (its defences against a
+# drifting machine are shown below on steps made to drift).
+STEPS = "150"
+LOAD_MS, SLOW_LOAD_MS = "1.0", "1.25"
+UNCHANGED_RERUNS = 5
+
+
+def traceml_run(run_dir, load_ms):
+    process = subprocess.run(
+        [sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir", str(run_dir),
+         str(TRAIN_LOOP), "--steps", STEPS, "--load-ms", load_ms, "--features", "8", "--width", "16"],
+        capture_output=True, text=True, timeout=180, env=_env())
+    assert process.returncode == 0, process.stderr
+    return run_dir
+
+
+def gate_cli(base, new, *extra):
+    return subprocess.run([sys.executable, "-m", "traceml", "compare", str(base), str(new),
+                           "--fail-on", "regression", *extra],
+                          capture_output=True, text=True, timeout=120, env=_env())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A baseline, the unchanged loop run again and again, and the loop made 20% slower; made one
+    after the other, as a CI job makes them."""
+    tmp = tmp_path_factory.mktemp("gate")
+    base = traceml_run(tmp / "base", LOAD_MS)
+    reruns = [traceml_run(tmp / f"rerun{i}", LOAD_MS) for i in range(UNCHANGED_RERUNS)]
+    slow = traceml_run(tmp / "slow", SLOW_LOAD_MS)
+    return {"base": base, "reruns": reruns, "slow": slow}
+
+
+def test_a_20_percent_slowdown_fails_the_gate(runs):
+    process = gate_cli(runs["base"], runs["slow"], "--json")
+    result = json.loads(process.stdout)
+    assert process.returncode == 1, result["gate"]
+    assert result["gate"]["decision"] == "fail" and result["verdict"] == "REGRESSION"
+    assert 0.12 < result["step"]["delta_share"] < 0.30  # the 2 ms a step put in, give or take compute
+    # Where the time went: the loader's phase, named by --phase too.
+    assert gate_cli(runs["base"], runs["slow"], "--phase", "input_wait").returncode == 1
+    assert gate_cli(runs["base"], runs["slow"], "--phase", "backward", "--threshold", "50").returncode != 1
+    # A threshold above the slowdown lets it through.
+    assert gate_cli(runs["base"], runs["slow"], "--threshold", "60").returncode == 0
+    text = gate_cli(runs["base"], runs["slow"]).stdout
+    assert "FAIL" in text and "beyond the 5% threshold (exit 1)" in text
+
+
+def test_the_unchanged_loop_passes_the_gate_every_time(runs):
+    for rerun in runs["reruns"]:
+        process = gate_cli(runs["base"], rerun, "--json")
+        result = json.loads(process.stdout)
+        assert process.returncode == 0, (result["gate"], result["machine"])
+
+
+def test_runs_of_the_same_code_are_never_a_change(runs):
+    same = [runs["base"], *runs["reruns"]]
+    loaded = [ComparedRun.load(path) for path in same]
+    for i, a in enumerate(loaded):
+        for b in loaded[i + 1:]:
+            result = compare(a, b)
+            assert result["verdict"] in ("EQUIVALENT", "INCONCLUSIVE"), result["reason"]
+            for name, phase in result["phases"].items():
+                assert phase["verdict"] in ("EQUIVALENT", "INCONCLUSIVE"), (name, phase["reason"])
+
+
+def test_folders_of_repeats_compare_as_one_side_each(runs, tmp_path):
+    # The reruns as a side of their own: a folder of run directories.
+    folder = tmp_path / "unchanged"
+    folder.mkdir()
+    for rerun in runs["reruns"]:
+        (folder / rerun.name).symlink_to(rerun)
+    result = json.loads(gate_cli(folder, runs["slow"], "--json").stdout)
+    assert result["machine"]["repeats_a"] == UNCHANGED_RERUNS and result["machine"]["repeats_b"] == 1
+    assert result["gate"]["exit_code"] == 1
+    assert result["step"]["steps_a"] == sum(len(ComparedRun.load(r).steps["step"]) for r in runs["reruns"])
+
+
+# -- the defences, on steps made to drift ---------------------------------------------------------
+def side(step_ms, other_cores=0.0, cpu_wait_share=0.0, label="run"):
+    """A run whose steps took step_ms each (every phase in the forward), on a machine where other
+    processes used other_cores and the training waited cpu_wait_share of its time for a CPU."""
+    zeros = [0.0] * len(step_ms)
+    series = {"step": list(step_ms), "forward": list(step_ms)}
+    series.update({name: zeros for name in ("input_wait", "outside", "h2d", "backward", "optimizer",
+                                            "untraced", "gc")})
+    summary = {"phases": {name: {"median_ms": sorted(values)[len(values) // 2], "share": 0.0}
+                          for name, values in series.items()}}
+    return ComparedRun(label, summary, [series], other_cores, cpu_wait_share)
+
+
+def steady(ms, count=200, wobble=0.01):
+    return [ms * (1 + wobble * ((i * 7919) % 13 - 6) / 6) for i in range(count)]
+
+
+def test_a_machine_that_slows_down_halfway_through_a_run_is_not_a_regression():
+    # The same code: B's machine ran 30% slower for its second half. Over single steps that
+    # is a confident +15%; over stretches of time it is the wide interval it should be.
+    a = side(steady(10.0))
+    b = side(steady(10.0, 100) + steady(13.0, 100))
+    result = compare(a, b)
+    assert result["verdict"] == "INCONCLUSIVE", result["reason"]
+    low, high = result["step"]["ci_share"]
+    assert low < 0.05 and high > 0.25
+    assert gate(result)["exit_code"] == 3
+    assert gate(result, inconclusive_ok=True)["exit_code"] == 0
+
+
+def test_a_busier_machine_during_one_run_voids_the_verdict_and_the_gate():
+    result = compare(side(steady(10.0)), side(steady(13.0), other_cores=1.0))
+    assert result["verdict"] == "INCONCLUSIVE" and "busier during B" in result["reason"]
+    assert gate(result)["decision"] == "inconclusive"
+    # Load alike on both sides: the same 30% is a regression.
+    result = compare(side(steady(10.0), other_cores=1.0), side(steady(13.0), other_cores=1.2))
+    assert result["verdict"] == "REGRESSION" and gate(result)["exit_code"] == 1
+    # A saturated machine: other processes use every core either way, but the training waited
+    # for one longer during A, which alone slows its compute by (1 - 0.79) / (1 - 0.84) = 1.31.
+    result = compare(side(steady(13.0), other_cores=1.8, cpu_wait_share=0.84),
+                     side(steady(10.0), other_cores=1.8, cpu_wait_share=0.79))
+    assert result["verdict"] == "INCONCLUSIVE"
+    assert "waited for a CPU 84% of its time during A and 79% during B" in result["reason"]
+    # A steady neighbour: the same waits on both sides doubt nothing.
+    result = compare(side(steady(10.0), cpu_wait_share=0.40), side(steady(13.0), cpu_wait_share=0.43))
+    assert result["verdict"] == "REGRESSION"
+
+
+def test_a_change_inside_the_margin_is_equivalent_and_passes():
+    result = compare(side(steady(10.0)), side(steady(10.3)))
+    assert result["verdict"] == "EQUIVALENT"
+    assert gate(result)["exit_code"] == 0
+    # A sure 8% slowdown fails at the default 5%, passes a 10% threshold it cannot reach.
+    result = compare(side(steady(10.0)), side(steady(10.8)))
+    assert result["verdict"] == "REGRESSION"
+    assert gate(result)["exit_code"] == 1 and gate(result, threshold=0.10)["exit_code"] == 0
+
+
+def test_the_gate_refuses_its_flags_without_fail_on(runs):
+    process = subprocess.run([sys.executable, "-m", "traceml", "compare", str(runs["base"]),
+                              str(runs["slow"]), "--threshold", "10"],
+                             capture_output=True, text=True, timeout=60, env=_env())
+    assert process.returncode == 2
+    assert process.stderr.strip() == "traceml: --threshold, --phase and --inconclusive-ok need --fail-on regression"
