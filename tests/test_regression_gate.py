@@ -2,6 +2,7 @@
 20% slower, gated as a CI job would; and the verdict's defences against a drifting machine,
 each shown on steps made to drift."""
 import json
+import os
 import subprocess
 import sys
 
@@ -19,11 +20,20 @@ LOAD_MS, SLOW_LOAD_MS = "1.0", "1.25"
 UNCHANGED_RERUNS = 5
 
 
+def raise_priority():
+    """A benchmark's runs need the CPU as much on both sides: ahead of whatever else this machine
+    runs, where the tests may (root), as a CI job may run its benchmark under `nice -n -10`."""
+    try:
+        os.nice(-10)
+    except OSError:
+        pass
+
+
 def traceml_run(run_dir, load_ms):
     process = subprocess.run(
         [sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir", str(run_dir),
          str(TRAIN_LOOP), "--steps", STEPS, "--load-ms", load_ms, "--features", "8", "--width", "16"],
-        capture_output=True, text=True, timeout=180, env=_env())
+        capture_output=True, text=True, timeout=180, env=_env(), preexec_fn=raise_priority)
     assert process.returncode == 0, process.stderr
     return run_dir
 
@@ -118,6 +128,18 @@ def test_a_machine_that_slows_down_halfway_through_a_run_is_not_a_regression():
     assert low < 0.05 and high > 0.25
     assert gate(result)["exit_code"] == 3
     assert gate(result, inconclusive_ok=True)["exit_code"] == 0
+
+
+def test_a_neighbours_bursts_are_left_out_and_a_steady_slowdown_is_not():
+    # Three of the baseline's ten stretches ran 3x slower: a neighbour's bursts, not the code.
+    bursty = steady(10.0, 40) + steady(30.0, 60) + steady(10.0, 100)
+    result = compare(side(bursty), side(steady(10.0)))
+    assert result["verdict"] == "EQUIVALENT", result["reason"]
+    assert ComparedRun("a", {}, [side(bursty).repeats[0]]).disturbed_stretches() == 3
+    result = compare(side(bursty), side(steady(12.0)))
+    assert result["verdict"] == "REGRESSION" and gate(result)["exit_code"] == 1
+    # A slowdown in every stretch is never left out, however large.
+    assert compare(side(steady(10.0)), side(steady(30.0)))["verdict"] == "REGRESSION"
 
 
 def test_a_busier_machine_during_one_run_voids_the_verdict_and_the_gate():

@@ -35,6 +35,7 @@ RESAMPLES = 2000
 BLOCKS = 10  # stretches of time a run's steps are cut into
 MIN_BLOCK_STEPS = 3  # steps in each stretch, at the least
 MIN_BLOCKS = 5  # stretches a run needs for an interval: 15 measured steps
+DISTURBED_PACE = 1.5  # a stretch this much slower than the run's median stretch: the machine's
 # Two sides ran on an equally busy machine unless other processes' CPU differs by this much...
 LOAD_DIFFERENCE_CORES = 0.5
 # ... or the training's waits for a CPU alone would make one side this much slower than the
@@ -65,12 +66,35 @@ class ComparedRun:
                 pooled.setdefault(name, []).extend(values)
         return pooled
 
+    def stretch_medians(self, name: str) -> List[List[float]]:
+        """Each repeat's medians of its steady stretches (see _steady_stretches); an empty list
+        for a repeat too short to cut into MIN_BLOCKS stretches."""
+        medians = []
+        for repeat in self.repeats:
+            values = repeat.get(name, [])
+            bounds = _stretch_bounds(len(values))
+            steady = _steady_stretches([statistics.median(repeat["step"][lo:hi]) for lo, hi in bounds])
+            medians.append([statistics.median(values[lo:hi]) for (lo, hi), keep in zip(bounds, steady) if keep])
+        return medians
+
+    def disturbed_stretches(self) -> int:
+        """How many stretches, over every repeat, the comparison leaves out as the machine's."""
+        count = 0
+        for repeat in self.repeats:
+            bounds = _stretch_bounds(len(repeat.get("step", [])))
+            count += sum(not keep for keep in _steady_stretches(
+                [statistics.median(repeat["step"][lo:hi]) for lo, hi in bounds]))
+        return count
+
     def median_ms(self, name: str) -> float:
-        """One run's median as its card gives it; repeats' medians over all their steps."""
-        pooled = self.steps.get(name, [])
-        if len(self.repeats) > 1 and pooled:
-            return statistics.median(pooled)
-        return self.summary["phases"][name]["median_ms"]
+        """The median over the steady stretches' steps; the card's median without per-step data."""
+        steady: List[float] = []
+        for repeat in self.repeats:
+            values = repeat.get(name, [])
+            bounds = _stretch_bounds(len(values))
+            keep = _steady_stretches([statistics.median(repeat["step"][lo:hi]) for lo, hi in bounds])
+            steady.extend(value for (lo, hi), kept in zip(bounds, keep) if kept for value in values[lo:hi])
+        return statistics.median(steady) if steady else self.summary["phases"][name]["median_ms"]
 
     @classmethod
     def load(cls, path: Path) -> "ComparedRun":
@@ -141,7 +165,8 @@ def compare(a: ComparedRun, b: ComparedRun, seed: int = 0) -> Dict[str, Any]:
     rng = random.Random(seed)
     machine = {"other_cores_a": a.other_cores, "other_cores_b": b.other_cores,
                "cpu_wait_share_a": a.cpu_wait_share, "cpu_wait_share_b": b.cpu_wait_share,
-               "repeats_a": len(a.repeats), "repeats_b": len(b.repeats)}
+               "repeats_a": len(a.repeats), "repeats_b": len(b.repeats),
+               "stretches_left_out_a": a.disturbed_stretches(), "stretches_left_out_b": b.disturbed_stretches()}
     busier = machine["busier"] = _busier(machine)
     step = _compare_series(a, b, "step", rng, busier)
     # A phase's change counts only beyond 5% of the step as well: a phase of 0.1 ms in a 10 ms
@@ -184,8 +209,7 @@ def _compare_series(a: ComparedRun, b: ComparedRun, name: str, rng: random.Rando
                               "delta_share": (median_b - median_a) / median_a if median_a else None,
                               "ci_ms": None, "ci_share": None,
                               "steps_a": len(a.steps.get(name, [])), "steps_b": len(b.steps.get(name, []))}
-    blocks_a = [_block_medians(repeat.get(name, [])) for repeat in a.repeats]
-    blocks_b = [_block_medians(repeat.get(name, [])) for repeat in b.repeats]
+    blocks_a, blocks_b = a.stretch_medians(name), b.stretch_medians(name)
     if all(blocks_a) and all(blocks_b):
         low, high = interval(sorted(_resampled_median(blocks_b, rng) - _resampled_median(blocks_a, rng)
                                     for _ in range(RESAMPLES)))
@@ -197,14 +221,25 @@ def _compare_series(a: ComparedRun, b: ComparedRun, name: str, rng: random.Rando
     return result
 
 
-def _block_medians(values: Sequence[float]) -> List[float]:
-    """The medians of a run's steps in up to BLOCKS consecutive stretches; none for a run too
-    short to cut into MIN_BLOCKS."""
-    count = min(BLOCKS, len(values) // MIN_BLOCK_STEPS)
-    if count < MIN_BLOCKS:
+def _stretch_bounds(count: int) -> List[Tuple[int, int]]:
+    """A run's steps cut into up to BLOCKS consecutive stretches of at least MIN_BLOCK_STEPS;
+    none for a run too short to cut into MIN_BLOCKS."""
+    stretches = min(BLOCKS, count // MIN_BLOCK_STEPS)
+    if stretches < MIN_BLOCKS:
         return []
-    size = len(values) / count
-    return [statistics.median(values[round(i * size):round((i + 1) * size)]) for i in range(count)]
+    size = count / stretches
+    return [(round(i * size), round((i + 1) * size)) for i in range(stretches)]
+
+
+def _steady_stretches(step_medians: Sequence[float]) -> List[bool]:
+    """Which stretches ran at the run's own pace. A change to the code slows every stretch; a
+    stretch DISTURBED_PACE times slower than the run's median stretch is the machine's doing (a
+    neighbour's burst), and is left out, as long as most stretches stay."""
+    if not step_medians:
+        return []
+    pace = statistics.median(step_medians)
+    steady = [median <= DISTURBED_PACE * pace for median in step_medians]
+    return steady if sum(steady) * 2 > len(steady) else [True] * len(steady)
 
 
 def _resampled_median(repeats: List[List[float]], rng: random.Random) -> float:

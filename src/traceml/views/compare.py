@@ -51,6 +51,10 @@ class _Comparison:
         machine = result["machine"]
         if machine["busier"]:
             lines.append(Text.assemble(("Machine ", "bold"), (machine["busier"], "bold yellow")))
+        if machine["stretches_left_out_a"] or machine["stretches_left_out_b"]:
+            lines.append(Text.assemble(("Left out ", "bold"), (
+                f"stretches run 1.5x slower than their run's pace (a neighbour's bursts): "
+                f"A {machine['stretches_left_out_a']}, B {machine['stretches_left_out_b']}")))
         if machine["repeats_a"] > 1 or machine["repeats_b"] > 1:
             lines.append(Text.assemble(("Repeats ", "bold"), f"A {machine['repeats_a']} runs, "
                                                              f"B {machine['repeats_b']} runs"))
