@@ -16,7 +16,7 @@ from typing import List, Optional
 from traceml import rundir
 from traceml.records import ALL_PHASES
 from traceml.rendezvous import COLLECT_COMMAND
-from traceml.report.compare import EQUIVALENCE_MARGIN
+from traceml.report.compare import GATE_THRESHOLD
 from traceml.launcher import DEFAULT_RDZV_TIMEOUT_S, Launch, run_without_collector
 from traceml.lifecycle import fail as _fail
 from traceml.lifecycle import say as _say
@@ -137,7 +137,7 @@ def _other_commands(commands: "argparse._SubParsersAction") -> None:
                        "diagnosis and the environment. With --fail-on regression it is a CI gate: "
                        "exit 1 on a regression beyond the threshold, 3 when the runs cannot tell, "
                        "0 otherwise.",
-                       "traceml compare runs/base runs/new --fail-on regression --threshold 10")
+                       "traceml compare runs/base runs/new --fail-on regression --threshold 15")
     compare.add_argument("run_a", type=Path, help="the baseline: a run, or a folder of repeated runs")
     compare.add_argument("run_b", type=Path, help="the changed run, or a folder of repeated runs")
     compare.add_argument("--json", action="store_true",
@@ -147,7 +147,7 @@ def _other_commands(commands: "argparse._SubParsersAction") -> None:
                       help="exit 1 when B is a regression beyond --threshold")
     gate.add_argument("--threshold", type=_percent, default=None, metavar="PCT",
                       help="how much slower counts as a regression, in percent of the baseline "
-                           f"(default {EQUIVALENCE_MARGIN * 100:g}%%)")
+                           f"(default {GATE_THRESHOLD * 100:g}%%)")
     gate.add_argument("--phase", choices=("step",) + ALL_PHASES, default="step", metavar="NAME",
                       help="judge this phase's median instead of the step's: one of "
                            + ", ".join(ALL_PHASES))
