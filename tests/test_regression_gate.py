@@ -101,16 +101,16 @@ def test_folders_of_repeats_compare_as_one_side_each(runs, tmp_path):
 
 
 # -- the defences, on steps made to drift ---------------------------------------------------------
-def side(step_ms, other_cores=0.0, cpu_wait_share=0.0, label="run"):
+def side(step_ms, other_cores=0.0, cpu_wait_ms=0.0, label="run"):
     """A run whose steps took step_ms each (every phase in the forward), on a machine where other
-    processes used other_cores and the training waited cpu_wait_share of its time for a CPU."""
+    processes used other_cores and the training waited cpu_wait_ms a step for a CPU."""
     zeros = [0.0] * len(step_ms)
     series = {"step": list(step_ms), "forward": list(step_ms)}
     series.update({name: zeros for name in ("input_wait", "outside", "h2d", "backward", "optimizer",
                                             "untraced", "gc")})
     summary = {"phases": {name: {"median_ms": sorted(values)[len(values) // 2], "share": 0.0}
                           for name, values in series.items()}}
-    return ComparedRun(label, summary, [series], other_cores, cpu_wait_share)
+    return ComparedRun(label, summary, [series], other_cores, cpu_wait_ms)
 
 
 def steady(ms, count=200, wobble=0.01):
@@ -150,24 +150,32 @@ def test_a_busier_machine_during_one_run_voids_the_verdict_and_the_gate():
     result = compare(side(steady(10.0), other_cores=1.0), side(steady(13.0), other_cores=1.2))
     assert result["verdict"] == "REGRESSION" and gate(result)["exit_code"] == 1
     # A saturated machine: other processes use every core either way, but the training waited
-    # for one longer during A, which alone slows its compute by (1 - 0.79) / (1 - 0.84) = 1.31.
-    result = compare(side(steady(13.0), other_cores=1.8, cpu_wait_share=0.84),
-                     side(steady(10.0), other_cores=1.8, cpu_wait_share=0.79))
+    # for one 3.2 ms a step longer during B, enough to make 3 ms of a 10 ms step.
+    result = compare(side(steady(10.0), other_cores=1.8, cpu_wait_ms=0.3),
+                     side(steady(13.0), other_cores=1.8, cpu_wait_ms=3.5))
     assert result["verdict"] == "INCONCLUSIVE"
-    assert "waited for a CPU 84% of its time during A and 79% during B" in result["reason"]
-    # A steady neighbour: the same waits on both sides doubt nothing.
-    result = compare(side(steady(10.0), cpu_wait_share=0.40), side(steady(13.0), cpu_wait_share=0.43))
+    assert "waits for a CPU differ by 3.20 ms a step" in result["reason"]
+    assert gate(result)["exit_code"] == 3
+    # The other way round B is faster, waits or not: it cannot be a regression.
+    result = compare(side(steady(13.0), other_cores=1.8, cpu_wait_ms=3.5),
+                     side(steady(10.0), other_cores=1.8, cpu_wait_ms=0.3))
+    assert result["verdict"] == "INCONCLUSIVE" and gate(result)["exit_code"] == 0
+    # A steady neighbour: the same waits on both sides doubt nothing; nor do waits too short to
+    # make the change (a loop that sleeps has waits of its own, at each wake-up).
+    result = compare(side(steady(10.0), cpu_wait_ms=2.0), side(steady(13.0), cpu_wait_ms=2.2))
     assert result["verdict"] == "REGRESSION"
+    result = compare(side(steady(30.0), cpu_wait_ms=4.0), side(steady(10.0), cpu_wait_ms=0.5))
+    assert result["verdict"] == "IMPROVEMENT"
 
 
 def test_a_change_inside_the_margin_is_equivalent_and_passes():
     result = compare(side(steady(10.0)), side(steady(10.3)))
     assert result["verdict"] == "EQUIVALENT"
     assert gate(result)["exit_code"] == 0
-    # A sure 8% slowdown fails at the default 5%, passes a 10% threshold it cannot reach.
+    # A sure 8% slowdown fails a 5% threshold, and passes the default 10% it cannot reach.
     result = compare(side(steady(10.0)), side(steady(10.8)))
     assert result["verdict"] == "REGRESSION"
-    assert gate(result)["exit_code"] == 1 and gate(result, threshold=0.10)["exit_code"] == 0
+    assert gate(result, threshold=0.05)["exit_code"] == 1 and gate(result)["exit_code"] == 0
 
 
 def test_the_gate_refuses_its_flags_without_fail_on(runs):

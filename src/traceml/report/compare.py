@@ -11,9 +11,10 @@ What drift can do, and what the verdict reads so that it cannot:
   which no interval over one run's steps can see. So a change counts only beyond
   ±EQUIVALENCE_MARGIN: IMPROVEMENT when the whole interval lies below -5%, REGRESSION when it
   lies above +5%, EQUIVALENT when it lies within ±5%, INCONCLUSIVE otherwise.
-- A machine busier during one run than the other makes any change suspect: no IMPROVEMENT or
-  REGRESSION then, INCONCLUSIVE instead. Busier, from the collector's samples: the training
-  waited for a CPU a larger share of its time, or other processes used more cores.
+- A machine busier during one run than the other makes a change suspect: no IMPROVEMENT or
+  REGRESSION then, INCONCLUSIVE instead. From the collector's samples: other processes used
+  more cores during one run, or the training's waits for a CPU (ready to run, not running)
+  differ between the runs by enough milliseconds a step to account for the change.
 - Repeats measure run-to-run variance itself: BASE and NEW may each be a folder of runs of the
   same code, best made interleaved (base, new, base, new, ...), so that drift falls on both.
   The bootstrap then resamples runs and, within each, stretches.
@@ -38,12 +39,6 @@ MIN_BLOCKS = 5  # stretches a run needs for an interval: 15 measured steps
 DISTURBED_PACE = 1.5  # a stretch this much slower than the run's median stretch: the machine's
 # Two sides ran on an equally busy machine unless other processes' CPU differs by this much...
 LOAD_DIFFERENCE_CORES = 0.5
-# ... or the training's waits for a CPU alone would make one side this much slower than the
-# other: a training that waits a share w of its time runs CPU-bound work at (1 - w) of its speed.
-# The waits of every thread count, TraceML's own and a DataLoader's too, so this errs towards
-# a slowdown larger than the training's: waits of 2% and 12% (a sender thread's wake-ups beside
-# a busy core) are not yet a busier machine.
-CPU_WAIT_SLOWDOWN = 0.15
 
 # The gate's default threshold: the same code, rerun one process after another on a quiet 2-core
 # machine, came out up to 5% slower than its baseline, right on the verdicts' margin.
@@ -55,13 +50,14 @@ EXIT_PASS, EXIT_REGRESSION, EXIT_INCONCLUSIVE = 0, 1, 3
 class ComparedRun:
     """One side of a comparison: a run, or repeats of the same code (a folder of run
     directories). Each repeat's steps per phase, in the order they ran, and how busy the machine
-    was meanwhile: the cores other processes used, the share of its time the training waited
-    for a CPU (medians over the collector's samples; None where not known)."""
+    was meanwhile: the cores other processes used (the median of the collector's samples), and
+    how long the training's threads waited, ready, for a CPU in a step, all of them together
+    (None where not known)."""
 
     def __init__(self, label: str, summary: Dict[str, Any], repeats: List[Dict[str, List[float]]],
-                 other_cores: Optional[float] = None, cpu_wait_share: Optional[float] = None):
+                 other_cores: Optional[float] = None, cpu_wait_ms: Optional[float] = None):
         self.label, self.summary, self.repeats = label, summary, repeats
-        self.other_cores, self.cpu_wait_share = other_cores, cpu_wait_share
+        self.other_cores, self.cpu_wait_ms = other_cores, cpu_wait_ms
 
     @property
     def steps(self) -> Dict[str, List[float]]:
@@ -117,7 +113,7 @@ class ComparedRun:
             loaded = [cls._load_one(run) for run in runs]
             return cls(str(path), loaded[0].summary, [run.repeats[0] for run in loaded],
                        _median([run.other_cores for run in loaded]),
-                       _median([run.cpu_wait_share for run in loaded]))
+                       _median([run.cpu_wait_ms for run in loaded]))
         return cls._load_one(path)
 
     @classmethod
@@ -127,7 +123,7 @@ class ComparedRun:
         store_path = run_dir / rundir.STORE_NAME
         steps: Dict[str, List[float]] = {}
         summary: Optional[Dict[str, Any]] = None
-        other_cores = cpu_wait_share = None
+        other_cores = cpu_wait_ms = None
         if summary_path.is_file():
             summary = json.loads(summary_path.read_text())
         if store_path.is_file():
@@ -141,12 +137,13 @@ class ComparedRun:
                     summary = build_summary(data, RunFacts.from_store(store))
                 steps = {name: [getattr(s, f"{name}_ms") or 0.0 for s in data.window.steps]
                          for name in ("step",) + ALL_PHASES}
-                other_cores, cpu_wait_share = _other_cores(data.samples), _cpu_wait_share(data.samples)
+                other_cores = _other_cores(data.samples)
+                cpu_wait_ms = _cpu_wait_ms(data.samples, summary["throughput"].get("steps_per_s"))
             finally:
                 store.close()
         if summary is None:
             raise FileNotFoundError(f"{path}: no {rundir.SUMMARY_JSON} or {rundir.STORE_NAME} there")
-        return cls(str(path), summary, [steps], other_cores, cpu_wait_share)
+        return cls(str(path), summary, [steps], other_cores, cpu_wait_ms)
 
 
 def _median(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -160,25 +157,29 @@ def _other_cores(samples: Sequence[Any]) -> Optional[float]:
                     for sample in samples if sample.cpu_count])
 
 
-def _cpu_wait_share(samples: Sequence[Any]) -> Optional[float]:
-    """The share of its time the training waited, ready to run, for a CPU during the run."""
-    return _median([sample.training_cpu_wait_percent / (sample.training_cpu_wait_percent + sample.training_cpu_percent)
-                    for sample in samples if sample.training_cpu_wait_percent is not None
-                    and sample.training_cpu_wait_percent + sample.training_cpu_percent > 0])
+def _cpu_wait_ms(samples: Sequence[Any], steps_per_s: Optional[float]) -> Optional[float]:
+    """How long, in all, the training's threads waited, ready, for a CPU in a step."""
+    waits = [sample.training_cpu_wait_percent for sample in samples if sample.training_cpu_wait_percent is not None]
+    if not waits or not steps_per_s:
+        return None
+    return round(statistics.fmean(waits) / 100.0 * 1000.0 / steps_per_s, 3)
 
 
 def compare(a: ComparedRun, b: ComparedRun, seed: int = 0) -> Dict[str, Any]:
     rng = random.Random(seed)
     machine = {"other_cores_a": a.other_cores, "other_cores_b": b.other_cores,
-               "cpu_wait_share_a": a.cpu_wait_share, "cpu_wait_share_b": b.cpu_wait_share,
+               "cpu_wait_ms_a": a.cpu_wait_ms, "cpu_wait_ms_b": b.cpu_wait_ms,
                "repeats_a": len(a.repeats), "repeats_b": len(b.repeats),
                "stretches_left_out_a": a.disturbed_stretches(), "stretches_left_out_b": b.disturbed_stretches()}
-    busier = machine["busier"] = _busier(machine)
-    step = _compare_series(a, b, "step", rng, busier)
+    machine["busier"] = _busier(machine)
+    # Milliseconds a step that the CPU waits alone could move either way.
+    machine["cpu_wait_difference_ms"] = (abs(a.cpu_wait_ms - b.cpu_wait_ms)
+                                         if a.cpu_wait_ms is not None and b.cpu_wait_ms is not None else 0.0)
+    step = _compare_series(a, b, "step", rng, machine)
     # A phase's change counts only beyond 5% of the step as well: a phase of 0.1 ms in a 10 ms
     # step may double from one run to the next without anything a user would want to know.
     step_margin_ms = EQUIVALENCE_MARGIN * step["median_a_ms"]
-    phases = {name: _compare_series(a, b, name, rng, busier, step_margin_ms) for name in ALL_PHASES}
+    phases = {name: _compare_series(a, b, name, rng, machine, step_margin_ms) for name in ALL_PHASES}
     for name in ALL_PHASES:
         phases[name]["share_a"] = a.summary["phases"][name]["share"]
         phases[name]["share_b"] = b.summary["phases"][name]["share"]
@@ -191,12 +192,6 @@ def compare(a: ComparedRun, b: ComparedRun, seed: int = 0) -> Dict[str, Any]:
 def _busier(machine: Dict[str, Any]) -> Optional[str]:
     """Why the two sides did not run on an equally busy machine, or None when they did (or
     when it is not known)."""
-    wait_a, wait_b = machine["cpu_wait_share_a"], machine["cpu_wait_share_b"]
-    if wait_a is not None and wait_b is not None and \
-            max(1.0 - wait_a, 1.0 - wait_b) / max(min(1.0 - wait_a, 1.0 - wait_b), 0.01) - 1.0 >= CPU_WAIT_SLOWDOWN:
-        return (f"the machine was busier during {'B' if wait_b > wait_a else 'A'}: the training waited "
-                f"for a CPU {wait_a:.0%} of its time during A and {wait_b:.0%} during B; rerun both "
-                "side by side")
     cores_a, cores_b = machine["other_cores_a"], machine["other_cores_b"]
     if cores_a is not None and cores_b is not None and abs(cores_a - cores_b) >= LOAD_DIFFERENCE_CORES:
         return (f"the machine was busier during {'B' if cores_b > cores_a else 'A'}: other processes "
@@ -205,7 +200,7 @@ def _busier(machine: Dict[str, Any]) -> Optional[str]:
 
 
 def _compare_series(a: ComparedRun, b: ComparedRun, name: str, rng: random.Random,
-                    busier: Optional[str], least_margin_ms: float = 0.0) -> Dict[str, Any]:
+                    machine: Dict[str, Any], least_margin_ms: float = 0.0) -> Dict[str, Any]:
     """Medians, their difference, its interval over stretches of time (and repeats), in ms and
     relative to A (None when A's median is zero or per-step data is missing), and the verdict:
     a change counts beyond ±EQUIVALENCE_MARGIN of A's median, and beyond least_margin_ms."""
@@ -223,7 +218,7 @@ def _compare_series(a: ComparedRun, b: ComparedRun, name: str, rng: random.Rando
         if median_a:
             result["ci_share"] = [low / median_a, high / median_a]
     result["margin_ms"] = max(EQUIVALENCE_MARGIN * median_a, least_margin_ms)
-    result["verdict"], result["reason"] = _verdict(result, busier)
+    result["verdict"], result["reason"] = _verdict(result, machine)
     return result
 
 
@@ -256,18 +251,22 @@ def _resampled_median(repeats: List[List[float]], rng: random.Random) -> float:
     return statistics.median(pooled)
 
 
-def _verdict(series: Dict[str, Any], busier: Optional[str]) -> Tuple[str, str]:
+def _verdict(series: Dict[str, Any], machine: Dict[str, Any]) -> Tuple[str, str]:
     if series["ci_share"] is None:
         return "INCONCLUSIVE", (f"no interval: a summary file without its telemetry.sqlite, fewer than "
                                 f"{MIN_BLOCKS * MIN_BLOCK_STEPS} measured steps, or a baseline median of 0")
     (low, high), (low_ms, high_ms) = series["ci_share"], series["ci_ms"]
-    margin_ms = series["margin_ms"]
+    margin_ms, waits_ms = series["margin_ms"], machine["cpu_wait_difference_ms"]
     text = f"{CONFIDENCE:.0%} interval of the change in median: {low:+.1%} to {high:+.1%}"
     margin = f"±{margin_ms / series['median_a_ms']:.0%}"
     if -margin_ms <= low_ms and high_ms <= margin_ms:
         return "EQUIVALENT", f"{text}: no change beyond {margin}"
-    if busier and (high_ms < -margin_ms or low_ms > margin_ms):
-        return "INCONCLUSIVE", f"{text}, but {busier}"
+    if high_ms < -margin_ms or low_ms > margin_ms:
+        if machine["busier"]:
+            return "INCONCLUSIVE", f"{text}, but {machine['busier']}"
+        if high_ms + waits_ms >= -margin_ms and low_ms - waits_ms <= margin_ms:
+            return "INCONCLUSIVE", (f"{text}, but the training's waits for a CPU differ by {waits_ms:.2f} ms "
+                                    "a step between the runs: enough to account for it; rerun both side by side")
     if high_ms < -margin_ms:
         return "IMPROVEMENT", f"{text}: B is faster, by more than {margin} can hide"
     if low_ms > margin_ms:
@@ -291,7 +290,8 @@ def gate(result: Dict[str, Any], phase: str = "step", threshold: Optional[float]
     elif verdict in ("EQUIVALENT", "IMPROVEMENT"):
         decision, code = "pass", EXIT_PASS
         reason = f"{what}: {verdict}, no regression"
-    elif span is not None and span[1] <= threshold and not result["machine"]["busier"]:
+    elif span is not None and not result["machine"]["busier"] and \
+            series["ci_ms"][1] + result["machine"]["cpu_wait_difference_ms"] <= threshold * series["median_a_ms"]:
         decision, code = "pass", EXIT_PASS
         reason = f"{what} is at most {span[1]:+.1%} slower: within the {threshold:.0%} threshold"
     else:
