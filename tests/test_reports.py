@@ -72,7 +72,7 @@ def test_summary_files_alone_are_inconclusive_not_guessed(runs, tmp_path):
     a.write_text((runs["slow"] / "final_summary.json").read_text())
     b.write_text((runs["fixed"] / "final_summary.json").read_text())
     result = json.loads(compare(a, b, "--json").stdout)
-    assert result["verdict"] == "INCONCLUSIVE" and "no per-step data" in result["reason"]
+    assert result["verdict"] == "INCONCLUSIVE" and "a summary file without its telemetry.sqlite" in result["reason"]
     assert result["step"]["delta_ms"] < -5.0  # the medians still compare
 
 

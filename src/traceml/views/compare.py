@@ -50,7 +50,9 @@ class _Comparison:
                               f"{', '.join(diagnosis['new']) or '-'}"))
         machine = result["machine"]
         if machine["busier"]:
-            lines.append(Text.assemble(("Machine ", "bold"), (machine["busier"], "bold yellow")))
+            from traceml.report.compare import load_text
+
+            lines.append(Text.assemble(("Machine ", "bold"), (load_text(machine), "bold yellow")))
         if machine["stretches_left_out_a"] or machine["stretches_left_out_b"]:
             lines.append(Text.assemble(("Left out ", "bold"), (
                 f"stretches run 1.5x slower than their run's pace (a neighbour's bursts): "
