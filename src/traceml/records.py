@@ -262,8 +262,9 @@ class SystemSample(msgspec.Struct, tag="system", array_like=True):
     training_rss_bytes: int
     gpus: List[GpuSample] = []
     cpu_count: int = 0  # logical CPUs: cpu_percent's 100 is all of them (0: not known)
-    # Time the training's threads were ready to run but waited for a CPU, 100 = one core's
-    # worth (Linux's schedstat): how much a busy machine held the training back. None: not known.
+    # Time the training ranks' main threads were ready to run but waited for a CPU, 100 = one
+    # core's worth (Linux's schedstat): what a busy machine took from the steps, which those
+    # threads drive (TraceML's own threads' waits are not the steps'). None: not known.
     training_cpu_wait_percent: Optional[float] = None
 
 

@@ -31,7 +31,7 @@ class SystemSampler:
         self._training_pids = training_pids
         self.interval_s = interval_s
         self._processes: Dict[int, Any] = {}
-        # Each training process's threads' summed wait for a CPU at the last sample, and when.
+        # Each training rank's main thread's wait for a CPU at the last sample, and when.
         self._waited_ns: Dict[int, int] = {}
         self._waited_at_ns = 0
         self._nvml_handles: Optional[List[Any]] = None
@@ -109,11 +109,12 @@ class SystemSampler:
 
 
     def _training_cpu_wait(self) -> Optional[float]:
-        """The training processes' wait for a CPU since the last sample, in percent of one core
-        (None at the first sample, or where Linux's schedstat is not there). A process seen for
-        the first time counts from the next sample."""
+        """The training ranks' main threads' wait for a CPU since the last sample, in percent of
+        one core (None at the first sample, or where Linux's schedstat is not there). A rank seen
+        for the first time counts from the next sample."""
         now_ns = time.monotonic_ns()
-        waited = {pid: ns for pid, ns in ((pid, _cpu_wait_ns(pid)) for pid in self._processes) if ns is not None}
+        ranks = [pid for pid in self._training_pids() if pid in self._processes]
+        waited = {pid: ns for pid, ns in ((pid, _cpu_wait_ns(pid)) for pid in ranks) if ns is not None}
         elapsed_ns, self._waited_at_ns = now_ns - self._waited_at_ns, now_ns
         before, self._waited_ns = self._waited_ns, waited
         known = [ns - before[pid] for pid, ns in waited.items() if pid in before and ns >= before[pid]]
@@ -123,20 +124,13 @@ class SystemSampler:
 
 
 def _cpu_wait_ns(pid: int) -> Optional[int]:
-    """How long the threads of a process have waited, ready, for a CPU (/proc/PID/task/*/schedstat,
-    its second figure), or None where that is not there."""
+    """How long a process's main thread has waited, ready, for a CPU (/proc/PID/schedstat, its
+    second figure), or None where that is not there."""
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
+        with open(f"/proc/{pid}/schedstat", "rb") as stream:
+            return int(stream.read().split()[1])
+    except (OSError, ValueError, IndexError):
         return None
-    total = 0
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat", "rb") as stream:
-                total += int(stream.read().split()[1])
-        except (OSError, ValueError, IndexError):  # a thread that just ended
-            continue
-    return total
 
 
 def _open_nvml() -> Optional[List[Any]]:

@@ -54,8 +54,7 @@ class ComparedRun:
     """One side of a comparison: a run, or repeats of the same code (a folder of run
     directories). Each repeat's steps per phase, in the order they ran, and how busy the machine
     was meanwhile: the cores other processes used (the median of the collector's samples), and
-    how long the training's threads waited, ready, for a CPU in a step, all of them together
-    (None where not known)."""
+    how long a rank's main thread waited, ready, for a CPU in a step (None where not known)."""
 
     def __init__(self, label: str, summary: Dict[str, Any], repeats: List[Dict[str, List[float]]],
                  other_cores: Optional[float] = None, cpu_wait_ms: Optional[float] = None):
@@ -141,7 +140,8 @@ class ComparedRun:
                 steps = {name: [getattr(s, f"{name}_ms") or 0.0 for s in data.window.steps]
                          for name in ("step",) + ALL_PHASES}
                 other_cores = _other_cores(data.samples)
-                cpu_wait_ms = _cpu_wait_ms(data.samples, summary["throughput"].get("steps_per_s"))
+                cpu_wait_ms = _cpu_wait_ms(data.samples, summary["throughput"].get("steps_per_s"),
+                                           summary["run"].get("world_size") or 1)
             finally:
                 store.close()
         if summary is None:
@@ -160,12 +160,12 @@ def _other_cores(samples: Sequence[Any]) -> Optional[float]:
                     for sample in samples if sample.cpu_count])
 
 
-def _cpu_wait_ms(samples: Sequence[Any], steps_per_s: Optional[float]) -> Optional[float]:
-    """How long, in all, the training's threads waited, ready, for a CPU in a step."""
+def _cpu_wait_ms(samples: Sequence[Any], steps_per_s: Optional[float], ranks: int) -> Optional[float]:
+    """How long a rank's main thread, which drives its steps, waited ready for a CPU in a step."""
     waits = [sample.training_cpu_wait_percent for sample in samples if sample.training_cpu_wait_percent is not None]
     if not waits or not steps_per_s:
         return None
-    return round(statistics.fmean(waits) / 100.0 * 1000.0 / steps_per_s, 3)
+    return round(statistics.fmean(waits) / ranks / 100.0 * 1000.0 / steps_per_s, 3)
 
 
 def compare(a: ComparedRun, b: ComparedRun, seed: int = 0) -> Dict[str, Any]:
