@@ -248,7 +248,8 @@ function renderFindings(findings) {
     const ev = f.evidence || {};
     // A capture that found no layer grown tells nothing: final_summary.json keeps it.
     if (ev.captured_layers && ev.captured_grown) card.append(make('div', 'captured', 'Captured ' + ev.captured_layers));
-    const keys = Object.keys(ev).filter((k) => k !== 'captured_layers'); // shown above, in words
+    // The capture is told above in words, or not at all: never as bare figures.
+    const keys = Object.keys(ev).filter((k) => !k.startsWith('captured_'));
     if (keys.length) {
       const dl = make('dl', 'evidence');
       for (const k of keys) {
