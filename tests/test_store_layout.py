@@ -1,6 +1,7 @@
 """Runs that last: a run directory written by an earlier TraceML opens in `traceml view`, `compare`
 and `export`; a field added to a record reads as its default from a store written before it; a
 store from a newer TraceML is refused in one line."""
+import contextlib
 import json
 import shutil
 import signal
@@ -36,7 +37,8 @@ def traceml(*args, cwd):
 
 def test_the_earlier_layout_has_no_number_and_reads_as_layout_1(earlier_run):
     path = earlier_run / "telemetry.sqlite"
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone() == (0,)
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        assert db.execute("PRAGMA user_version").fetchone() == (0,)
     store = stores.Store(str(path), readonly=True)
     assert len(store.steps()) == len(store.rolled_steps()) == 40 and store.hellos()[0].rank == 0
     store.close()

@@ -64,7 +64,9 @@ def test_findings_are_stored_with_the_run(tmp_path, capsys):
 
     store = filled_store(tmp_path)
     summary = finish_run(store, tmp_path, FACTS)
-    stored = Store(str(tmp_path / "telemetry.sqlite"), readonly=True).findings()
+    reader = Store(str(tmp_path / "telemetry.sqlite"), readonly=True)
+    stored = reader.findings()
+    reader.close()
     assert [f.kind for f in stored] == [f["kind"] for f in summary["findings"]]
     assert stored[0].kind == "INPUT_BOUND"
 

@@ -396,7 +396,7 @@ def test_traceml_view_serves_a_run_until_interrupted(finished_run, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["view", "/no/such/run"], "traceml: cannot open /no/such/run:"),
+    (["view", "/no/such/run"], "traceml: no such run directory: /no/such/run"),
     (["view", ".", "--port", "http"], "argument --port: not a port number: 'http'"),
     (["run", "--mode", "dashboard", "--port", "70000", "x.py"], "port 70000 is out of range"),
 ])
