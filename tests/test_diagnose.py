@@ -514,6 +514,22 @@ def test_an_evaluation_ten_times_slower_is_named_apart_and_keeps_the_period():
                              "17% of the run")
 
 
+
+def test_a_busy_machine_stretching_some_evaluations_twelve_times_keeps_the_period():
+    # The HF Trainer test on a busy machine: 40 steps of about 20 ms and an evaluation after
+    # every 10th update, which took 9.8, 14.2 and 1.1 s in one run. Had the last taken 0.8 s, under
+    # a tenth of their median, it was dropped as a stray batch and the period went with it.
+    evaluations = {9: 9800.0, 19: 14200.0, 29: 800.0}
+    window = evaluated_window(evaluations, count=40, step_ms=20.0)
+    (found,) = [f for f in diagnose(DiagnosisInput(window, steps_seen=40)) if f.kind == "EVAL_HEAVY"]
+    assert found.evidence["period_steps"] == 10 and found.evidence["count"] == 3
+    assert said_ms(found.evidence) / window.total_ms == pytest.approx(found.evidence["share"], abs=1e-4)
+    # A stray batch fetched without gradients (a forward alone, under a step) is still none of them.
+    evaluations[25] = 12.0
+    (found,) = [f for f in diagnose(DiagnosisInput(evaluated_window(evaluations, count=40, step_ms=20.0),
+                                                   steps_seen=40)) if f.kind == "EVAL_HEAVY"]
+    assert found.evidence["period_steps"] == 10 and found.evidence["count"] == 3
+
 def test_irregular_evaluations_are_counted_all_and_once_is_once():
     # What a field run stored: five evaluations over 996 steps of 15 ms, one of them 458 ms.
     evaluations = dict(zip((120, 310, 500, 730, 905), (68.6, 56.1, 457.6, 42.6, 41.3)))

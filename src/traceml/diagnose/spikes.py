@@ -46,7 +46,10 @@ CHECKPOINT_LINE = 0.05  # checkpoint saves at this share of the run bound it
 PLANNED_NOTE_SHARE = 0.01  # planned work below this share of the run is not worth a line
 PLANNED_FLOOR_MS = 0.5  # a window holds an evaluation (a save) when it holds this much of one...
 PLANNED_NOISE_SHARE = 0.1  # ... and this share of the median window that holds any: a median,
-                           # which one evaluation ten times slower cannot inflate as it does the largest
+                           # which one evaluation ten times slower cannot inflate as it does the largest;
+                           # or at least the median step: a stray batch fetched without gradients is a
+                           # forward alone, less than a step, while on a busy machine one evaluation
+                           # can take twelve times another's
 PLANNED_ELSEWHERE_SHARE = 0.1  # planned work outside the windows counted (the warm-up steps, after
                                # the last step): said when it is this share of all of it
 OUTLIER_RATIO = 5.0  # a slow step, an evaluation or a save this many times the median one is an
@@ -300,6 +303,7 @@ def planned_work(window: Window, goodput: Optional[Goodput] = None) -> List[Find
     and what fell outside those windows (the warm-up steps, a final evaluation), make the share."""
     found = []
     run_ms = goodput.wall_s * 1e3 if goodput is not None else window.total_ms
+    window_median_ms = statistics.median(s.step_ms for s in window.steps) if window.steps else 0.0
     for kind, name, part, line, what, action in (
             (FindingKind.EVAL_HEAVY, "eval", "evaluation", EVAL_LINE, "evaluation", EVAL_ACTION),
             (FindingKind.CHECKPOINT_STALL, "checkpoint", "checkpoint", CHECKPOINT_LINE, "a checkpoint save",
@@ -309,7 +313,7 @@ def planned_work(window: Window, goodput: Optional[Goodput] = None) -> List[Find
             share = goodput.share(part)
         else:
             share = sum(getattr(s, figure) for s in window.steps) / run_ms if run_ms else 0.0
-        occurrences = _occurrences(window.steps, figure)
+        occurrences = _occurrences(window.steps, figure, window_median_ms)
         if share < PLANNED_NOTE_SHARE or not occurrences:
             continue
         durations_ms = [getattr(s, figure) for s in occurrences]
@@ -336,16 +340,18 @@ def planned_work(window: Window, goodput: Optional[Goodput] = None) -> List[Find
     return found
 
 
-def _occurrences(steps: Sequence[RolledStep], figure: str) -> List[RolledStep]:
+def _occurrences(steps: Sequence[RolledStep], figure: str, step_median_ms: float) -> List[RolledStep]:
     """The windows that held an evaluation (or a save): over an absolute floor, and over a share
-    of the median window that held any. A stray batch fetched without gradients is not an
-    evaluation; and a median, unlike the largest, stays where the others are when one of them
-    takes ten times longer."""
+    of the median window that held any or as long as the median step. A stray batch fetched
+    without gradients is not an evaluation; a median, unlike the largest, stays where the others
+    are when one of them takes ten times longer; and an evaluation longer than a whole step is
+    never a stray batch, however much longer a busy machine made the others (a period needs
+    every one of them)."""
     held = [s for s in steps if getattr(s, figure) >= PLANNED_FLOOR_MS]
     if not held:
         return []
-    median_ms = statistics.median(getattr(s, figure) for s in held)
-    return [s for s in held if getattr(s, figure) >= PLANNED_NOISE_SHARE * median_ms]
+    line_ms = min(PLANNED_NOISE_SHARE * statistics.median(getattr(s, figure) for s in held), step_median_ms)
+    return [s for s in held if getattr(s, figure) >= max(line_ms, PLANNED_FLOOR_MS)]
 
 
 def _typical(values: Sequence[float]) -> Tuple[float, List[int]]:
