@@ -26,6 +26,7 @@ def main():
     parser.add_argument("--crash-at", type=int, default=-1, help="raise inside this step")
     parser.add_argument("--exit-code", type=int, default=0)
     parser.add_argument("--timestamps", help="write the loop's own step start times here")
+    parser.add_argument("--step-ends", help="write the loop's own times at the end of each step here")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU checks")
     parser.add_argument("--keep-graph", action="store_true",
                         help="the classic leak: keep each step's loss tensor and outputs in a list")
@@ -69,7 +70,7 @@ def main():
 
     kept, heap = [], [[index] for index in range(args.gc_heap)]
     checkpoint = torch.zeros(int(args.save_mb * 2 ** 20 / 4))
-    starts = []
+    starts, ends = [], []
     for step, (inputs, targets) in enumerate(batches):
         starts.append(time.perf_counter())
         if step == args.close_stdout_at:
@@ -97,6 +98,7 @@ def main():
             if args.save_every and not args.save_between and step % args.save_every == args.save_every - 1:
                 torch.save({"model": model.state_dict(), "extra": checkpoint},
                            f"checkpoint-{step % 2}.pt")
+        ends.append(time.perf_counter())
         if args.save_every and args.save_between and step % args.save_every == args.save_every - 1:
             torch.save({"model": model.state_dict(), "extra": checkpoint}, f"checkpoint-{step % 2}.pt")
         if args.outside_ms:
@@ -109,6 +111,9 @@ def main():
     if args.timestamps:
         with open(args.timestamps, "w") as out:
             json.dump(starts, out)
+    if args.step_ends:
+        with open(args.step_ends, "w") as out:
+            json.dump(ends, out)
     sys.exit(args.exit_code)
 
 
