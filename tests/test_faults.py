@@ -146,10 +146,10 @@ def tiny_disk(tmp_path):
 def test_a_full_disk_costs_telemetry_not_the_training(tiny_disk, tmp_path):
     run_dir = tiny_disk / "run"
     process = subprocess.run([sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir",
-                              str(run_dir), str(TRAIN_LOOP), "--steps", "8000", "--no-loader"],
+                              str(run_dir), str(TRAIN_LOOP), "--steps", "5000", "--no-loader"],
                              capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_env())
     assert process.returncode == 0
-    assert "trained 8000 steps" in process.stdout and "TraceML" in process.stdout  # the card still shows
+    assert "trained 5000 steps" in process.stdout and "TraceML" in process.stdout  # the card still shows
     store_lines = [line for line in process.stderr.splitlines() if "could not store" in line]
     assert len(store_lines) == 1, process.stderr  # said once, not once per frame
     assert "records did not fit" in store_lines[0]
@@ -157,14 +157,15 @@ def test_a_full_disk_costs_telemetry_not_the_training(tiny_disk, tmp_path):
     # What fit is kept: the store filled the disk whatever its commits' sizes, and the room held
     # back from the start still took the summary files.
     kept = stored_steps(run_dir)
-    assert kept < 8000
+    assert kept < 5000
     summary = json.loads((run_dir / "final_summary.json").read_text())
     assert summary["steps"]["count"] == kept
     assert "TraceML" in (run_dir / "final_summary.txt").read_text()
     assert not (run_dir / ".traceml-reserve").exists()
     # ~250 bytes a step here: the records, not old copies of pages, fill the disk (about 2400
     # steps in 600 KiB of the 1 MiB, beside the room held for the summary and the log's fold;
-    # 1444 once in a fresh-clone run of the suite). Old copies of pages kept 60 steps.
+    # 1444 once in a fresh-clone run of the suite). Old copies of pages kept 60 steps. 5000
+    # steps would take twice the disk: it is full well before the end.
     assert kept > 1000 and (run_dir / "telemetry.sqlite").stat().st_size > 300 * 1024
 
 
