@@ -1,4 +1,16 @@
-"""Shared helpers: run real training scripts under TraceML and read back what they left."""
+"""Shared helpers: run real training scripts under TraceML and read back what they left.
+
+How the suite runs (README, .ci/run): `pytest -n 2 --dist loadgroup -m "not serial"`, then
+`pytest -m serial` alone. Two workers, one a core: most tests are real runs in subprocesses that
+wait on sleeps, sockets and each other as much as they compute, and their assertions leave room
+for a busy machine, so two at once fill the machine without starving either. Tests marked
+`serial` judge the machine's own timings (runs compared with one another) and need the CPU to
+themselves: a second, non-parallel pytest runs them with nothing of the suite beside them. An
+xdist_group would not do for them: it keeps tests on one worker, still beside the other worker.
+Groups serve modules whose module-scoped fixture makes an expensive run (a 2-rank run looked at
+in a browser): --dist loadgroup gives a group's tests to one worker, which makes the run once,
+and spreads every other test one by one.
+"""
 import ctypes
 import json
 import os

@@ -123,6 +123,7 @@ def every_style_plain(tmp_path_factory):
     return finish(start([sys.executable, str(FIELD / "every_style.py"), "--out", "out"], where)), where
 
 
+@pytest.mark.xdist_group("every_style")  # one worker: the plain run is made once
 @pytest.mark.parametrize("how, launcher", [
     ("trace_step", "python"), ("deep", "python"), ("trace_api", "python"),
     ("plain", "traceml run"), ("plain", "traceml run --deep")])

@@ -11,6 +11,10 @@ import pytest
 from conftest import SCRIPTS, _env
 from traceml.report.compare import ComparedRun, compare, gate
 
+# Benchmarks of the gate: their runs need the CPU as much on both sides, never shared with
+# another test's (conftest.py).
+pytestmark = pytest.mark.serial
+
 GATE_BENCH = SCRIPTS / "gate_bench.py"
 STEPS = "150"
 # Ten layers a step, or twelve: the forward and backward 20% longer, the update alike.

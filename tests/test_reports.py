@@ -12,6 +12,11 @@ from conftest import SCRIPTS, TRAIN_LOOP, _env
 from test_web import get, read_url
 
 
+# Runs compared against each other must have the CPU as much as each other: made once, alone,
+# in the serial pass (conftest.py), with every test that reads them.
+compared = pytest.mark.serial
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A slow-loader run, the same loop fixed (its batches built in memory: a DataLoader of 8
@@ -40,6 +45,7 @@ def compare(a, b, *extra):
     return process
 
 
+@compared
 def test_fixing_the_loader_is_an_improvement(runs):
     result = json.loads(compare(runs["slow"], runs["fixed"], "--json").stdout)
     assert result["verdict"] == "IMPROVEMENT"
@@ -55,6 +61,7 @@ def test_fixing_the_loader_is_an_improvement(runs):
     assert batch["a"] == batch["b"] == 8 and not batch["differs"]
 
 
+@compared
 def test_a_run_against_itself_is_never_a_change(runs):
     # EQUIVALENT when its steps are steady enough for the interval to sit within ±5%; a machine
     # that jitters widens it (INCONCLUSIVE), and that is all it may do.
@@ -67,6 +74,7 @@ def test_a_run_against_itself_is_never_a_change(runs):
     assert result["verdict"] in text and "input wait" in text
 
 
+@compared
 def test_summary_files_alone_are_inconclusive_not_guessed(runs, tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text((runs["slow"] / "final_summary.json").read_text())
@@ -76,6 +84,7 @@ def test_summary_files_alone_are_inconclusive_not_guessed(runs, tmp_path):
     assert result["step"]["delta_ms"] < -5.0  # the medians still compare
 
 
+@compared
 def test_chrome_export_nests_per_rank_and_keeps_time_order(runs, tmp_path):
     out = tmp_path / "trace.json"
     process = subprocess.run([sys.executable, "-m", "traceml", "export", str(runs["slow"]), "--format",
@@ -108,6 +117,7 @@ def test_chrome_export_nests_per_rank_and_keeps_time_order(runs, tmp_path):
     assert len(counters) == 50 and all(e["args"]["host_rss"] > 10 for e in counters)
 
 
+@compared
 def test_jsonl_and_csv_exports(runs, tmp_path):
     for fmt in ("jsonl", "csv"):
         process = subprocess.run([sys.executable, "-m", "traceml", "export", str(runs["fixed"]), "--format",

@@ -27,6 +27,9 @@ from traceml.views.web.app import WebServer, worded_memory
 
 from conftest import SCRIPTS, TRAIN_LOOP, _env
 
+# One worker for the module: its finished run and server are made once (conftest.py).
+pytestmark = pytest.mark.xdist_group("web")
+
 ROOT = Path(__file__).parent.parent
 API_LOOP = SCRIPTS / "trace_api_loop.py"
 SEED = ROOT / "examples" / "seed_api.py"

@@ -24,6 +24,9 @@ from conftest import TRAIN_LOOP, _env
 from test_web import get, read_url
 from traceml.views.summary import PHASE_LABELS, SEVERITY_COLOURS
 
+# One worker for the module: its 2-rank run and the pages looked at are made once (conftest.py).
+pytestmark = pytest.mark.xdist_group("web_look")
+
 ROOT = Path(__file__).parent.parent
 ARTIFACTS = Path(os.environ.get("TRACEML_ARTIFACTS", ROOT / "test-artifacts"))
 CHROMIUM = "/usr/bin/chromium"
