@@ -116,8 +116,14 @@ def test_growing_sequence_lengths_are_recompilations_with_their_reason(traceml_r
     assert finding["summary"].endswith("the size of dim 1 of tokens changes")
     assert "mark_dynamic(tokens, 1)" in finding["action"] and "bucket" in finding["action"]
     assert finding["evidence"]["seconds"] == pytest.approx(compiled["recompile_s"], abs=0.01)
-    # Compiling is never a spike: the steps that recompiled are told by RECOMPILATION only.
-    assert "STEP_SPIKES" not in found
+    # Compiling is never a spike: the steps that recompiled are told by RECOMPILATION only. On
+    # a busy machine the scheduler's slices stall a few of these ~1 ms steps 5-fold: told as the
+    # machine's, never at the recompilations' steps or their period.
+    spikes = found.get("STEP_SPIKES")
+    recompiled = set(range(10, 40, 4))
+    assert spikes is None or (spikes["evidence"]["machine_wide"]
+                              and spikes["evidence"]["first_spike_step"] not in recompiled
+                              and spikes["evidence"]["period_steps"] != 4), spikes
 
 
 def test_fixed_lengths_compile_once_and_a_graph_break_is_counted(traceml_run):
