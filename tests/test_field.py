@@ -3,6 +3,7 @@ trainer scripts), each run plain and under TraceML. TraceML must be invisible in
 exit code, the same output (times aside), byte-identical files, and one step per update."""
 import importlib.util
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,12 @@ def start(command, cwd):
     # One intra-op thread each: two runs side by side on two cores, each spinning a thread per
     # core, slow each other down tenfold.
     env = dict(_env(), PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+    # SIGINT as a terminal gives it: a suite started as a background job runs with SIGINT ignored,
+    # which a child inherits, and Python then installs no default_int_handler (process_habits.py
+    # prints the handler it finds).
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def finish(process, timeout=240):
