@@ -58,4 +58,5 @@ for step in range(args.steps):
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-print("done", args.steps, "sharded parameters:", sum(hasattr(p, "_local_tensor") for p in model.parameters()))
+# One string, one write: both ranks print to one stdout, and print()'s separate arguments interleave.
+print(f"done {args.steps} sharded parameters: {sum(hasattr(p, '_local_tensor') for p in model.parameters())}")

@@ -89,7 +89,9 @@ def main():
     trainer._save_checkpoint = timed_save_checkpoint
     trainer.train()
     if args.fsdp:
-        print("sharded parameters:", sum(hasattr(p, "_local_tensor") for p in trainer.model_wrapped.parameters()))
+        # One string, one write: both ranks print to one stdout, and print()'s separate arguments interleave.
+        sharded = sum(hasattr(p, "_local_tensor") for p in trainer.model_wrapped.parameters())
+        print(f"sharded parameters: {sharded}")
     print("trained", trainer.state.global_step, "updates")
     evaluations = [entry["eval_runtime"] for entry in trainer.state.log_history if "eval_runtime" in entry]
     print("MEASURED " + json.dumps({"eval_s": sum(evaluations), "evaluations": len(evaluations),
