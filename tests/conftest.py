@@ -1,7 +1,8 @@
 """Shared helpers: run real training scripts under TraceML and read back what they left.
 
-How the suite runs (README, .ci/run): `pytest -n 2 --dist loadgroup -m "not serial"`, then
-`pytest -m serial` alone. Two workers, one a core: most tests are real runs in subprocesses that
+CI runs the suite in one process (README, .ci/run). On two workers it is quicker, though not yet
+steady: `pytest -n 2 --dist loadgroup -m "not serial"`, then `pytest -m serial` alone. Two
+workers, one a core: most tests are real runs in subprocesses that
 wait on sleeps, sockets and each other as much as they compute, and their assertions leave room
 for a busy machine, so two at once fill the machine without starving either. Tests marked
 `serial` judge the machine's own timings (runs compared with one another) and need the CPU to
