@@ -3,6 +3,8 @@ own, and the finding names the layers that grew against a sample taken before.""
 import os
 from pathlib import Path
 
+import pytest
+
 from test_records import step
 from traceml.diagnose.captures import attach_captures, capture_text, grown_layers
 from traceml.probe.layers import AnomalyWatch
@@ -132,6 +134,7 @@ def test_a_capture_is_told_by_the_finding_its_rule_belongs_to():
     assert "captured_layers" not in loader.evidence
 
 
+@pytest.mark.serial  # judges which steps stand out; another test beside it made some (under -n 2)
 def test_a_layer_that_slows_down_mid_run_is_captured_and_named(traceml_run, tmp_path):
     script = tmp_path / "slowing.py"
     script.write_text(SLOWING_LAYER)

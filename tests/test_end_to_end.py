@@ -14,6 +14,7 @@ PARTS = ("input_wait_ms", "outside_ms", "h2d_ms", "forward_ms", "backward_ms", "
          "untraced_ms")
 
 
+@pytest.mark.serial  # judges which steps stand out; another test beside it made some (under -n 2)
 def test_slow_dataset_is_input_bound(traceml_run):
     run = traceml_run("--steps", 30, "--load-ms", 5, "--batch-size", 8)
     assert run.returncode == 0, run.stderr

@@ -28,6 +28,7 @@ def kinds(summary):
     return {f["kind"]: f for f in summary["findings"]}
 
 
+@pytest.mark.serial  # judges which steps stand out; another test beside it made some (under -n 2)
 @pytest.mark.parametrize("mode", [[], ["--trace-step"]], ids=["zero-code", "trace_step"])
 def test_evaluation_and_saves_take_the_share_the_script_measures(traceml_run, mode):
     run = traceml_run("--steps", 100, "--setup-s", 1.0, *mode, script=EVAL_SAVE)
@@ -100,6 +101,7 @@ def test_an_ema_update_under_no_grad_is_not_evaluation(traceml_run):
     assert goodput["evaluation"]["seconds"] == 0
 
 
+@pytest.mark.serial  # judges which steps stand out; another test beside it made some (under -n 2)
 def test_growing_sequence_lengths_are_recompilations_with_their_reason(traceml_run):
     pytest.importorskip("torch._dynamo")
     run = traceml_run("--lengths", "growing", script=COMPILED, timeout=240)

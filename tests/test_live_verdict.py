@@ -43,6 +43,7 @@ def assert_live_is_final(run):
     return summary
 
 
+@pytest.mark.serial  # judges which steps stand out; another test beside it made some (under -n 2)
 @pytest.mark.parametrize("case", ["stall", "oom"])
 def test_the_live_verdict_at_the_end_is_the_final_one(traceml_run, case):
     if case == "stall":
