@@ -76,11 +76,18 @@ def test_a_20_percent_slowdown_fails_the_gate(runs):
     assert "Gate FAIL" in text and "beyond the 10% threshold (exit 1)" in text
 
 
-def test_the_unchanged_loop_passes_the_gate_every_time(runs):
+def test_the_unchanged_loop_never_fails_the_gate(runs):
+    # Never a regression; and passed, unless the machine itself drifted within a run: once, on a
+    # quiet machine, six of a rerun's ten stretches ran 20% slower with no CPU load to see (a
+    # virtual machine's host), and the gate said it could not tell (3), as it should.
+    cannot_tell = 0
     for rerun in runs["reruns"]:
         process = gate_cli(runs["base"], rerun, "--json")
         result = json.loads(process.stdout)
-        assert process.returncode == 0, (result["gate"], result["machine"])
+        assert process.returncode in (0, 3), (result["gate"], result["machine"])
+        cannot_tell += process.returncode == 3
+        assert gate_cli(runs["base"], rerun, "--inconclusive-ok").returncode == 0
+    assert cannot_tell <= 1
 
 
 def test_runs_of_the_same_code_are_never_a_change(runs):
