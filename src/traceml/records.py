@@ -267,6 +267,11 @@ class SystemSample(msgspec.Struct, tag="system", array_like=True):
     # threads drive (TraceML's own threads' waits are not the steps'). None: not known.
     training_cpu_wait_percent: Optional[float] = None
 
+    def other_cores(self) -> float:
+        """The cores processes other than the training used (negative within a reading's noise;
+        meaningless where cpu_count is not known)."""
+        return self.cpu_percent / 100.0 * self.cpu_count - self.training_cpu_percent / 100.0
+
 
 class RankEnd(msgspec.Struct, tag="end", array_like=True):
     """Sent by a training process as it exits: what it sent, what it had to drop, how it ended."""

@@ -479,6 +479,5 @@ def _other_cpu_cores(system: Sequence[SystemSample], slow: List[RolledStep]) -> 
     if not known:
         return None
     near = [s for s in known if any(abs(s.unix_s - step.start_unix_s) <= 1.0 for step in slow)]
-    readings = [s.cpu_percent / 100.0 * s.cpu_count - s.training_cpu_percent / 100.0
-                for s in (near or known)]
+    readings = [s.other_cores() for s in (near or known)]
     return max(0.0, statistics.median(readings))

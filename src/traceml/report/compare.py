@@ -14,8 +14,8 @@ What drift can do, and what the verdict reads so that it cannot:
 - A machine busier during one run than the other may account for a change: then no
   IMPROVEMENT or REGRESSION, but INCONCLUSIVE. From the collector's samples: other processes
   using c more cores during one run make it at most (1 + c) times slower (the training's share
-  of the CPU shrinks no further, with one thread or more); where Linux says how long the
-  training's threads waited, ready to run, for a CPU, that is the load's cost itself: waits
+  of the CPU shrinks no further, with one thread or more); where Linux says how long each
+  rank's main thread waited, ready to run, for a CPU, that is the load's cost itself: waits
   that differ by W ms a step move the median by at most W ms. A change still beyond the margin
   once the busier side is granted that cost is the code's.
 - Repeats measure run-to-run variance itself: BASE and NEW may each be a folder of runs of the
@@ -60,6 +60,14 @@ class ComparedRun:
                  other_cores: Optional[float] = None, cpu_wait_ms: Optional[float] = None):
         self.label, self.summary, self.repeats = label, summary, repeats
         self.other_cores, self.cpu_wait_ms = other_cores, cpu_wait_ms
+        # Each repeat's steady stretches, found once on its step times and read for every phase.
+        self._steady: List[List[Tuple[int, int]]] = []
+        self._left_out = 0
+        for repeat in repeats:
+            bounds = _stretch_bounds(len(repeat.get("step", [])))
+            keep = _steady_stretches([statistics.median(repeat["step"][lo:hi]) for lo, hi in bounds])
+            self._steady.append([stretch for stretch, kept in zip(bounds, keep) if kept])
+            self._left_out += len(bounds) - len(self._steady[-1])
 
     @property
     def steps(self) -> Dict[str, List[float]]:
@@ -73,32 +81,18 @@ class ComparedRun:
     def stretch_medians(self, name: str) -> List[List[float]]:
         """Each repeat's medians of its steady stretches (see _steady_stretches); an empty list
         for a repeat too short to cut into MIN_BLOCKS stretches."""
-        medians = []
-        for repeat in self.repeats:
-            values = repeat.get(name, [])
-            bounds = _stretch_bounds(len(values))
-            steady = _steady_stretches([statistics.median(repeat["step"][lo:hi]) for lo, hi in bounds])
-            medians.append([statistics.median(values[lo:hi]) for (lo, hi), keep in zip(bounds, steady) if keep])
-        return medians
+        return [[statistics.median(repeat.get(name, [])[lo:hi]) for lo, hi in steady]
+                for repeat, steady in zip(self.repeats, self._steady)]
 
     def disturbed_stretches(self) -> int:
         """How many stretches, over every repeat, the comparison leaves out as the machine's."""
-        count = 0
-        for repeat in self.repeats:
-            bounds = _stretch_bounds(len(repeat.get("step", [])))
-            count += sum(not keep for keep in _steady_stretches(
-                [statistics.median(repeat["step"][lo:hi]) for lo, hi in bounds]))
-        return count
+        return self._left_out
 
     def median_ms(self, name: str) -> float:
         """The median over the steady stretches' steps; the card's median without per-step data."""
-        steady: List[float] = []
-        for repeat in self.repeats:
-            values = repeat.get(name, [])
-            bounds = _stretch_bounds(len(values))
-            keep = _steady_stretches([statistics.median(repeat["step"][lo:hi]) for lo, hi in bounds])
-            steady.extend(value for (lo, hi), kept in zip(bounds, keep) if kept for value in values[lo:hi])
-        return statistics.median(steady) if steady else self.summary["phases"][name]["median_ms"]
+        values = [value for repeat, steady in zip(self.repeats, self._steady) for lo, hi in steady
+                  for value in repeat.get(name, [])[lo:hi]]
+        return statistics.median(values) if values else self.summary["phases"][name]["median_ms"]
 
     @classmethod
     def load(cls, path: Path) -> "ComparedRun":
@@ -156,8 +150,7 @@ def _median(values: Sequence[Optional[float]]) -> Optional[float]:
 
 def _other_cores(samples: Sequence[Any]) -> Optional[float]:
     """The cores that processes other than the training used during the run."""
-    return _median([max(0.0, sample.cpu_percent / 100.0 * sample.cpu_count - sample.training_cpu_percent / 100.0)
-                    for sample in samples if sample.cpu_count])
+    return _median([max(0.0, sample.other_cores()) for sample in samples if sample.cpu_count])
 
 
 def _cpu_wait_ms(samples: Sequence[Any], steps_per_s: Optional[float], ranks: int) -> Optional[float]:
