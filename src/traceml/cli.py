@@ -274,6 +274,8 @@ def compare_command(args: argparse.Namespace) -> int:
     from traceml.report.compare import ComparedRun, compare, gate
     from traceml.views.compare import print_comparison
 
+    if not args.fail_on and (args.threshold is not None or args.phase != "step" or args.inconclusive_ok):
+        return _fail("--threshold, --phase and --inconclusive-ok need --fail-on regression")
     try:
         runs = [ComparedRun.load(path) for path in (args.run_a, args.run_b)]
     except (OSError, ValueError, KeyError) as exc:
@@ -281,8 +283,6 @@ def compare_command(args: argparse.Namespace) -> int:
     result = compare(*runs)
     if args.fail_on:
         result["gate"] = gate(result, args.phase, args.threshold, args.inconclusive_ok)
-    elif args.threshold is not None or args.phase != "step" or args.inconclusive_ok:
-        return _fail("--threshold, --phase and --inconclusive-ok need --fail-on regression")
     if args.json:
         import json
 

@@ -31,6 +31,7 @@ class SystemSampler:
         self._training_pids = training_pids
         self.interval_s = interval_s
         self._processes: Dict[int, Any] = {}
+        self._ranks: List[int] = []  # the training ranks alive at the last sample (no children)
         # Each training rank's main thread's wait for a CPU at the last sample, and when.
         self._waited_ns: Dict[int, int] = {}
         self._waited_at_ns = 0
@@ -87,15 +88,17 @@ class SystemSampler:
     def _training_usage(self) -> tuple:
         psutil = self._psutil
         alive: Dict[int, Any] = {}
+        ranks: List[int] = []
         for pid in list(self._training_pids()):
             try:
                 root = self._processes.get(pid) or psutil.Process(pid)
                 alive[pid] = root
+                ranks.append(pid)
                 for child in root.children(recursive=True):
                     alive[child.pid] = self._processes.get(child.pid) or child
             except psutil.Error:
                 continue
-        self._processes = alive
+        self._processes, self._ranks = alive, ranks
         cpu = 0.0
         rss = 0
         for process in alive.values():
@@ -113,8 +116,7 @@ class SystemSampler:
         one core (None at the first sample, or where Linux's schedstat is not there). A rank seen
         for the first time counts from the next sample."""
         now_ns = time.monotonic_ns()
-        ranks = [pid for pid in self._training_pids() if pid in self._processes]
-        waited = {pid: ns for pid, ns in ((pid, _cpu_wait_ns(pid)) for pid in ranks) if ns is not None}
+        waited = {pid: ns for pid, ns in ((pid, _cpu_wait_ns(pid)) for pid in self._ranks) if ns is not None}
         elapsed_ns, self._waited_at_ns = now_ns - self._waited_at_ns, now_ns
         before, self._waited_ns = self._waited_ns, waited
         known = [ns - before[pid] for pid, ns in waited.items() if pid in before and ns >= before[pid]]
