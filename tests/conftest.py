@@ -24,6 +24,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+# One intra-op thread for torch in every process the suite starts (and in its own): each test
+# asks for one core and gets it. torch's default is a thread per core, and two processes each
+# spinning two threads on two cores (two workers, or a test beside a busy machine) ran a
+# 12000-step loop in 22 s instead of 7, and their timings went with it.
+os.environ["OMP_NUM_THREADS"] = "1"
+
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN_LOOP = SCRIPTS / "train_loop.py"
 

@@ -31,9 +31,7 @@ def masked(text):
 def start(command, cwd):
     cwd.mkdir(parents=True, exist_ok=True)
     # Hash randomisation off: some libraries pickle a str hash (Hugging Face's GenerationConfig).
-    # One intra-op thread each: two runs side by side on two cores, each spinning a thread per
-    # core, slow each other down tenfold.
-    env = dict(_env(), PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+    env = dict(_env(), PYTHONHASHSEED="0")
     # SIGINT as a terminal gives it: a suite started as a background job runs with SIGINT ignored,
     # which a child inherits, and Python then installs no default_int_handler (process_habits.py
     # prints the handler it finds).

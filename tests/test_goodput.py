@@ -16,7 +16,6 @@ EVAL_SAVE = SCRIPTS / "eval_save_loop.py"
 COMPILED = SCRIPTS / "compiled_loop.py"
 HF = SCRIPTS / "hf_trainer.py"
 SAMPLED = FIELD / "sampled_lm.py"
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # a busy machine's two cores: its times, not torch's threads'
 
 
 def measured(run):
@@ -81,7 +80,7 @@ def test_sampling_through_an_inner_module_and_an_ema_copys_evaluation_are_evalua
     # generate() under no_grad calls the model's inner network, never the traced model, and the
     # EMA copy shares no parameter with it; the EMA's in-place update after each step is no model run.
     run = traceml_run("--out", "out", "--steps", 60, "--sample-every", 10, "--eval-every", 20, *mode,
-                      script=SAMPLED, timeout=240, env=ONE_THREAD)
+                      script=SAMPLED, timeout=240)
     assert run.returncode == 0, run.stderr
     own, goodput = sampled_lm_times_s(run.stdout), run.summary()["goodput"]
     evaluation_s = own["sample"] + own["ema_eval"]
@@ -94,7 +93,7 @@ def test_sampling_through_an_inner_module_and_an_ema_copys_evaluation_are_evalua
 
 def test_an_ema_update_under_no_grad_is_not_evaluation(traceml_run):
     run = traceml_run("--out", "out", "--steps", 60, "--sample-every", 1000, "--eval-every", 1000,
-                      script=SAMPLED, timeout=240, env=ONE_THREAD)
+                      script=SAMPLED, timeout=240)
     assert run.returncode == 0, run.stderr
     own, goodput = sampled_lm_times_s(run.stdout), run.summary()["goodput"]
     assert own["sample"] == own["ema_eval"] == 0 and own["ema_update"] > 0

@@ -25,7 +25,7 @@ def test_keeping_loss_and_activations_is_memory_creep_with_a_forecast(traceml_ru
     # more at times by filling old holes (the collector's own RSS samples were flat too), and a
     # flat third of the early window is no persistent trend.
     run = traceml_run("--steps", 60, "--no-loader", "--keep-graph", "--retain-graph", "--batch-size", 512,
-                      "--features", 256, "--width", 1024, "--outside-ms", 40, env={"OMP_NUM_THREADS": "1"})
+                      "--features", 256, "--width", 1024, "--outside-ms", 40)
     assert run.returncode == 0, run.stderr
     summary = run.summary()
     creep = kinds(summary)["MEMORY_CREEP"]

@@ -272,8 +272,7 @@ def test_tokens_per_second_counts_real_tokens_and_padding(traceml_run):
 def test_tokens_per_second_counts_the_tokens_a_step_trains_on(traceml_run, shape, given):
     if shape[0] == "hf":
         pytest.importorskip("transformers")
-    run = traceml_run("--shape", *shape, script=SCRIPTS / "trained_tokens.py", timeout=240,
-                      env={"OMP_NUM_THREADS": "1"})
+    run = traceml_run("--shape", *shape, script=SCRIPTS / "trained_tokens.py", timeout=240)
     assert run.returncode == 0, run.stderr
     (trained,) = json.loads(re.search(r"^trained tokens a step (\[.*\])$", run.stdout, re.MULTILINE).group(1))
     rows = run.step_rows()
