@@ -33,14 +33,15 @@ CHROMIUM = "/usr/bin/chromium"
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--no-first-run"]
 WIDTHS_PX = (1400, 1000, 700)  # a wide window, a laptop beside an editor, a narrow one
-STEPS = 1500
+STEPS = 1500  # at most: the fixture stops the run once it has looked at the live page
 WARMUP_MS = 300  # the first step's stall: a compile, an autotune, a cold cache
 STRAGGLER_BUSY_MS = 10  # rank 1's extra forward compute every step
 
 # A DDP loop (gloo, CPU) whose rank 1 computes longer in forward every step and whose first
 # forward stalls on every rank, as a first step does under torch.compile or cudnn autotuning.
+# It ends early, every rank at the same step, once the file given after --stop-when exists.
 STRAGGLER_SCRIPT = f'''
-import sys, time
+import os, sys, time
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -71,14 +72,20 @@ torch.manual_seed(0)
 model = DistributedDataParallel(Net({STRAGGLER_BUSY_MS} / 1000 if rank == 1 else 0.0))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 steps = int(sys.argv[sys.argv.index("--steps") + 1])
+stop_file = sys.argv[sys.argv.index("--stop-when") + 1]
 for step in range(steps):
+    if step % 50 == 0:
+        stop = torch.tensor([float(os.path.exists(stop_file))])
+        dist.all_reduce(stop)
+        if stop.item():
+            break
     inputs, targets = torch.randn(8, 32), torch.randint(0, 10, (8,))
     with traceml.trace_step(model):
         loss = nn.functional.cross_entropy(model(inputs), targets)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-print(f"rank {{rank}} trained {{steps}} steps", flush=True)
+print(f"rank {{rank}} stopped at step {{step}}", flush=True)
 dist.barrier()
 '''
 
@@ -342,10 +349,10 @@ def straggler(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("look")
     script = tmp / "ddp_straggler.py"
     script.write_text(STRAGGLER_SCRIPT)
-    run_dir = tmp / "straggler"
+    run_dir, stop_file = tmp / "straggler", tmp / "looked"
     process = subprocess.Popen(
         [sys.executable, "-m", "traceml", "run", "--mode", "dashboard", "--port", "0", "--nproc-per-node", "2",
-         "--run-dir", str(run_dir), str(script), "--steps", str(STEPS)],
+         "--run-dir", str(run_dir), str(script), "--steps", str(STEPS), "--stop-when", str(stop_file)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, env=_env())
     live = None
     try:
@@ -363,6 +370,7 @@ def straggler(tmp_path_factory):
                 live = look_at(page, "look-live")
                 live["api_steps_seen"] = get(base, "/api/overview")["steps_seen"]
                 browser.close()
+        stop_file.touch()
         stdout, stderr = process.communicate(timeout=240)
     finally:
         process.kill()
