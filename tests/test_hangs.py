@@ -94,6 +94,22 @@ def test_a_dataloader_wait_names_the_worker_that_owes_the_batch():
     assert "py-spy dump --pid 4242" in hang.finding.action and "timeout=" in hang.finding.action
 
 
+def test_the_rank_others_wait_for_is_named_before_its_own_allowance_runs_out():
+    # Rank 0 is past its 30 s; rank 1, in a DataLoader wait, stopped a second later and is not
+    # yet, but has pulsed: the first word of the hang names it, not only the rank waiting for it.
+    hang = find_hang([progress(0, stalled_s=31, pulse=pulse(0, 31, waiting_in="all_reduce", collectives_issued=41)),
+                      progress(1, stalled_s=29.5, pulse=pulse(1, 29.5, phase="in step", waiting_in="DataLoader",
+                                                              loader_worker=0, loader_worker_pid=4242,
+                                                              collectives_issued=40))], 1000.0)
+    assert hang.finding.rank == 1 and hang.stalled_ranks == [0]
+    assert "rank 1 is in a DataLoader wait at train.py:42 load: its worker 0 (pid 4242) has not" in hang.finding.summary
+    assert "rank 1 has issued 1 collective fewer than rank 0 (40 against 41)" in hang.finding.summary
+    # A rank that has not pulsed (it ended a step under PULSE_AFTER_S ago) is not named.
+    hang = find_hang([progress(0, stalled_s=31, pulse=pulse(0, 31, waiting_in="all_reduce")),
+                      progress(1, stalled_s=2)], 1000.0)
+    assert hang.finding.rank is None and "rank 1" not in hang.finding.summary
+
+
 def test_a_lost_rank_is_told_by_the_signal_that_ended_it():
     lost = rank_lost([{"rank": 1, "from_step": 15, "exit_code": -9, "pid": 77}],
                      {1: {"exit_code": -9, "pid": 77}, 0: {"exit_code": -15, "pid": 76}}, world_size=2)

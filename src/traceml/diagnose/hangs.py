@@ -89,8 +89,10 @@ def find_hang(ranks: List[RankProgress], now_unix_s: float, hang_after_s: float 
     if not stalled:
         return None
     waiting = [place for place in stalled if place["state"] == "collective"]
+    if waiting:
+        _name_the_ranks_they_wait_for(places)
     absent = [place for place in places if place["state"] in ("gone", "frozen")
-              or (place["stalled"] and place["state"] != "collective")]
+              or (place["stalled"] and place["state"] != "collective") or place.get("behind")]
     longest_s = max(place["stalled_s"] for place in stalled)
     parts = [_told(place) for place in absent] + [_told(place) for place in waiting]
     behind = _collectives_behind(places)
@@ -127,6 +129,7 @@ def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Di
         "stack": [f"{f}:{line} {function}" for f, line, function in pulse.stack] if fresh else [],
         "innermost": pulse.innermost if fresh else None,
         "where": _where(pulse) if fresh else None, "stalled": False, "state": "stepping",
+        "pulsing": fresh,  # it has said where it is since its last step: PULSE_AFTER_S without one
         "collectives_issued": pulse.collectives_issued if fresh and pulse.collectives_issued >= 0 else None}
     if fresh and pulse.loader_worker >= 0:
         place["loader_worker"] = {"worker": pulse.loader_worker, "pid": pulse.loader_worker_pid,
@@ -156,6 +159,18 @@ def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Di
     else:
         place["state"] = "own code"
     return place
+
+
+def _name_the_ranks_they_wait_for(places: List[Dict[str, Any]]) -> None:
+    """Ranks still within their own allowance, but pulsing (no step for PULSE_AFTER_S) in a
+    DataLoader wait or their own code while others wait in a collective: the ones they wait for.
+    Ranks stop a second or two apart on a busy machine, and the first word of a hang must name
+    the rank it is about, not only those already past their allowance."""
+    for place in places:
+        if (place["pulsing"] and not place["stalled"] and place["state"] == "stepping"
+                and place["phase"] not in NOT_STALLS and place["waiting_in"] in (None, "DataLoader")):
+            place["state"] = "input" if place["waiting_in"] == "DataLoader" else "own code"
+            place["behind"] = True
 
 
 def _where(pulse: RankPulse) -> Optional[str]:
