@@ -11,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-python -m pytest -n 3 --dist loadgroup -m "not serial" "$@" || exit
+python -m pytest -n 4 --dist loadgroup -m "not serial" "$@" || exit
 
 python_timers_log=$(mktemp)
 TRACEML_NO_FASTPATH=1 python -m pytest -q tests/test_probe.py tests/test_fastpath.py \

@@ -1,13 +1,13 @@
 """Shared helpers: run real training scripts under TraceML and read back what they left.
 
-CI runs the suite in one process (README, .ci/run). On two workers it is quicker, though not yet
-steady: `pytest -n 2 --dist loadgroup -m "not serial"`, then `pytest -m serial` alone. Two
-workers, one a core: most tests are real runs in subprocesses that
-wait on sleeps, sockets and each other as much as they compute, and their assertions leave room
-for a busy machine, so two at once fill the machine without starving either. Tests marked
-`serial` judge the machine's own timings (runs compared with one another) and need the CPU to
-themselves: a second, non-parallel pytest runs them with nothing of the suite beside them. An
-xdist_group would not do for them: it keeps tests on one worker, still beside the other worker.
+scripts/test.sh runs the suite as CI does: the tests not marked `serial` on parallel workers,
+then the `serial` ones in a pytest of their own. Most tests are real runs in subprocesses that
+wait on sleeps, sockets and each other as much as they compute, and each asks for one core (one
+torch thread, set below), so several at once fill a 2-core machine without starving one another;
+their assertions leave room for a busy machine. Tests marked `serial` judge the machine's own
+timings (runs compared with one another): they run apart from the parallel tests, beside at most
+one worker, as they must hold beside one busy core anyway. An
+xdist_group would not do for them: it keeps tests on one worker, still beside the other workers.
 Groups serve modules whose module-scoped fixture makes an expensive run (a 2-rank run looked at
 in a browser): --dist loadgroup gives a group's tests to one worker, which makes the run once,
 and spreads every other test one by one.

@@ -104,6 +104,12 @@ def test_the_rank_others_wait_for_is_named_before_its_own_allowance_runs_out():
     assert hang.finding.rank == 1 and hang.stalled_ranks == [0]
     assert "rank 1 is in a DataLoader wait at train.py:42 load: its worker 0 (pid 4242) has not" in hang.finding.summary
     assert "rank 1 has issued 1 collective fewer than rank 0 (40 against 41)" in hang.finding.summary
+    # The other way round: rank 1 past its allowance first, rank 0 still within it, waiting.
+    hang = find_hang([progress(0, stalled_s=29.5, pulse=pulse(0, 29.5, waiting_in="all_reduce")),
+                      progress(1, stalled_s=31, pulse=pulse(1, 31, phase="in step", waiting_in="DataLoader"))],
+                     1000.0)
+    assert hang.finding.rank == 1 and hang.stalled_ranks == [1]
+    assert "rank 0 waits in all_reduce from backward at train.py:42 load for 30 s" in hang.finding.summary
     # A rank that has not pulsed (it ended a step under PULSE_AFTER_S ago) is not named.
     hang = find_hang([progress(0, stalled_s=31, pulse=pulse(0, 31, waiting_in="all_reduce")),
                       progress(1, stalled_s=2)], 1000.0)

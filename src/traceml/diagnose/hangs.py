@@ -88,11 +88,9 @@ def find_hang(ranks: List[RankProgress], now_unix_s: float, hang_after_s: float 
     stalled = [place for place in places if place["stalled"]]
     if not stalled:
         return None
-    waiting = [place for place in stalled if place["state"] == "collective"]
-    if waiting:
-        _name_the_ranks_they_wait_for(places)
-    absent = [place for place in places if place["state"] in ("gone", "frozen")
-              or (place["stalled"] and place["state"] != "collective") or place.get("behind")]
+    _place_the_pulsing_ranks(places)
+    waiting = [place for place in places if place["state"] == "collective"]
+    absent = [place for place in places if place["state"] in ("gone", "frozen", "input", "own code")]
     longest_s = max(place["stalled_s"] for place in stalled)
     parts = [_told(place) for place in absent] + [_told(place) for place in waiting]
     behind = _collectives_behind(places)
@@ -161,16 +159,17 @@ def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Di
     return place
 
 
-def _name_the_ranks_they_wait_for(places: List[Dict[str, Any]]) -> None:
-    """Ranks still within their own allowance, but pulsing (no step for PULSE_AFTER_S) in a
-    DataLoader wait or their own code while others wait in a collective: the ones they wait for.
-    Ranks stop a second or two apart on a busy machine, and the first word of a hang must name
-    the rank it is about, not only those already past their allowance."""
+def _place_the_pulsing_ranks(places: List[Dict[str, Any]]) -> None:
+    """Once one rank is stalled, where the ranks still within their own allowance but pulsing
+    (no step for PULSE_AFTER_S) are: in a collective, a DataLoader wait or their own code. Ranks
+    stop a second or two apart on a busy machine, and the first word of a hang must name the
+    rank it is about and those waiting for it, not only those already past their allowance."""
     for place in places:
-        if (place["pulsing"] and not place["stalled"] and place["state"] == "stepping"
-                and place["phase"] not in NOT_STALLS and place["waiting_in"] in (None, "DataLoader")):
-            place["state"] = "input" if place["waiting_in"] == "DataLoader" else "own code"
-            place["behind"] = True
+        if place["pulsing"] and place["state"] == "stepping" and place["phase"] not in NOT_STALLS:
+            if place["waiting_in"] == "DataLoader":
+                place["state"] = "input"
+            else:
+                place["state"] = "collective" if place["waiting_in"] else "own code"
 
 
 def _where(pulse: RankPulse) -> Optional[str]:

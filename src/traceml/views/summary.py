@@ -79,7 +79,7 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     if summary.get("hang"):  # the run ended stuck: said before anything else
         facts.add_row("Hang", Text(summary["hang"]["summary"], style="bold red"))
         for place in summary["hang"]["ranks"]:
-            if (place["stalled"] or place.get("behind")) and place["stack"]:
+            if place["state"] in ("collective", "input", "own code") and place["stack"]:
                 facts.add_row("", Text(f"rank {place['rank']}: " + " < ".join(
                     frame.rsplit("/", 1)[-1] for frame in place["stack"][:4])))
     samples_per_s = throughput["samples_per_s"]
