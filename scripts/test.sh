@@ -1,27 +1,29 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: bash scripts/test.sh [extra pytest arguments for pass 1]
 #
-# 1. Every test not marked `serial`, on three workers. Most tests are real runs in subprocesses
-#    that wait on sleeps, sockets and each other as much as they compute, so three keep a 2-core
-#    machine busy; each process has one torch thread (tests/conftest.py).
-# 2. The `serial` tests, which compare runs' timings, in a pytest of their own, and beside them
-#    the probe's, the compiled timers' and the fault tests again on the Python timers alone
-#    (TRACEML_NO_FASTPATH=1: a machine where the C extension is not built), on one worker. The
-#    serial tests must hold beside a busy core anyway; this one is at most that.
+# 1. Every test not marked `serial`, on three workers, and beside them, on one more, the probe's,
+#    the compiled timers' and the fault tests again on the Python timers alone
+#    (TRACEML_NO_FASTPATH=1: a machine where the C extension is not built). Most tests are real
+#    runs in subprocesses that wait on sleeps, sockets and each other as much as they compute,
+#    and each process has one torch thread (tests/conftest.py), so together they keep a 2-core
+#    machine busy without starving one another.
+# 2. The `serial` tests, which compare runs' timings and steps that stand out, in a pytest of
+#    their own once the rest is done: another test's bursts beside them would be in their figures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-python -m pytest -n 4 --dist loadgroup -m "not serial" "$@" || exit
-
 python_timers_log=$(mktemp)
+trap 'rm -f "$python_timers_log"' EXIT
 TRACEML_NO_FASTPATH=1 python -m pytest -q tests/test_probe.py tests/test_fastpath.py \
   tests/test_faults.py tests/test_trace_api.py >"$python_timers_log" 2>&1 &
 python_timers=$!
-python -m pytest -m serial
-serial_status=$?
+
+python -m pytest -n 3 --dist loadgroup -m "not serial" "$@"
+parallel_status=$?
 wait "$python_timers"
 python_timers_status=$?
-echo "== the probe's tests on the Python timers alone (TRACEML_NO_FASTPATH=1)"
+echo "== the probe's tests again on the Python timers alone (TRACEML_NO_FASTPATH=1)"
 cat "$python_timers_log"
-rm -f "$python_timers_log"
-[ "$serial_status" -eq 0 ] && [ "$python_timers_status" -eq 0 ]
+[ "$parallel_status" -eq 0 ] && [ "$python_timers_status" -eq 0 ] || exit 1
+
+python -m pytest -m serial

@@ -12,23 +12,20 @@ from conftest import SCRIPTS, TRAIN_LOOP, _env
 from test_web import get, read_url
 
 
-# Runs compared against each other must have the CPU as much as each other: made once, alone,
-# in the serial pass (conftest.py), with every test that reads them.
-compared = pytest.mark.serial
+# The runs compared, made once (one worker: --dist loadgroup) for every test that reads them.
+compared = pytest.mark.xdist_group("compared_runs")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A slow-loader run, the same loop fixed (its batches built in memory: a DataLoader of 8
+    """A slow-loader run and the same loop fixed (its batches built in memory: a DataLoader of 8
     samples costs 0.3-0.6 ms a batch by itself, right on INPUT_BOUND's 10% line for these
-    short steps), and the slow one again; the three at once, so that whatever the machine does
-    meanwhile, it does to all three."""
+    short steps), the two at once, so that whatever the machine does meanwhile, it does to both."""
     tmp = tmp_path_factory.mktemp("compare")
     started = {}
     # 3 ms a sample: the step is mostly the loader's sleep, so that beside busy processes its
     # median still moves by less than the comparison's equivalence margin.
-    for name, load_ms, extra in (("slow", 3.0, []), ("fixed", 0.0, ["--no-loader"]),
-                                 ("slow_again", 3.0, [])):
+    for name, load_ms, extra in (("slow", 3.0, []), ("fixed", 0.0, ["--no-loader"])):
         started[name] = subprocess.Popen(
             [sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir", str(tmp / name),
              str(TRAIN_LOOP), "--steps", "300", "--load-ms", str(load_ms), "--outside-ms", "2", *extra],
