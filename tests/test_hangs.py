@@ -1,5 +1,6 @@
 """The hang locator: a rank that ends no step is named with its line within seconds, live (stderr,
 /metrics) and in the summary the run ends with; planned work and a slow step are no hang."""
+import io
 import json
 import re
 import signal
@@ -114,6 +115,54 @@ def test_the_rank_others_wait_for_is_named_before_its_own_allowance_runs_out():
     hang = find_hang([progress(0, stalled_s=31, pulse=pulse(0, 31, waiting_in="all_reduce")),
                       progress(1, stalled_s=2)], 1000.0)
     assert hang.finding.rank is None and "rank 1" not in hang.finding.summary
+
+
+class HeldRanks:
+    """What HangWatch reads of a collector: two ranks' hellos, steps, pulses; a store's meta."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.hellos = {r: SimpleNamespace(pid=100 + r, host="here", started_at_unix_s=0.0) for r in (0, 1)}
+        self.recent_by_rank = {r: [SimpleNamespace(step=s, start_unix_s=900.0 + s * 0.01, step_ms=10.0)
+                                   for s in range(20)] for r in (0, 1)}
+        self.last_heard_unix_s, self.pulses, self.ends, self.lost_ranks = {}, {}, set(), set()
+        self.meta = {}
+        self.store = SimpleNamespace(set_meta=self.meta.update)
+
+    def step_ends(self, rank, step, at_unix_s):
+        from types import SimpleNamespace
+
+        self.recent_by_rank[rank].append(SimpleNamespace(step=step, start_unix_s=at_unix_s - 0.01, step_ms=10.0))
+
+
+def test_a_raised_hang_ends_only_when_a_stalled_rank_steps_again():
+    from traceml.report.live import HangWatch
+
+    held, told = HeldRanks(), io.StringIO()
+    watch = HangWatch(hang_after_s=30.0, stderr=told)
+    now = 1000.0
+    held.last_heard_unix_s = {0: now, 1: now}
+    held.pulses = {0: pulse(0, 100, steps=20, waiting_in="all_reduce", now=now),
+                   1: pulse(1, 100, steps=20, phase="in step", now=now)}
+    watch.check(held, now)
+    assert watch.hang.finding.rank == 1 and held.meta["hang"]["culprit_rank"] == 1
+    # Rank 1's step 20 arrives late (an inferred step), after the pulse that counted 20 steps
+    # but taken after it ended: the pulse still places rank 1, and the hang is told once.
+    held.step_ends(1, 20, at_unix_s=900.3)
+    watch.check(held, now + 1)
+    assert watch.hang.finding.rank == 1 and held.meta["hang"]["culprit_rank"] == 1
+    assert told.getvalue().count("traceml: HANG") == 1
+    # Its next step's record, sent before its next pulse: the rule cannot place it for a moment,
+    # and no stalled rank has stepped since the raise, so the hang told stays.
+    held.pulses = {0: held.pulses[0]}
+    watch.check(held, now + 1.5)
+    assert watch.hang is not None and held.meta["hang"]["culprit_rank"] == 1
+    # Rank 1 ends a step after the hang was raised: it was a slow step, and the hang is over.
+    held.step_ends(1, 21, at_unix_s=now + 2)
+    held.step_ends(0, 21, at_unix_s=now + 2)
+    watch.check(held, now + 2.5)
+    assert watch.hang is None and held.meta["hang"] is None
 
 
 def test_a_lost_rank_is_told_by_the_signal_that_ended_it():

@@ -31,6 +31,7 @@ HANG_STEP_MULTIPLE = 10.0  # ... or this many of its median steps, when longer
 FIRST_STEP_S = 600.0  # before its first step ends: imports, loading the model, a first compilation
 SENDER_SILENT_S = 15.0  # a stalled rank pulses every 5 s: three missed and its process is frozen
 NOT_STALLS = ("evaluation", "checkpoint", "compile")  # planned work the stack shows
+PULSED_STATES = ("collective", "input", "own code")  # where a rank's pulse places it
 
 
 def hang_after_s_from_env() -> float:
@@ -114,8 +115,11 @@ def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Di
     """Where one rank is: state "stepping", "collective", "own code", "input", "planned",
     "gone", "frozen" or "ended", with its line and how long it has gone without a step."""
     pulse = progress.pulse
-    # A pulse from before the rank's latest step is stale (an inferred step is sent a step late).
-    fresh = pulse is not None and pulse.steps_ended >= progress.steps_ended
+    # A pulse from before the rank's latest step is stale. An inferred step is sent a step late:
+    # a pulse that counted fewer steps but was taken after the latest one ended (both on the
+    # rank's own clock) still says where the rank is.
+    fresh = pulse is not None and (pulse.steps_ended >= progress.steps_ended
+                                   or pulse.unix_s >= progress.last_progress_unix_s)
     if fresh:  # its own clock: no skew between nodes
         stalled_s = pulse.since_progress_s + max(0.0, now_unix_s - pulse.unix_s)
     else:

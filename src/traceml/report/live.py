@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from traceml.analysis.goodput import Goodput
 from traceml.analysis.rollup import RankRow, Window, rank_spread
 from traceml.diagnose import MemoryLimits, diagnose
-from traceml.diagnose.hangs import Hang, RankProgress, find_hang, hang_after_s_from_env
+from traceml.diagnose.hangs import PULSED_STATES, Hang, RankProgress, find_hang, hang_after_s_from_env
 from traceml.records import ALERT_SEVERITIES, Finding, FindingKind, LayerReport, SystemSample, warmup_steps
 from traceml.report.diagnosis import RunRecords, diagnosis_input
 
@@ -75,7 +75,8 @@ class HangWatch:
     """The collector's hang check (every second, on its loop): the HANG finding while one holds
     (`hang`), one line on stderr when one is raised or names another rank, and the hang in the
     store's meta for the summary, kept once the run starts ending under it (the ranks the
-    launcher then stops are not the cause)."""
+    launcher then stops are not the cause). A moment the rule cannot place a rank it placed (a
+    step sent late, the rank's next pulse on its way) neither ends the hang nor makes it vaguer."""
 
     def __init__(self, hang_after_s: Optional[float] = None, stderr: Any = None):
         self.hang_after_s = hang_after_s if hang_after_s is not None else hang_after_s_from_env()
@@ -83,6 +84,7 @@ class HangWatch:
         self._stderr = stderr
         self._told: Optional[Tuple[Any, ...]] = None
         self._ranks_left_at_raise: Optional[int] = None
+        self._raised_at_unix_s = 0.0
 
     def check(self, collector: Any, now_unix_s: float) -> None:
         progress = live_progress(collector, now_unix_s)
@@ -95,6 +97,8 @@ class HangWatch:
                        for p in progress):
                 return
         hang = find_hang(progress, now_unix_s, self.hang_after_s)
+        if self.hang is not None and self._lost_sight(hang, progress):
+            return
         if hang is None:
             if self.hang is not None:
                 self.hang = self._told = None
@@ -102,12 +106,22 @@ class HangWatch:
             return
         if self.hang is None:
             self._ranks_left_at_raise = left
+            self._raised_at_unix_s = now_unix_s
         self.hang = hang
         told = (hang.finding.rank, tuple(hang.stalled_ranks), tuple(p["state"] for p in hang.ranks))
         if told != self._told:
             self._told = told
             print(f"traceml: HANG: {hang.finding.summary}", file=self._stderr or sys.stderr, flush=True)
         collector.store.set_meta({"hang": hang.to_builtins()})
+
+    def _lost_sight(self, hang: Optional[Hang], progress: List[RankProgress]) -> bool:
+        """Whether the rule has lost sight of a rank the hang told placed (in a collective, a
+        DataLoader wait, its own code) that has ended no step since: its late step's record came
+        before its next pulse. The hang told stands until that pulse, or until the rank steps."""
+        placed = {place["rank"] for place in self.hang.ranks if place["state"] in PULSED_STATES}
+        unplaced = placed if hang is None else {place["rank"] for place in hang.ranks if place["state"] == "stepping"}
+        stepped = {p.rank for p in progress if p.last_progress_unix_s > self._raised_at_unix_s}
+        return bool((placed & unplaced) - stepped)
 
 
 def live_progress(collector: Any, now_unix_s: float) -> List[RankProgress]:

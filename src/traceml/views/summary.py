@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from traceml.analysis.goodput import PARTS
 from traceml.analysis.rollup import comm_wait_parts
-from traceml.diagnose.hangs import signal_name
+from traceml.diagnose.hangs import PULSED_STATES, signal_name
 from traceml.diagnose.stragglers import straggler_rank
 from traceml.records import ALL_PHASES, OVERLAPPING_PHASES, STEP_PHASES, FindingKind, Severity
 from traceml.words import counted, every, size
@@ -79,7 +79,7 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     if summary.get("hang"):  # the run ended stuck: said before anything else
         facts.add_row("Hang", Text(summary["hang"]["summary"], style="bold red"))
         for place in summary["hang"]["ranks"]:
-            if place["state"] in ("collective", "input", "own code") and place["stack"]:
+            if place["state"] in PULSED_STATES and place["stack"]:
                 facts.add_row("", Text(f"rank {place['rank']}: " + " < ".join(
                     frame.rsplit("/", 1)[-1] for frame in place["stack"][:4])))
     samples_per_s = throughput["samples_per_s"]
