@@ -136,6 +136,19 @@ class HeldRanks:
         self.recent_by_rank[rank].append(SimpleNamespace(step=step, start_unix_s=at_unix_s - 0.01, step_ms=10.0))
 
 
+def test_a_hang_waits_for_the_first_pulse_of_the_rank_the_others_wait_for():
+    # Rank 0 is past a 5 s allowance in all_reduce; rank 1 stopped 0.2 s later and its first
+    # pulse is due: the hang waits for it, then names rank 1.
+    waiting = progress(0, stalled_s=5.2, pulse=pulse(0, 5.2, waiting_in="all_reduce"))
+    assert find_hang([waiting, progress(1, stalled_s=5.0)], 1000.0, hang_after_s=5.0) is None
+    hang = find_hang([waiting, progress(1, stalled_s=5.0, pulse=pulse(1, 5.0, phase="in step"))], 1000.0,
+                     hang_after_s=5.0)
+    assert hang.finding.rank == 1 and "rank 1 is in its own code at train.py:42 load" in hang.finding.summary
+    # A pulse that never comes: the hang is told without it once the pulse is overdue.
+    late = progress(0, stalled_s=9.0, pulse=pulse(0, 9.0, waiting_in="all_reduce"))
+    assert find_hang([late, progress(1, stalled_s=8.5)], 1000.0, hang_after_s=5.0) is not None
+
+
 def test_a_raised_hang_ends_only_when_a_stalled_rank_steps_again():
     from traceml.report.live import HangWatch
 

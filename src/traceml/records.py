@@ -439,6 +439,10 @@ def adapter_target(name: str) -> Optional[str]:
     return None
 
 
+PULSE_AFTER_S = 5.0  # a rank this long without ending a step starts sending pulses
+PULSE_EVERY_S = 5.0
+
+
 class RankPulse(msgspec.Struct, tag="pulse", array_like=True):
     """Where a rank's training thread is while it ends no step (probe/pulse.py): sent by the
     sender thread once the rank has gone PULSE_AFTER_S without ending a step, then every

@@ -24,11 +24,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from traceml.records import Finding, FindingKind, RankPulse, Severity
+from traceml.records import PULSE_AFTER_S, Finding, FindingKind, RankPulse, Severity
 
 HANG_AFTER_S = 30.0  # the least a rank goes without ending a step before it is stalled
 HANG_STEP_MULTIPLE = 10.0  # ... or this many of its median steps, when longer
 FIRST_STEP_S = 600.0  # before its first step ends: imports, loading the model, a first compilation
+PULSE_DUE_S = PULSE_AFTER_S + 3.0  # a rank's first pulse, a little late on a busy machine
 SENDER_SILENT_S = 15.0  # a stalled rank pulses every 5 s: three missed and its process is frozen
 NOT_STALLS = ("evaluation", "checkpoint", "compile")  # planned work the stack shows
 PULSED_STATES = ("collective", "input", "own code")  # where a rank's pulse places it
@@ -87,7 +88,7 @@ def find_hang(ranks: List[RankProgress], now_unix_s: float, hang_after_s: float 
     """The HANG finding for these ranks now, or None when none is stalled."""
     places = [_place(progress, now_unix_s, hang_after_s) for progress in sorted(ranks, key=lambda p: p.rank)]
     stalled = [place for place in places if place["stalled"]]
-    if not stalled:
+    if not stalled or _a_first_pulse_is_due(places):
         return None
     _place_the_pulsing_ranks(places)
     waiting = [place for place in places if place["state"] == "collective"]
@@ -161,6 +162,15 @@ def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Di
     else:
         place["state"] = "own code"
     return place
+
+
+def _a_first_pulse_is_due(places: List[Dict[str, Any]]) -> bool:
+    """Whether a rank that has ended no step for about PULSE_AFTER_S has yet to say where it is.
+    With --hang-after near PULSE_AFTER_S, the rank the others wait for stops a moment after them
+    and pulses a moment after they are past their allowance: the hang waits for that pulse (at
+    most PULSE_DUE_S after the rank's last step) rather than be told without the rank it is about."""
+    return any(place["state"] == "stepping" and not place["pulsing"]
+               and PULSE_AFTER_S - 1.0 <= place["stalled_s"] < PULSE_DUE_S for place in places)
 
 
 def _place_the_pulsing_ranks(places: List[Dict[str, Any]]) -> None:

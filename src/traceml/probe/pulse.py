@@ -21,10 +21,7 @@ import sysconfig
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
-from traceml.records import RankPulse
-
-PULSE_AFTER_S = 5.0  # a rank this long without ending a step starts sending pulses
-PULSE_EVERY_S = 5.0
+from traceml.records import PULSE_AFTER_S, PULSE_EVERY_S, RankPulse
 STACK_FRAMES = 12  # the user's innermost frames kept
 
 # Functions of torch.distributed a rank waits in for the others.
