@@ -29,8 +29,10 @@ def on_core(core: int):
             os.nice(-10)  # where allowed, ahead of whatever else the machine runs
         except OSError:
             pass
-        if hasattr(os, "sched_setaffinity") and core < (os.cpu_count() or 1):
-            os.sched_setaffinity(0, {core})
+        if hasattr(os, "sched_setaffinity"):  # the core-th of those this process may use
+            allowed = sorted(os.sched_getaffinity(0))
+            if core < len(allowed):
+                os.sched_setaffinity(0, {allowed[core]})
     return setup
 
 

@@ -31,8 +31,10 @@ def on_core(core):
             os.nice(-10)
         except OSError:
             pass
-        if hasattr(os, "sched_setaffinity") and core < os.cpu_count():
-            os.sched_setaffinity(0, {core})
+        if hasattr(os, "sched_setaffinity"):  # the core-th of those this process may use
+            allowed = sorted(os.sched_getaffinity(0))
+            if core < len(allowed):
+                os.sched_setaffinity(0, {allowed[core]})
     return setup
 
 
