@@ -153,15 +153,15 @@ def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Di
     if not fresh and not silent:  # its pulse, saying where it is, is on its way: wait for it
         return place
     place["stalled"] = True
-    if silent:
-        place["state"] = "frozen"
-    elif fresh and pulse.waiting_in == "DataLoader":
-        place["state"] = "input"
-    elif fresh and pulse.waiting_in:
-        place["state"] = "collective"
-    else:
-        place["state"] = "own code"
+    place["state"] = "frozen" if silent else _pulsed_state(pulse.waiting_in if fresh else "")
     return place
+
+
+def _pulsed_state(waiting_in: str) -> str:
+    """Where a pulse places its rank (one of PULSED_STATES), from what it waits in."""
+    if waiting_in == "DataLoader":
+        return "input"
+    return "collective" if waiting_in else "own code"
 
 
 def _a_first_pulse_is_due(places: List[Dict[str, Any]]) -> bool:
@@ -180,10 +180,7 @@ def _place_the_pulsing_ranks(places: List[Dict[str, Any]]) -> None:
     rank it is about and those waiting for it, not only those already past their allowance."""
     for place in places:
         if place["pulsing"] and place["state"] == "stepping" and place["phase"] not in NOT_STALLS:
-            if place["waiting_in"] == "DataLoader":
-                place["state"] = "input"
-            else:
-                place["state"] = "collective" if place["waiting_in"] else "own code"
+            place["state"] = _pulsed_state(place["waiting_in"] or "")
 
 
 def _where(pulse: RankPulse) -> Optional[str]:
