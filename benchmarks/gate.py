@@ -18,12 +18,15 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Dict, Optional
 
 GATE_BENCH = Path(__file__).resolve().parent.parent / "tests" / "scripts" / "gate_bench.py"
 LAYERS, SLOW_LAYERS = 10, 12  # two layers in ten: the forward and backward 20% longer
 
 
 def on_core(core: int):
+    """Run on the core-th CPU this process may use alone (its collector too), at a raised
+    priority where allowed, as a CI job may run its benchmark under `nice -n -10`."""
     def setup() -> None:
         try:
             os.nice(-10)  # where allowed, ahead of whatever else the machine runs
@@ -36,16 +39,20 @@ def on_core(core: int):
     return setup
 
 
-def side_by_side(base_dir: Path, new_dir: Path, new_layers: int, steps: int, base_core: int) -> None:
+def side_by_side(base_dir: Path, new_dir: Path, new_layers: int, steps: int, base_core: int = 0,
+                 env: Optional[Dict[str, str]] = None) -> None:
+    """The baseline and the loop with new_layers under `traceml run` at the same time, each on a
+    core of its own (the loop has one thread): whatever the machine does meanwhile, it does to
+    both. tests/test_regression_gate.py makes its runs with this too."""
     started = [subprocess.Popen(
         [sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir", str(run_dir),
          str(GATE_BENCH), "--steps", str(steps), "--layers", str(layers)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=on_core(core))
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=on_core(core))
         for run_dir, layers, core in ((base_dir, LAYERS, base_core), (new_dir, new_layers, 1 - base_core))]
     for process in started:
         _, stderr = process.communicate(timeout=300)
         if process.returncode != 0:
-            raise SystemExit(f"a benchmark run failed: {stderr.strip().splitlines()[-1:]}")
+            raise RuntimeError(f"a benchmark run failed:\n{stderr[-3000:]}")
 
 
 def gate(base_dir: Path, new_dir: Path) -> tuple:
@@ -65,7 +72,10 @@ def main() -> None:
         cases = [(f"unchanged {i}", LAYERS, i % 2) for i in range(args.pairs)] + [("20% slower", SLOW_LAYERS, 0)]
         for i, (name, layers, base_core) in enumerate(cases):
             base, new = Path(tmp) / f"base{i}", Path(tmp) / f"new{i}"
-            side_by_side(base, new, layers, args.steps, base_core)
+            try:
+                side_by_side(base, new, layers, args.steps, base_core)
+            except RuntimeError as error:
+                raise SystemExit(str(error)) from None
             code, verdict, delta, interval = gate(base, new)
             low, high = interval or (float("nan"), float("nan"))
             print(f"{name:<12} {code:>4}  {verdict:<13} {delta:>+8.1%}  {low:+.1%} to {high:+.1%}", flush=True)

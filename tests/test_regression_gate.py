@@ -1,55 +1,36 @@
 """`traceml compare --fail-on regression`, the CI gate: its exits and flags on real runs of a
 benchmark loop made three times slower, and the verdict's defences against a drifting machine,
 each shown on steps made to drift (benchmarks/gate.py measures it on a 20% slowdown)."""
+import importlib.util
 import json
-import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, _env
+from conftest import _env
 from traceml.report.compare import ComparedRun, compare, gate
 
+ROOT = Path(__file__).resolve().parent.parent
 # Its runs need the CPU as much on both sides, never shared with another test's (conftest.py).
 pytestmark = pytest.mark.serial
 
-GATE_BENCH = SCRIPTS / "gate_bench.py"
-STEPS = "150"
 # Ten layers a step, or thirty: three times the forward and backward. The gate's exits on real
 # runs, with a change no drift of this machine's cores (up to 40% from one second to the next,
 # seen one evening) can fake or hide. How it fares on a 20% slowdown and on unchanged pairs is a
-# judgment of timings: benchmarks/gate.py measures it.
-LAYERS, SLOW_LAYERS = "10", "30"
+# judgment of timings: benchmarks/gate.py measures it, and makes these runs the same way.
+STEPS, SLOW_LAYERS = 150, 30
 
 
-def on_core(core):
-    """Run on this core alone (its collector too), at a raised priority where the tests may
-    (root), as a CI job may run its benchmark under `nice -n -10`."""
-    def setup():
-        try:
-            os.nice(-10)
-        except OSError:
-            pass
-        if hasattr(os, "sched_setaffinity"):  # the core-th of those this process may use
-            allowed = sorted(os.sched_getaffinity(0))
-            if core < len(allowed):
-                os.sched_setaffinity(0, {allowed[core]})
-    return setup
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("gate_benchmark", ROOT / "benchmarks" / "gate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def side_by_side(base_dir, new_dir, new_layers):
-    """The baseline and the new loop at the same time, each with a core of its own (the loop
-    has one thread): whatever the machine does meanwhile, it does to both."""
-    started = [subprocess.Popen(
-        [sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir", str(run_dir),
-         str(GATE_BENCH), "--steps", STEPS, "--layers", layers],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), preexec_fn=on_core(core))
-        for run_dir, layers, core in ((base_dir, LAYERS, 0), (new_dir, new_layers, 1))]
-    for process in started:
-        _, stderr = process.communicate(timeout=180)
-        assert process.returncode == 0, stderr
-    return base_dir, new_dir
+gate_benchmark = _load_benchmark()
 
 
 def gate_cli(base, new, *extra):
@@ -62,8 +43,8 @@ def gate_cli(base, new, *extra):
 def runs(tmp_path_factory):
     """A baseline and the loop made three times slower, side by side."""
     tmp = tmp_path_factory.mktemp("gate")
-    base, slow = side_by_side(tmp / "base", tmp / "slow", SLOW_LAYERS)
-    return {"base": base, "slow": slow}
+    gate_benchmark.side_by_side(tmp / "base", tmp / "slow", SLOW_LAYERS, STEPS, env=_env())
+    return {"base": tmp / "base", "slow": tmp / "slow"}
 
 
 def test_a_threefold_slowdown_fails_the_gate_and_its_flags_say_how(runs):
