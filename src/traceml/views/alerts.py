@@ -4,7 +4,8 @@ CMD's standard input (a chat webhook through curl, a pager, a script of the user
 A thread reads the live findings every ALERT_CHECK_S and runs CMD through the shell once for each
 finding kind and rank not sent before, one at a time. CMD gets ALERT_TIMEOUT_S: one that runs
 longer is killed with its process group, and one that fails is logged with its last words;
-neither touches the run.
+neither touches the run. When the run ends, no new CMD starts, the one under way keeps the rest of
+its time, and none outlives `traceml run`.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class AlertCommand:
         self.command, self.live_state, self.script = command, live_state, script
         self.timeout_s, self.check_s = timeout_s, check_s
         self.sent: Set[Tuple[str, Optional[int]]] = set()
+        self._running: Optional[subprocess.Popen] = None  # the command under way, if any
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-alerts", daemon=True)
 
@@ -43,6 +45,11 @@ class AlertCommand:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self.timeout_s + 2.0)
+        # The thread may still be inside a slow live_state() or a command's last moments; a
+        # command left running would outlive the run by its own length (it has a session of its own).
+        running = self._running
+        if running is not None and running.poll() is None:
+            _kill_group(running)
 
     def _run(self) -> None:
         while not self._stop.wait(self.check_s):
@@ -53,6 +60,8 @@ class AlertCommand:
                 continue
             for finding in findings:
                 key = (finding.kind, finding.rank)
+                if self._stop.is_set():
+                    return
                 if finding.severity in ALERT_SEVERITIES and key not in self.sent:
                     self.sent.add(key)
                     self.send(finding)
@@ -66,6 +75,7 @@ class AlertCommand:
         except OSError as exc:
             log.warning("traceml: --on-alert could not start %r: %s", self.command, exc)
             return
+        self._running = process
         try:
             _, stderr = process.communicate(document.encode(), timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
