@@ -74,6 +74,21 @@ def test_a_truncated_frame_keeps_what_came_before_it(collector):
     assert [s.step for s in collector.store.steps()] == [0]
 
 
+def test_once_the_ranks_have_exited_the_wait_ends_with_what_they_sent(collector):
+    # A rank that sent its steps and ended a moment ago: its connection may not be accepted yet.
+    conn = socket.create_connection(("127.0.0.1", collector.port))
+    conn.sendall(encode_frame([hello(), step(0), step(1)]))
+    conn.close()
+    assert collector.wait_for_ranks(timeout_s=60, ranks_exited=True)
+    assert [s.step for s in collector.store.steps()] == [0, 1]
+
+
+def test_a_script_that_never_connected_is_not_waited_for_once_it_has_exited(collector):
+    started = time.monotonic()
+    assert not collector.wait_for_ranks(timeout_s=60, ranks_exited=True)
+    assert time.monotonic() - started < 30  # its grace, not the minute a rank still running gets
+
+
 def test_a_full_buffer_drops_and_counts_and_never_blocks():
     sender = Sender(hello(), capacity=100, address="127.0.0.1:1")  # never started: nothing drains
     started = time.perf_counter()

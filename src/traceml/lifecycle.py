@@ -152,8 +152,10 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
     run.record_rank_exits(agent.read_exits(exits_file) if exits_file is not None
                           else {0: {"exit_code": child.returncode, "pid": child.pid}})
 
-    # Ranks on other nodes may still be saying goodbye; a dead rank simply never does.
-    run.collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S * (6 if launch.nnodes > 1 else 1))
+    # Ranks on other nodes may still be saying goodbye; a dead rank simply never does. On one
+    # node every rank's process has ended by now, and what they sent is read at once.
+    run.collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S * (6 if launch.nnodes > 1 else 1),
+                                 ranks_exited=launch.nnodes == 1)
     from traceml.report.summary import RunFacts
 
     summary = run.finish(lambda store: RunFacts(script=launch.script.name, argv=argv, exit_code=exit_code,

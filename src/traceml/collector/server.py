@@ -9,6 +9,7 @@ import asyncio
 import collections
 import hmac
 import logging
+import select
 import socket
 import threading
 import time
@@ -33,6 +34,7 @@ RECENT_LOADER_SAMPLES = 1024  # every rank's DataLoader figures (two a second ea
 HELLO_TIMEOUT_S = 10.0
 FRAME_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 120.0
+EXITED_GRACE_S = 0.5  # after the ranks' processes ended: for the collector's thread to accept what they sent
 HANG_CHECK_S = 1.0  # how often the hang watch looks at the ranks
 
 
@@ -187,17 +189,25 @@ class Collector:
                 self._store_rolled(self.live.take_rolled())
 
     def wait_for_ranks(self, timeout_s: float, until: Optional[Callable[[], bool]] = None,
-                       absent_grace_s: float = 5.0) -> bool:
+                       absent_grace_s: float = 5.0, ranks_exited: bool = False) -> bool:
         """Block until every rank of the run has come and gone; True if all did. Gives up when
         `until()` says so, when the time is up, or when every rank that came has gone and none
-        has come for absent_grace_s: a rank that died before connecting never comes."""
-        deadline = time.monotonic() + timeout_s
+        has come for absent_grace_s: a rank that died before connecting never comes.
+
+        ranks_exited: the caller saw every rank's process end (one node). Whatever they sent is
+        already in this machine's socket buffers, so the wait ends once no connection is open or
+        waiting to be accepted, for EXITED_GRACE_S, whether or not any rank came (a script that
+        never stepped never connects)."""
+        started = time.monotonic()
+        deadline = started + timeout_s
+        grace_s = min(absent_grace_s, EXITED_GRACE_S) if ranks_exited else absent_grace_s
         with self._changed:
             while True:
-                if self.connections_seen and not self.connections_open:
-                    if len(self.ranks_seen) >= self.world_size:
+                if (self.connections_seen or ranks_exited) and not self.connections_open:
+                    if self.connections_seen and len(self.ranks_seen) >= self.world_size:
                         return True
-                    if time.monotonic() - self._last_change >= absent_grace_s:
+                    quiet_since = max(self._last_change, started) if ranks_exited else self._last_change
+                    if time.monotonic() - quiet_since >= grace_s and not (ranks_exited and self._backlog()):
                         return False
                 if until is not None and until():
                     return False
@@ -205,6 +215,15 @@ class Collector:
                 if remaining <= 0:
                     return False
                 self._changed.wait(min(remaining, 0.2))
+
+    def _backlog(self) -> bool:
+        """Whether a connection waits to be accepted (a listening socket reads as ready)."""
+        server = self._server
+        try:
+            sockets = list(server.sockets) if server is not None else []
+            return bool(sockets) and bool(select.select(sockets, [], [], 0)[0])
+        except (OSError, ValueError):  # closed under us: nothing more comes
+            return False
 
     def stop(self) -> None:
         loop = self._loop
