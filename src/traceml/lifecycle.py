@@ -152,16 +152,20 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
     run.record_rank_exits(agent.read_exits(exits_file) if exits_file is not None
                           else {0: {"exit_code": child.returncode, "pid": child.pid}})
 
-    # Ranks on other nodes may still be saying goodbye; a dead rank simply never does. On one
-    # node every rank's process has ended by now, and what they sent is read at once.
-    run.collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S * (6 if launch.nnodes > 1 else 1),
-                                 ranks_exited=launch.nnodes == 1)
+    _hear_the_last_ranks(run, launch.nnodes)
     from traceml.report.summary import RunFacts
 
     summary = run.finish(lambda store: RunFacts(script=launch.script.name, argv=argv, exit_code=exit_code,
                                                 started_at_unix_s=run.started_unix_s, ended_at_unix_s=ended))
     views.close(summary, run.run_dir)
     return exit_code
+
+
+def _hear_the_last_ranks(run: Run, nnodes: int) -> None:
+    """Read what the ranks sent last. On one node every rank's process has ended, and that is
+    read at once; ranks on other nodes may still be saying goodbye (a dead rank never does)."""
+    one_node = nnodes == 1
+    run.collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S * (1 if one_node else 6), ranks_exited=one_node)
 
 
 def _script_env(launch: Any, options: argparse.Namespace, collector_address: str,
