@@ -17,6 +17,9 @@ from traceml.probe import step
 # run again with TRACEML_NO_FASTPATH=1 in CI's Python pass (see the README's test command).
 compiled = pytest.mark.skipif(sys.platform != "linux" or step.python_timers_asked(),
                               reason="the compiled timers are built on Linux and macOS, and not turned off")
+# Tests that choose the path of each process they start: the Python pass would repeat them.
+chooses_its_paths = pytest.mark.skipif(step.python_timers_asked(),
+                                       reason="chooses each run's timers itself: run once, in the main pass")
 
 
 def shapes_loop(tmp_path, script="shapes_loop.py", **env):
@@ -320,6 +323,7 @@ print(json.dumps({"compiled": step.fast_path is not None, "own": own}))
 """
 
 
+@chooses_its_paths
 @pytest.mark.parametrize("pure_python", [False, True])
 def test_span_totals_match_the_scripts_own_clock(tmp_path, pure_python):
     env = dict(os.environ, TRACEML_RUN_DIR=str(tmp_path / "run"))
@@ -496,6 +500,7 @@ print("steps", step._probe.step_index)
 """
 
 
+@chooses_its_paths
 def test_a_free_threaded_python_gets_the_python_timers(tmp_path):
     result = subprocess.run([sys.executable, "-c", FREE_THREADED], capture_output=True, text=True, timeout=120,
                             cwd=tmp_path, env=dict(os.environ, TRACEML_RUN_DIR=str(tmp_path / "run")))

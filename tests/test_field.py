@@ -194,17 +194,29 @@ def lora_llama_flops(tokens):
     return attention_first + adapters_first + attention_after + adapters_after + llama.BLOCKS * mlp + head
 
 
+LORA = [str(FIELD / "llama_lora.py"), "--out", "out"]
+
+
+@pytest.fixture(scope="module")
+def lora_plain(tmp_path_factory):
+    """llama_lora.py run once plain, for each traced way to compare with."""
+    where = tmp_path_factory.mktemp("lora") / "plain"
+    return finish(start([sys.executable, *LORA], where)), where
+
+
+@pytest.mark.xdist_group("lora")  # one worker: the plain run is made once
 @pytest.mark.parametrize("traceml_args, sampled_steps", [
     pytest.param([], [20, 21], id="auto-capture-sample"),  # the sample a capture compares with
     pytest.param(["--deep"], [10, 20], id="deep-dive"),
 ])
-def test_a_lora_fine_tune_saves_the_same_adapter_with_layers_sampled(tmp_path, traceml_args, sampled_steps):
+def test_a_lora_fine_tune_saves_the_same_adapter_with_layers_sampled(tmp_path, lora_plain, traceml_args,
+                                                                     sampled_steps):
     """Sampled steps (deep-dive's, or the ones anomaly capture samples) run the model under
     module hooks and saved-tensor hooks only: the adapter saved is the plain run's, byte for byte."""
-    command = [str(FIELD / "llama_lora.py"), "--out", "out"]
-    plain, traced = side_by_side(tmp_path, [sys.executable, *command],
-                                 traceml_run(*command, traceml_args=traceml_args))
-    assert_invisible(plain, traced, tmp_path / "plain" / "out", tmp_path / "traced" / "out")
+    plain, plain_dir = lora_plain
+    traced = Run(finish(start(traceml_run(*LORA, traceml_args=traceml_args), tmp_path / "traced")),
+                 tmp_path / "traced" / "run")
+    assert_invisible(plain, traced, plain_dir / "out", tmp_path / "traced" / "out")
     assert [row["step"] for row in traced.step_rows() if row["instrumented"]] == sampled_steps
     if traceml_args:  # the FLOPs from the sampled steps' shapes: the matrix products, exactly
         assert traced.summary()["throughput"]["flops_per_step"] == lora_llama_flops(tokens=8 * 32)

@@ -76,7 +76,8 @@ def main():
     parser.add_argument("--stall-rank", type=int, default=-1)
     parser.add_argument("--stall-s", type=float, default=3600.0)
     parser.add_argument("--hang-worker-rank", type=int, default=-1, help="this rank's DataLoader worker hangs")
-    parser.add_argument("--eval-s", type=float, default=0.0, help="every rank evaluates this long at --at")
+    parser.add_argument("--eval-s", type=float, default=0.0, help="every rank evaluates this long at --eval-at")
+    parser.add_argument("--eval-at", type=int, default=None, help="the step before which it evaluates (--at)")
     parser.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself mid-step at --at")
     parser.add_argument("--save-at", type=int, default=-1, help="save a checkpoint to a slow disk after this step")
     parser.add_argument("--save-s", type=float, default=8.0)
@@ -95,7 +96,7 @@ def main():
     hang_at = args.at * 8 if rank == args.hang_worker_rank else -1
     loader = iter(DataLoader(Rows(hang_at), batch_size=8, num_workers=1 if args.hang_worker_rank >= 0 else 0))
     for step in range(args.steps):
-        if step == args.at and args.eval_s:
+        if step == (args.at if args.eval_at is None else args.eval_at) and args.eval_s:
             evaluate(model, args.eval_s)
         if step == args.save_at:
             torch.save(model.state_dict(), SlowDisk(args.save_s))
