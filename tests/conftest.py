@@ -129,19 +129,40 @@ def _env():
     return env
 
 
+def run_traceml(where: Path, *script_args, script=TRAIN_LOOP, run_dir=None, traceml_args=(), timeout=120,
+                env=None) -> Run:
+    """A real `traceml run` subprocess in the folder `where` (its run directory: where/run).
+    The traceml_run fixture's, for a module- or session-scoped fixture to make a run once."""
+    run_dir = Path(run_dir) if run_dir is not None else where / "run"
+    command = [sys.executable, "-m", "traceml", "run", "--run-dir", str(run_dir), *traceml_args,
+               str(script), *map(str, script_args)]
+    process = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                             cwd=where, env={**_env(), **(env or {})})
+    return Run(process, run_dir)
+
+
 @pytest.fixture
 def traceml_run(tmp_path):
     """traceml_run(script_args..., run_dir=None) -> Run, via a real `traceml run` subprocess."""
 
-    def run(*script_args, script=TRAIN_LOOP, run_dir=None, traceml_args=(), timeout=120, env=None):
-        run_dir = Path(run_dir) if run_dir is not None else tmp_path / "run"
-        command = [sys.executable, "-m", "traceml", "run", "--run-dir", str(run_dir), *traceml_args,
-                   str(script), *map(str, script_args)]
-        process = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                 cwd=tmp_path, env={**_env(), **(env or {})})
-        return Run(process, run_dir)
+    def run(*script_args, **options):
+        return run_traceml(tmp_path, *script_args, **options)
 
     return run
+
+
+# A wide MLP fed from memory: compute-bound, and healthy. A test in test_end_to_end and one in
+# test_memory_gc_spikes read it: both are in this group (one worker), so the run is made once.
+# 1024 wide, not wider: at 2048 host RSS wandered by up to 14 MiB over the run (4 at 1024),
+# where the healthy run must show no memory creep.
+WIDE_MLP = ("--steps", 80, "--no-loader", "--batch-size", 64, "--features", 512, "--width", 1024)
+wide_mlp = pytest.mark.xdist_group("wide_mlp")
+
+
+@pytest.fixture(scope="session")
+def wide_mlp_run(tmp_path_factory):
+    """train_loop.py with WIDE_MLP's arguments under `traceml run`, made once."""
+    return run_traceml(tmp_path_factory.mktemp("wide_mlp"), *WIDE_MLP)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import TRAIN_LOOP, _env
+from conftest import TRAIN_LOOP, _env, wide_mlp
 
 PARTS = ("input_wait_ms", "outside_ms", "h2d_ms", "forward_ms", "backward_ms", "optimizer_ms",
          "untraced_ms")
@@ -42,11 +42,12 @@ def test_slow_dataset_is_input_bound(traceml_run):
     assert "step time (last" not in run.stdout  # not a terminal: no live dashboard, on its own
 
 
-def test_wide_mlp_in_memory_is_compute_bound(traceml_run):
+@wide_mlp
+def test_wide_mlp_in_memory_is_compute_bound(wide_mlp_run):
+    # conftest.WIDE_MLP's run: 80 steps of 64 samples built in memory, 512 -> 1024 wide.
     # 80 steps: on a shared 2-core machine a few steps stall on other processes, and over a
     # short run three such stalls already cost enough to be reported as STEP_SPIKES.
-    run = traceml_run("--steps", 80, "--no-loader", "--batch-size", 64, "--features", 512,
-                      "--width", 2048)
+    run = wide_mlp_run
     assert run.returncode == 0, run.stderr
     summary = run.summary()
     assert summary["primary_diagnosis"]["kind"] == "COMPUTE_BOUND", summary["findings"]

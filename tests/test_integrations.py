@@ -5,7 +5,7 @@ import sqlite3
 
 import pytest
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, run_traceml
 
 pytest.importorskip("transformers")
 HF = SCRIPTS / "hf_trainer.py"
@@ -18,9 +18,23 @@ def steps_of(run):
         return [dict(row) for row in db.execute("SELECT * FROM steps ORDER BY step")]
 
 
-def test_hf_trainer_makes_one_step_per_update_and_sees_a_slow_collate(traceml_run):
-    run = traceml_run("--how", "callback", "--max-steps", 30, "--accumulate", 4, "--collate-ms", 20,
-                      script=HF, timeout=240)
+# The Trainer run with TraceML's callback, made once (one worker: --dist loadgroup) for the two
+# tests that read it.
+hf_callback = pytest.mark.xdist_group("hf_callback")
+
+
+@pytest.fixture(scope="module")
+def hf_callback_run(tmp_path_factory):
+    """Trainer with TraceML's callback: 30 updates of 4 micro-batches of 4, each batch's collate
+    sleeping 20 ms, and an evaluation of 128 rows (32 batches) after every 10th update."""
+    return run_traceml(tmp_path_factory.mktemp("hf_callback"), "--how", "callback", "--max-steps", 30,
+                       "--accumulate", 4, "--collate-ms", 20, "--eval-every", 10, "--eval-rows", 128,
+                       script=HF, timeout=240)
+
+
+@hf_callback
+def test_hf_trainer_makes_one_step_per_update_and_sees_a_slow_collate(hf_callback_run):
+    run = hf_callback_run
     assert run.returncode == 0, run.stderr
     assert "trained 30 updates" in run.stdout
     steps = steps_of(run)
@@ -36,15 +50,15 @@ def test_hf_trainer_makes_one_step_per_update_and_sees_a_slow_collate(traceml_ru
     assert "found by Hugging Face Trainer" in run.stdout
 
 
-def test_hf_evaluation_is_outside_the_steps_not_input_wait(traceml_run):
-    run = traceml_run("--how", "callback", "--max-steps", 20, "--accumulate", 1, "--collate-ms", 5,
-                      "--eval-every", 10, script=HF, timeout=240)
+@hf_callback
+def test_hf_evaluation_is_outside_the_steps_not_input_wait(hf_callback_run):
+    run = hf_callback_run
     assert run.returncode == 0, run.stderr
     steps = steps_of(run)
-    assert len(steps) == 20
-    # After update 10 Trainer evaluates 64 batches at 5 ms a collate: that is outside step 9,
+    assert len(steps) == 30
+    # After update 10 Trainer evaluates 32 batches at 20 ms a collate: that is outside step 9,
     # and none of it is the training's input wait.
-    assert steps[9]["outside_ms"] >= 300.0
+    assert steps[9]["outside_ms"] >= 600.0
     # Misread as input wait, it would land in the step after: that step waits as the others do.
     usual_wait_ms = sorted(s["input_wait_ms"] for s in steps)[len(steps) // 2]
     assert steps[10]["input_wait_ms"] < max(3 * usual_wait_ms, 0.25 * steps[9]["outside_ms"])

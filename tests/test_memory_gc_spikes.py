@@ -1,6 +1,7 @@
 """Memory creep, GC pressure and step spikes on real CPU loops, and a healthy run free of them."""
 import json
 
+from conftest import wide_mlp
 from traceml.analysis.rollup import Window, roll_up
 from traceml.records import warmup_steps
 from traceml.collector.store import Store
@@ -81,9 +82,10 @@ def test_a_save_every_20th_step_is_one_checkpoint_finding_with_its_period(tracem
     assert all(row["untraced_ms"] >= row["checkpoint_ms"] for row in saves)
 
 
-def test_a_flat_healthy_run_has_none_of_these(traceml_run):
-    run = traceml_run("--steps", 80, "--no-loader", "--batch-size", 64, "--features", 512,
-                      "--width", 1024)
+@wide_mlp
+def test_a_flat_healthy_run_has_none_of_these(wide_mlp_run):
+    # test_end_to_end's compute-bound run (conftest.WIDE_MLP): 80 steps of a wide MLP fed from memory.
+    run = wide_mlp_run
     assert run.returncode == 0, run.stderr
     summary = run.summary()
     found = {f["kind"]: f for f in summary["findings"]}

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from conftest import SCRIPTS, TRAIN_LOOP, _env
+from conftest import SCRIPTS, TRAIN_LOOP, Run, _env
 from test_web import get, read_url
 
 
@@ -132,24 +132,39 @@ def test_jsonl_and_csv_exports(runs, tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "empty" in bad.stderr
 
 
-def test_metrics_are_scraped_from_a_live_run(tmp_path):
-    from prometheus_client.parser import text_string_to_metric_families
+# The live run, made once (one worker: --dist loadgroup) for the two tests that read it.
+live = pytest.mark.xdist_group("live_run")
 
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    """A slow-loader run under `traceml run --mode dashboard`: its /metrics as scraped once 40
+    steps were in, its content type, and the run, whose script prints traceml.summary() at its end."""
+    tmp = tmp_path_factory.mktemp("live")
     process = subprocess.Popen(
         [sys.executable, "-m", "traceml", "run", "--mode", "dashboard", "--port", "0", "--run-dir",
-         str(tmp_path / "run"), str(TRAIN_LOOP), "--steps", "200", "--load-ms", "6"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=_env())
+         str(tmp / "run"), str(TRAIN_LOOP), "--steps", "200", "--load-ms", "6", "--print-summary"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, env=_env())
     try:
         base, _ = read_url(process)
         deadline = time.monotonic() + 60
         while get(base, "/api/overview")["steps_seen"] < 40 and time.monotonic() < deadline:
             time.sleep(0.3)
         with urllib.request.urlopen(base + "metrics", timeout=10) as response:
-            assert response.headers["content-type"].startswith("text/plain")
-            text = response.read().decode()
-        process.communicate(timeout=120)
+            content_type, text = response.headers["content-type"], response.read().decode()
+        stdout, stderr = process.communicate(timeout=120)
     finally:
         process.kill()
+    ended = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return content_type, text, Run(ended, tmp / "run")
+
+
+@live
+def test_metrics_are_scraped_from_a_live_run(live_run):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    content_type, text, _ = live_run
+    assert content_type.startswith("text/plain")
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -234,12 +249,13 @@ def test_metrics_carry_each_ranks_comm_wait_where_it_was_measured():
     assert ("traceml_comm_wait_share", (("rank", "1"),)) not in samples
 
 
-def test_summary_in_the_training_process_is_flat(plain_run):
-    run = plain_run("--steps", 60, "--load-ms", 6, "--print-summary", script=SCRIPTS / "train_loop.py")
+@live
+def test_summary_in_the_training_process_is_flat(live_run):
+    *_, run = live_run  # 200 steps of 8 samples x 6 ms, the script's own traceml.summary() at the end
     assert run.returncode == 0, run.stderr
     line = next(line for line in run.stdout.splitlines() if line.startswith("SUMMARY "))
     flat = json.loads(line[len("SUMMARY "):])
-    assert flat["traceml/steps"] >= 58  # all but the step still open when it was asked
+    assert flat["traceml/steps"] >= 198  # all but the step still open when it was asked
     assert flat["traceml/diagnosis/primary"] == "INPUT_BOUND"
     assert 0.3 < flat["traceml/phase/input_wait/share"] < 1.0  # as in the /metrics test above
     assert flat["traceml/step/median_ms"] >= 48.0  # 8 samples x 6 ms
