@@ -629,3 +629,20 @@ def test_bigger_batches_are_found_by_their_inputs_when_the_machine_jitters():
     stalls = Stalls(window)
     assert stalls.period == 10 and stalls.bigger_inputs and not stalls.machine_wide
     assert diagnose(DiagnosisInput(window, steps_seen=100))[0].kind == "STEP_SPIKES"
+
+
+def test_a_periodic_input_stall_inside_an_input_bound_run_is_one_finding():
+    # Every step waits 40 ms for its data, and every 10th 150 ms more: the stalls are a small part
+    # of the input wait the run already has a finding for, not a second INPUT_BOUND.
+    steps = []
+    for index in range(100):
+        step = rolled(index, input_wait=40.0, backward=30.0, optimizer=10.0)
+        if index % 10 == 9:
+            step.input_wait_ms += 150.0
+            step.step_ms += 150.0
+        steps.append(step)
+    window = Window(steps)
+    assert Stalls(window).period == 10 and Stalls(window).phase == "input_wait"
+    findings = diagnose(DiagnosisInput(window, steps_seen=100))
+    assert [f.kind for f in findings].count("INPUT_BOUND") == 1
+    assert findings[0].kind == "INPUT_BOUND" and "STEP_SPIKES" not in kinds(findings)

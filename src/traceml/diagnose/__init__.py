@@ -131,6 +131,8 @@ def _one_finding_per_cause(shares: List[Finding], stalls: Stalls) -> List[Findin
         # under the cause's own line (a sync every 10th step on a busy machine).
         # Its share is the part's own time in the stalls, the figure its words add up to.
         cause = next(kind for kind, phases in STALL_CAUSES.items() if stalls.phase in phases)
+        if any(finding.kind == cause for finding in shares):
+            return shares  # a small part of the cause's finding already made: one finding per cause
         share = stalls.phase_cost_share(stalls.phase)
         base = Finding(kind=cause, severity=Severity.WARN if share >= WARN_COST_SHARE else Severity.INFO,
                        summary="", action="", evidence={"share": round(share, 4)})
