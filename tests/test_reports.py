@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from conftest import SCRIPTS, TRAIN_LOOP, Run, _env
-from test_web import get, read_url
+from test_web import get, read_url, stop
 
 
 # The runs compared, made once (one worker: --dist loadgroup) for every test that reads them.
@@ -154,7 +154,7 @@ def live_run(tmp_path_factory):
             content_type, text = response.headers["content-type"], response.read().decode()
         stdout, stderr = process.communicate(timeout=120)
     finally:
-        process.kill()
+        stop(process)
     ended = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     return content_type, text, Run(ended, tmp / "run")
 

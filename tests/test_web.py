@@ -37,6 +37,18 @@ ARTIFACTS = Path(os.environ.get("TRACEML_ARTIFACTS", ROOT / "test-artifacts"))
 URL_LINE = re.compile(r"dashboard at (http://127\.0\.0\.1:\d+/)")
 
 
+def stop(process):
+    """End a `traceml run` a test left running (it failed): SIGTERM, as a user's Ctrl-C, lets it
+    stop its script too; SIGKILL would leave the script running without it."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+
+
 def get(base, path, expect=200):
     try:
         with urllib.request.urlopen(base.rstrip("/") + path, timeout=10) as response:
@@ -377,7 +389,7 @@ def test_live_dashboard_follows_the_run_then_closes(tmp_path):
         assert memory["history"] and {h["rank"] for h in memory["history"]} == {0}
         stdout, stderr = process.communicate(timeout=120)
     finally:
-        process.kill()
+        stop(process)
     assert process.returncode == 0
     assert "traceml: reopen the dashboard with: traceml view" in stderr
     assert (run_dir / "final_summary.json").is_file()
@@ -395,7 +407,7 @@ def test_traceml_view_serves_a_run_until_interrupted(finished_run, tmp_path):
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=10) == 0
     finally:
-        process.kill()
+        stop(process)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -423,7 +435,7 @@ def test_seed_api_script_serves_its_dashboard_and_records_spans_and_scalars(tmp_
         assert overview["live"] is True and overview["script"] == "training_loop"
         stdout, stderr = process.communicate(timeout=180)
     finally:
-        process.kill()
+        stop(process)
     assert process.returncode == 0, stderr
     assert "final loss" in stdout and "TraceML" in stdout
     run_dir = next((tmp_path / "traceml_runs").glob("*-training_loop"))
@@ -519,7 +531,7 @@ def test_browser_renders_the_live_page_mid_run(tmp_path):
             browser.close()
         process.communicate(timeout=120)
     finally:
-        process.kill()
+        stop(process)
     assert process.returncode == 0
     assert (ARTIFACTS / "dashboard-live.png").stat().st_size > 20_000
     width, height = png_size(docs_shot)
