@@ -183,10 +183,15 @@ def test_a_gpt_block_ranks_its_linears_first_and_coverage_is_the_leaves_share():
     # Each block's four Linears hold most of its backward; SDPA, the residual adds and reshapes
     # run in the Block's own code, so the leaves cover most, not all, of the model.
     assert 0.5 < report.forward_coverage < 0.98 and 0.5 < report.backward_coverage < 0.98, report
-    # The leaves' backward against each timed alone: the same three on top.
+    # The leaves' backward against each timed alone. Both blocks' layers of one role (qkv, proj,
+    # up, down) have the same shapes, so which block's comes first is a coin a busy machine
+    # tosses: the roles are ranked, by their time alone summed over the blocks.
     inputs = inputs_of(model, data[:, :-1])
     modules = dict(model.named_modules())
     alone = {name: alone_ms(modules[name], inputs[name])[1] for name in linears if name != "head"}
-    top_alone = sorted(alone, key=alone.get, reverse=True)[:4]
+    role_alone_ms = {}
+    for name, ms in alone.items():
+        role_alone_ms[name.rsplit(".", 1)[-1]] = role_alone_ms.get(name.rsplit(".", 1)[-1], 0.0) + ms
+    top_roles_alone = sorted(role_alone_ms, key=role_alone_ms.get, reverse=True)[:3]
     top_traced = sorted(alone, key=lambda name: figures[name]["backward_ms"], reverse=True)[:2]
-    assert set(top_traced) <= set(top_alone), (top_traced, top_alone, alone)
+    assert {name.rsplit(".", 1)[-1] for name in top_traced} <= set(top_roles_alone), (top_traced, role_alone_ms)
