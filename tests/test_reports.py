@@ -185,11 +185,12 @@ def test_metrics_are_scraped_from_a_live_run(live_run):
     assert samples[("traceml_memory_bytes", (("kind", "host_rss"), ("rank", "0")))] > 2 ** 20
     assert samples[("traceml_samples_per_second", (("rank", "0"),))] > 0
     assert samples[("traceml_finding_active", (("kind", "INPUT_BOUND"), ("rank", ""), ("severity", "crit")))] == 1.0
-    # Goodput so far: 40+ steps of ~50 ms are training; the parts add up to the run's wall time.
+    # Goodput so far: 40+ steps of ~50 ms are training, 2 s or more, against a startup (torch's
+    # imports) that a busy machine stretches to 5 s and beyond; the parts add up to the wall time.
     goodput = {part: samples[("traceml_goodput_share", (("part", part),))]
                for part in ("startup", "training", "evaluation", "checkpoint", "other")}
     assert sum(goodput.values()) == pytest.approx(1.0, abs=1e-6)
-    assert goodput["training"] > 0.3 and goodput["startup"] > 0.05 and goodput["evaluation"] == 0.0
+    assert goodput["training"] > 0.15 and goodput["startup"] > 0.05 and goodput["evaluation"] == 0.0
     assert samples[("traceml_goodput_seconds", (("part", "training"),))] >= 40 * 0.048
     # The node's latest sample: the machine's CPU (100 = every core) and RAM.
     assert 0 < samples[("traceml_cpu_percent", (("scope", "machine"),))] <= 100
