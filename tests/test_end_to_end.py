@@ -67,11 +67,16 @@ def test_parts_add_up_to_the_loops_own_step_times(traceml_run, tmp_path):
     starts = json.loads(stamps.read_text())
     rows = run.step_rows()
     assert [row["step"] for row in rows] == list(range(40))
+    # Step by step, TraceML's steps tile the loop's own time: the parts of steps 0..k add up to
+    # the loop's clock from its step 0 to its step k+1. (Where one boundary falls against the
+    # loop's timestamp differs by what a preemption between the two puts on one side.)
+    parts_so_far_ms = 0.0
     for row, start, next_start in zip(rows, starts, starts[1:]):
-        loop_ms = (next_start - start) * 1000.0  # measured by the training loop itself
         parts_ms = sum(row[p] for p in PARTS)
         assert parts_ms == pytest.approx(row["step_ms"], rel=1e-6)
-        assert parts_ms == pytest.approx(loop_ms, rel=0.05), row
+        parts_so_far_ms += parts_ms
+        loop_so_far_ms = (next_start - starts[0]) * 1000.0  # measured by the training loop itself
+        assert parts_so_far_ms == pytest.approx(loop_so_far_ms, rel=0.01, abs=2.0), row
         assert row["outside_ms"] >= 3.0  # the sleep between steps
         assert row["input_wait_ms"] >= 4 * 0.5  # 8 samples of 0.5 ms, most of it
     summary = run.summary()
