@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -121,8 +122,6 @@ class HeldRanks:
     """What HangWatch reads of a collector: two ranks' hellos, steps, pulses; a store's meta."""
 
     def __init__(self):
-        from types import SimpleNamespace
-
         self.hellos = {r: SimpleNamespace(pid=100 + r, host="here", started_at_unix_s=0.0) for r in (0, 1)}
         self.recent_by_rank = {r: [SimpleNamespace(step=s, start_unix_s=900.0 + s * 0.01, step_ms=10.0)
                                    for s in range(20)] for r in (0, 1)}
@@ -131,8 +130,6 @@ class HeldRanks:
         self.store = SimpleNamespace(set_meta=self.meta.update)
 
     def step_ends(self, rank, step, at_unix_s):
-        from types import SimpleNamespace
-
         self.recent_by_rank[rank].append(SimpleNamespace(step=step, start_unix_s=at_unix_s - 0.01, step_ms=10.0))
 
 
@@ -195,13 +192,10 @@ def test_a_lost_rank_is_told_by_the_signal_that_ended_it():
 
 
 def test_the_pulse_comes_only_while_no_step_ends_and_reads_the_stack():
-    import threading
-    import types
-
     from traceml.probe import pulse as pulses
 
     clock = [0.0]
-    probe = types.SimpleNamespace(step_index=3, in_step=1, open_phase=-1, in_evaluation=False)
+    probe = SimpleNamespace(step_index=3, in_step=1, open_phase=-1, in_evaluation=False)
     watch = pulses.PulseWatch(0, probe, threading.get_ident(), clock=lambda: clock[0])
     assert watch.due() is None  # the first look: the count is new
     clock[0] = pulses.PULSE_AFTER_S - 0.1
