@@ -4,6 +4,7 @@ each layer timed alone.
 The deep-dive probe runs here in-process on real models and real autograd; only its sender is
 replaced by a list, so each test reads the LayerReport it would have sent.
 """
+import copy
 import statistics
 import time
 
@@ -58,9 +59,10 @@ def deep_dive(model, batches, loss_of, steps=12):
     layers = LayerProbe(probe, model, every_n_steps=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     for index in range(steps + 1):  # step 0 is never sampled
+        batch = batches(index)  # before the step begins, as a DataLoader's batch is
         layers.begin_step(index)
         with layers.saved_tensors_context():
-            output = model(batches(index))
+            output = model(batch)
         loss = loss_of(output)
         optimizer.zero_grad()
         loss.backward()
@@ -136,11 +138,22 @@ def test_a_module_whose_input_feeds_another_branch_ends_with_its_own_nodes():
     torch.manual_seed(0)
     model = TwoBranches()
     source = nn.Linear(64, 512)  # x comes out of the graph, as a residual stream does
-    figures, _ = deep_dive(model, lambda i: source(torch.randn(1024, 64)), lambda out: out.square().mean())
+    # The layers alone are twins timed before each step, side by side with the deep-dive: timed
+    # after it, a machine that got busier in between once made heavy's own figure look halved.
+    twins = {"heavy": copy.deepcopy(model.heavy), "cheap": copy.deepcopy(model.cheap)}
+    twin_input = torch.randn(1024, 512)
+    alone_backward_ms = {name: [] for name in twins}
+
+    def batch(index):
+        for name, twin in twins.items():
+            alone_backward_ms[name].append(alone_ms(twin, twin_input, repeats=2)[1])
+        return source(torch.randn(1024, 64))
+
+    figures, _ = deep_dive(model, batch, lambda out: out.square().mean())
     heavy, cheap = figures["heavy"]["backward_ms"], figures["cheap"]["backward_ms"]
     assert figures["heavy"]["calls"] == 24
-    alone_heavy = 2 * alone_ms(model.heavy, torch.randn(1024, 512))[1]
-    alone_cheap = alone_ms(model.cheap, torch.randn(1024, 512))[1]
+    alone_heavy = 2 * statistics.median(alone_backward_ms["heavy"])
+    alone_cheap = statistics.median(alone_backward_ms["cheap"])
     assert cheap < 0.5 * heavy
     # Each near the layer timed alone: the heavy one within a factor of two; the cheap one, a
     # few tenths of a millisecond, within three (charged with heavy's backward it would be ten).
