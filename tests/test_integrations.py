@@ -1,13 +1,15 @@
 """Trainer integrations and zero-code mode on real, tiny, offline training runs: Hugging Face
 Trainer (a GPT-2 built from a config), Lightning (both namespaces), Accelerate, and a script
 that never imports traceml."""
+import importlib.util
 import sqlite3
 
 import pytest
 
 from conftest import SCRIPTS, run_traceml
 
-pytest.importorskip("transformers")
+# Found, not imported: the runs import it, and importing it here costs each pytest worker a second.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 HF = SCRIPTS / "hf_trainer.py"
 LIGHTNING = SCRIPTS / "lightning_fit.py"
 
