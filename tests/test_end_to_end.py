@@ -165,12 +165,6 @@ def test_crash_keeps_exit_code_and_the_steps_before_it(traceml_run):
     assert [row["step"] for row in run.step_rows()] == list(range(12))
 
 
-def test_exit_code_is_the_scripts(traceml_run):
-    run = traceml_run("--steps", 12, "--exit-code", 3)
-    assert run.returncode == 3
-    assert run.summary()["run"]["exit_code"] == 3
-
-
 def test_plain_python_prints_the_card_and_writes_a_run_dir(plain_run):
     run = plain_run("--steps", 25, "--load-ms", 2)
     assert run.returncode == 0, run.stderr
@@ -196,14 +190,15 @@ def test_plain_python_crash_keeps_its_steps_and_exit_code(plain_run):
     assert summary["run"]["exit_code"] == 1
 
 
-def test_run_directory_matches_the_contract(traceml_run):
-    run = traceml_run("--steps", 15)
-    assert run.returncode == 0, run.stderr
+def test_run_directory_matches_the_contract_and_the_exit_code_is_the_scripts(traceml_run):
+    run = traceml_run("--steps", 15, "--exit-code", 3)
+    assert run.returncode == 3, run.stderr
     summary = run.summary()
     assert summary["schema_version"] == 1
     assert set(summary["run"]) >= {"script", "argv", "exit_code", "started_at", "duration_s",
                                    "world_size", "devices", "torch_version"}
-    assert summary["run"]["argv"][1:] == ["--steps", "15"]
+    assert summary["run"]["argv"][1:] == ["--steps", "15", "--exit-code", "3"]
+    assert summary["run"]["exit_code"] == 3
     assert summary["run"]["world_size"] == 1
     for phase in ("input_wait", "outside", "h2d", "forward", "backward", "optimizer", "untraced",
                   "gc", "step"):

@@ -1,6 +1,7 @@
-"""The field corpus: training scripts in the shapes real loops take (tests/field/, and the
-trainer scripts), each run plain and under TraceML. TraceML must be invisible in them: the same
-exit code, the same output (times aside), byte-identical files, and one step per update."""
+"""The field corpus: training scripts in the shapes real loops take (tests/field/), each run plain
+and under TraceML. TraceML must be invisible in them: the same exit code, the same output (times
+aside), byte-identical files, and one step per update. (Hugging Face Trainer's and Lightning's
+runs are held against plain twins in test_integrations, beside the figures read there.)"""
 import importlib.util
 import re
 import signal
@@ -17,8 +18,9 @@ CARD_TOP = "╭─ TraceML"
 SAVED_LINE = re.compile(r"^traceml: run saved to .*\n", re.MULTILINE)
 # What a script prints that is a time, and so differs from one run to the next.
 TIMES = (re.compile(r"\d+(\.\d+)?(\s?(ms|s|it/s|s/it)\b)"), re.compile(r"ms/batch\s+[\d.]+"),
-         re.compile(r"'(train_runtime|train_samples_per_second|train_steps_per_second)': '[\d.]+'"),
+         re.compile(r"'((train|eval)_(runtime|samples_per_second|steps_per_second))': '?[\d.]+'?"),
          re.compile(r"\[\d\d:\d\d<\d\d:\d\d"),
+         re.compile(r'"\w+_s": [\d.]+'),  # seconds a script measured, in the JSON line it prints
          re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\]"))  # a logger's stamp (DeepSpeed's, imported by transformers)
 
 
@@ -220,25 +222,6 @@ def test_a_lora_fine_tune_saves_the_same_adapter_with_layers_sampled(tmp_path, l
     assert [row["step"] for row in traced.step_rows() if row["instrumented"]] == sampled_steps
     if traceml_args:  # the FLOPs from the sampled steps' shapes: the matrix products, exactly
         assert traced.summary()["throughput"]["flops_per_step"] == lora_llama_flops(tokens=8 * 32)
-
-
-def test_hugging_face_trainer_saves_the_same_model(tmp_path):
-    pytest.importorskip("transformers")
-    args = ["--max-steps", "10", "--accumulate", "2", "--save", "saved"]
-    plain, traced = side_by_side(tmp_path, [sys.executable, str(SCRIPTS / "hf_trainer.py"), "--how", "none", *args],
-                                 traceml_run(SCRIPTS / "hf_trainer.py", "--how", "callback", *args))
-    assert_invisible(plain, traced, tmp_path / "plain" / "saved", tmp_path / "traced" / "saved")
-    assert traced.summary()["steps"]["count"] == 10
-
-
-def test_lightning_fit_saves_the_same_model(tmp_path):
-    pytest.importorskip("lightning")
-    args = ["--steps", "30", "--val-sample-ms", "0"]
-    plain, traced = side_by_side(
-        tmp_path, [sys.executable, str(SCRIPTS / "lightning_fit.py"), "--untraced", *args, "--save", "saved/model.pt"],
-        traceml_run(SCRIPTS / "lightning_fit.py", *args, "--save", "saved/model.pt"))
-    assert_invisible(plain, traced, tmp_path / "plain" / "saved", tmp_path / "traced" / "saved")
-    assert traced.summary()["steps"]["count"] == 30
 
 
 def test_a_first_evaluation_ten_times_slower_is_named_apart_and_keeps_the_period(tmp_path):

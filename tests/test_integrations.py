@@ -1,12 +1,15 @@
 """Trainer integrations and zero-code mode on real, tiny, offline training runs: Hugging Face
 Trainer (a GPT-2 built from a config), Lightning (both namespaces), Accelerate, and a script
-that never imports traceml."""
+that never imports traceml. Trainer's and Lightning's runs are made beside the same script
+without TraceML, and must save the same model (test_field's check)."""
 import importlib.util
 import sqlite3
+import sys
 
 import pytest
 
-from conftest import SCRIPTS, run_traceml
+from conftest import SCRIPTS, Run
+from test_field import assert_invisible, finish, side_by_side, start, traceml_run as field_command
 
 # Found, not imported: the runs import it, and importing it here costs each pytest worker a second.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
@@ -20,18 +23,33 @@ def steps_of(run):
         return [dict(row) for row in db.execute("SELECT * FROM steps ORDER BY step")]
 
 
-# The Trainer run with TraceML's callback, made once (one worker: --dist loadgroup) for the two
-# tests that read it.
+# The Trainer run with TraceML's callback, made once (one worker: --dist loadgroup) for the
+# tests that read it, beside the same script without TraceML, whose saved model it must match.
 hf_callback = pytest.mark.xdist_group("hf_callback")
+HF_CALLBACK_ARGS = ["--max-steps", 30, "--accumulate", 4, "--collate-ms", 20, "--eval-every", 10,
+                    "--eval-rows", 128, "--save", "saved"]
 
 
 @pytest.fixture(scope="module")
-def hf_callback_run(tmp_path_factory):
-    """Trainer with TraceML's callback: 30 updates of 4 micro-batches of 4, each batch's collate
-    sleeping 20 ms, and an evaluation of 128 rows (32 batches) after every 10th update."""
-    return run_traceml(tmp_path_factory.mktemp("hf_callback"), "--how", "callback", "--max-steps", 30,
-                       "--accumulate", 4, "--collate-ms", 20, "--eval-every", 10, "--eval-rows", 128,
-                       script=HF, timeout=240)
+def hf_callback_runs(tmp_path_factory):
+    """Trainer without TraceML and with its callback, side by side: 30 updates of 4 micro-batches
+    of 4, each batch's collate sleeping 20 ms, an evaluation of 128 rows (32 batches) after
+    every 10th update, and the model saved at the end. (plain process, traced Run)"""
+    where = tmp_path_factory.mktemp("hf_callback")
+    return side_by_side(where, [sys.executable, str(HF), "--how", "none", *map(str, HF_CALLBACK_ARGS)],
+                        field_command(HF, "--how", "callback", *map(str, HF_CALLBACK_ARGS)))
+
+
+@pytest.fixture(scope="module")
+def hf_callback_run(hf_callback_runs):
+    return hf_callback_runs[1]
+
+
+@hf_callback
+def test_hf_trainer_saves_the_same_model_as_without_traceml(hf_callback_runs):
+    plain, traced = hf_callback_runs
+    folder = traced.run_dir.parent.parent
+    assert_invisible(plain, traced, folder / "plain" / "saved", folder / "traced" / "saved")
 
 
 @hf_callback
@@ -80,11 +98,16 @@ def test_seed_snippets_run_unchanged(plain_run, how):
 
 
 @pytest.mark.parametrize("namespace, accumulate", [("lightning", 1), ("pytorch_lightning", 2)])
-def test_lightning_fit_steps_are_optimizer_steps_and_validation_is_not_input(traceml_run, namespace,
-                                                                              accumulate):
+def test_lightning_fit_steps_are_optimizer_steps_and_validation_is_not_input(tmp_path, namespace, accumulate):
+    """The first beside the same fit without TraceML's callback, whose saved model it must match."""
     pytest.importorskip(namespace)
-    run = traceml_run("--namespace", namespace, "--steps", 80, "--accumulate", accumulate,
-                      script=LIGHTNING, timeout=240)
+    args = ["--namespace", namespace, "--steps", "80", "--accumulate", str(accumulate), "--save", "saved/model.pt"]
+    traced_command = field_command(LIGHTNING, *args)
+    if namespace == "lightning":
+        plain, run = side_by_side(tmp_path, [sys.executable, str(LIGHTNING), "--untraced", *args], traced_command)
+        assert_invisible(plain, run, tmp_path / "plain" / "saved", tmp_path / "traced" / "saved")
+    else:
+        run = Run(finish(start(traced_command, tmp_path / "traced")), tmp_path / "traced" / "run")
     assert run.returncode == 0, run.stderr
     assert "fit 80 optimizer steps" in run.stdout
     steps = steps_of(run)
