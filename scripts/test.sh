@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: bash scripts/test.sh [extra pytest arguments for pass 1]
 #
-# 1. Every test not marked `serial`, on three workers, and beside them, on one more, the probe's,
-#    the compiled timers' and the trace API's tests again on the Python timers alone
-#    (TRACEML_NO_FASTPATH=1: a machine where the C extension is not built). Most tests are real
-#    runs in subprocesses that wait on sleeps, sockets and each other as much as they compute,
-#    and each process has one torch thread (tests/conftest.py), so together they keep a 2-core
-#    machine busy without starving one another.
+# 1. Every test not marked `serial`, on three workers, and beside them, on one more, the probe's
+#    and the compiled timers' tests again on the Python timers alone (TRACEML_NO_FASTPATH=1: a
+#    machine where the C extension is not built). The trace API's runs are not made again:
+#    test_fastpath holds both timers' steps, spans and scalars on the same loops against each
+#    other. Most tests are real runs in subprocesses that wait on sleeps, sockets and each other
+#    as much as they compute, and each process has one torch thread (tests/conftest.py), so
+#    together they keep a 2-core machine busy without starving one another.
 # 2. The `serial` tests, which compare runs' timings and steps that stand out, in a pytest of
 #    their own once the rest is done: another test's bursts beside them would be in their figures.
 set -uo pipefail
@@ -18,7 +19,7 @@ unset PYTHONDONTWRITEBYTECODE
 python_timers_log=$(mktemp)
 trap 'rm -f "$python_timers_log"' EXIT
 TRACEML_NO_FASTPATH=1 python -m pytest -q tests/test_probe.py tests/test_fastpath.py \
-  tests/test_trace_api.py >"$python_timers_log" 2>&1 &
+  >"$python_timers_log" 2>&1 &
 python_timers=$!
 
 python -m pytest -n 3 --dist loadgroup -m "not serial" "$@"
