@@ -2,9 +2,13 @@
 core of its own, gated as a CI job would gate them (`traceml compare BASE NEW --fail-on
 regression`). Unchanged pairs should pass (exit 0) and no pair of the same code should be an
 IMPROVEMENT or a REGRESSION; the loop made 20% slower should fail (exit 1). Prints a row per
-pair: the gate's exit, the verdict, the change in the median step and its 95% interval.
+trial: the gate's exit, the verdict, the change in the median step and its 95% interval.
 
-    python benchmarks/gate.py [--pairs 5] [--steps 150]
+    python benchmarks/gate.py [--pairs 5] [--steps 150] [--repeats 1]
+
+With --repeats N each trial is N pairs made one after the other, gated as two folders of runs
+(docs/regression-gate.md's advice for a machine whose speed drifts): the interval then holds
+the run-to-run variance the repeats measured.
 
 A judgment of timings, so a benchmark and not a test: on a machine whose cores' speed drifts
 (a virtual machine's host), pairs that cannot be told apart say so (exit 3), and the rows show it.
@@ -64,18 +68,22 @@ def gate(base_dir: Path, new_dir: Path) -> tuple:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=5, help="unchanged pairs")
+    parser.add_argument("--pairs", type=int, default=5, help="unchanged trials")
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--repeats", type=int, default=1, help="side-by-side pairs in each trial, gated as folders")
     args = parser.parse_args()
-    print(f"{'pair':<12} {'exit':>4}  {'verdict':<13} {'change':>8}  95% interval")
+    print(f"{'trial':<12} {'exit':>4}  {'verdict':<13} {'change':>8}  95% interval")
     with tempfile.TemporaryDirectory(prefix="gate-bench-") as tmp:
-        cases = [(f"unchanged {i}", LAYERS, i % 2) for i in range(args.pairs)] + [("20% slower", SLOW_LAYERS, 0)]
-        for i, (name, layers, base_core) in enumerate(cases):
+        cases = [(f"unchanged {i}", LAYERS) for i in range(args.pairs)] + [("20% slower", SLOW_LAYERS)]
+        for i, (name, layers) in enumerate(cases):
             base, new = Path(tmp) / f"base{i}", Path(tmp) / f"new{i}"
-            try:
-                side_by_side(base, new, layers, args.steps, base_core)
-            except RuntimeError as error:
-                raise SystemExit(str(error)) from None
+            for repeat in range(args.repeats):
+                # The baseline on the other core every other pair: a core's own speed falls on both.
+                run_dirs = (base / str(repeat), new / str(repeat)) if args.repeats > 1 else (base, new)
+                try:
+                    side_by_side(*run_dirs, layers, args.steps, base_core=(i + repeat) % 2)
+                except RuntimeError as error:
+                    raise SystemExit(str(error)) from None
             code, verdict, delta, interval = gate(base, new)
             low, high = interval or (float("nan"), float("nan"))
             print(f"{name:<12} {code:>4}  {verdict:<13} {delta:>+8.1%}  {low:+.1%} to {high:+.1%}", flush=True)
