@@ -76,8 +76,11 @@ def test_phases_land_where_the_time_went(probe):
         handle.remove()
     steps = records(probe)
     assert [r.step for r in steps] == [0, 1, 2]
+    # The 20 ms sleep is in forward, and not much more: a busy machine once woke a step's sleep
+    # 28 ms late (48.6 ms), so the least of the three is held under 40.
+    assert min(record.forward_ms for record in steps) < 40.0, steps
     for record in steps:
-        assert 20.0 <= record.forward_ms < 40.0
+        assert record.forward_ms >= 20.0
         assert record.backward_ms > 0 and record.optimizer_ms > 0
         assert record.untraced_ms >= 10.0
         assert record.forward_calls == 1 and record.samples == 4
