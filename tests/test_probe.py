@@ -466,3 +466,11 @@ def test_an_inferred_step_that_never_ends_leaves_the_step_before_as_it_was(probe
     assert [s.step for s in steps] == [0, 1, 2]
     assert all(s.outside_ms >= 5.0 for s in steps[:2])  # the windows between updates, whole
     assert steps[2].outside_ms == 0.0  # the last one ends where it ended, not at the tail's start
+
+
+def test_host_rss_has_a_reading_before_the_senders_first_round():
+    """Beside a busy loop the first steps once ended before the sender's first round and
+    recorded no RSS; the reading taken when the probe starts is theirs."""
+    from traceml.probe.memory import HostRss
+
+    assert HostRss().latest_bytes > 10 * 2 ** 20  # this process, torch imported

@@ -50,16 +50,21 @@ class HostRss:
             self._statm_fd: Optional[int] = os.open(f"/proc/{os.getpid()}/statm", os.O_RDONLY)
         except OSError:
             self._statm_fd = None
+        # A first reading now: on a busy machine the sender's first round came after the first
+        # steps had ended, and they recorded no RSS at all.
+        self.refresh()
 
     def refresh(self) -> Optional[int]:
+        reading = None
         if self._statm_fd is not None:
             try:
-                self.latest_bytes = int(os.pread(self._statm_fd, 128, 0).split()[1]) * _PAGE_BYTES
-                return self.latest_bytes
+                reading = int(os.pread(self._statm_fd, 128, 0).split()[1]) * _PAGE_BYTES
             except (OSError, ValueError, IndexError):
                 self._statm_fd = None
-        self.latest_bytes = read_rss_bytes(None)
-        return self.latest_bytes
+        if reading is None:
+            reading = read_rss_bytes(None)
+        self.latest_bytes = reading
+        return reading
 
 
 def read_rss_bytes(statm_path: Optional[str] = "/proc/self/statm") -> Optional[int]:
