@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS, Run
-from test_field import assert_invisible, finish, side_by_side, start, traceml_run as field_command
+from conftest import SCRIPTS
+from test_field import assert_invisible, side_by_side, traceml_run as field_command
 
 # Found, not imported: the runs import it, and importing it here costs each pytest worker a second.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
@@ -26,8 +26,8 @@ def steps_of(run):
 # The Trainer run with TraceML's callback, made once (one worker: --dist loadgroup) for the
 # tests that read it, beside the same script without TraceML, whose saved model it must match.
 hf_callback = pytest.mark.xdist_group("hf_callback")
-HF_CALLBACK_ARGS = ["--max-steps", 30, "--accumulate", 4, "--collate-ms", 20, "--eval-every", 10,
-                    "--eval-rows", 128, "--save", "saved"]
+HF_CALLBACK_ARGS = ["--max-steps", "30", "--accumulate", "4", "--collate-ms", "20", "--eval-every", "10",
+                    "--eval-rows", "128", "--save", "saved"]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +36,8 @@ def hf_callback_runs(tmp_path_factory):
     of 4, each batch's collate sleeping 20 ms, an evaluation of 128 rows (32 batches) after
     every 10th update, and the model saved at the end. (plain process, traced Run)"""
     where = tmp_path_factory.mktemp("hf_callback")
-    return side_by_side(where, [sys.executable, str(HF), "--how", "none", *map(str, HF_CALLBACK_ARGS)],
-                        field_command(HF, "--how", "callback", *map(str, HF_CALLBACK_ARGS)))
+    return side_by_side(where, [sys.executable, str(HF), "--how", "none", *HF_CALLBACK_ARGS],
+                        field_command(HF, "--how", "callback", *HF_CALLBACK_ARGS))
 
 
 @pytest.fixture(scope="module")
@@ -98,16 +98,17 @@ def test_seed_snippets_run_unchanged(plain_run, how):
 
 
 @pytest.mark.parametrize("namespace, accumulate", [("lightning", 1), ("pytorch_lightning", 2)])
-def test_lightning_fit_steps_are_optimizer_steps_and_validation_is_not_input(tmp_path, namespace, accumulate):
+def test_lightning_fit_steps_are_optimizer_steps_and_validation_is_not_input(traceml_run, tmp_path, namespace,
+                                                                              accumulate):
     """The first beside the same fit without TraceML's callback, whose saved model it must match."""
     pytest.importorskip(namespace)
     args = ["--namespace", namespace, "--steps", "80", "--accumulate", str(accumulate), "--save", "saved/model.pt"]
-    traced_command = field_command(LIGHTNING, *args)
     if namespace == "lightning":
-        plain, run = side_by_side(tmp_path, [sys.executable, str(LIGHTNING), "--untraced", *args], traced_command)
+        plain, run = side_by_side(tmp_path, [sys.executable, str(LIGHTNING), "--untraced", *args],
+                                  field_command(LIGHTNING, *args))
         assert_invisible(plain, run, tmp_path / "plain" / "saved", tmp_path / "traced" / "saved")
     else:
-        run = Run(finish(start(traced_command, tmp_path / "traced")), tmp_path / "traced" / "run")
+        run = traceml_run(*args, script=LIGHTNING, timeout=240)
     assert run.returncode == 0, run.stderr
     assert "fit 80 optimizer steps" in run.stdout
     steps = steps_of(run)
