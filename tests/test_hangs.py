@@ -175,6 +175,25 @@ def test_a_raised_hang_ends_only_when_a_stalled_rank_steps_again():
     assert watch.hang is None and held.meta["hang"] is None
 
 
+def test_a_rank_stopped_under_a_hang_that_sends_its_last_step_on_the_way_out_stays_in_it():
+    from traceml.report.live import HangWatch
+
+    held = HeldRanks()
+    watch = HangWatch(hang_after_s=30.0, stderr=io.StringIO())
+    now = 1000.0
+    held.last_heard_unix_s = {0: now, 1: now}
+    held.pulses = {0: pulse(0, 100, steps=20, waiting_in="all_reduce", now=now),
+                   1: pulse(1, 100, steps=20, phase="in step", waiting_in="DataLoader", now=now)}
+    watch.check(held, now)
+    assert held.meta["hang"]["stalled_ranks"] == [0, 1] and held.meta["hang"]["culprit_rank"] == 1
+    # The run is stopped: rank 1, in a DataLoader wait, handles SIGTERM and sends its inferred
+    # step 20 (ended before the hang) with its goodbye; rank 0, inside gloo, cannot yet.
+    held.step_ends(1, 20, at_unix_s=900.3)
+    held.ends.add(1)
+    watch.check(held, now + 1)
+    assert held.meta["hang"]["stalled_ranks"] == [0, 1] and held.meta["hang"]["culprit_rank"] == 1
+
+
 def test_a_lost_rank_is_told_by_the_signal_that_ended_it():
     lost = rank_lost([{"rank": 1, "from_step": 15, "exit_code": -9, "pid": 77}],
                      {1: {"exit_code": -9, "pid": 77}, 0: {"exit_code": -15, "pid": 76}}, world_size=2)

@@ -91,9 +91,10 @@ class HangWatch:
         left = sum(p.gone or p.said_goodbye for p in progress)
         if self.hang is not None and left > (self._ranks_left_at_raise or 0):
             # Ranks leave under a hang: the run is being stopped, and the hang stays as it was,
-            # unless a stalled rank has ended a step since (it was a slow step after all).
-            last_step = {place["rank"]: place["last_step"] for place in self.hang.ranks}
-            if not any(p.rank in self.hang.stalled_ranks and p.steps_ended - 1 > last_step[p.rank]
+            # unless a stalled rank has ended a step since it was raised (a slow step after
+            # all). A rank stopped with SIGTERM sends its last inferred step on the way out:
+            # that step ended before the hang, and is no progress.
+            if not any(p.rank in self.hang.stalled_ranks and p.last_progress_unix_s > self._raised_at_unix_s
                        for p in progress):
                 return
         hang = find_hang(progress, now_unix_s, self.hang_after_s)
