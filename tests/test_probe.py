@@ -446,8 +446,10 @@ def test_an_evaluations_copy_to_the_device_starts_no_inferred_step(probe):
                     torch.randn(2, 4).to("meta")
                     model(torch.randn(2, 4))
     first, second, _ = records(probe)
+    # The evaluation is the first step's, outside its work; the second step's forward is its
+    # own call alone. (Not compared by time: beside a busy core a 5 ms sleep wakes 25 ms late.)
     assert first.eval_ms >= 2 * 5 and first.eval_ms <= first.outside_ms
-    assert second.forward_calls == 1 and second.forward_ms < first.eval_ms
+    assert second.forward_calls == 1 and second.eval_ms == 0
 
 
 def test_an_inferred_step_that_never_ends_leaves_the_step_before_as_it_was(probe):
