@@ -19,8 +19,11 @@ What drift can do, and what the verdict reads so that it cannot:
   that differ by W ms a step move the median by at most W ms. A change still beyond the margin
   once the busier side is granted that cost is the code's.
 - Repeats measure run-to-run variance itself: BASE and NEW may each be a folder of runs of the
-  same code, best made interleaved (base, new, base, new, ...), so that drift falls on both.
-  The bootstrap then resamples runs and, within each, stretches.
+  same code, best made interleaved (base, new, new, base, ...), so that drift falls on both.
+  The bootstrap then resamples runs and, within each, stretches; since a bootstrap over a
+  handful of runs sees too little of their spread, the interval is at least Student's t on the
+  runs' medians. A run slower from start to end than its side's others (DISTURBED_RUN_PACE) is
+  the machine's, and is left out like a disturbed stretch.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from traceml import rundir
-from traceml.analysis.bootstrap import CONFIDENCE, interval
+from traceml.analysis.bootstrap import CONFIDENCE, interval, mean_difference_half_width
 from traceml.records import ALL_PHASES
 
 EQUIVALENCE_MARGIN = 0.05  # a change within 5% of the baseline either way does not count
@@ -40,6 +43,8 @@ BLOCKS = 10  # stretches of time a run's steps are cut into
 MIN_BLOCK_STEPS = 3  # steps in each stretch, at the least
 MIN_BLOCKS = 5  # stretches a run needs for an interval: 15 measured steps
 DISTURBED_PACE = 1.5  # a stretch this much slower than the run's median stretch: the machine's
+# Same for a whole run among repeats of the same code: their medians are steadier than a stretch's.
+DISTURBED_RUN_PACE = 1.25
 # Other processes' CPU differing by less is noise in the samples, not a busier machine.
 LOAD_DIFFERENCE_CORES = 0.5
 
@@ -68,6 +73,16 @@ class ComparedRun:
             keep = _steady_stretches([statistics.median(repeat["step"][lo:hi]) for lo, hi in bounds])
             self._steady.append([stretch for stretch, kept in zip(bounds, keep) if kept])
             self._left_out += len(bounds) - len(self._steady[-1])
+        # The repeats compared: all but those the machine disturbed as a whole (_steady_repeats).
+        self._compared = list(range(len(repeats)))
+        if all(self._steady):
+            medians = [self._median_of(index, "step") for index in self._compared]
+            self._compared = [index for index, kept in zip(self._compared, _steady_repeats(medians)) if kept]
+
+    def _median_of(self, index: int, name: str) -> float:
+        """One repeat's median over its steady stretches."""
+        repeat = self.repeats[index]
+        return statistics.median(value for lo, hi in self._steady[index] for value in repeat.get(name, [])[lo:hi])
 
     @property
     def steps(self) -> Dict[str, List[float]]:
@@ -81,17 +96,26 @@ class ComparedRun:
     def stretch_medians(self, name: str) -> List[List[float]]:
         """Each repeat's medians of its steady stretches (see _steady_stretches); an empty list
         for a repeat too short to cut into MIN_BLOCKS stretches."""
-        return [[statistics.median(repeat.get(name, [])[lo:hi]) for lo, hi in steady]
-                for repeat, steady in zip(self.repeats, self._steady)]
+        return [[statistics.median(self.repeats[index].get(name, [])[lo:hi]) for lo, hi in self._steady[index]]
+                for index in self._compared]
+
+    def repeat_medians(self, name: str) -> List[float]:
+        """Each compared repeat's median over its steady stretches; an empty list when a repeat
+        is too short to cut into stretches."""
+        return [self._median_of(index, name) for index in self._compared] if all(self._steady) else []
 
     def disturbed_stretches(self) -> int:
         """How many stretches, over every repeat, the comparison leaves out as the machine's."""
         return self._left_out
 
+    def disturbed_repeats(self) -> int:
+        """How many whole repeats the comparison leaves out as the machine's."""
+        return len(self.repeats) - len(self._compared)
+
     def median_ms(self, name: str) -> float:
         """The median over the steady stretches' steps; the card's median without per-step data."""
-        values = [value for repeat, steady in zip(self.repeats, self._steady) for lo, hi in steady
-                  for value in repeat.get(name, [])[lo:hi]]
+        values = [value for index in self._compared for lo, hi in self._steady[index]
+                  for value in self.repeats[index].get(name, [])[lo:hi]]
         return statistics.median(values) if values else self.summary["phases"][name]["median_ms"]
 
     @classmethod
@@ -166,7 +190,8 @@ def compare(a: ComparedRun, b: ComparedRun, seed: int = 0) -> Dict[str, Any]:
     machine = {"other_cores_a": a.other_cores, "other_cores_b": b.other_cores,
                "cpu_wait_ms_a": a.cpu_wait_ms, "cpu_wait_ms_b": b.cpu_wait_ms,
                "repeats_a": len(a.repeats), "repeats_b": len(b.repeats),
-               "stretches_left_out_a": a.disturbed_stretches(), "stretches_left_out_b": b.disturbed_stretches()}
+               "stretches_left_out_a": a.disturbed_stretches(), "stretches_left_out_b": b.disturbed_stretches(),
+               "repeats_left_out_a": a.disturbed_repeats(), "repeats_left_out_b": b.disturbed_repeats()}
     machine["busier"] = _busier(machine)
     # What the load may have cost: the waits for a CPU where they were measured (the cost
     # itself), else the bound that other processes' cores put on it.
@@ -214,6 +239,12 @@ def _compare_series(a: ComparedRun, b: ComparedRun, name: str, rng: random.Rando
     if all(blocks_a) and all(blocks_b):
         low, high = interval(sorted(_resampled_median(blocks_b, rng) - _resampled_median(blocks_a, rng)
                                     for _ in range(RESAMPLES)))
+        # Repeats: a bootstrap over a handful of runs is too narrow for the variance between
+        # them, so the interval is at least Student's t on the runs' own medians.
+        half_width = mean_difference_half_width(a.repeat_medians(name), b.repeat_medians(name))
+        if half_width is not None:
+            result["run_to_run_ms"] = half_width
+            low, high = min(low, result["delta_ms"] - half_width), max(high, result["delta_ms"] + half_width)
         result["ci_ms"] = [low, high]
         if median_a:
             result["ci_share"] = [low / median_a, high / median_a]
@@ -240,6 +271,15 @@ def _steady_stretches(step_medians: Sequence[float]) -> List[bool]:
         return []
     pace = statistics.median(step_medians)
     steady = [median <= DISTURBED_PACE * pace for median in step_medians]
+    return steady if sum(steady) * 2 > len(steady) else [True] * len(steady)
+
+
+def _steady_repeats(repeat_medians: Sequence[float]) -> List[bool]:
+    """Which repeats of the same code ran at its pace. A change to the code slows every repeat;
+    one run DISTURBED_RUN_PACE times slower than the side's median run is the machine's doing (a
+    neighbour busy for its whole length), and is left out, as long as most repeats stay."""
+    pace = statistics.median(repeat_medians)
+    steady = [median <= DISTURBED_RUN_PACE * pace for median in repeat_medians]
     return steady if sum(steady) * 2 > len(steady) else [True] * len(steady)
 
 

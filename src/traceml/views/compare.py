@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 from typing import Any, Dict, Iterable, List, Tuple
 
+from traceml.report.compare import DISTURBED_PACE, DISTURBED_RUN_PACE, load_text
+
 VERDICT_STYLE = {"IMPROVEMENT": "bold white on green", "REGRESSION": "bold white on red",
                  "EQUIVALENT": "bold white on blue", "INCONCLUSIVE": "bold black on yellow"}
 GATE_STYLE = {"fail": "bold white on red", "pass": "bold white on green", "inconclusive": "bold black on yellow"}
@@ -50,16 +52,18 @@ class _Comparison:
                               f"{', '.join(diagnosis['new']) or '-'}"))
         machine = result["machine"]
         if machine["busier"]:
-            from traceml.report.compare import load_text
-
             lines.append(Text.assemble(("Machine ", "bold"), (load_text(machine), "bold yellow")))
         if machine["stretches_left_out_a"] or machine["stretches_left_out_b"]:
             lines.append(Text.assemble(("Left out ", "bold"), (
-                f"stretches run 1.5x slower than their run's pace (a neighbour's bursts): "
+                f"stretches run {DISTURBED_PACE:g}x slower than their run's pace (a neighbour's bursts): "
                 f"A {machine['stretches_left_out_a']}, B {machine['stretches_left_out_b']}")))
         if machine["repeats_a"] > 1 or machine["repeats_b"] > 1:
+            left_out = machine["repeats_left_out_a"] + machine["repeats_left_out_b"]
             lines.append(Text.assemble(("Repeats ", "bold"), f"A {machine['repeats_a']} runs, "
-                                                             f"B {machine['repeats_b']} runs"))
+                                                             f"B {machine['repeats_b']} runs",
+                                       (f"; left out, run {DISTURBED_RUN_PACE:g}x slower than their side's "
+                                        f"pace: A {machine['repeats_left_out_a']}, "
+                                        f"B {machine['repeats_left_out_b']}") if left_out else ""))
         parts = [head, runs, Text(""), phases, *lines, Text(""), _environment(result["environment"])]
         if "gate" in result:
             gate = result["gate"]
