@@ -3,6 +3,8 @@ benchmark loop made three times slower, and the verdict's defences against a dri
 each shown on steps made to drift (benchmarks/gate.py measures it on a 20% slowdown)."""
 import importlib.util
 import json
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +15,9 @@ from conftest import _env
 from traceml.report.compare import ComparedRun, compare, gate
 
 ROOT = Path(__file__).resolve().parent.parent
-# Its runs need the CPU as much on both sides, never shared with another test's (conftest.py).
-pytestmark = pytest.mark.serial
+# The tests on real runs: those need the CPU as much on both sides, never shared with another
+# test's (conftest.py). The defences' tests, on steps made to drift, need nothing of the machine.
+on_real_runs = pytest.mark.serial
 
 # Ten layers a step, or thirty: three times the forward and backward. The gate's exits on real
 # runs, with a change no drift of this machine's cores (up to 40% from one second to the next,
@@ -47,6 +50,7 @@ def runs(tmp_path_factory):
     return {"base": tmp / "base", "slow": tmp / "slow"}
 
 
+@on_real_runs
 def test_a_threefold_slowdown_fails_the_gate_and_its_flags_say_how(runs):
     process = gate_cli(runs["base"], runs["slow"], "--json")
     result = json.loads(process.stdout)
@@ -66,6 +70,7 @@ def test_a_threefold_slowdown_fails_the_gate_and_its_flags_say_how(runs):
     assert gate_cli(runs["slow"], runs["base"]).returncode == 0
 
 
+@on_real_runs
 def test_folders_of_repeats_compare_as_one_side_each(runs, tmp_path):
     folder = tmp_path / "bases"
     folder.mkdir()
@@ -120,6 +125,40 @@ def test_a_neighbours_bursts_are_left_out_and_a_steady_slowdown_is_not():
     assert compare(side(steady(10.0)), side(steady(30.0)))["verdict"] == "REGRESSION"
 
 
+def repeats(*run_ms, label="runs"):
+    """A folder of runs of the same code: one steady run per figure in run_ms."""
+    runs = [side(steady(ms)).repeats[0] for ms in run_ms]
+    return ComparedRun(label, side(steady(run_ms[0])).summary, runs)
+
+
+def test_repeats_widen_the_interval_to_the_variance_between_their_runs():
+    # Same code, two runs a side, each run steady but 4% apart from the other, as this
+    # machine's processes are: B's runs came out 10% slower. Resampling two runs reads a sure
+    # +6% to +14%; Student's t on the runs' medians sees how little two runs say of their
+    # spread, and no verdict is claimed.
+    a, b = repeats(9.8, 10.2), repeats(10.8, 11.2)
+    result = compare(a, b)
+    half_width = 4.303 * statistics.stdev([9.8, 10.2]) * math.sqrt(2 / 2)  # t at 2 degrees of freedom
+    assert result["step"]["run_to_run_ms"] == pytest.approx(half_width, rel=1e-3)
+    assert result["step"]["ci_ms"] == pytest.approx([1.0 - half_width, 1.0 + half_width], abs=1e-6)
+    assert result["verdict"] == "INCONCLUSIVE" and gate(result)["exit_code"] == 3
+    # Runs that agree with each other leave the interval narrow: 30% slower is a regression.
+    result = compare(repeats(10.0, 10.1, 9.9), repeats(13.0, 13.1, 12.9))
+    assert result["verdict"] == "REGRESSION" and gate(result)["exit_code"] == 1
+
+
+def test_a_run_the_machine_slowed_as_a_whole_is_left_out_of_its_repeats():
+    # One of A's five runs took 1.6x as long from start to end (a neighbour busy all along).
+    a, b = repeats(10.0, 10.1, 16.0, 9.9, 10.0), repeats(10.0, 10.1, 9.9, 10.0, 10.1)
+    assert a.disturbed_repeats() == 1 and b.disturbed_repeats() == 0
+    result = compare(a, b)
+    assert result["machine"]["repeats_left_out_a"] == 1
+    assert result["verdict"] == "EQUIVALENT", result["reason"]
+    # Every run of a side slower is the code's: none left out, and a regression.
+    slower = repeats(16.0, 16.2, 15.8)
+    assert slower.disturbed_repeats() == 0 and compare(b, slower)["verdict"] == "REGRESSION"
+
+
 def test_what_a_busier_machine_may_have_cost_is_granted_before_a_verdict():
     # Other processes used a core more during B and its waits were not measured: B may be up to
     # twice as slow for that alone.
@@ -161,6 +200,7 @@ def test_a_change_inside_the_margin_is_equivalent_and_passes():
     assert gate(result, threshold=0.05)["exit_code"] == 1 and gate(result)["exit_code"] == 0
 
 
+@on_real_runs
 def test_the_gate_refuses_its_flags_without_fail_on(runs):
     process = subprocess.run([sys.executable, "-m", "traceml", "compare", str(runs["base"]),
                               str(runs["slow"]), "--threshold", "10"],
