@@ -1,34 +1,35 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: bash scripts/test.sh [extra pytest arguments for pass 1]
 #
-# 1. Every test not marked `serial`, on three workers, and beside them, on one more, the probe's
-#    and the compiled timers' tests again on the Python timers alone (TRACEML_NO_FASTPATH=1: a
-#    machine where the C extension is not built). The trace API's runs are not made again:
-#    test_fastpath holds both timers' steps, spans and scalars on the same loops against each
-#    other. Most tests are real runs in subprocesses that wait on sleeps, sockets and each other
-#    as much as they compute, and each process has one torch thread (tests/conftest.py), so
-#    together they keep a 2-core machine busy without starving one another.
+# 1. Every test not marked `serial`, on three workers. Most tests are real runs in subprocesses
+#    that wait on sleeps, sockets and each other as much as they compute, and each process has
+#    one torch thread (tests/conftest.py), so together they keep a 2-core machine busy without
+#    starving one another.
 # 2. The `serial` tests, which compare runs' timings and steps that stand out, in a pytest of
-#    their own once the rest is done: another test's bursts beside them would be in their figures.
+#    their own once the rest is done: other tests' start-ups beside them would be bursts in
+#    their figures. Beside them, on the other core, the probe's and the compiled timers' tests
+#    again on the Python timers alone (TRACEML_NO_FASTPATH=1: a machine where the C extension
+#    is not built): one process at a time, a steady neighbour like the busy loop the serial
+#    tests are checked beside. The trace API's runs are not made again: test_fastpath holds both
+#    timers' steps, spans and scalars on the same loops against each other.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The suite starts a few hundred Python processes: each would otherwise compile TraceML's modules
 # again, and each pytest rewrite the tests' asserts again (__pycache__ is ignored by git).
 unset PYTHONDONTWRITEBYTECODE
 
+python -m pytest -n 3 --dist loadgroup -m "not serial" "$@" || exit 1
+
 python_timers_log=$(mktemp)
 trap 'rm -f "$python_timers_log"' EXIT
 TRACEML_NO_FASTPATH=1 python -m pytest -q tests/test_probe.py tests/test_fastpath.py \
   >"$python_timers_log" 2>&1 &
 python_timers=$!
-
-python -m pytest -n 3 --dist loadgroup -m "not serial" "$@"
-parallel_status=$?
+# Only the files that hold them: collecting the whole suite again would be seconds on one core.
+python -m pytest -m serial $(grep -l "pytest.mark.serial" tests/test_*.py)
+serial_status=$?
 wait "$python_timers"
 python_timers_status=$?
 echo "== the probe's tests again on the Python timers alone (TRACEML_NO_FASTPATH=1)"
 cat "$python_timers_log"
-[ "$parallel_status" -eq 0 ] && [ "$python_timers_status" -eq 0 ] || exit 1
-
-# Only the files that hold them: collecting the whole suite again would be seconds on one core.
-python -m pytest -m serial $(grep -l "pytest.mark.serial" tests/test_*.py)
+[ "$serial_status" -eq 0 ] && [ "$python_timers_status" -eq 0 ]
