@@ -11,25 +11,31 @@
 #    again on the Python timers alone (TRACEML_NO_FASTPATH=1: a machine where the C extension
 #    is not built): one process at a time, a steady neighbour like the busy loop the serial
 #    tests are checked beside. The trace API's runs are not made again: test_fastpath holds both
-#    timers' steps, spans and scalars on the same loops against each other.
+#    timers' steps, spans and scalars on the same loops against each other. Then, on that core
+#    too, the GPU check's dry run, which also starts one process at a time (tests/test_gpu_check.py:
+#    40 CPU seconds that pass 1's workers would otherwise share).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The suite starts a few hundred Python processes: each would otherwise compile TraceML's modules
 # again, and each pytest rewrite the tests' asserts again (__pycache__ is ignored by git).
 unset PYTHONDONTWRITEBYTECODE
 
-python -m pytest -n 3 --dist loadgroup -m "not serial" "$@" || exit 1
+python -m pytest -n 3 --dist loadgroup -m "not serial" --ignore tests/test_gpu_check.py "$@" || exit 1
 
-python_timers_log=$(mktemp)
-trap 'rm -f "$python_timers_log"' EXIT
-TRACEML_NO_FASTPATH=1 python -m pytest -q tests/test_probe.py tests/test_fastpath.py \
-  >"$python_timers_log" 2>&1 &
-python_timers=$!
+one_core_log=$(mktemp)
+trap 'rm -f "$one_core_log"' EXIT
+(
+  status=0
+  TRACEML_NO_FASTPATH=1 python -m pytest -q tests/test_probe.py tests/test_fastpath.py || status=1
+  python -m pytest -q tests/test_gpu_check.py || status=1
+  exit "$status"
+) >"$one_core_log" 2>&1 &
+one_core=$!
 # Only the files that hold them: collecting the whole suite again would be seconds on one core.
 python -m pytest -m serial $(grep -l "pytest.mark.serial" tests/test_*.py)
 serial_status=$?
-wait "$python_timers"
-python_timers_status=$?
-echo "== the probe's tests again on the Python timers alone (TRACEML_NO_FASTPATH=1)"
-cat "$python_timers_log"
-[ "$serial_status" -eq 0 ] && [ "$python_timers_status" -eq 0 ]
+wait "$one_core"
+one_core_status=$?
+echo "== the probe's tests again on the Python timers alone (TRACEML_NO_FASTPATH=1), then the GPU check's"
+cat "$one_core_log"
+[ "$serial_status" -eq 0 ] && [ "$one_core_status" -eq 0 ]
