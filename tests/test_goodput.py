@@ -127,6 +127,28 @@ def test_growing_sequence_lengths_are_recompilations_with_their_reason(traceml_r
                               and spikes["evidence"]["period_steps"] != 4), spikes
 
 
+def test_a_graph_break_is_sent_with_its_compilation_when_torchs_metrics_come_late(monkeypatch):
+    """On a busy machine the sender's round can come between torch's end callback and its
+    metrics: the compilation waits a round, and its graph break must wait with it."""
+    import collections
+    import time
+    from types import SimpleNamespace
+
+    from torch._dynamo import utils as dynamo_utils
+
+    from traceml.probe import compile as compile_watch
+
+    watch = compile_watch.CompileWatch(SimpleNamespace(rank=0))
+    metrics = {}
+    monkeypatch.setattr(compile_watch, "_compilation_metrics", lambda: metrics)
+    monkeypatch.setitem(dynamo_utils.counters, "graph_break", collections.Counter({"a print\nin forward": 1}))
+    watch.ended.append(("0/0", "dynamo", 1, 0.0, 250.0, time.monotonic()))
+    assert watch.records() == []  # torch has not recorded its metrics yet: next round
+    metrics["0/0"] = ("forward (train.py:12)", "")
+    (record,) = watch.records()
+    assert (record.code, record.graph_breaks, record.graph_break_reasons) == ("forward (train.py:12)", 1, ["a print"])
+
+
 def test_fixed_lengths_compile_once_and_a_graph_break_is_counted(traceml_run):
     pytest.importorskip("torch._dynamo")
     # With --deep: per-layer hooks inside compiled graphs would break them and recompile them

@@ -61,7 +61,9 @@ class CompileWatch:
         if not self.ended:
             return []
         metrics = _compilation_metrics()
-        graph_breaks = self._new_graph_breaks()
+        # Read once a dynamo compilation is sent this round: read in a round that then waits
+        # for torch's metrics, the breaks would be counted as seen and sent with nothing.
+        graph_breaks: Optional[Dict[str, int]] = None
         ready: List[CompileRecord] = []
         while self.ended:
             compile_id, trigger, step, start_unix_s, duration_ms, ended_at = self.ended[0]
@@ -74,9 +76,11 @@ class CompileWatch:
             record = CompileRecord(rank=self.probe.rank, step=step, start_unix_s=start_unix_s,
                                    duration_ms=duration_ms, compile_id=compile_id, trigger=trigger,
                                    code=code, recompile_reason=reason)
-            if trigger == "dynamo" and graph_breaks:
-                record.graph_breaks, record.graph_break_reasons = sum(graph_breaks.values()), list(graph_breaks)
-                graph_breaks = {}
+            if trigger == "dynamo":
+                graph_breaks = self._new_graph_breaks() if graph_breaks is None else graph_breaks
+                if graph_breaks:
+                    record.graph_breaks, record.graph_break_reasons = sum(graph_breaks.values()), list(graph_breaks)
+                    graph_breaks = {}
             ready.append(record)
         return ready
 
