@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -96,10 +97,15 @@ def test_loop_without_dataloader_counts_the_gap_as_outside(traceml_run, tmp_path
     # once took 12.8 of a 13.3 ms step), and none of the step's own work.
     gaps_ms = [(start - end) * 1e3 for end, start in zip(json.loads(ends.read_text()),
                                                          json.loads(starts.read_text())[1:])]
+    # Each step's outside holds the whole gap; beyond it only trace_step's own entry and exit,
+    # which the loop's clock leaves out: a few µs, unless the scheduler stops the process inside
+    # them (4 ms once, beside a busy loop). So the steps match the loop's gap at the median.
+    excess_ms = []
     for row, gap_ms in zip(rows[:-1], gaps_ms):  # the last step's window ends with the step itself
         assert row["input_wait_ms"] == 0.0
-        assert row["outside_ms"] >= 5.0
-        assert row["outside_ms"] == pytest.approx(gap_ms, abs=0.5), row
+        assert row["outside_ms"] >= 5.0 and row["outside_ms"] >= gap_ms - 0.5, row
+        excess_ms.append(row["outside_ms"] - gap_ms)
+    assert abs(statistics.median(excess_ms)) < 0.5, excess_ms
 
 
 FAILING_IN_FORWARD = r"""
