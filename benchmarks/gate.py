@@ -49,15 +49,20 @@ def on_core(core: int):
     return setup
 
 
+def bench_command(run_dir: Path, layers: int, steps: int) -> list:
+    """The benchmark loop with this many layers under `traceml run`, into run_dir."""
+    return [sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir", str(run_dir),
+            str(GATE_BENCH), "--steps", str(steps), "--layers", str(layers)]
+
+
 def side_by_side(base_dir: Path, new_dir: Path, new_layers: int, steps: int, base_core: int = 0,
                  env: Optional[Dict[str, str]] = None) -> None:
     """The baseline and the loop with new_layers under `traceml run` at the same time, each on a
     core of its own (the loop has one thread): whatever the machine does meanwhile, it does to
     both. tests/test_regression_gate.py makes its runs with this too."""
     started = [subprocess.Popen(
-        [sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir", str(run_dir),
-         str(GATE_BENCH), "--steps", str(steps), "--layers", str(layers)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=on_core(core))
+        bench_command(run_dir, layers, steps), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=on_core(core))
         for run_dir, layers, core in ((base_dir, LAYERS, base_core), (new_dir, new_layers, 1 - base_core))]
     for process in started:
         _, stderr = process.communicate(timeout=300)
@@ -73,9 +78,8 @@ def interleaved(base_dir: Path, new_dir: Path, new_layers: int, steps: int, repe
         sides = [(base_dir, LAYERS), (new_dir, new_layers)]
         for run_dir, layers in (sides if repeat % 2 == 0 else sides[::-1]):
             process = subprocess.run(
-                [sys.executable, "-m", "traceml", "run", "--mode", "summary", "--run-dir", str(run_dir / str(repeat)),
-                 str(GATE_BENCH), "--steps", str(steps), "--layers", str(layers)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=on_core(core), timeout=300)
+                bench_command(run_dir / str(repeat), layers, steps), stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE, text=True, preexec_fn=on_core(core), timeout=300)
             if process.returncode != 0:
                 raise RuntimeError(f"a benchmark run failed:\n{process.stderr[-3000:]}")
 

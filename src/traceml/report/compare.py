@@ -79,10 +79,14 @@ class ComparedRun:
             medians = [self._median_of(index, "step") for index in self._compared]
             self._compared = [index for index, kept in zip(self._compared, _steady_repeats(medians)) if kept]
 
+    def _steady_values(self, index: int, name: str) -> List[float]:
+        """One repeat's values of a phase (or the step) in its steady stretches."""
+        values = self.repeats[index].get(name, [])
+        return [value for lo, hi in self._steady[index] for value in values[lo:hi]]
+
     def _median_of(self, index: int, name: str) -> float:
         """One repeat's median over its steady stretches."""
-        repeat = self.repeats[index]
-        return statistics.median(value for lo, hi in self._steady[index] for value in repeat.get(name, [])[lo:hi])
+        return statistics.median(self._steady_values(index, name))
 
     @property
     def steps(self) -> Dict[str, List[float]]:
@@ -114,8 +118,7 @@ class ComparedRun:
 
     def median_ms(self, name: str) -> float:
         """The median over the steady stretches' steps; the card's median without per-step data."""
-        values = [value for index in self._compared for lo, hi in self._steady[index]
-                  for value in self.repeats[index].get(name, [])[lo:hi]]
+        values = [value for index in self._compared for value in self._steady_values(index, name)]
         return statistics.median(values) if values else self.summary["phases"][name]["median_ms"]
 
     @classmethod
@@ -267,19 +270,21 @@ def _steady_stretches(step_medians: Sequence[float]) -> List[bool]:
     """Which stretches ran at the run's own pace. A change to the code slows every stretch; a
     stretch DISTURBED_PACE times slower than the run's median stretch is the machine's doing (a
     neighbour's burst), and is left out, as long as most stretches stay."""
-    if not step_medians:
-        return []
-    pace = statistics.median(step_medians)
-    steady = [median <= DISTURBED_PACE * pace for median in step_medians]
-    return steady if sum(steady) * 2 > len(steady) else [True] * len(steady)
+    return _at_their_pace(step_medians, DISTURBED_PACE)
 
 
 def _steady_repeats(repeat_medians: Sequence[float]) -> List[bool]:
-    """Which repeats of the same code ran at its pace. A change to the code slows every repeat;
-    one run DISTURBED_RUN_PACE times slower than the side's median run is the machine's doing (a
-    neighbour busy for its whole length), and is left out, as long as most repeats stay."""
-    pace = statistics.median(repeat_medians)
-    steady = [median <= DISTURBED_RUN_PACE * pace for median in repeat_medians]
+    """Which repeats of the same code ran at its pace: one run DISTURBED_RUN_PACE times slower
+    than the side's median run is the machine's doing (a neighbour busy for its whole length)."""
+    return _at_their_pace(repeat_medians, DISTURBED_RUN_PACE)
+
+
+def _at_their_pace(medians: Sequence[float], slower_by: float) -> List[bool]:
+    """Which of the medians are within slower_by times their own median: all, unless most are."""
+    if not medians:
+        return []
+    pace = statistics.median(medians)
+    steady = [median <= slower_by * pace for median in medians]
     return steady if sum(steady) * 2 > len(steady) else [True] * len(steady)
 
 

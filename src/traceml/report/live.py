@@ -94,8 +94,7 @@ class HangWatch:
             # unless a stalled rank has ended a step since it was raised (a slow step after
             # all). A rank stopped with SIGTERM sends its last inferred step on the way out:
             # that step ended before the hang, and is no progress.
-            if not any(p.rank in self.hang.stalled_ranks and p.last_progress_unix_s > self._raised_at_unix_s
-                       for p in progress):
+            if not self._stepped_since_raise(progress) & set(self.hang.stalled_ranks):
                 return
         hang = find_hang(progress, now_unix_s, self.hang_after_s)
         if self.hang is not None and self._lost_sight(hang, progress):
@@ -121,8 +120,12 @@ class HangWatch:
         before its next pulse. The hang told stands until that pulse, or until the rank steps."""
         placed = {place["rank"] for place in self.hang.ranks if place["state"] in PULSED_STATES}
         unplaced = placed if hang is None else {place["rank"] for place in hang.ranks if place["state"] == "stepping"}
-        stepped = {p.rank for p in progress if p.last_progress_unix_s > self._raised_at_unix_s}
-        return bool((placed & unplaced) - stepped)
+        return bool((placed & unplaced) - self._stepped_since_raise(progress))
+
+    def _stepped_since_raise(self, progress: List[RankProgress]) -> set:
+        """The ranks that ended a step after the hang was raised (a step sent late, that ended
+        before, is no progress)."""
+        return {p.rank for p in progress if p.last_progress_unix_s > self._raised_at_unix_s}
 
 
 def live_progress(collector: Any, now_unix_s: float) -> List[RankProgress]:
