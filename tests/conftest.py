@@ -34,6 +34,19 @@ SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN_LOOP = SCRIPTS / "train_loop.py"
 
 
+# On a loaded machine gloo aborts a rank at interpreter exit, after all of its work, about one
+# run in a few hundred, with TraceML or without (plain torchrun runs this suite's DDP script
+# without traceml to the same abort): its worker threads can still hold tensors while Python
+# finalizes (pytorch/pytorch#179291 proposed an atexit fix and was abandoned).
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def ended_well(process: "subprocess.CompletedProcess | Run") -> bool:
+    """A multi-rank run that exited 0, or whose only fault is gloo's abort at exit (above).
+    The tests then judge its figures as for any run: every step is still asserted."""
+    return process.returncode == 0 or GLOO_EXIT_ABORT in process.stderr
+
+
 class Run:
     """A finished subprocess run and its run directory."""
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
-from conftest import SCRIPTS, _env
+from conftest import SCRIPTS, _env, ended_well
 
 from traceml.diagnose.hangs import HANG_AFTER_S, RankProgress, allowance_s, find_hang, rank_lost
 from traceml.records import RankPulse
@@ -394,7 +394,7 @@ def test_evaluation_on_every_rank_and_a_slow_step_that_ends_raise_none(traceml_r
     run = traceml_run("--eval-s", 20, "--eval-at", 10, "--stall-rank", 1, "--stall-s", 6, "--at", 20,
                       "--steps", 30, script=HANG_LOOP,
                       traceml_args=("--nproc-per-node", "2", "--hang-after", "10", "--mode", "summary"), timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert ended_well(run), run.stderr[-3000:]
     assert "HANG" not in run.stderr
     summary = run.summary()
     assert summary["hang"] is None and all(f["kind"] != "HANG" for f in summary["findings"])

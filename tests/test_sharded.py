@@ -4,7 +4,7 @@ ledger's shard bytes, and HF Trainer's and Accelerate's FSDP keeping their step 
 import re
 
 import pytest
-from conftest import SCRIPTS
+from conftest import SCRIPTS, ended_well
 
 FSDP_LOOP = SCRIPTS / "fsdp_loop.py"
 # Net(width 64, 4 blocks): each block 64x128 + 128 and 128x64 + 64, the head 64x4 + 4.
@@ -15,7 +15,7 @@ ELEMENTS = (4 * BLOCK_BYTES + HEAD_BYTES) // 4
 def fsdp_run(traceml_run, *script_args, script=FSDP_LOOP):
     run = traceml_run(*script_args, script=script, traceml_args=("--nproc-per-node", "2", "--mode", "summary"),
                       timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert ended_well(run), run.stderr[-3000:]
     return run, run.summary()
 
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import TRAIN_LOOP, _env
+from conftest import TRAIN_LOOP, _env, ended_well
 from test_web import get, read_url
 from traceml.views.summary import PHASE_LABELS, SEVERITY_COLOURS
 
@@ -374,7 +374,7 @@ def straggler(tmp_path_factory):
         stdout, stderr = process.communicate(timeout=240)
     finally:
         process.kill()
-    assert process.returncode == 0, stderr
+    assert ended_well(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)), stderr
     return SimpleNamespace(run_dir=run_dir, stdout=stdout, live=live, tmp=tmp, script=script,
                            facts=run_facts(run_dir))
 
