@@ -338,8 +338,13 @@ def test_a_rank_whose_dataloader_worker_hangs_is_named_live_on_metrics(tmp_path)
                          r"(sleeping|running)\) has not handed over the batch it owes", line), line
         assert "rank 0 waits in all_reduce" in line
         assert "rank 1 has issued 1 collective fewer than rank 0" in line
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        assert 'traceml_stalled{rank="1"} 1.0' in metrics and 'traceml_stalled{rank="0"} 1.0' in metrics
+        # The line places every rank that has pulsed once one is past its 8 s; on a busy machine
+        # the other crosses its own a second or two later, and only then is it stalled on /metrics.
+        deadline, metrics = time.monotonic() + 15, ""
+        while not ('traceml_stalled{rank="1"} 1.0' in metrics and 'traceml_stalled{rank="0"} 1.0' in metrics):
+            assert time.monotonic() < deadline, [m for m in metrics.splitlines() if m.startswith("traceml_stalled")]
+            time.sleep(0.5)
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         # The alert command that never ends is stopped after its 10 s; the run goes on.
         assert run.wait_for("ran past 10 s for HANG and was stopped", timeout_s=30) is not None
         assert run.process.poll() is None
