@@ -179,7 +179,7 @@ def test_rollup_takes_medians_across_ranks_and_names_the_worst():
 # -- GC, spikes, memory: the rules of the long runs ------------------------------------------
 from traceml.diagnose.memory import (PRESSURE_CRIT, PRESSURE_WARN, MemoryLimits, memory_creep,
                                      memory_pressure, out_of_memory)
-from traceml.diagnose.spikes import Stalls, step_spikes
+from traceml.diagnose.spikes import WARN_COST_SHARE, Stalls, step_spikes
 from traceml.diagnose.step_time import GC_CRIT_SHARE, GC_WARN_SHARE
 from traceml.records import OomRecord
 
@@ -455,6 +455,36 @@ def test_irregular_stalls_on_a_busy_machine_are_the_machines_and_listed_under_al
     periodic = diagnose(DiagnosisInput(stalled_window({19, 39, 59, 79, 99}, extra_ms=1000.0), steps_seen=100,
                         system=busy_machine()))
     assert periodic[0].kind == "UNTRACED_WORK" and periodic[0].evidence["period_steps"] == 20
+
+
+def short_steps_window(slow_steps, extra_ms):
+    """300 steps of 0.6 ms (a tiny loop's), the given ones extra_ms longer in untraced time."""
+    steps = []
+    for index in range(300):
+        step = rolled(index, backward=30.0, optimizer=10.0)
+        for name in ("step", "forward", "backward", "optimizer", "untraced"):
+            setattr(step, f"{name}_ms", getattr(step, f"{name}_ms") * 0.006)
+        step.worst_step_ms = step.step_ms
+        if index in slow_steps:
+            step.step_ms += extra_ms
+            step.untraced_ms += extra_ms
+        steps.append(step)
+    return Window(steps)
+
+
+def test_cheap_stalls_on_a_period_are_the_scheduler_on_a_busy_machine_and_the_loop_on_a_quiet_one():
+    # What a busy loop beside a test did to 0.6 ms steps: three of them a few ms longer in
+    # untraced time, 17 steps apart, a few % of the run.
+    window = short_steps_window({49, 66, 83}, extra_ms=2.0)
+    quiet = diagnose(DiagnosisInput(window, steps_seen=300))
+    assert [f.evidence.get("period_steps") for f in quiet if f.kind == "UNTRACED_WORK"] == [17]
+    busy = Stalls(window, busy_machine())
+    assert busy.cost_share < WARN_COST_SHARE and busy.period is None
+    assert not {"UNTRACED_WORK", "STEP_SPIKES"} & set(kinds(diagnose(
+        DiagnosisInput(window, steps_seen=300, system=busy_machine()))))
+    # Costing more than WARN_COST_SHARE, the period stands, busy machine or not.
+    costly = Stalls(short_steps_window({49, 66, 83}, extra_ms=40.0), busy_machine())
+    assert costly.cost_share >= WARN_COST_SHARE and costly.period == 17
 
 
 def test_a_checkpoint_inside_the_step_is_checkpoint_stall_and_nothing_else():
