@@ -156,16 +156,21 @@ class Stalls:
         self.growth_ms = {name: statistics.fmean(getattr(s, f"{name}_ms") for s in self._regular) - usual
                           for name, usual in self.usual_ms.items()}
         self.phase = max(ALL_PHASES, key=lambda name: self.growth_ms[name])
-        self.period = _period([e.first_step for e in self.episodes])
         self.other_cpu_cores = _other_cpu_cores(system, self.slow)
-        if self.period is not None and self.contended and self.cost_share < WARN_COST_SHARE:
-            # Other processes take turns with the training on the CPU, and the scheduler stalls
-            # it at a rhythm of its own: a few time slices lost in steps of a steady pace fall
-            # on a period by chance (every 17 steps, 4 ms each, 1% of the run, beside a busy
-            # loop). Stalls this cheap are told as irregular ones are: not at all.
-            self.period = None
+        self.period = self._loops_own_period()
         self.input_ratio, self.input_measure = _input_ratio(self.slow, normal)
         self.machine_wide = self._machine_wide()
+
+    def _loops_own_period(self) -> Optional[int]:
+        """The episodes' period, unless the scheduler may have made it. Other processes taking
+        turns with the training on the CPU stall it at a rhythm of their own, and a few time
+        slices lost by steps of a steady pace fall on a period by chance (every 17 steps, 4 ms
+        each, 1% of the run, beside a busy loop). Stalls that cheap are then told as irregular
+        ones are: not at all."""
+        period = _period([e.first_step for e in self.episodes])
+        if period is not None and self.contended and self.cost_share < WARN_COST_SHARE:
+            return None
+        return period
 
     @property
     def cost_ms(self) -> float:
