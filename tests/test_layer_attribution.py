@@ -173,9 +173,11 @@ def test_a_module_whose_input_feeds_another_branch_ends_with_its_own_nodes():
     assert cheap < 0.5 * heavy
     # Each near the layer timed alone: the heavy one within a factor of two; the cheap one, a
     # few tenths of a millisecond, at most three times it (charged with heavy's backward it
-    # would be ten). Below, loosely: beside a busy loop the twin, whose gradients accumulate
-    # where the model's start from none, once took 3.8 times the in-model figure.
-    assert alone_cheap / 6 < cheap < 3.0 * alone_cheap, (cheap, alone_cheap, heavy, alone_heavy)
+    # would be ten). Below, loosely, and against the twin's least time (a preemption only adds):
+    # beside a busy loop the twin, whose gradients accumulate where the model's start from none,
+    # once took 3.8 times the in-model figure, and in another run its median was 6 times it.
+    least_cheap = min(alone_backward_ms["cheap"])
+    assert least_cheap / 6 < cheap < 3.0 * alone_cheap, (cheap, least_cheap, alone_cheap, heavy, alone_heavy)
     assert 0.5 * alone_heavy < heavy < 2.0 * alone_heavy, (heavy, alone_heavy)
 
 
