@@ -274,7 +274,7 @@ def step_spikes(stalls: Stalls) -> Optional[Finding]:
                 "other_cpu_cores": None if stalls.other_cpu_cores is None else round(stalls.other_cpu_cores, 2)}
     if stalls.machine_wide:
         busy = (f"; other processes used {stalls.other_cpu_cores:.1f} CPU cores meanwhile"
-                if stalls.other_cpu_cores is not None and stalls.other_cpu_cores >= OTHER_CPU_CORES else "")
+                if stalls.contended else "")
         summary = (f"the machine stalls the training {stalls.when()}: {slow_steps}, every phase "
                    f"slower at once{busy}; {they} {cost_verb} {cost:.0%} of the run's time")
         action = MACHINE_ACTION
