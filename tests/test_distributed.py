@@ -39,8 +39,11 @@ def test_balanced_ranks_have_no_straggler(traceml_run):
     assert summary["run"]["world_size"] == 2
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
     measured = 120 - summary["steps"]["warmup_excluded"]
-    assert all(r["steps"] == measured and r["comm_wait_median_ms"] is not None for r in summary["ranks"])
-    assert stragglers(summary) == []
+    assert all(r["steps"] == measured and r["comm_wait_median_ms"] is not None
+               and r["cpu_wait_median_ms"] is not None for r in summary["ranks"])
+    # Beside a busy process the scheduler can keep one rank off a core for longer, step after
+    # step: the rule then names that wait, which is so; never the rank's data or its compute.
+    assert [f for f in stragglers(summary) if "waits for a CPU" not in f["summary"]] == []
     assert {row["rank"] for row in run.step_rows()} == {0, 1}
     assert "across ranks" in run.stdout and "worst rank" in run.stdout
     assert run.stdout.count("TraceML ·") == 1  # one card for the run, not one per rank

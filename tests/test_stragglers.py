@@ -8,11 +8,11 @@ from test_records import step
 
 
 def rank_row(rank, comm_wait=2.0, input_wait=0.5, forward=3.0, backward=8.0, behind=0.5, step_ms=20.0,
-             forward_comm_wait=0.0):
+             forward_comm_wait=0.0, cpu_wait=None):
     return {"rank": rank, "steps": 50, "last_step": 59, "step_median_ms": step_ms, "behind_share": behind,
             "input_wait_median_ms": input_wait, "forward_median_ms": forward,
             "backward_median_ms": backward, "comm_wait_median_ms": comm_wait,
-            "forward_comm_wait_median_ms": forward_comm_wait}
+            "forward_comm_wait_median_ms": forward_comm_wait, "cpu_wait_median_ms": cpu_wait}
 
 
 def test_balanced_ranks_give_no_finding():
@@ -34,6 +34,27 @@ def test_compute_straggler_from_own_forward_and_backward_compute():
     ranks = [rank_row(0, comm_wait=6.0), rank_row(1, comm_wait=1.0, forward=8.0, behind=1.0)]
     found = straggler(ranks, step_ms=20.0)
     assert (found.kind, found.rank) == ("COMPUTE_STRAGGLER", 1)
+
+
+def test_a_compute_lead_that_is_the_ranks_wait_for_a_cpu_names_the_wait():
+    # Rank 1 computes 5 ms longer (forward and backward less its collective wait: 10 ms against
+    # 5), and its thread waited 4.5 ms longer for a core: the scheduler gave that time to other
+    # processes; it did no more work than rank 0.
+    ranks = [rank_row(0, comm_wait=6.0, cpu_wait=0.3), rank_row(1, comm_wait=1.0, behind=1.0, cpu_wait=4.8)]
+    found = straggler(ranks, step_ms=20.0)
+    assert (found.kind, found.rank) == ("STRAGGLER", 1)
+    assert "rank 1 waits for a CPU" in found.summary and "4.8 ms a step for a core, against 0.3 ms" in found.summary
+    assert found.evidence["cpu_wait_excess_ms"] == 4.5
+    assert "cores of its own" in found.action
+
+
+def test_a_compute_lead_beyond_the_ranks_wait_for_a_cpu_is_still_its_compute():
+    # On a busy machine rank 1 computes 5 ms longer and waits 2 ms longer for a core: 3 ms of
+    # work more than rank 0, over half of the 5 ms the others lose.
+    ranks = [rank_row(0, comm_wait=6.0, cpu_wait=1.0), rank_row(1, comm_wait=1.0, behind=1.0, cpu_wait=3.0)]
+    found = straggler(ranks, step_ms=20.0)
+    assert (found.kind, found.rank) == ("COMPUTE_STRAGGLER", 1)
+    assert found.evidence["cpu_wait_excess_ms"] == 2.0
 
 
 def test_unexplained_straggler():

@@ -138,6 +138,9 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     # the rest is backward's.
     forward_comm_wait_ms: float = 0.0
     optimizer_comm_wait_ms: float = 0.0
+    # The training thread's wait for a CPU in the window: ready to run while other threads held
+    # the cores (probe/cpu_wait.py: read every 20 ms, spread evenly; None where not known).
+    cpu_wait_ms: Optional[float] = None
 
 
 

@@ -10,7 +10,7 @@ figures against the other ranks' median then name the cause.
 from __future__ import annotations
 
 import statistics
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from traceml.analysis.rollup import RankRow, comm_wait_parts
 from traceml.records import STRAGGLER_KINDS, Finding, FindingKind, Severity
@@ -45,38 +45,57 @@ def straggler(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
     if loss_share < LOSS_WARN_SHARE or slow["behind_share"] < BEHIND_SHARE:
         return None
     severity = Severity.CRIT if loss_share >= LOSS_CRIT_SHARE else Severity.WARN
-    rank = slow["rank"]
-
-    input_excess = slow["input_wait_median_ms"] - _median(others, "input_wait_median_ms")
-    compute = {r["rank"]: r["forward_median_ms"] + r["backward_median_ms"]
-               - (r["comm_wait_median_ms"] or 0.0) for r in ranks}
-    compute_excess = compute[rank] - statistics.median(compute[r["rank"]] for r in others)
     lost = (f"the other ranks wait {loss_ms:.1f} ms a step for it "
             f"({loss_share:.0%} of the {step_ms:.1f} ms step)")
-    if input_excess >= CAUSE_SHARE * loss_ms:
-        kind, value = FindingKind.INPUT_STRAGGLER, slow["input_wait_median_ms"]
-        median = _median(others, "input_wait_median_ms")
-        summary = f"rank {rank} is slow to get its data: {lost}; its input wait is {value:.1f} ms against {median:.1f} ms on the others"
-        action = (f"Look at rank {rank}'s input pipeline: its shard (larger or slower files, a "
-                  "slower disk or network mount), per-sample work that varies by shard, too few "
-                  "DataLoader workers for it. Balance the shards or raise num_workers.")
-    elif compute_excess >= CAUSE_SHARE * loss_ms:
-        kind, value = FindingKind.COMPUTE_STRAGGLER, compute[rank]
-        median = statistics.median(compute[r["rank"]] for r in others)
-        summary = f"rank {rank} computes longer: {lost}; its forward and backward compute take {value:.1f} ms against {median:.1f} ms on the others"
-        action = (f"Find what rank {rank} does more of: larger or longer samples (bucket batches "
-                  "by length), extra work only on that rank (logging, metrics, evaluation), or a "
-                  "slower or throttled device (check its clocks and temperature).")
-    else:
-        kind, value, median = FindingKind.STRAGGLER, slow["step_median_ms"], _median(others, "step_median_ms")
-        summary = f"rank {rank} holds the others back: {lost}; neither its input wait nor its compute explains it"
-        action = (f"Compare rank {rank}'s time outside the step and untraced time with the others', "
-                  "and its host: CPU contention, another process on its device, a slower link.")
-    return Finding(kind=kind, severity=severity, summary=summary, action=action, rank=rank,
+    kind, value, median, summary, action, cpu_wait_excess = _cause(slow, others, loss_ms, lost)
+    return Finding(kind=kind, severity=severity, summary=summary, action=action, rank=slow["rank"],
                    evidence={"rank_value_ms": round(value, 3), "others_median_ms": round(median, 3),
                              "loss_ms": round(loss_ms, 3), "share": round(loss_share, 4),
                              "behind_share": round(slow["behind_share"], 3),
-                             "measured_by": measured, "ranks": len(ranks)})
+                             "cpu_wait_excess_ms": round(cpu_wait_excess, 3),
+                             "measured_by": measured, "ranks": len(others) + 1})
+
+
+def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, lost: str) -> Tuple[FindingKind, float, float, str, str, float]:
+    """What makes the slow rank late: its kind, its figure and the others' median, what to say and
+    do, and how much longer its thread waited for a CPU."""
+    rank = slow["rank"]
+    input_excess = slow["input_wait_median_ms"] - _median(others, "input_wait_median_ms")
+    compute = {r["rank"]: r["forward_median_ms"] + r["backward_median_ms"]
+               - (r["comm_wait_median_ms"] or 0.0) for r in [slow, *others]}
+    compute_others_ms = statistics.median(compute[r["rank"]] for r in others)
+    # A rank whose thread waited longer for a CPU computes longer without doing more: the time
+    # the scheduler gave other processes is not its work (0 where the wait is not known).
+    cpu_wait_excess = 0.0
+    if all(r.get("cpu_wait_median_ms") is not None for r in [slow, *others]):
+        cpu_wait_excess = max(0.0, slow["cpu_wait_median_ms"] - _median(others, "cpu_wait_median_ms"))
+    if input_excess >= CAUSE_SHARE * loss_ms:
+        value, median = slow["input_wait_median_ms"], _median(others, "input_wait_median_ms")
+        return (FindingKind.INPUT_STRAGGLER, value, median,
+                f"rank {rank} is slow to get its data: {lost}; its input wait is {value:.1f} ms against {median:.1f} ms on the others",
+                f"Look at rank {rank}'s input pipeline: its shard (larger or slower files, a "
+                "slower disk or network mount), per-sample work that varies by shard, too few "
+                "DataLoader workers for it. Balance the shards or raise num_workers.", cpu_wait_excess)
+    if compute[rank] - compute_others_ms - cpu_wait_excess >= CAUSE_SHARE * loss_ms:
+        value, median = compute[rank], compute_others_ms
+        return (FindingKind.COMPUTE_STRAGGLER, value, median,
+                f"rank {rank} computes longer: {lost}; its forward and backward compute take {value:.1f} ms against {median:.1f} ms on the others",
+                f"Find what rank {rank} does more of: larger or longer samples (bucket batches "
+                "by length), extra work only on that rank (logging, metrics, evaluation), or a "
+                "slower or throttled device (check its clocks and temperature).", cpu_wait_excess)
+    if cpu_wait_excess >= CAUSE_SHARE * loss_ms:
+        value, median = slow["cpu_wait_median_ms"], _median(others, "cpu_wait_median_ms")
+        return (FindingKind.STRAGGLER, value, median,
+                f"rank {rank} waits for a CPU: {lost}; its training thread is ready to run but waits "
+                f"{value:.1f} ms a step for a core, against {median:.1f} ms on the others",
+                f"Other processes, or too many threads, hold the cores rank {rank} runs on. Give each "
+                "rank cores of its own: move other work off the machine, keep ranks x threads "
+                "(OMP_NUM_THREADS, DataLoader workers) within the cores, or pin each rank to its "
+                "own (taskset, numactl).", cpu_wait_excess)
+    return (FindingKind.STRAGGLER, slow["step_median_ms"], _median(others, "step_median_ms"),
+            f"rank {rank} holds the others back: {lost}; neither its input wait nor its compute explains it",
+            f"Compare rank {rank}'s time outside the step and untraced time with the others', "
+            "and its host: CPU contention, another process on its device, a slower link.", cpu_wait_excess)
 
 
 def _median(ranks: List[RankRow], key: str) -> float:

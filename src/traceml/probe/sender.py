@@ -75,13 +75,14 @@ class Sender:
     for the collector rank 0 starts under the Trace API (its web page, its run directory's name).
     """
 
-    def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None,
+    def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None, cpu_wait: Any = None,
                  capacity: int = BUFFER_CAPACITY, address: Optional[str] = None,
                  feed_of: Optional[Callable[["Sender"], StepFeed]] = None, training_thread: Optional[int] = None,
                  web_port: Optional[int] = None, run_name: Optional[str] = None):
         self.hello = hello
         self.timeline = timeline
         self.host_rss = host_rss  # refreshed here, each round, off the training thread
+        self.cpu_wait = cpu_wait  # a probe.cpu_wait.CpuWait: read each round, stamped on the steps
         self.capacity = capacity  # fixed once made: the compiled push keeps it (_fastpath.push_record)
         self.records_sent = 0
         self.records_dropped = 0
@@ -290,12 +291,23 @@ class Sender:
             return
         with self._taking_steps:
             ended, dropped = self.feed.drain_steps()
+            self._stamp_cpu_wait(ended)
             room = max(0, self.capacity - len(self._buffer))
             if len(ended) > room:  # a full buffer drops, as push does
                 dropped += len(ended) - room
                 del ended[room:]
             self.records_dropped += dropped
             self._buffer.extend(ended)
+
+    def _stamp_cpu_wait(self, steps: List[StepRecord]) -> None:
+        """Each step's wait for a CPU, from a reading taken now (its window has ended)."""
+        cpu_wait = self.cpu_wait
+        if cpu_wait is None or not cpu_wait.known:
+            return
+        cpu_wait.refresh()
+        for step in steps:
+            start_s = step.start_unix_s
+            step.cpu_wait_ms = cpu_wait.wait_ms(start_s, start_s + step.step_ms / 1e3)
 
     def _take_ended_spans(self) -> None:
         """The spans handed over since the last call, as SpanRecords, into the buffer."""
@@ -320,7 +332,9 @@ class Sender:
                 self.push(record)
         if self.timeline is None or self.feed is None:
             return
-        for record in self.timeline.resolve_ready(self.feed.record_from):
+        resolved = self.timeline.resolve_ready(self.feed.record_from)
+        self._stamp_cpu_wait(resolved)
+        for record in resolved:
             self.push(record)
 
     def _flush(self) -> None:
