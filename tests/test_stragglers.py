@@ -57,6 +57,15 @@ def test_a_compute_lead_beyond_the_ranks_wait_for_a_cpu_is_still_its_compute():
     assert found.evidence["cpu_wait_excess_ms"] == 2.0
 
 
+def test_a_compute_lead_mostly_work_is_compute_though_neither_part_is_half_the_loss():
+    # Rank 1 computes 8 ms longer, 3.5 of them waiting for a core: 4.5 ms of work, the larger
+    # part, though neither part alone is half of the 10 ms the others lose.
+    ranks = [rank_row(0, comm_wait=11.0, cpu_wait=1.0), rank_row(1, comm_wait=1.0, forward=1.0, behind=1.0, cpu_wait=4.5)]
+    found = straggler(ranks, step_ms=20.0)
+    assert (found.kind, found.rank) == ("COMPUTE_STRAGGLER", 1)
+    assert found.evidence["rank_value_ms"] - found.evidence["others_median_ms"] == 8.0
+
+
 def test_unexplained_straggler():
     # Same input wait, same own compute (backward less its wait: 2 ms on both), yet behind.
     ranks = [rank_row(0, comm_wait=6.0), rank_row(1, comm_wait=1.0, backward=3.0, behind=1.0)]

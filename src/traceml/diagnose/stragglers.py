@@ -76,14 +76,17 @@ def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, lost: str) -> T
                 f"Look at rank {rank}'s input pipeline: its shard (larger or slower files, a "
                 "slower disk or network mount), per-sample work that varies by shard, too few "
                 "DataLoader workers for it. Balance the shards or raise num_workers.", cpu_wait_excess)
-    if compute[rank] - compute_others_ms - cpu_wait_excess >= CAUSE_SHARE * loss_ms:
+    compute_excess = compute[rank] - compute_others_ms
+    # The compute phases explain the loss: its work, unless the longer wait for a CPU is most of
+    # the excess (a busy machine stretches a rank that does more work too).
+    if compute_excess >= CAUSE_SHARE * loss_ms and compute_excess - cpu_wait_excess >= cpu_wait_excess:
         value, median = compute[rank], compute_others_ms
         return (FindingKind.COMPUTE_STRAGGLER, value, median,
                 f"rank {rank} computes longer: {lost}; its forward and backward compute take {value:.1f} ms against {median:.1f} ms on the others",
                 f"Find what rank {rank} does more of: larger or longer samples (bucket batches "
                 "by length), extra work only on that rank (logging, metrics, evaluation), or a "
                 "slower or throttled device (check its clocks and temperature).", cpu_wait_excess)
-    if cpu_wait_excess >= CAUSE_SHARE * loss_ms:
+    if max(compute_excess, cpu_wait_excess) >= CAUSE_SHARE * loss_ms:
         value, median = slow["cpu_wait_median_ms"], _median(others, "cpu_wait_median_ms")
         return (FindingKind.STRAGGLER, value, median,
                 f"rank {rank} waits for a CPU: {lost}; its training thread is ready to run but waits "
