@@ -72,7 +72,7 @@ def test_rank_with_extra_forward_compute_is_a_compute_straggler(traceml_run):
     assert ended_well(run), run.stderr
     summary = run.summary()
     (found,) = stragglers(summary)
-    assert (found["kind"], found["rank"]) == ("COMPUTE_STRAGGLER", 1)
+    assert (found["kind"], found["rank"]) == ("COMPUTE_STRAGGLER", 1), (found, summary["ranks"])
     assert found["evidence"]["rank_value_ms"] - found["evidence"]["others_median_ms"] > 8.0
     assert "forward and backward compute" in found["summary"]
 
