@@ -44,8 +44,7 @@ def test_a_compute_lead_that_is_the_ranks_wait_for_a_cpu_names_the_wait():
     found = straggler(ranks, step_ms=20.0)
     assert (found.kind, found.rank) == ("STRAGGLER", 1)
     assert "rank 1 waits for a CPU" in found.summary and "4.8 ms a step for a core, against 0.3 ms" in found.summary
-    # Of its 4.8 ms, 0.3 would be its 13.7 ms on a CPU at rank 0's rate (0.3 ms a 13.2).
-    assert found.evidence["scheduler_wait_ms"] == pytest.approx(4.8 - 13.7 * 0.3 / 13.2, abs=1e-3)
+    assert found.evidence["cpu_wait_excess_ms"] == 4.5
     assert "cores of its own" in found.action
 
 
@@ -55,26 +54,21 @@ def test_a_compute_lead_beyond_the_ranks_wait_for_a_cpu_is_still_its_compute():
     ranks = [rank_row(0, comm_wait=6.0, cpu_wait=1.0), rank_row(1, comm_wait=1.0, behind=1.0, cpu_wait=3.0)]
     found = straggler(ranks, step_ms=20.0)
     assert (found.kind, found.rank) == ("COMPUTE_STRAGGLER", 1)
-    assert found.evidence["scheduler_wait_ms"] == pytest.approx(3.0 - 15.5 * 1.0 / 12.5, abs=1e-3)
+    assert found.evidence["cpu_wait_excess_ms"] == 2.0
 
 
 def test_a_rank_doing_more_work_on_a_busy_machine_waits_longer_and_is_still_a_compute_straggler():
-    # Both ranks wait 1.5 ms for a core for each ms on one. Rank 1's 7.4 ms of work more than
-    # rank 0's 3 makes its compute 11 ms longer and its wait 6.6 ms longer, all at that rate.
-    ranks = [rank_row(0, comm_wait=12.0, forward=3.0, backward=15.0, cpu_wait=4.5),
-             rank_row(1, comm_wait=1.0, forward=10.0, backward=8.0, behind=1.0, cpu_wait=11.1)]
-    found = straggler(ranks, step_ms=20.0)
+    # Seen in the suite: rank 1 spins 10 ms of CPU a step on a loaded machine and waits 13.4 ms
+    # longer for cores than rank 0, which mostly sleeps in its all-reduce and hardly waits. The
+    # wait is the larger part of its 22.7 ms lead, yet its 9.3 ms of work alone would hold the
+    # others back: the work is the cause.
+    ranks = [dict(rank_row(0, comm_wait=25.14, input_wait=0.17, forward=0.32, backward=25.8, step_ms=26.73,
+                           cpu_wait=0.19), behind_share=0.0),
+             rank_row(1, comm_wait=2.19, input_wait=0.13, forward=23.08, backward=2.81, step_ms=27.53, behind=1.0,
+                      cpu_wait=13.63)]
+    found = straggler(ranks, step_ms=27.1)
     assert (found.kind, found.rank) == ("COMPUTE_STRAGGLER", 1)
-    assert found.evidence["scheduler_wait_ms"] == pytest.approx(0.0, abs=1e-3)
-
-
-def test_a_compute_lead_mostly_work_is_compute_though_neither_part_is_half_the_loss():
-    # Rank 1 computes 8 ms longer, 3.5 of them waiting for a core: 4.5 ms of work, the larger
-    # part, though neither part alone is half of the 10 ms the others lose.
-    ranks = [rank_row(0, comm_wait=11.0, cpu_wait=1.0), rank_row(1, comm_wait=1.0, forward=1.0, behind=1.0, cpu_wait=4.5)]
-    found = straggler(ranks, step_ms=20.0)
-    assert (found.kind, found.rank) == ("COMPUTE_STRAGGLER", 1)
-    assert found.evidence["rank_value_ms"] - found.evidence["others_median_ms"] == 8.0
+    assert found.evidence["cpu_wait_excess_ms"] == 13.44
 
 
 def test_unexplained_straggler():

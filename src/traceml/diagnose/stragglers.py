@@ -47,42 +47,49 @@ def straggler(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
     severity = Severity.CRIT if loss_share >= LOSS_CRIT_SHARE else Severity.WARN
     lost = (f"the other ranks wait {loss_ms:.1f} ms a step for it "
             f"({loss_share:.0%} of the {step_ms:.1f} ms step)")
-    kind, value, median, summary, action, scheduler_wait_ms = _cause(slow, others, loss_ms, lost)
+    kind, value, median, summary, action, cpu_wait_excess = _cause(slow, others, loss_ms, step_ms, lost)
     return Finding(kind=kind, severity=severity, summary=summary, action=action, rank=slow["rank"],
                    evidence={"rank_value_ms": round(value, 3), "others_median_ms": round(median, 3),
                              "loss_ms": round(loss_ms, 3), "share": round(loss_share, 4),
                              "behind_share": round(slow["behind_share"], 3),
-                             "scheduler_wait_ms": round(scheduler_wait_ms, 3),
+                             "cpu_wait_excess_ms": round(cpu_wait_excess, 3),
                              "measured_by": measured, "ranks": len(others) + 1})
 
 
-def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, lost: str) -> Tuple[FindingKind, float, float, str, str, float]:
+def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, step_ms: float,
+           lost: str) -> Tuple[FindingKind, float, float, str, str, float]:
     """What makes the slow rank late: its kind, its figure and the others' median, what to say and
-    do, and how much longer its thread waited for a CPU than its work explains."""
+    do, and how much longer its training thread waited for a CPU than theirs did."""
     rank = slow["rank"]
     input_excess = slow["input_wait_median_ms"] - _median(others, "input_wait_median_ms")
     compute = {r["rank"]: r["forward_median_ms"] + r["backward_median_ms"]
                - (r["comm_wait_median_ms"] or 0.0) for r in [slow, *others]}
     compute_others_ms = statistics.median(compute[r["rank"]] for r in others)
-    scheduler_wait_ms = _scheduler_wait_ms(slow, others)
+    # A rank kept off the cores computes longer without doing more (0 where the wait is not known).
+    cpu_wait_excess = 0.0
+    if all(r.get("cpu_wait_median_ms") is not None for r in [slow, *others]):
+        cpu_wait_excess = max(0.0, slow["cpu_wait_median_ms"] - _median(others, "cpu_wait_median_ms"))
     if input_excess >= CAUSE_SHARE * loss_ms:
         value, median = slow["input_wait_median_ms"], _median(others, "input_wait_median_ms")
         return (FindingKind.INPUT_STRAGGLER, value, median,
                 f"rank {rank} is slow to get its data: {lost}; its input wait is {value:.1f} ms against {median:.1f} ms on the others",
                 f"Look at rank {rank}'s input pipeline: its shard (larger or slower files, a "
                 "slower disk or network mount), per-sample work that varies by shard, too few "
-                "DataLoader workers for it. Balance the shards or raise num_workers.", scheduler_wait_ms)
+                "DataLoader workers for it. Balance the shards or raise num_workers.", cpu_wait_excess)
     compute_excess = compute[rank] - compute_others_ms
-    # The compute phases explain the loss: its work, unless the longer wait for a CPU is most of
-    # the excess (a busy machine stretches a rank that does more work too).
-    if compute_excess >= CAUSE_SHARE * loss_ms and compute_excess - scheduler_wait_ms >= scheduler_wait_ms:
+    # The compute phases explain the loss. It is the rank's work when the work alone, its wait
+    # for a CPU set aside, would still hold the others back: on a busy machine a rank with more
+    # work also waits longer (a thread that runs long waits for a core more than one that
+    # mostly sleeps in its collectives), so the wait is no measure of the work.
+    work_excess = compute_excess - cpu_wait_excess
+    if compute_excess >= CAUSE_SHARE * loss_ms and work_excess >= min(LOSS_WARN_SHARE * step_ms, CAUSE_SHARE * loss_ms):
         value, median = compute[rank], compute_others_ms
         return (FindingKind.COMPUTE_STRAGGLER, value, median,
                 f"rank {rank} computes longer: {lost}; its forward and backward compute take {value:.1f} ms against {median:.1f} ms on the others",
                 f"Find what rank {rank} does more of: larger or longer samples (bucket batches "
                 "by length), extra work only on that rank (logging, metrics, evaluation), or a "
-                "slower or throttled device (check its clocks and temperature).", scheduler_wait_ms)
-    if max(compute_excess, scheduler_wait_ms) >= CAUSE_SHARE * loss_ms:
+                "slower or throttled device (check its clocks and temperature).", cpu_wait_excess)
+    if max(compute_excess, cpu_wait_excess) >= CAUSE_SHARE * loss_ms:
         value, median = slow["cpu_wait_median_ms"], _median(others, "cpu_wait_median_ms")
         return (FindingKind.STRAGGLER, value, median,
                 f"rank {rank} waits for a CPU: {lost}; its training thread is ready to run but waits "
@@ -90,31 +97,11 @@ def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, lost: str) -> T
                 f"Other processes, or too many threads, hold the cores rank {rank} runs on. Give each "
                 "rank cores of its own: move other work off the machine, keep ranks x threads "
                 "(OMP_NUM_THREADS, DataLoader workers) within the cores, or pin each rank to its "
-                "own (taskset, numactl).", scheduler_wait_ms)
+                "own (taskset, numactl).", cpu_wait_excess)
     return (FindingKind.STRAGGLER, slow["step_median_ms"], _median(others, "step_median_ms"),
             f"rank {rank} holds the others back: {lost}; neither its input wait nor its compute explains it",
             f"Compare rank {rank}'s time outside the step and untraced time with the others', "
-            "and its host: CPU contention, another process on its device, a slower link.", scheduler_wait_ms)
-
-
-def _scheduler_wait_ms(slow: RankRow, others: List[RankRow]) -> float:
-    """How much longer the slow rank's training thread waited for a CPU than its own work would
-    have at the others' rate (0 where the wait is not known).
-
-    A rank kept off the cores computes longer without doing more; but on a busy machine a rank
-    that does more work is also ready to run for longer, so it waits longer too. Only the wait
-    beyond the others' rate (wait per millisecond on a CPU) is the scheduler's doing."""
-    ranks = [slow, *others]
-    if any(r.get("cpu_wait_median_ms") is None for r in ranks):
-        return 0.0
-
-    def on_cpu_ms(r: RankRow) -> float:  # the step less its waits: collectives, input, a CPU
-        return max(0.0, r["step_median_ms"] - (r["comm_wait_median_ms"] or 0.0)
-                   - (r["input_wait_median_ms"] or 0.0) - r["cpu_wait_median_ms"])
-
-    rates = [r["cpu_wait_median_ms"] / on_cpu_ms(r) for r in others if on_cpu_ms(r) > 0]
-    rate = statistics.median(rates) if rates else 0.0
-    return max(0.0, slow["cpu_wait_median_ms"] - rate * on_cpu_ms(slow))
+            "and its host: CPU contention, another process on its device, a slower link.", cpu_wait_excess)
 
 
 def _median(ranks: List[RankRow], key: str) -> float:
