@@ -30,6 +30,10 @@ def stragglers(summary):
     return [f for f in summary["findings"] if f["kind"].endswith("STRAGGLER")]
 
 
+# Judges two ranks' 1 ms of compute against each other: beside the parallel pass's other runs one
+# rank computed 2.6 times longer in 82% of the steps, its wait for a CPU no longer, which is a
+# straggler by every figure TraceML has. A busy loop beside it, as CI's check has, it holds.
+@pytest.mark.serial
 def test_balanced_ranks_have_no_straggler(traceml_run):
     # 120 steps: two ranks share this machine's two cores with the collector, and over 30
     # steps the rank beside it came out behind in 75% of them about one run in five.

@@ -222,11 +222,15 @@ def test_the_rest_is_what_the_host_holds_beyond_the_parts():
 
 
 def run_peft(traceml_run, plain_run, how):
-    """The Trace API under plain python; the plain loop (zero-code) and Trainer under `traceml run`."""
+    """The Trace API under plain python; the plain loop (zero-code, under deep-dive) and Trainer
+    under `traceml run`."""
     pytest.importorskip("peft")
     pytest.importorskip("transformers")
-    runner = plain_run if how == "trace-api" else traceml_run
-    run = runner("--how", how, script=SCRIPTS / "peft_lora.py", timeout=240)
+    if how == "trace-api":
+        run = plain_run("--how", how, script=SCRIPTS / "peft_lora.py", timeout=240)
+    else:
+        traceml_args = ("--deep",) if how == "plain" else ()
+        run = traceml_run("--how", how, script=SCRIPTS / "peft_lora.py", traceml_args=traceml_args, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     counted = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("PEFT "))[5:])
     return run, counted
@@ -251,6 +255,8 @@ def test_a_peft_lora_fine_tunes_adapters_are_peft_s_trainable_parameters(traceml
     assert row["activations"] and row["rest"] is not None
     card = run.run_dir.joinpath("final_summary.txt").read_text()
     assert "LoRA r=8 on q_proj, v_proj: 16.0 KiB trainable (4.0% of parameters)" in " ".join(card.split())
+    if how == "plain":  # the deep-dive's figures of the same run (one run: each costs seconds of imports)
+        under_deep_dive_the_adapters_time_is_told_and_layer_names_wrap_whole(adapters, card)
 
 
 # -- the memory rules name the part -----------------------------------------------------------
@@ -306,15 +312,8 @@ def test_memory_creep_names_the_part_that_grows_or_the_rest():
     assert "stay flat" in flat.summary and "loss.item()" in flat.action
 
 
-def test_under_deep_dive_the_adapters_time_is_told_and_layer_names_wrap_whole(traceml_run):
-    pytest.importorskip("peft")
-    pytest.importorskip("transformers")
-    run = traceml_run("--how", "plain", script=SCRIPTS / "peft_lora.py", traceml_args=("--deep",), timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
-    (row,) = run.summary()["memory"]["ledger"]
-    adapters = row["adapters"]
+def under_deep_dive_the_adapters_time_is_told_and_layer_names_wrap_whole(adapters, card):
     assert 0 < adapters["forward_share"] < 1 and 0 < adapters["backward_share"] < 1
-    card = run.run_dir.joinpath("final_summary.txt").read_text()
     assert "adapters take" in " ".join(card.split())
     # The prefix every layer shares is written once, above the tables; each name is cut only
     # after a dot or a space, never inside a word.
