@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
 import time
 from typing import List, Optional
 
@@ -32,6 +33,9 @@ class CpuWait:
             self._fd = None
         self._times_s: List[float] = []
         self._waited_ns: List[int] = []
+        # The sender's thread reads and stamps each round; the training thread does too when the
+        # user asks for traceml.summary(): the readings must stay paired and in time order.
+        self._lock = threading.Lock()
         self.refresh()  # a first reading before the first step starts
 
     @property
@@ -40,25 +44,27 @@ class CpuWait:
 
     def refresh(self) -> None:
         """Read the wait now (the sender's thread, each round)."""
-        if self._fd is None:
-            return
-        try:
-            waited_ns = int(os.pread(self._fd, 96, 0).split()[1])
-        except (OSError, ValueError, IndexError):
-            self.close()
-            return
-        self._times_s.append(time.time())
-        self._waited_ns.append(waited_ns)
-        if len(self._times_s) > 2 * READINGS_KEPT:  # trimmed now and then, not on every reading
-            del self._times_s[:READINGS_KEPT], self._waited_ns[:READINGS_KEPT]
+        with self._lock:
+            if self._fd is None:
+                return
+            try:
+                waited_ns = int(os.pread(self._fd, 96, 0).split()[1])
+            except (OSError, ValueError, IndexError):
+                self._close()
+                return
+            self._times_s.append(time.time())
+            self._waited_ns.append(waited_ns)
+            if len(self._times_s) > 2 * READINGS_KEPT:  # trimmed now and then, not on every reading
+                del self._times_s[:READINGS_KEPT], self._waited_ns[:READINGS_KEPT]
 
     def wait_ms(self, start_unix_s: float, end_unix_s: float) -> Optional[float]:
         """The thread's wait for a CPU between two moments, or None where the readings do not
         span them."""
-        times_s = self._times_s
-        if self._fd is None or not times_s or start_unix_s < times_s[0] or end_unix_s > times_s[-1]:
-            return None
-        return max(0.0, (self._waited_at(end_unix_s) - self._waited_at(start_unix_s)) / 1e6)
+        with self._lock:
+            times_s = self._times_s
+            if self._fd is None or not times_s or start_unix_s < times_s[0] or end_unix_s > times_s[-1]:
+                return None
+            return max(0.0, (self._waited_at(end_unix_s) - self._waited_at(start_unix_s)) / 1e6)
 
     def _waited_at(self, unix_s: float) -> float:
         """The wait so far at a moment within the readings, evenly between two readings."""
@@ -70,7 +76,7 @@ class CpuWait:
         span_s = times_s[after] - times_s[before]
         return waited_ns[before] + (waited_ns[after] - waited_ns[before]) * (unix_s - times_s[before]) / span_s
 
-    def close(self) -> None:
+    def _close(self) -> None:
         if self._fd is not None:
             try:
                 os.close(self._fd)
