@@ -47,35 +47,40 @@ def straggler(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
     severity = Severity.CRIT if loss_share >= LOSS_CRIT_SHARE else Severity.WARN
     lost = (f"the other ranks wait {loss_ms:.1f} ms a step for it "
             f"({loss_share:.0%} of the {step_ms:.1f} ms step)")
-    kind, value, median, summary, action, cpu_wait_excess = _cause(slow, others, loss_ms, step_ms, lost)
+    cpu_wait_excess = _cpu_wait_excess_ms(slow, others)
+    kind, value, median, summary, action = _cause(slow, others, loss_ms, step_ms, cpu_wait_excess, lost)
     return Finding(kind=kind, severity=severity, summary=summary, action=action, rank=slow["rank"],
                    evidence={"rank_value_ms": round(value, 3), "others_median_ms": round(median, 3),
                              "loss_ms": round(loss_ms, 3), "share": round(loss_share, 4),
                              "behind_share": round(slow["behind_share"], 3),
                              "cpu_wait_excess_ms": round(cpu_wait_excess, 3),
-                             "measured_by": measured, "ranks": len(others) + 1})
+                             "measured_by": measured, "ranks": len(ranks)})
 
 
-def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, step_ms: float,
-           lost: str) -> Tuple[FindingKind, float, float, str, str, float]:
-    """What makes the slow rank late: its kind, its figure and the others' median, what to say and
-    do, and how much longer its training thread waited for a CPU than theirs did."""
+def _cpu_wait_excess_ms(slow: RankRow, others: List[RankRow]) -> float:
+    """How much longer the slow rank's training thread waited for a CPU than the others' median:
+    a rank kept off the cores computes longer without doing more (0 where the wait is not known)."""
+    if any(r.get("cpu_wait_median_ms") is None for r in [slow, *others]):
+        return 0.0
+    return max(0.0, slow["cpu_wait_median_ms"] - _median(others, "cpu_wait_median_ms"))
+
+
+def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, step_ms: float, cpu_wait_excess: float,
+           lost: str) -> Tuple[FindingKind, float, float, str, str]:
+    """What makes the slow rank late: its kind, its figure and the others' median, and what to say
+    and do."""
     rank = slow["rank"]
     input_excess = slow["input_wait_median_ms"] - _median(others, "input_wait_median_ms")
     compute = {r["rank"]: r["forward_median_ms"] + r["backward_median_ms"]
                - (r["comm_wait_median_ms"] or 0.0) for r in [slow, *others]}
     compute_others_ms = statistics.median(compute[r["rank"]] for r in others)
-    # A rank kept off the cores computes longer without doing more (0 where the wait is not known).
-    cpu_wait_excess = 0.0
-    if all(r.get("cpu_wait_median_ms") is not None for r in [slow, *others]):
-        cpu_wait_excess = max(0.0, slow["cpu_wait_median_ms"] - _median(others, "cpu_wait_median_ms"))
     if input_excess >= CAUSE_SHARE * loss_ms:
         value, median = slow["input_wait_median_ms"], _median(others, "input_wait_median_ms")
         return (FindingKind.INPUT_STRAGGLER, value, median,
                 f"rank {rank} is slow to get its data: {lost}; its input wait is {value:.1f} ms against {median:.1f} ms on the others",
                 f"Look at rank {rank}'s input pipeline: its shard (larger or slower files, a "
                 "slower disk or network mount), per-sample work that varies by shard, too few "
-                "DataLoader workers for it. Balance the shards or raise num_workers.", cpu_wait_excess)
+                "DataLoader workers for it. Balance the shards or raise num_workers.")
     compute_excess = compute[rank] - compute_others_ms
     # The compute phases explain the loss. It is the rank's work when the work alone, its wait
     # for a CPU set aside, would still hold the others back: on a busy machine a rank with more
@@ -88,7 +93,7 @@ def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, step_ms: float,
                 f"rank {rank} computes longer: {lost}; its forward and backward compute take {value:.1f} ms against {median:.1f} ms on the others",
                 f"Find what rank {rank} does more of: larger or longer samples (bucket batches "
                 "by length), extra work only on that rank (logging, metrics, evaluation), or a "
-                "slower or throttled device (check its clocks and temperature).", cpu_wait_excess)
+                "slower or throttled device (check its clocks and temperature).")
     if max(compute_excess, cpu_wait_excess) >= CAUSE_SHARE * loss_ms:
         value, median = slow["cpu_wait_median_ms"], _median(others, "cpu_wait_median_ms")
         return (FindingKind.STRAGGLER, value, median,
@@ -97,11 +102,11 @@ def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, step_ms: float,
                 f"Other processes, or too many threads, hold the cores rank {rank} runs on. Give each "
                 "rank cores of its own: move other work off the machine, keep ranks x threads "
                 "(OMP_NUM_THREADS, DataLoader workers) within the cores, or pin each rank to its "
-                "own (taskset, numactl).", cpu_wait_excess)
+                "own (taskset, numactl).")
     return (FindingKind.STRAGGLER, slow["step_median_ms"], _median(others, "step_median_ms"),
             f"rank {rank} holds the others back: {lost}; neither its input wait nor its compute explains it",
             f"Compare rank {rank}'s time outside the step and untraced time with the others', "
-            "and its host: CPU contention, another process on its device, a slower link.", cpu_wait_excess)
+            "and its host: CPU contention, another process on its device, a slower link.")
 
 
 def _median(ranks: List[RankRow], key: str) -> float:
