@@ -34,7 +34,7 @@ BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backgr
                 "--disable-component-update", "--no-first-run"]
 WIDTHS_PX = (1400, 1000, 700)  # a wide window, a laptop beside an editor, a narrow one
 STEPS = 1500  # at most: the fixture stops the run once it has looked at the live page
-WARMUP_MS = 300  # the first step's stall: a compile, an autotune, a cold cache
+WARMUP_MS = 1000  # the first step's stall: a compile, an autotune, a cold cache
 STRAGGLER_BUSY_MS = 10  # rank 1's extra forward compute every step
 
 # A DDP loop (gloo, CPU) whose rank 1 computes longer in forward every step and whose first
