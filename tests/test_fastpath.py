@@ -256,11 +256,11 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
 
     from test_records import hello
 
-    from traceml.probe.cpu_wait import CpuWait
     from traceml.probe.sender import Sender
     from traceml.probe.step import REAL_TOKENS, TOKEN_COPIES, StepProbe
+    from traceml.probe.thread_cpu import ThreadCpu
 
-    sender = Sender(hello(), address="127.0.0.1:1", cpu_wait=CpuWait(threading.get_native_id()),
+    sender = Sender(hello(), address="127.0.0.1:1", thread_cpu=ThreadCpu(threading.get_native_id()),
                     feed_of=lambda sender: StepProbe(sender, host_rss=SimpleNamespace(latest_bytes=123_456_789)))
     probe = sender.feed
     probe.comm_timed = True
@@ -284,9 +284,10 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
     (record,) = _step_records(probe, sender._buffer)
     fields = {name: getattr(record, name) for name in record.__struct_fields__}
     untraced_ms, outside_ms = fields.pop("untraced_ms"), fields.pop("outside_ms")
-    # Stamped by the sender from this thread's run-queue time (Linux), within the step.
-    cpu_wait_ms = fields.pop("cpu_wait_ms")
-    assert (cpu_wait_ms is None) if not sys.platform.startswith("linux") else 0.0 <= cpu_wait_ms <= fields["step_ms"]
+    # Stamped by the sender from this thread's counts (Linux), within the step.
+    for name in ("cpu_wait_ms", "on_cpu_ms"):
+        figure = fields.pop(name)
+        assert (figure is None) if not sys.platform.startswith("linux") else 0.0 <= figure <= fields["step_ms"] + 0.001
     assert fields == dict(
         rank=0, step=0, start_unix_s=probe.unix_s(start_ns), step_ms=(window_end_ns - start_ns) / 1e6,
         input_wait_ms=(5 * ms + 1) / 1e6, h2d_ms=1.0, forward_ms=2.0, backward_ms=3.0, optimizer_ms=4.0,

@@ -118,7 +118,7 @@ def test_every_figure_of_a_closed_step_lands_in_its_own_field():
         device_reserved_bytes=25, host_rss_bytes=26, comm_wait_ms=9.0, gc_max_pause_ms=13.0,
         gc_full_collections=14, gc_gen0_ms=15.0, gc_gen1_ms=16.0, gc_gen2_ms=17.0, tokens=8, real_tokens=10,
         eval_ms=18.0, checkpoint_ms=19.0, instrumented=True, compile_ms=20.0, forward_comm_wait_ms=2.0,
-        optimizer_comm_wait_ms=1.0, cpu_wait_ms=None)  # the sender stamps the wait for a CPU
+        optimizer_comm_wait_ms=1.0, cpu_wait_ms=None, on_cpu_ms=None)  # the sender stamps the thread's CPU
 
 
 def test_only_the_outermost_forward_is_timed_and_calls_are_counted(probe):

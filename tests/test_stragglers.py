@@ -8,11 +8,12 @@ from test_records import step
 
 
 def rank_row(rank, comm_wait=2.0, input_wait=0.5, forward=3.0, backward=8.0, behind=0.5, step_ms=20.0,
-             forward_comm_wait=0.0, cpu_wait=None):
+             forward_comm_wait=0.0, cpu_wait=None, on_cpu=None):
     return {"rank": rank, "steps": 50, "last_step": 59, "step_median_ms": step_ms, "behind_share": behind,
             "input_wait_median_ms": input_wait, "forward_median_ms": forward,
             "backward_median_ms": backward, "comm_wait_median_ms": comm_wait,
-            "forward_comm_wait_median_ms": forward_comm_wait, "cpu_wait_median_ms": cpu_wait}
+            "forward_comm_wait_median_ms": forward_comm_wait, "cpu_wait_median_ms": cpu_wait,
+            "on_cpu_median_ms": on_cpu}
 
 
 def test_balanced_ranks_give_no_finding():
@@ -69,6 +70,24 @@ def test_a_rank_doing_more_work_on_a_busy_machine_waits_longer_and_is_still_a_co
     found = straggler(ranks, step_ms=27.1)
     assert (found.kind, found.rank) == ("COMPUTE_STRAGGLER", 1)
     assert found.evidence["cpu_wait_excess_ms"] == 13.44
+
+
+def test_a_rank_whose_longer_wait_outgrows_its_compute_lead_is_a_compute_straggler_by_its_time_on_a_cpu():
+    # Seen in the suite beside five workers on two cores (FSDP2): rank 1 spins 30 ms of CPU a
+    # step and its thread, ready to run, waits 127 ms a step for a core. That wait spans its
+    # whole step and outgrows its 88 ms compute lead. Its thread ran about 30 ms longer on a
+    # CPU (its spin; that run kept no time on a CPU, so these two are what it would have),
+    # which no wait makes: the work is the cause.
+    ranks = [dict(rank_row(0, comm_wait=188.37, input_wait=0.0, forward=141.55, backward=60.22, step_ms=201.88,
+                           forward_comm_wait=136.34, cpu_wait=0.73, on_cpu=21.0), behind_share=0.0),
+             rank_row(1, comm_wait=92.52, input_wait=0.0, forward=131.02, backward=62.66, step_ms=202.08, behind=1.0,
+                      forward_comm_wait=35.4, cpu_wait=127.26, on_cpu=52.0)]
+    found = straggler(ranks, step_ms=202.4)
+    assert (found.kind, found.rank) == ("COMPUTE_STRAGGLER", 1)
+    assert found.evidence["on_cpu_excess_ms"] == 31.0 and found.evidence["cpu_wait_excess_ms"] == 126.53
+    # The same waits with the same time on a CPU: the machine's, not the rank's work.
+    ranks[1]["on_cpu_median_ms"] = 21.5
+    assert "rank 1 waits for a CPU" in straggler(ranks, step_ms=202.4).summary
 
 
 def test_unexplained_straggler():

@@ -139,8 +139,10 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     forward_comm_wait_ms: float = 0.0
     optimizer_comm_wait_ms: float = 0.0
     # The training thread's wait for a CPU in the window: ready to run while other threads held
-    # the cores (probe/cpu_wait.py: read every 20 ms, spread evenly; None where not known).
+    # the cores (probe/thread_cpu.py: read every 20 ms, spread evenly; None where not known).
     cpu_wait_ms: Optional[float] = None
+    # ... and its time on a CPU: what it did, however long the machine kept it waiting.
+    on_cpu_ms: Optional[float] = None
 
 
 

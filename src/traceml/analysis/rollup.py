@@ -216,6 +216,7 @@ class RankRow(TypedDict):
     forward_comm_wait_median_ms: Optional[float]  # of it, in forward (FSDP's all-gathers)
     optimizer_comm_wait_median_ms: Optional[float]  # ... and in the optimizer (DeepSpeed ZeRO's all-gathers)
     cpu_wait_median_ms: Optional[float]  # its training thread's wait for a CPU (None: not known)
+    on_cpu_median_ms: Optional[float]  # ... and its time on one
 
 
 def comm_wait_parts(row: RankRow) -> Dict[str, float]:
@@ -231,7 +232,7 @@ def rank_row(rank: int, records: Sequence[StepRecord], last_step: int, behind_sh
     """A rank's row from its records after warm-up (none: its medians are None)."""
     row = RankRow(rank=rank, steps=len(records), last_step=last_step,  # type: ignore[typeddict-item]
                   step_median_ms=_median_of(records, "step_ms"), behind_share=behind_share)
-    for name in STEP_PHASES + ("gc", "comm_wait", "forward_comm_wait", "optimizer_comm_wait", "cpu_wait"):
+    for name in STEP_PHASES + ("gc", "comm_wait", "forward_comm_wait", "optimizer_comm_wait", "cpu_wait", "on_cpu"):
         row[f"{name}_median_ms"] = _median_of(records, f"{name}_ms")  # type: ignore[literal-required]
     return row
 

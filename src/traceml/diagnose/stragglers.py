@@ -47,26 +47,29 @@ def straggler(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
     severity = Severity.CRIT if loss_share >= LOSS_CRIT_SHARE else Severity.WARN
     lost = (f"the other ranks wait {loss_ms:.1f} ms a step for it "
             f"({loss_share:.0%} of the {step_ms:.1f} ms step)")
-    cpu_wait_excess = _cpu_wait_excess_ms(slow, others)
-    kind, value, median, summary, action = _cause(slow, others, loss_ms, step_ms, cpu_wait_excess, lost)
+    cpu_wait_excess = _excess_ms(slow, others, "cpu_wait_median_ms")
+    on_cpu_excess = _excess_ms(slow, others, "on_cpu_median_ms")
+    kind, value, median, summary, action = _cause(slow, others, loss_ms, step_ms, cpu_wait_excess, on_cpu_excess, lost)
     return Finding(kind=kind, severity=severity, summary=summary, action=action, rank=slow["rank"],
                    evidence={"rank_value_ms": round(value, 3), "others_median_ms": round(median, 3),
                              "loss_ms": round(loss_ms, 3), "share": round(loss_share, 4),
                              "behind_share": round(slow["behind_share"], 3),
                              "cpu_wait_excess_ms": round(cpu_wait_excess, 3),
+                             "on_cpu_excess_ms": round(on_cpu_excess, 3),
                              "measured_by": measured, "ranks": len(ranks)})
 
 
-def _cpu_wait_excess_ms(slow: RankRow, others: List[RankRow]) -> float:
-    """How much longer the slow rank's training thread waited for a CPU than the others' median:
-    a rank kept off the cores computes longer without doing more (0 where the wait is not known)."""
-    if any(r.get("cpu_wait_median_ms") is None for r in [slow, *others]):
+def _excess_ms(slow: RankRow, others: List[RankRow], key: str) -> float:
+    """How much more of a figure of its training thread's (cpu_wait_median_ms: its wait for a CPU;
+    on_cpu_median_ms: its time on one) the slow rank has than the others' median (0 where it is
+    not known). A rank kept off the cores computes longer without doing more."""
+    if any(r.get(key) is None for r in [slow, *others]):
         return 0.0
-    return max(0.0, slow["cpu_wait_median_ms"] - _median(others, "cpu_wait_median_ms"))
+    return max(0.0, slow[key] - _median(others, key))
 
 
 def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, step_ms: float, cpu_wait_excess: float,
-           lost: str) -> Tuple[FindingKind, float, float, str, str]:
+           on_cpu_excess: float, lost: str) -> Tuple[FindingKind, float, float, str, str]:
     """What makes the slow rank late: its kind, its figure and the others' median, and what to say
     and do."""
     rank = slow["rank"]
@@ -82,11 +85,13 @@ def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, step_ms: float,
                 "slower disk or network mount), per-sample work that varies by shard, too few "
                 "DataLoader workers for it. Balance the shards or raise num_workers.")
     compute_excess = compute[rank] - compute_others_ms
-    # The compute phases explain the loss. It is the rank's work when the work alone, its wait
-    # for a CPU set aside, would still hold the others back: on a busy machine a rank with more
-    # work also waits longer (a thread that runs long waits for a core more than one that
-    # mostly sleeps in its collectives), so the wait is no measure of the work.
-    work_excess = compute_excess - cpu_wait_excess
+    # The compute phases explain the loss. It is the rank's work when the work alone would still
+    # hold the others back: its compute with its wait for a CPU set aside, or the longer time its
+    # thread ran on a CPU. On a busy machine a rank with more work also waits longer (a thread
+    # that runs long waits for a core more than one that mostly sleeps in its collectives), and
+    # its wait spans the whole step, not its compute alone: the time it ran says what it did.
+    # (On a GPU the host's time on a CPU is no measure of the device's work; the first holds.)
+    work_excess = max(compute_excess - cpu_wait_excess, on_cpu_excess)
     if compute_excess >= CAUSE_SHARE * loss_ms and work_excess >= min(LOSS_WARN_SHARE * step_ms, CAUSE_SHARE * loss_ms):
         value, median = compute[rank], compute_others_ms
         return (FindingKind.COMPUTE_STRAGGLER, value, median,

@@ -234,10 +234,10 @@ def detach() -> None:
 def _create_probe(model: Any) -> StepProbe:
     import torch
 
-    from traceml.probe.cpu_wait import CpuWait
     from traceml.probe.memory import DeviceMemory, HostRss
     from traceml.probe.phases import _compiling
     from traceml.probe.sender import Sender
+    from traceml.probe.thread_cpu import ThreadCpu
 
     device = _model_device(torch, model if model is not None else _create_options.get("device_of"))
     timeline = device_memory = None
@@ -248,7 +248,7 @@ def _create_probe(model: Any) -> StepProbe:
         timeline = DeviceTimeline(lambda: torch.cuda.Event(enable_timing=True))
         device_memory = DeviceMemory(torch, device, counting=profile_memory)
     host_rss = HostRss() if profile_memory else None
-    cpu_wait = CpuWait(threading.get_native_id())  # made on the training thread: its wait
+    thread_cpu = ThreadCpu(threading.get_native_id())  # made on the training thread: its counts
 
     def probe_for(sender: Sender) -> StepProbe:
         """The step probe feeding this sender: made by the sender once it is built."""
@@ -258,7 +258,7 @@ def _create_probe(model: Any) -> StepProbe:
                          stop_awaiting_models=disarm_first_call, grad_enabled=torch.is_grad_enabled, syncs=syncs)
 
     # Made where the training runs: its thread is the one whose stack a stall reports.
-    sender = Sender(_hello(torch, device, device_memory), timeline=timeline, host_rss=host_rss, cpu_wait=cpu_wait,
+    sender = Sender(_hello(torch, device, device_memory), timeline=timeline, host_rss=host_rss, thread_cpu=thread_cpu,
                     feed_of=probe_for, training_thread=threading.get_ident(), web_port=_create_options.get("web_port"),
                     run_name=_create_options.get("run_name"))
     probe = cast(StepProbe, sender.feed)  # what probe_for made

@@ -75,14 +75,14 @@ class Sender:
     for the collector rank 0 starts under the Trace API (its web page, its run directory's name).
     """
 
-    def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None, cpu_wait: Any = None,
+    def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None, thread_cpu: Any = None,
                  capacity: int = BUFFER_CAPACITY, address: Optional[str] = None,
                  feed_of: Optional[Callable[["Sender"], StepFeed]] = None, training_thread: Optional[int] = None,
                  web_port: Optional[int] = None, run_name: Optional[str] = None):
         self.hello = hello
         self.timeline = timeline
         self.host_rss = host_rss  # refreshed here, each round, off the training thread
-        self.cpu_wait = cpu_wait  # a probe.cpu_wait.CpuWait: read each round, stamped on the steps
+        self.thread_cpu = thread_cpu  # a probe.thread_cpu.ThreadCpu: read each round, stamped on the steps
         self.capacity = capacity  # fixed once made: the compiled push keeps it (_fastpath.push_record)
         self.records_sent = 0
         self.records_dropped = 0
@@ -291,7 +291,7 @@ class Sender:
             return
         with self._taking_steps:
             ended, dropped = self.feed.drain_steps()
-            self._stamp_cpu_wait(ended)
+            self._stamp_thread_cpu(ended)
             room = max(0, self.capacity - len(self._buffer))
             if len(ended) > room:  # a full buffer drops, as push does
                 dropped += len(ended) - room
@@ -299,15 +299,18 @@ class Sender:
             self.records_dropped += dropped
             self._buffer.extend(ended)
 
-    def _stamp_cpu_wait(self, steps: List[StepRecord]) -> None:
-        """Each step's wait for a CPU, from a reading taken now (its window has ended)."""
-        cpu_wait = self.cpu_wait
-        if cpu_wait is None or not cpu_wait.known:
+    def _stamp_thread_cpu(self, steps: List[StepRecord]) -> None:
+        """Each step's time on a CPU and wait for one, from a reading taken now (its window has
+        ended)."""
+        thread_cpu = self.thread_cpu
+        if thread_cpu is None or not thread_cpu.known:
             return
-        cpu_wait.refresh()
+        thread_cpu.refresh()
         for step in steps:
             start_s = step.start_unix_s
-            step.cpu_wait_ms = cpu_wait.wait_ms(start_s, start_s + step.step_ms / 1e3)
+            figures = thread_cpu.ran_and_waited_ms(start_s, start_s + step.step_ms / 1e3)
+            if figures is not None:
+                step.on_cpu_ms, step.cpu_wait_ms = figures
 
     def _take_ended_spans(self) -> None:
         """The spans handed over since the last call, as SpanRecords, into the buffer."""
@@ -333,7 +336,7 @@ class Sender:
         if self.timeline is None or self.feed is None:
             return
         resolved = self.timeline.resolve_ready(self.feed.record_from)
-        self._stamp_cpu_wait(resolved)
+        self._stamp_thread_cpu(resolved)
         for record in resolved:
             self.push(record)
 

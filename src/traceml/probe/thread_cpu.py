@@ -1,0 +1,98 @@
+"""The training thread's time on a CPU and its wait for one: Linux's counts for the thread, read
+by the sender thread each round and spread over the steps that round fell in.
+
+A step that is slow because other processes held the cores looks, on a CPU-computed rank, like
+a step that computed more. Linux counts how long each thread ran on a CPU and how long it was
+ready to run but waited for one (/proc/self/task/TID/schedstat, its first two figures): what a
+rank did against what the machine kept it from doing. Reading them costs one pread, so they are
+read off the training thread every sender round (20 ms) and each step gets the time between its
+start and its end, taking both as even within a round: a step shorter than a round gets its
+share of that round's. Linux adds a wait to the count when the thread gets its CPU back, so a
+round can hold more wait than its own length (a wait that began in the round before): each
+figure of a step is capped at the step's length. Where the file is not there (not Linux),
+steps carry None.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import time
+from typing import List, Optional, Tuple
+
+# Readings kept: 20 s of rounds. A step waits for its window to end (the next step's start),
+# and on CUDA for its events, before the sender stamps it; older steps get None.
+READINGS_KEPT = 1000
+
+
+class ThreadCpu:
+    """One thread's (the training's) time on a CPU and wait for one, as readings of (unix time,
+    nanoseconds run, nanoseconds waited)."""
+
+    def __init__(self, native_thread_id: int) -> None:
+        try:
+            # Opened once (O_CLOEXEC: a DataLoader worker's exec does not inherit it): each
+            # reading is then a single pread.
+            self._fd: Optional[int] = os.open(f"/proc/self/task/{native_thread_id}/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+        self._times_s: List[float] = []
+        self._ran_ns: List[int] = []
+        self._waited_ns: List[int] = []
+        # The sender's thread reads and stamps each round; the training thread does too when the
+        # user asks for traceml.summary(): the readings must stay together and in time order.
+        self._lock = threading.Lock()
+        self.refresh()  # a first reading before the first step starts
+
+    @property
+    def known(self) -> bool:
+        return self._fd is not None
+
+    def refresh(self) -> None:
+        """Read the counts now (the sender's thread, each round)."""
+        with self._lock:
+            if self._fd is None:
+                return
+            before_s = time.time()
+            try:
+                ran_ns, waited_ns = map(int, os.pread(self._fd, 96, 0).split()[:2])
+            except (OSError, ValueError):
+                self._close()
+                return
+            # The middle of the read: on a busy machine this thread can itself wait around it.
+            self._times_s.append((before_s + time.time()) / 2)
+            self._ran_ns.append(ran_ns)
+            self._waited_ns.append(waited_ns)
+            if len(self._times_s) > 2 * READINGS_KEPT:  # trimmed now and then, not on every reading
+                for readings in (self._times_s, self._ran_ns, self._waited_ns):
+                    del readings[:READINGS_KEPT]
+
+    def ran_and_waited_ms(self, start_unix_s: float, end_unix_s: float) -> Optional[Tuple[float, float]]:
+        """The thread's time on a CPU and its wait for one between two moments, or None where
+        the readings do not span them."""
+        with self._lock:
+            times_s = self._times_s
+            if self._fd is None or not times_s or start_unix_s < times_s[0] or end_unix_s > times_s[-1]:
+                return None
+            length_ms = (end_unix_s - start_unix_s) * 1e3
+            ran_ms, waited_ms = ((self._count_at(counts, end_unix_s) - self._count_at(counts, start_unix_s)) / 1e6
+                                 for counts in (self._ran_ns, self._waited_ns))
+            return min(max(0.0, ran_ms), length_ms), min(max(0.0, waited_ms), length_ms)
+
+    def _count_at(self, counts: List[int], unix_s: float) -> float:
+        """A count at a moment within the readings, evenly between two readings."""
+        times_s = self._times_s
+        after = bisect.bisect_left(times_s, unix_s)
+        if times_s[after] == unix_s or after == 0:
+            return counts[after]
+        before = after - 1
+        span_s = times_s[after] - times_s[before]
+        return counts[before] + (counts[after] - counts[before]) * (unix_s - times_s[before]) / span_s
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None

@@ -1,0 +1,67 @@
+"""The training thread's time on a CPU and wait for one, per step: read from Linux's counts for
+the thread, checked on a loop that shares its one core with a busy neighbour."""
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from traceml.probe.thread_cpu import ThreadCpu
+
+SHARED_CORE = Path(__file__).parent / "scripts" / "shared_core.py"
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's schedstat")
+
+
+@linux_only
+def test_a_step_sharing_its_core_with_a_busy_process_waits_about_half_of_it(traceml_run):
+    # Two runnable threads on one core: the scheduler gives each about half of it, so the
+    # training thread waits about half of each step (other processes on the core: more) and
+    # runs the rest: a loop that never sleeps is always on a CPU or waiting for one.
+    run = traceml_run("--neighbour", script=SHARED_CORE)
+    assert run.returncode == 0, run.stderr
+    rows = [row for row in run.step_rows() if row["step"] > 0]  # step 0 began before the probe
+    assert len(rows) == 149 and all(row["cpu_wait_ms"] is not None and row["on_cpu_ms"] is not None for row in rows)
+    step_ms = sum(row["step_ms"] for row in rows)
+    wait_share = sum(row["cpu_wait_ms"] for row in rows) / step_ms
+    assert 0.3 <= wait_share <= 0.9, wait_share
+    accounted = sum(row["cpu_wait_ms"] + row["on_cpu_ms"] for row in rows) / step_ms
+    assert 0.85 <= accounted <= 1.05, (wait_share, accounted)
+    # Capped at the step's length (to a unix time's rounding: 0.24 µs).
+    assert all(0.0 <= row[name] <= row["step_ms"] + 0.001 for row in rows for name in ("cpu_wait_ms", "on_cpu_ms"))
+
+
+@linux_only
+def test_the_figures_between_two_moments_are_known_only_within_the_readings():
+    counts = ThreadCpu(threading.get_native_id())
+    first_s = time.time()
+    deadline = time.thread_time() + 0.01
+    while time.thread_time() < deadline:  # 10 ms on a CPU
+        pass
+    counts.refresh()
+    last_s = time.time()
+    assert counts.ran_and_waited_ms(first_s, first_s) == (0.0, 0.0)
+    assert counts.ran_and_waited_ms(first_s - 1.0, first_s) is None  # before the first reading
+    assert counts.ran_and_waited_ms(first_s, last_s + 1.0) is None  # after the last
+    ran_ms, waited_ms = counts.ran_and_waited_ms(first_s, last_s - 0.0001)
+    assert 5.0 <= ran_ms <= (last_s - first_s) * 1e3 and 0.0 <= waited_ms <= (last_s - first_s) * 1e3
+
+
+def test_without_schedstat_every_figure_is_unknown():
+    counts = ThreadCpu(-1)  # no such thread: what a machine without /proc sees
+    assert not counts.known
+    counts.refresh()
+    assert counts.ran_and_waited_ms(0.0, time.time()) is None
+
+
+@linux_only
+def test_a_wait_counted_late_gives_no_step_more_wait_than_its_length():
+    # Linux adds a wait when the thread runs again: a 30 ms wait that began before this round
+    # lands in a 20 ms round whole.
+    counts = ThreadCpu(threading.get_native_id())
+    start_s = counts._times_s[0]
+    counts._times_s.append(start_s + 0.020)
+    counts._ran_ns.append(counts._ran_ns[0])
+    counts._waited_ns.append(counts._waited_ns[0] + 30_000_000)
+    assert counts.ran_and_waited_ms(start_s, start_s + 0.020)[1] == pytest.approx(20.0, abs=0.01)
+    assert counts.ran_and_waited_ms(start_s + 0.005, start_s + 0.010)[1] == pytest.approx(5.0, abs=0.01)
