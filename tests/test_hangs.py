@@ -387,10 +387,15 @@ def test_a_killed_rank_is_named_gone_with_its_exit_status(traceml_run):
     assert lost["kind"] == "RANK_LOST" and lost["rank"] == 1
     assert lost["evidence"]["signal"] == "SIGKILL" and lost["evidence"]["exit_code"] == -9
     assert "killed by SIGKILL (exit status -9); rank 0 then stopped by the launcher" in lost["summary"]
+    assert summary["run"]["exit_code"] == run.returncode
     [missing] = summary["missing_ranks"]
     assert missing["rank"] == 1 and missing["exit_code"] == -9 and missing["from_step"] <= 15
+    # Both ranks' steps before it are kept, and rank 0's up to where the launcher stopped it.
+    assert {r["rank"] for r in summary["ranks"]} == {0, 1}
+    assert max(row["step"] for row in run.step_rows() if row["rank"] == 0) >= missing["from_step"]
     card = re.sub(r"[\s│]+", " ", run.stdout)
     assert "Verdict RANK_LOST" in card and "(stopped reporting without a goodbye: killed by SIGKILL)" in card
+    assert "rank 1 from step" in re.sub(r"[\s│]+", " ", (run.run_dir / "final_summary.txt").read_text())
 
 
 def test_evaluation_on_every_rank_and_a_slow_step_that_ends_raise_none(traceml_run, tmp_path):

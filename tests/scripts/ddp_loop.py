@@ -2,7 +2,6 @@
 import argparse
 import io
 import os
-import signal
 import sys
 import time
 
@@ -40,7 +39,6 @@ def main():
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--load-ms", type=float, default=0.0, help="per sample, on the slow rank")
     parser.add_argument("--busy-ms", type=float, default=0.0, help="extra forward, on the slow rank")
-    parser.add_argument("--die-at", type=int, default=-1, help="the slow rank is killed at this step")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--sleep-ms", type=float, default=0.0, help="between steps, on the slow rank")
     parser.add_argument("--exit-code", type=int, default=0, help="the slow rank's, once all is done")
@@ -57,8 +55,6 @@ def main():
     loader = DataLoader(SyntheticDataset(args.steps * args.batch_size, 32, args.load_ms if slow else 0.0, seed=rank),
                         batch_size=args.batch_size)
     for step, (inputs, targets) in enumerate(loader):
-        if slow and step == args.die_at:
-            os.kill(os.getpid(), signal.SIGKILL)
         with traceml.trace_step(model):
             loss = nn.functional.cross_entropy(model(inputs), targets)
             optimizer.zero_grad()
