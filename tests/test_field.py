@@ -93,8 +93,6 @@ def updates_printed(stdout):
     pytest.param("autoencoder.py", [], "optimizer.step() (inferred)", id="encoder-decoder-one-optimizer"),
     pytest.param("process_habits.py", [], "optimizer.step() (inferred)",
                  id="own-logging-unclosed-file-atexit-late-thread"),
-    pytest.param("sampled_lm.py", ["--steps", "30"], "optimizer.step() (inferred)",
-                 id="generate-through-inner-net-ema-copy"),
     pytest.param("sampled_lm.py", ["--steps", "30", "--compile-ema", "eager"], "optimizer.step() (inferred)",
                  id="generate-through-inner-net-compiled-ema-copy"),
     pytest.param("char_transformer.py", ["--steps", "120", "--epochs", "2"], "optimizer.step() (inferred)",
