@@ -178,6 +178,18 @@ def wide_mlp_run(tmp_path_factory):
     return run_traceml(tmp_path_factory.mktemp("wide_mlp"), *WIDE_MLP)
 
 
+# Two DDP ranks, rank 1 slow on its data, under the deep-dive: the input straggler's test in
+# test_distributed and the HTML report's in test_reports read it (one worker, one run).
+ddp_input_straggler = pytest.mark.xdist_group("ddp_input_straggler")
+
+
+@pytest.fixture(scope="session")
+def ddp_input_straggler_run(tmp_path_factory):
+    """ddp_loop.py on 2 ranks, rank 1 waiting 2 ms a sample for its data, with --deep, made once."""
+    return run_traceml(tmp_path_factory.mktemp("ddp_input_straggler"), "--steps", 40, "--slow-rank", 1,
+                       "--load-ms", 2, script=SCRIPTS / "ddp_loop.py", traceml_args=("--nproc-per-node", "2", "--deep"))
+
+
 @pytest.fixture
 def plain_run(tmp_path):
     """plain_run(script_args...) -> Run, via plain `python script.py` (no launcher)."""

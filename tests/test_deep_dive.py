@@ -6,6 +6,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import SCRIPTS
+from test_live_verdict import assert_live_is_final
 from test_probe import probe  # noqa: F401 (the fixture)
 from traceml.probe import phases
 from traceml.probe.layers import LayerProbe
@@ -79,6 +80,7 @@ def test_out_of_memory_inside_a_layer_is_explained_and_reraised(traceml_run):
     assert "out of memory at step 12" in primary["summary"] and "inside layer guard" in primary["summary"]
     assert "largest layers by saved activations: blocks." in primary["summary"]
     assert summary["steps"]["count"] == 12
+    assert_live_is_final(run)  # the live views end on the card's verdict
 
 
 def test_deep_dive_names_the_layers_a_leak_keeps_alive(traceml_run):

@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from conftest import SCRIPTS, Run, _env, ended_well, stored_steps
+from conftest import SCRIPTS, Run, _env, ddp_input_straggler, ended_well, stored_steps
 from traceml import rendezvous
 from traceml.analysis.goodput import RunTime
 from traceml.analysis.rollup import LiveRollup
@@ -63,8 +63,9 @@ def test_balanced_ranks_have_no_straggler(traceml_run, tmp_path):
         assert [f for f in stragglers(again.summary()) if "waits for a CPU" not in f["summary"]] == [], named
 
 
-def test_rank_with_a_slow_dataset_is_an_input_straggler(traceml_run):
-    run = ddp_run(traceml_run, "--steps", 30, "--slow-rank", 1, "--load-ms", 2)
+@ddp_input_straggler
+def test_rank_with_a_slow_dataset_is_an_input_straggler(ddp_input_straggler_run):
+    run = ddp_input_straggler_run  # under the deep-dive too: its sampled steps are no rank's figures
     assert ended_well(run), run.stderr
     summary = run.summary()
     primary = summary["primary_diagnosis"]

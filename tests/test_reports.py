@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from conftest import SCRIPTS, TRAIN_LOOP, Run, _env, ended_well
+from conftest import SCRIPTS, TRAIN_LOOP, Run, _env, ddp_input_straggler, ended_well
 from test_web import get, read_url, stop
 
 
@@ -301,9 +301,9 @@ def test_tokens_per_second_counts_the_tokens_a_step_trains_on(traceml_run, shape
     assert summary["throughput"]["tokens_per_s"] == pytest.approx(expected, rel=1e-3)
 
 
-def test_report_html_holds_every_chart_of_a_ddp_deep_dive_run(traceml_run):
-    run = traceml_run("--steps", 40, "--slow-rank", 1, "--load-ms", 1, script=SCRIPTS / "ddp_loop.py",
-                      traceml_args=("--nproc-per-node", "2", "--deep"))
+@ddp_input_straggler
+def test_report_html_holds_every_chart_of_a_ddp_deep_dive_run(ddp_input_straggler_run):
+    run = ddp_input_straggler_run
     assert ended_well(run), run.stderr
     html = (run.run_dir / "report.html").read_text()
     summary = run.summary()
