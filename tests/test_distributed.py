@@ -30,11 +30,10 @@ def stragglers(summary):
     return [f for f in summary["findings"] if f["kind"].endswith("STRAGGLER")]
 
 
-# Judges two ranks' 1 ms of compute against each other: beside the parallel pass's other runs one
-# rank computed 2.6 times longer in 82% of the steps, its wait for a CPU no longer, which is a
-# straggler by every figure TraceML has.
+# Judges two ranks' 1 ms of compute against each other, apart from the parallel pass: beside its
+# other runs one rank computed 2.6 times longer in 82% of the steps.
 @pytest.mark.serial
-def test_balanced_ranks_have_no_straggler(traceml_run, tmp_path):
+def test_balanced_ranks_have_no_straggler(traceml_run):
     # 120 steps: two ranks share this machine's two cores with the collector, and over 30
     # steps the rank beside it came out behind in 75% of them about one run in five.
     run = ddp_run(traceml_run, "--steps", 120)
@@ -44,23 +43,21 @@ def test_balanced_ranks_have_no_straggler(traceml_run, tmp_path):
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
     measured = 120 - summary["steps"]["warmup_excluded"]
     assert all(r["steps"] == measured and r["comm_wait_median_ms"] is not None
-               and r["cpu_wait_median_ms"] is not None for r in summary["ranks"])
+               and r["cpu_wait_median_ms"] is not None and r["on_cpu_median_ms"] is not None
+               for r in summary["ranks"])
     assert {row["rank"] for row in run.step_rows()} == {0, 1}
     assert "across ranks" in run.stdout and "worst rank" in run.stdout
     assert run.stdout.count("TraceML ·") == 1  # one card for the run, not one per rank
     # Timing the collective wait leaves the DDP model as the script made it.
     assert "rank 0 saved the DDP model, traceml in it: False" in run.stdout
     # Beside a busy process the scheduler can keep one rank off a core for longer, step after
-    # step: the rule then names that wait, which is so; never the rank's data or its compute.
-    named = [f for f in stragglers(summary) if "waits for a CPU" not in f["summary"]]
-    if named:
-        # A busy machine can also slow one rank's compute for a whole run, its wait for a CPU
-        # no longer (1 run in about 12 beside a busy loop: 0.78 against 0.62 ms, in 87% of the
-        # steps), and then the finding is true. That is the machine's, and lands on either
-        # rank; a bias of the rule's or of TraceML's own work on one rank would be there again.
-        again = ddp_run(traceml_run, "--steps", 120, run_dir=tmp_path / "again")
-        assert ended_well(again), again.stderr
-        assert [f for f in stragglers(again.summary()) if "waits for a CPU" not in f["summary"]] == [], named
+    # step, or leave it on a shared core that runs the same work slower: the rule then names the
+    # wait, or the other processes beside the longer compute, which is so; never the rank's data
+    # or its compute alone. (Beside a busy loop and the suite's one-core job, two runs in two
+    # named a rank computing 2.3 against 0.7 ms, each time another rank.)
+    named = [f for f in stragglers(summary)
+             if "waits for a CPU" not in f["summary"] and "other processes took" not in f["summary"]]
+    assert named == [], summary["ranks"]
 
 
 @ddp_input_straggler

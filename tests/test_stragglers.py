@@ -3,7 +3,8 @@ import pytest
 
 from traceml.analysis.rollup import LiveRollup, rank_medians
 from traceml.diagnose.stragglers import (BEHIND_SHARE, COMM_CRIT_SHARE, COMM_WARN_SHARE, LOSS_CRIT_SHARE,
-                                         LOSS_WARN_SHARE, comm_bound, straggler)
+                                         LOSS_WARN_SHARE, comm_bound, cores_taken_by_others, straggler)
+from traceml.records import SystemSample
 from test_records import step
 
 
@@ -88,6 +89,35 @@ def test_a_rank_whose_longer_wait_outgrows_its_compute_lead_is_a_compute_straggl
     # The same waits with the same time on a CPU: the machine's, not the rank's work.
     ranks[1]["on_cpu_median_ms"] = 21.5
     assert "rank 1 waits for a CPU" in straggler(ranks, step_ms=202.4).summary
+
+
+def test_a_compute_straggler_on_a_node_other_processes_keep_busy_says_the_machine_may_be_the_cause():
+    # Seen beside a busy loop and another test's process: two ranks with the same work, one of
+    # them 2.3 ms against 0.7 ms in forward and backward, its wait for a CPU and its time on one
+    # longer too. Its time says it computed longer, not that it had more to do.
+    ranks = [rank_row(0, comm_wait=2.36, forward=0.2, backward=2.86, behind=0.1, cpu_wait=0.04, on_cpu=1.0),
+             rank_row(1, comm_wait=0.6, forward=0.32, backward=2.56, behind=0.9, cpu_wait=0.74, on_cpu=1.4)]
+    shared = straggler(ranks, step_ms=3.4, cores_taken=1.8)
+    assert (shared.kind, shared.rank) == ("COMPUTE_STRAGGLER", 1)
+    assert "other processes took 1.8 of this node's cores meanwhile" in shared.summary
+    assert shared.action.startswith("If the ranks do the same work, the machine is the cause: give each rank cores")
+    assert "find what rank 1 does more of" in shared.action and shared.evidence["other_processes_cores"] == 1.8
+    for spare in (0.0, 0.3, None):  # cores to spare, a little taken, or not known: the rank's work
+        alone = straggler(ranks, step_ms=3.4, cores_taken=spare)
+        assert "other processes" not in alone.summary and alone.action.startswith("Find what rank 1 does more of")
+
+
+def test_what_other_processes_take_counts_only_on_a_node_whose_cores_are_all_busy():
+    def sample(unix_s, machine_percent, training_percent):
+        return SystemSample(unix_s, machine_percent, 0, 1, training_percent, 0, cpu_count=2)
+
+    busy = [sample(t, 98.0, 110.0) for t in (10.0, 11.0, 12.0)]  # 1.96 cores busy, 1.1 of them training
+    assert cores_taken_by_others(busy, 10.0, 11.5) == pytest.approx(0.86)
+    spare = [sample(t, 60.0, 110.0) for t in (10.0, 11.0)]  # 1.2 cores busy: the ranks have room
+    assert cores_taken_by_others(spare, 10.0, 11.0) == 0.0
+    later = [sample(10.0, 50.0, 90.0), sample(30.0, 98.0, 110.0), sample(31.0, 98.0, 110.0)]
+    assert cores_taken_by_others(later, 29.5, 31.0) == pytest.approx(0.86)  # the steps' own seconds
+    assert cores_taken_by_others([], 0.0, 1.0) is None
 
 
 def test_unexplained_straggler():

@@ -29,7 +29,7 @@ from traceml.diagnose.run_time import recompilations, slow_startup
 from traceml.diagnose.spikes import WARN_COST_SHARE, Stalls, periodic, planned_work, step_spikes
 from traceml.diagnose.step_time import (MIN_STEPS, compute_bound, gc_pressure, h2d_bound,
                                         input_bound, insufficient_data, untraced_work)
-from traceml.diagnose.stragglers import comm_bound, straggler
+from traceml.diagnose.stragglers import comm_bound, cores_taken_by_others, straggler
 from traceml.records import (CompileRecord, Finding, FindingKind, HostSyncSample, LayerCapture, OomRecord,
                              Severity, SystemSample)
 
@@ -53,7 +53,8 @@ class DiagnosisInput:
     limits and peaks: what memory there is and what the run reached; oom: the step that ran out
     of memory; layers_alive: the deep-dive's leaf layers whose outputs outlive their step;
     steps_found_by: how steps were found (records.STEPS_FROM_*, or a trainer), for the words;
-    system: the node's samples, to tell a machine-wide stall; stalls: the window's slow steps
+    system: the collector's node's samples, to tell a machine-wide stall and a shared node;
+    nodes: how many hosts the ranks run on (the samples are of one of them); stalls: the window's slow steps
     (the summary reports their warm-up too); captures: deep-dive taken when a rule fired in the
     probe, named in the evidence of the finding it belongs to; goodput: the run's wall time by
     part (planned work and startup are measured against it); compiles: torch.compile's
@@ -73,6 +74,7 @@ class DiagnosisInput:
     layers_alive: List[dict] = field(default_factory=list)
     steps_found_by: Optional[str] = None
     system: Sequence[SystemSample] = ()
+    nodes: int = 1
     stalls: Optional[Stalls] = None
     captures: Sequence[LayerCapture] = ()
     goodput: Optional[Goodput] = None
@@ -106,7 +108,13 @@ def diagnose(run: DiagnosisInput) -> List[Finding]:
                                                  ledger),) if f]
     if len(run.ranks) > 1:
         sharded_by = next((row["sharded_by"] for row in ledger if row.get("sharded_by")), "")
-        findings += [f for f in (straggler(run.ranks, window.step_median_ms),
+        # Other processes on the ranks' node: known where they share the collector's.
+        cores_taken = None
+        if run.nodes == 1 and len(window):
+            last = window.steps[-1]
+            cores_taken = cores_taken_by_others(run.system, window.steps[0].start_unix_s,
+                                                last.start_unix_s + last.step_ms / 1e3)
+        findings += [f for f in (straggler(run.ranks, window.step_median_ms, cores_taken),
                                  comm_bound(run.ranks, window.step_median_ms, sharded_by)) if f]
     if not any(_group(f) <= 3 for f in findings):
         findings.append(compute_bound(window, healthy=True))

@@ -13,7 +13,8 @@ import statistics
 from typing import Any, List, Optional, Sequence, Tuple
 
 from traceml.analysis.rollup import RankRow, comm_wait_parts
-from traceml.records import STRAGGLER_KINDS, Finding, FindingKind, Severity
+from traceml.diagnose.spikes import OTHER_CPU_CORES
+from traceml.records import STRAGGLER_KINDS, Finding, FindingKind, Severity, SystemSample
 
 LOSS_WARN_SHARE = 0.05  # the others lose this share of the step waiting: warn
 LOSS_CRIT_SHARE = 0.20  # ... and this much: crit
@@ -21,10 +22,17 @@ CAUSE_SHARE = 0.5  # an excess that explains at least half the loss names the ca
 BEHIND_SHARE = 0.75  # behind in this share of steps: a pattern, not the noise of a balanced run
 COMM_WARN_SHARE = 0.15  # even the least-waiting rank waits this share of the step in collectives: warn
 COMM_CRIT_SHARE = 0.35
+NODE_BUSY_SHARE = 0.9  # the node's CPUs this busy, other processes on OTHER_CPU_CORES of them: shared
+SHARED_NODE_ACTION = (
+    "If the ranks do the same work, the machine is the cause: give each rank cores of its own (move "
+    "the other work off the node, keep ranks x threads within its cores, pin each rank with taskset "
+    "or numactl). If not: ")
 
 
-def straggler(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
-    """A straggler finding from per-rank medians (rollup.rank_medians), or None when balanced."""
+def straggler(ranks: List[RankRow], step_ms: float, cores_taken: Optional[float] = None) -> Optional[Finding]:
+    """A straggler finding from per-rank medians (rollup.rank_medians), or None when balanced.
+    cores_taken: what other processes took of the ranks' node, all of its cores busy (see
+    cores_taken_by_others; None: not known)."""
     ranks = [r for r in ranks if r["steps"] and r["step_median_ms"] is not None]
     if len(ranks) < 2 or step_ms <= 0:
         return None
@@ -50,13 +58,35 @@ def straggler(ranks: List[RankRow], step_ms: float) -> Optional[Finding]:
     cpu_wait_excess = _excess_ms(slow, others, "cpu_wait_median_ms")
     on_cpu_excess = _excess_ms(slow, others, "on_cpu_median_ms")
     kind, value, median, summary, action = _cause(slow, others, loss_ms, step_ms, cpu_wait_excess, on_cpu_excess, lost)
+    if kind == FindingKind.COMPUTE_STRAGGLER and cores_taken is not None and cores_taken >= OTHER_CPU_CORES:
+        # A rank whose core is shared runs the same work slower, on a CPU (cache, frequency, the
+        # sibling thread) as well as waiting for one: its time says it computed longer, not
+        # that it had more to do.
+        summary += (f"; other processes took {cores_taken:.1f} of this node's cores meanwhile, all of them "
+                    "busy, and a rank that shares its core computes slower for the same work")
+        action = SHARED_NODE_ACTION + action[0].lower() + action[1:]
     return Finding(kind=kind, severity=severity, summary=summary, action=action, rank=slow["rank"],
                    evidence={"rank_value_ms": round(value, 3), "others_median_ms": round(median, 3),
                              "loss_ms": round(loss_ms, 3), "share": round(loss_share, 4),
                              "behind_share": round(slow["behind_share"], 3),
                              "cpu_wait_excess_ms": round(cpu_wait_excess, 3),
                              "on_cpu_excess_ms": round(on_cpu_excess, 3),
+                             "other_processes_cores": None if cores_taken is None else round(cores_taken, 2),
                              "measured_by": measured, "ranks": len(ranks)})
+
+
+def cores_taken_by_others(system: Sequence[SystemSample], start_unix_s: float, end_unix_s: float) -> Optional[float]:
+    """The cores processes other than the training took while the steps between two moments ran,
+    on a node whose CPUs were all busy (the median of the samples then, or of all of them where
+    none fell then); 0.0 where the node had cores to spare, None without samples."""
+    known = [s for s in system if s.cpu_count]
+    during = [s for s in known if start_unix_s <= s.unix_s <= end_unix_s + 1.0]  # a sample ends its second
+    samples = during or known
+    if not samples:
+        return None
+    if statistics.median(s.cpu_percent for s in samples) < NODE_BUSY_SHARE * 100:
+        return 0.0
+    return max(0.0, statistics.median(s.other_cores() for s in samples))
 
 
 def _excess_ms(slow: RankRow, others: List[RankRow], key: str) -> float:

@@ -56,6 +56,7 @@ def diagnosis_input(run: RunRecords) -> DiagnosisInput:
         peak_rss_bytes=max_present(step.host_rss_bytes for step in run.rolled),
         oom=run.ooms[0] if run.ooms else None, layers_alive=layers_alive(layers),
         steps_found_by=steps_found_by(run.hellos, run.ends), system=list(run.system),
+        nodes=len({hello.host for hello in run.hellos}) or 1,
         stalls=Stalls(window, list(run.system)), captures=list(run.captures), goodput=run.goodput,
         compiles=list(run.compiles), host_syncs=list(run.host_syncs),
         loader=loader_figures(list(run.loader_samples), window, list(run.hellos)),
