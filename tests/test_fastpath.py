@@ -6,7 +6,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -260,7 +259,7 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
     from traceml.probe.step import REAL_TOKENS, TOKEN_COPIES, StepProbe
     from traceml.probe.thread_cpu import ThreadCpu
 
-    sender = Sender(hello(), address="127.0.0.1:1", thread_cpu=ThreadCpu(threading.get_native_id()),
+    sender = Sender(hello(), address="127.0.0.1:1", thread_cpu=ThreadCpu.of_this_thread(),
                     feed_of=lambda sender: StepProbe(sender, host_rss=SimpleNamespace(latest_bytes=123_456_789)))
     probe = sender.feed
     probe.comm_timed = True

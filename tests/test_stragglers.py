@@ -117,6 +117,7 @@ def test_what_other_processes_take_counts_only_on_a_node_whose_cores_are_all_bus
     assert cores_taken_by_others(spare, 10.0, 11.0) == 0.0
     later = [sample(10.0, 50.0, 90.0), sample(30.0, 98.0, 110.0), sample(31.0, 98.0, 110.0)]
     assert cores_taken_by_others(later, 29.5, 31.0) == pytest.approx(0.86)  # the steps' own seconds
+    assert cores_taken_by_others(later, 20.0, 25.0) is None  # none then: not the start's, nor the end's
     assert cores_taken_by_others([], 0.0, 1.0) is None
 
 

@@ -1,5 +1,6 @@
 """The training thread's time on a CPU and wait for one, per step: read from Linux's counts for
 the thread, checked on a loop that shares its one core with a busy neighbour."""
+import statistics
 import sys
 import threading
 import time
@@ -33,7 +34,7 @@ def test_a_step_sharing_its_core_with_a_busy_process_waits_about_half_of_it(trac
 
 @linux_only
 def test_the_figures_between_two_moments_are_known_only_within_the_readings():
-    counts = ThreadCpu(threading.get_native_id())
+    counts = ThreadCpu.of_this_thread()
     first_s = time.time()
     deadline = time.thread_time() + 0.01
     while time.thread_time() < deadline:  # 10 ms on a CPU
@@ -58,10 +59,35 @@ def test_without_schedstat_every_figure_is_unknown():
 def test_a_wait_counted_late_gives_no_step_more_wait_than_its_length():
     # Linux adds a wait when the thread runs again: a 30 ms wait that began before this round
     # lands in a 20 ms round whole.
-    counts = ThreadCpu(threading.get_native_id())
+    counts = ThreadCpu.of_this_thread()
     start_s = counts._times_s[0]
     counts._times_s.append(start_s + 0.020)
     counts._ran_ns.append(counts._ran_ns[0])
     counts._waited_ns.append(counts._waited_ns[0] + 30_000_000)
     assert counts.ran_and_waited_ms(start_s, start_s + 0.020)[1] == pytest.approx(20.0, abs=0.01)
     assert counts.ran_and_waited_ms(start_s + 0.005, start_s + 0.010)[1] == pytest.approx(5.0, abs=0.01)
+
+
+@linux_only
+def test_the_time_on_a_cpu_is_the_threads_own_clock_not_the_kernels_last_tick():
+    # This thread stays on its CPU in torch's C code, the GIL released: Linux's schedstat alone
+    # brings its time on a CPU up to date only at the scheduler's tick (4 ms here), so a reading
+    # would lag the truth by half a tick on average. Read through its CPU clock, it is the truth.
+    import torch
+
+    counts = ThreadCpu.of_this_thread()
+    clock_id = time.pthread_getcpuclockid(threading.get_ident())
+    lags_ms = []
+
+    def read():
+        for _ in range(20):
+            time.sleep(0.002)
+            counts.refresh()
+            lags_ms.append((time.clock_gettime_ns(clock_id) - counts._ran_ns[-1]) / 1e6)
+
+    reader = threading.Thread(target=read)
+    matrix = torch.randn(1000, 1000)
+    reader.start()
+    while reader.is_alive():
+        matrix @ matrix
+    assert statistics.median(lags_ms) < 0.5, lags_ms

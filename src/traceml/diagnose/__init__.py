@@ -54,7 +54,8 @@ class DiagnosisInput:
     of memory; layers_alive: the deep-dive's leaf layers whose outputs outlive their step;
     steps_found_by: how steps were found (records.STEPS_FROM_*, or a trainer), for the words;
     system: the collector's node's samples, to tell a machine-wide stall and a shared node;
-    nodes: how many hosts the ranks run on (the samples are of one of them); stalls: the window's slow steps
+    nodes: how many hosts the ranks run on (the samples are of one of them); on_cpu: whether
+    every rank computes on the CPU, where a shared core slows the compute itself; stalls: the window's slow steps
     (the summary reports their warm-up too); captures: deep-dive taken when a rule fired in the
     probe, named in the evidence of the finding it belongs to; goodput: the run's wall time by
     part (planned work and startup are measured against it); compiles: torch.compile's
@@ -75,6 +76,7 @@ class DiagnosisInput:
     steps_found_by: Optional[str] = None
     system: Sequence[SystemSample] = ()
     nodes: int = 1
+    on_cpu: bool = False
     stalls: Optional[Stalls] = None
     captures: Sequence[LayerCapture] = ()
     goodput: Optional[Goodput] = None
@@ -108,9 +110,10 @@ def diagnose(run: DiagnosisInput) -> List[Finding]:
                                                  ledger),) if f]
     if len(run.ranks) > 1:
         sharded_by = next((row["sharded_by"] for row in ledger if row.get("sharded_by")), "")
-        # Other processes on the ranks' node: known where they share the collector's.
+        # Other processes on the ranks' node slow a CPU rank's compute: known where the ranks
+        # share one node, the collector's (`traceml run` starts it beside rank 0).
         cores_taken = None
-        if run.nodes == 1 and len(window):
+        if run.nodes == 1 and run.on_cpu and len(window):
             last = window.steps[-1]
             cores_taken = cores_taken_by_others(run.system, window.steps[0].start_unix_s,
                                                 last.start_unix_s + last.step_ms / 1e3)

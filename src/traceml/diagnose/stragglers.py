@@ -77,11 +77,9 @@ def straggler(ranks: List[RankRow], step_ms: float, cores_taken: Optional[float]
 
 def cores_taken_by_others(system: Sequence[SystemSample], start_unix_s: float, end_unix_s: float) -> Optional[float]:
     """The cores processes other than the training took while the steps between two moments ran,
-    on a node whose CPUs were all busy (the median of the samples then, or of all of them where
-    none fell then); 0.0 where the node had cores to spare, None without samples."""
-    known = [s for s in system if s.cpu_count]
-    during = [s for s in known if start_unix_s <= s.unix_s <= end_unix_s + 1.0]  # a sample ends its second
-    samples = during or known
+    on a node whose CPUs were all busy (the median of the samples then); 0.0 where the node had
+    cores to spare, None where no sample fell then."""
+    samples = [s for s in system if s.cpu_count and start_unix_s <= s.unix_s <= end_unix_s + 1.0]  # a sample ends its second
     if not samples:
         return None
     if statistics.median(s.cpu_percent for s in samples) < NODE_BUSY_SHARE * 100:

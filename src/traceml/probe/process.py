@@ -248,7 +248,7 @@ def _create_probe(model: Any) -> StepProbe:
         timeline = DeviceTimeline(lambda: torch.cuda.Event(enable_timing=True))
         device_memory = DeviceMemory(torch, device, counting=profile_memory)
     host_rss = HostRss() if profile_memory else None
-    thread_cpu = ThreadCpu(threading.get_native_id())  # made on the training thread: its counts
+    thread_cpu = ThreadCpu.of_this_thread()  # made on the training thread: its counts
 
     def probe_for(sender: Sender) -> StepProbe:
         """The step probe feeding this sender: made by the sender once it is built."""

@@ -4,13 +4,15 @@ by the sender thread each round and spread over the steps that round fell in.
 A step that is slow because other processes held the cores looks, on a CPU-computed rank, like
 a step that computed more. Linux counts how long each thread ran on a CPU and how long it was
 ready to run but waited for one (/proc/self/task/TID/schedstat, its first two figures): what a
-rank did against what the machine kept it from doing. Reading them costs one pread, so they are
-read off the training thread every sender round (20 ms) and each step gets the time between its
-start and its end, taking both as even within a round: a step shorter than a round gets its
-share of that round's. Linux adds a wait to the count when the thread gets its CPU back, so a
-round can hold more wait than its own length (a wait that began in the round before): each
-figure of a step is capped at the step's length. Where the file is not there (not Linux),
-steps carry None.
+rank did against what the machine kept it from doing. The time on a CPU is read from the
+thread's CPU clock first: schedstat's own figure moves only at the kernel's tick (4 ms here)
+while the thread runs, and reading the clock brings it up to date. Each costs a system call, so
+both are read off the training thread every sender round (20 ms), and each step gets the time
+between its start and its end, taking both as even within a round: a step shorter than a round
+gets its share of that round's. Linux adds a wait to the count when the thread gets its CPU
+back, so a round can hold more wait than its own length (a wait that began in the round
+before): a step's time on a CPU and its wait together are capped at its length. Where the file
+is not there (not Linux), steps carry None.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import threading
 import time
 from typing import List, Optional, Tuple
 
-# Readings kept: 20 s of rounds. A step waits for its window to end (the next step's start),
+# Readings kept: 16 s of rounds or more (on CUDA a round in five reads twice). A step waits for its window to end (the next step's start),
 # and on CUDA for its events, before the sender stamps it; older steps get None.
 READINGS_KEPT = 1000
 
@@ -29,7 +31,10 @@ class ThreadCpu:
     """One thread's (the training's) time on a CPU and wait for one, as readings of (unix time,
     nanoseconds run, nanoseconds waited)."""
 
-    def __init__(self, native_thread_id: int) -> None:
+    def __init__(self, native_thread_id: int, cpu_clock_id: Optional[int] = None) -> None:
+        """cpu_clock_id: the thread's CPU clock (time.pthread_getcpuclockid); None: schedstat's
+        own figure, to the kernel's tick."""
+        self._cpu_clock_id = cpu_clock_id
         try:
             # Opened once (O_CLOEXEC: a DataLoader worker's exec does not inherit it): each
             # reading is then a single pread.
@@ -44,6 +49,15 @@ class ThreadCpu:
         self._lock = threading.Lock()
         self.refresh()  # a first reading before the first step starts
 
+    @classmethod
+    def of_this_thread(cls) -> "ThreadCpu":
+        """The calling thread's counts (made on the training thread)."""
+        try:
+            cpu_clock_id: Optional[int] = time.pthread_getcpuclockid(threading.get_ident())
+        except (AttributeError, OSError):  # no per-thread CPU clocks here
+            cpu_clock_id = None
+        return cls(threading.get_native_id(), cpu_clock_id)
+
     @property
     def known(self) -> bool:
         return self._fd is not None
@@ -55,10 +69,12 @@ class ThreadCpu:
                 return
             before_s = time.time()
             try:
+                clock_ns = None if self._cpu_clock_id is None else time.clock_gettime_ns(self._cpu_clock_id)
                 ran_ns, waited_ns = map(int, os.pread(self._fd, 96, 0).split()[:2])
-            except (OSError, ValueError):
+            except (OSError, ValueError):  # the thread is gone
                 self._close()
                 return
+            ran_ns = clock_ns if clock_ns is not None else ran_ns
             # The middle of the read: on a busy machine this thread can itself wait around it.
             self._times_s.append((before_s + time.time()) / 2)
             self._ran_ns.append(ran_ns)
@@ -77,7 +93,8 @@ class ThreadCpu:
             length_ms = (end_unix_s - start_unix_s) * 1e3
             ran_ms, waited_ms = ((self._count_at(counts, end_unix_s) - self._count_at(counts, start_unix_s)) / 1e6
                                  for counts in (self._ran_ns, self._waited_ns))
-            return min(max(0.0, ran_ms), length_ms), min(max(0.0, waited_ms), length_ms)
+            ran_ms = min(max(0.0, ran_ms), length_ms)
+            return ran_ms, min(max(0.0, waited_ms), length_ms - ran_ms)
 
     def _count_at(self, counts: List[int], unix_s: float) -> float:
         """A count at a moment within the readings, evenly between two readings."""

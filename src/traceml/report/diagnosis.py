@@ -57,6 +57,7 @@ def diagnosis_input(run: RunRecords) -> DiagnosisInput:
         oom=run.ooms[0] if run.ooms else None, layers_alive=layers_alive(layers),
         steps_found_by=steps_found_by(run.hellos, run.ends), system=list(run.system),
         nodes=len({hello.host for hello in run.hellos}) or 1,
+        on_cpu=bool(run.hellos) and all(hello.device == "cpu" for hello in run.hellos),
         stalls=Stalls(window, list(run.system)), captures=list(run.captures), goodput=run.goodput,
         compiles=list(run.compiles), host_syncs=list(run.host_syncs),
         loader=loader_figures(list(run.loader_samples), window, list(run.hellos)),
