@@ -30,8 +30,9 @@ def stragglers(summary):
     return [f for f in summary["findings"] if f["kind"].endswith("STRAGGLER")]
 
 
-# Judges two ranks' 1 ms of compute against each other, apart from the parallel pass: beside its
-# other runs one rank computed 2.6 times longer in 82% of the steps.
+# Judges two ranks' 1 ms of compute against each other: scripts/test.sh runs it alone, since
+# another process on the node slows one of them (beside the parallel pass's runs one rank
+# computed 2.6 times longer in 82% of the steps), and the verdict would then rightly name it.
 @pytest.mark.serial
 def test_balanced_ranks_have_no_straggler(traceml_run):
     # 120 steps: two ranks share this machine's two cores with the collector, and over 30
