@@ -116,10 +116,13 @@ def test_lightning_fit_steps_are_optimizer_steps_and_validation_is_not_input(tra
     assert all(s["forward_calls"] == accumulate for s in steps)
     assert all(s["forward_ms"] > 0 and s["backward_ms"] > 0 and s["optimizer_ms"] > 0 for s in steps)
     # Validation reads 4 batches of 8 slow samples (2 ms each: 64 ms) every 20 training
-    # batches: outside the steps, never the training's input wait.
-    assert max(s["input_wait_ms"] for s in steps) < 40.0
+    # batches: outside the steps, never the training's input wait. (The training's own batches
+    # are quick, but a loaded machine held one step's fetch 40.5 ms: the line is what a whole
+    # validation would add.)
+    assert max(s["input_wait_ms"] for s in steps) < 64.0
     validated = [s for s in steps if s["outside_ms"] >= 50.0]
     assert 2 <= len(validated) <= 80 // (20 // accumulate) + 1
+    assert all(s["input_wait_ms"] < s["outside_ms"] for s in validated)
     summary = run.summary()
     assert summary["steps"]["found_by"].startswith("Lightning")
     # Each validation, timed whole, is evaluation in goodput: at least its 64 ms of loading.
