@@ -5,7 +5,7 @@
 #    that wait on sleeps, sockets and each other as much as they compute, and each process has
 #    one torch thread (tests/conftest.py), so together they keep a 2-core machine busy without
 #    starving one another: fewer workers leave the cores idle while some of them wait (this
-#    pass took 475-494 s on three, 432-445 s on four, 393-424 s on five with no idle core left).
+#    pass took 475-494 s on three, 432-445 s on four, 385-424 s on five with no idle core left).
 #    Beside them, the probe's and the compiled timers' tests again on the Python timers alone
 #    (TRACEML_NO_FASTPATH=1: a machine where the C extension is not built), one process. The
 #    trace API's runs are not made again: test_fastpath holds both timers' steps, spans and
