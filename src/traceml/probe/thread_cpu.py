@@ -22,8 +22,9 @@ import threading
 import time
 from typing import List, Optional, Tuple
 
-# Readings kept: 16 s of rounds or more (on CUDA a round in five reads twice). A step waits for its window to end (the next step's start),
-# and on CUDA for its events, before the sender stamps it; older steps get None.
+# Readings kept: 16 s of rounds or more (on CUDA a round in five reads twice). A step waits for
+# its window to end (the next step's start), and on CUDA for its events, before the sender stamps
+# it; older steps get None.
 READINGS_KEPT = 1000
 
 
@@ -91,20 +92,21 @@ class ThreadCpu:
             if self._fd is None or not times_s or start_unix_s < times_s[0] or end_unix_s > times_s[-1]:
                 return None
             length_ms = (end_unix_s - start_unix_s) * 1e3
-            ran_ms, waited_ms = ((self._count_at(counts, end_unix_s) - self._count_at(counts, start_unix_s)) / 1e6
-                                 for counts in (self._ran_ns, self._waited_ns))
-            ran_ms = min(max(0.0, ran_ms), length_ms)
-            return ran_ms, min(max(0.0, waited_ms), length_ms - ran_ms)
+            ran_start, waited_start = self._counts_at(start_unix_s)
+            ran_end, waited_end = self._counts_at(end_unix_s)
+            ran_ms = min(max(0.0, (ran_end - ran_start) / 1e6), length_ms)
+            return ran_ms, min(max(0.0, (waited_end - waited_start) / 1e6), length_ms - ran_ms)
 
-    def _count_at(self, counts: List[int], unix_s: float) -> float:
-        """A count at a moment within the readings, evenly between two readings."""
-        times_s = self._times_s
+    def _counts_at(self, unix_s: float) -> Tuple[float, float]:
+        """Both counts at a moment within the readings, evenly between two readings."""
+        times_s, ran_ns, waited_ns = self._times_s, self._ran_ns, self._waited_ns
         after = bisect.bisect_left(times_s, unix_s)
         if times_s[after] == unix_s or after == 0:
-            return counts[after]
+            return ran_ns[after], waited_ns[after]
         before = after - 1
-        span_s = times_s[after] - times_s[before]
-        return counts[before] + (counts[after] - counts[before]) * (unix_s - times_s[before]) / span_s
+        share = (unix_s - times_s[before]) / (times_s[after] - times_s[before])
+        return (ran_ns[before] + (ran_ns[after] - ran_ns[before]) * share,
+                waited_ns[before] + (waited_ns[after] - waited_ns[before]) * share)
 
     def _close(self) -> None:
         if self._fd is not None:
