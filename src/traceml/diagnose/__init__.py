@@ -48,14 +48,14 @@ class DiagnosisInput:
     """Everything the rules read of a run. report.diagnosis builds it one way for the live views
     and the final summary, so both give the same verdict on the same steps.
 
-    window: the measured steps (warm-up left out); steps_seen: the run's steps so far;
-    ranks: every rank's row (rollup.rank_medians; the rank rules need two ranks or more);
-    limits and peaks: what memory there is and what the run reached; oom: the step that ran out
-    of memory; layers_alive: the deep-dive's leaf layers whose outputs outlive their step;
-    steps_found_by: how steps were found (records.STEPS_FROM_*, or a trainer), for the words;
-    system: the collector's node's samples, to tell a machine-wide stall and a shared node;
-    nodes: how many hosts the ranks run on (the samples are of one of them); on_cpu: whether
-    every rank computes on the CPU, where a shared core slows the compute itself; stalls: the window's slow steps
+    window: the measured steps (warm-up left out); steps_seen: the run's steps so far; ranks:
+    every rank's row (rollup.rank_medians; the rank rules need two ranks or more); limits and
+    peaks: what memory there is and what the run reached; oom: the step that ran out of memory;
+    layers_alive: the deep-dive's leaf layers whose outputs outlive their step; steps_found_by:
+    how steps were found (records.STEPS_FROM_*, or a trainer), for the words; system: the
+    collector's node's samples, to tell a machine-wide stall and a shared node; nodes: how many
+    hosts the ranks run on (the samples are of one of them); on_cpu: whether every rank computes
+    on the CPU, where a shared core slows the compute itself; stalls: the window's slow steps
     (the summary reports their warm-up too); captures: deep-dive taken when a rule fired in the
     probe, named in the evidence of the finding it belongs to; goodput: the run's wall time by
     part (planned work and startup are measured against it); compiles: torch.compile's

@@ -23,10 +23,9 @@ BEHIND_SHARE = 0.75  # behind in this share of steps: a pattern, not the noise o
 COMM_WARN_SHARE = 0.15  # even the least-waiting rank waits this share of the step in collectives: warn
 COMM_CRIT_SHARE = 0.35
 NODE_BUSY_SHARE = 0.9  # the node's CPUs this busy, other processes on OTHER_CPU_CORES of them: shared
-SHARED_NODE_ACTION = (
-    "If the ranks do the same work, the machine is the cause: give each rank cores of its own (move "
-    "the other work off the node, keep ranks x threads within its cores, pin each rank with taskset "
-    "or numactl). If not: ")
+CORES_OF_ITS_OWN = ("give each rank cores of its own: move other work off the machine, keep ranks x "
+                    "threads (OMP_NUM_THREADS, DataLoader workers) within the cores, or pin each rank "
+                    "to its own (taskset, numactl).")
 
 
 def straggler(ranks: List[RankRow], step_ms: float, cores_taken: Optional[float] = None) -> Optional[Finding]:
@@ -64,7 +63,8 @@ def straggler(ranks: List[RankRow], step_ms: float, cores_taken: Optional[float]
         # that it had more to do.
         summary += (f"; other processes took {cores_taken:.1f} of this node's cores meanwhile, all of them "
                     "busy, and a rank that shares its core computes slower for the same work")
-        action = SHARED_NODE_ACTION + action[0].lower() + action[1:]
+        action = (f"If the ranks do the same work, the machine is the cause: {CORES_OF_ITS_OWN} If not: "
+                  + action[0].lower() + action[1:])
     return Finding(kind=kind, severity=severity, summary=summary, action=action, rank=slow["rank"],
                    evidence={"rank_value_ms": round(value, 3), "others_median_ms": round(median, 3),
                              "loss_ms": round(loss_ms, 3), "share": round(loss_share, 4),
@@ -132,10 +132,7 @@ def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, step_ms: float,
         return (FindingKind.STRAGGLER, value, median,
                 f"rank {rank} waits for a CPU: {lost}; its training thread is ready to run but waits "
                 f"{value:.1f} ms a step for a core, against {median:.1f} ms on the others",
-                f"Other processes, or too many threads, hold the cores rank {rank} runs on. Give each "
-                "rank cores of its own: move other work off the machine, keep ranks x threads "
-                "(OMP_NUM_THREADS, DataLoader workers) within the cores, or pin each rank to its "
-                "own (taskset, numactl).")
+                f"Other processes, or too many threads, hold the cores rank {rank} runs on: {CORES_OF_ITS_OWN}")
     return (FindingKind.STRAGGLER, slow["step_median_ms"], _median(others, "step_median_ms"),
             f"rank {rank} holds the others back: {lost}; neither its input wait nor its compute explains it",
             f"Compare rank {rank}'s time outside the step and untraced time with the others', "
