@@ -5,7 +5,6 @@ import json
 import msgspec
 import pytest
 
-from conftest import SCRIPTS
 from traceml.analysis.goodput import RunTime
 from traceml.analysis.rollup import LiveRollup
 from traceml.collector.server import Collector
