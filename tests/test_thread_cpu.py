@@ -1,5 +1,6 @@
 """The training thread's time on a CPU and wait for one, per step: read from Linux's counts for
 the thread, checked on a loop that shares its one core with a busy neighbour."""
+import json
 import statistics
 import sys
 import threading
@@ -15,19 +16,27 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 
 
 @linux_only
-def test_a_step_sharing_its_core_with_a_busy_process_waits_about_half_of_it(traceml_run):
+def test_a_step_sharing_its_core_with_a_busy_process_waits_about_half_of_it(traceml_run, tmp_path):
     # Two runnable threads on one core: the scheduler gives each about half of it, so the
-    # training thread waits about half of each step (other processes on the core: more) and
-    # runs the rest: a loop that never sleeps is always on a CPU or waiting for one.
+    # training thread waits about half of each step (other processes on the core: more).
     run = traceml_run("--neighbour", script=SHARED_CORE)
     assert run.returncode == 0, run.stderr
     rows = [row for row in run.step_rows() if row["step"] > 0]  # step 0 began before the probe
     assert len(rows) == 149 and all(row["cpu_wait_ms"] is not None and row["on_cpu_ms"] is not None for row in rows)
     step_ms = sum(row["step_ms"] for row in rows)
     wait_share = sum(row["cpu_wait_ms"] for row in rows) / step_ms
-    assert 0.3 <= wait_share <= 0.9, wait_share
-    accounted = sum(row["cpu_wait_ms"] + row["on_cpu_ms"] for row in rows) / step_ms
-    assert 0.85 <= accounted <= 1.05, (wait_share, accounted)
+    assert wait_share >= 0.3, wait_share
+    # Against the loop's own count over the same steps: its thread's CPU clock, and its wait as
+    # Linux counts it. How much of a step is neither (blocked on the GIL while TraceML's and
+    # torch's other threads run) depends on how busy the machine is; these do not.
+    own = json.loads((tmp_path / "own_cpu.json").read_text())
+    assert sum(row["on_cpu_ms"] for row in rows) == pytest.approx(own["on_cpu_ms"], rel=0.1), own
+    # A wait longer than a sender round is booked whole when the thread runs again, and a step's
+    # figures are capped at its length: on a busy machine some of it is dropped (12-17% beside
+    # two busy loops), in proportion, so the wait's share of the two is held to the loop's own.
+    on_cpu_ms, cpu_wait_ms = (sum(row[name] for row in rows) for name in ("on_cpu_ms", "cpu_wait_ms"))
+    own_share = own["cpu_wait_ms"] / (own["cpu_wait_ms"] + own["on_cpu_ms"])
+    assert cpu_wait_ms / (cpu_wait_ms + on_cpu_ms) == pytest.approx(own_share, abs=0.05), (own, on_cpu_ms, cpu_wait_ms)
     # Capped at the step's length (to a unix time's rounding: 0.24 µs).
     assert all(0.0 <= row[name] <= row["step_ms"] + 0.001 for row in rows for name in ("cpu_wait_ms", "on_cpu_ms"))
 
