@@ -2,7 +2,7 @@
 
 `traceml run` goes to lifecycle.run_script (the run's collector side) and launcher.py (the
 script's processes); `_collect`, the collector rank 0 of a plain `python train.py` starts,
-to lifecycle.host_collector; view, compare and export to their views.
+to lifecycle.collect_main; view, compare and export to their views.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import List, Optional
 
-from traceml import rundir
+from traceml import lifecycle, rundir
 from traceml.records import ALL_PHASES
 from traceml.rendezvous import COLLECT_COMMAND
 from traceml.report.compare import GATE_THRESHOLD
@@ -44,17 +44,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     # Unconfigured, logging prints warnings as "%(message)s" on stderr all the same.
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [COLLECT_COMMAND]:  # internal, so kept out of the parser every user sees
-        return collect_command(_collect_parser().parse_args(argv[1:]))
+        return lifecycle.collect_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "run":
-        return run_command(args)
-    if args.command == "view":
-        return view_command(args)
-    if args.command == "compare":
-        return compare_command(args)
-    if args.command == "export":
-        return export_command(args)
+    commands = {"run": run_command, "view": view_command, "compare": compare_command, "export": export_command}
+    if args.command in commands:
+        return commands[args.command](args)
     parser.print_help()
     return 2
 
@@ -168,7 +163,6 @@ def _other_commands(commands: "argparse._SubParsersAction") -> None:
                         help="where to write ('-' for stdout; default: a file in the run dir)")
 
 
-
 def _command(commands: "argparse._SubParsersAction", name: str, summary: str, description: str,
              example: str) -> argparse.ArgumentParser:
     """A subcommand whose --help says what it does and shows one line that uses it."""
@@ -176,20 +170,6 @@ def _command(commands: "argparse._SubParsersAction", name: str, summary: str, de
     return commands.add_parser(name, help=summary, description=textwrap.fill(description, 78),
                                epilog=f"example: {example}",
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-
-
-def _collect_parser() -> argparse.ArgumentParser:
-    """`python -m traceml _collect ...`, which rank 0 of a plain `python train.py` runs
-    (rendezvous.spawn_collector_process)."""
-    collect = argparse.ArgumentParser(prog=f"traceml {COLLECT_COMMAND}")
-    collect.add_argument("--ready-fd", type=int, required=True)
-    collect.add_argument("--parent-pid", type=int, required=True)
-    collect.add_argument("--script", required=True)
-    collect.add_argument("--host", default="127.0.0.1")
-    collect.add_argument("--port", type=int, default=0)
-    collect.add_argument("--web-port", type=int, default=None)
-    collect.add_argument("--web-host", default="127.0.0.1")
-    return collect
 
 
 def _web_arguments(parser: argparse.ArgumentParser) -> None:
@@ -237,7 +217,7 @@ def _port(text: str) -> int:
 
 # -- traceml run --------------------------------------------------------------------------------
 def run_command(args: argparse.Namespace) -> int:
-    from traceml import lifecycle, rendezvous
+    from traceml import rendezvous
 
     if not Path(args.script).is_file():
         return _fail(f"no such script: {args.script}")
@@ -302,14 +282,6 @@ def export_command(args: argparse.Namespace) -> int:
     if target != "-":
         _say(f"traceml: {count} step records written to {target}")
     return 0
-
-
-# -- python train.py: the collector process rank 0 starts (rendezvous.spawn_collector_process) --
-def collect_command(args: argparse.Namespace) -> int:
-    from traceml.lifecycle import host_collector
-
-    return host_collector(args.script, args.parent_pid, args.host, args.port, args.ready_fd,
-                          args.web_host, args.web_port)
 
 
 if __name__ == "__main__":

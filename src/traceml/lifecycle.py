@@ -211,6 +211,21 @@ def _import_end_of_run() -> None:
 
 
 # -- python train.py: the collector process rank 0 starts (rendezvous.spawn_collector_process) --
+def collect_main(argv: List[str]) -> int:
+    """`python -m traceml _collect ...` (rendezvous.COLLECT_COMMAND): parse, then host_collector."""
+    collect = argparse.ArgumentParser(prog=f"traceml {rendezvous.COLLECT_COMMAND}")
+    collect.add_argument("--ready-fd", type=int, required=True)
+    collect.add_argument("--parent-pid", type=int, required=True)
+    collect.add_argument("--script", required=True)
+    collect.add_argument("--host", default="127.0.0.1")
+    collect.add_argument("--port", type=int, default=0)
+    collect.add_argument("--web-port", type=int, default=None)
+    collect.add_argument("--web-host", default="127.0.0.1")
+    args = collect.parse_args(argv)
+    return host_collector(args.script, args.parent_pid, args.host, args.port, args.ready_fd,
+                          args.web_host, args.web_port)
+
+
 def host_collector(script: str, parent_pid: int, host: str, port: int, ready_fd: int,
                    web_host: str, web_port: Optional[int]) -> int:
     """Collect the run rank 0 (`parent_pid`) trains until every rank has gone (or rank 0 went,
