@@ -86,11 +86,18 @@ def _python_binary() -> str:
     return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
 
 
+def _this_interpreters_path() -> str:
+    """PYTHONPATH for the binary above: from a venv, that binary is the base interpreter, which
+    knows none of the venv's packages (torch, traceml) unless it is handed this one's path."""
+    return os.pathsep.join(entry for entry in sys.path if entry)
+
+
 def count(workdir: str, side: str, steps: int, loop: str) -> dict:
     """Instructions of one run, per thread: {"training": n, "others": n}."""
     out = os.path.join(workdir, f"callgrind.{side}.{steps}")
     env = dict(os.environ, TRACEML_RUN_DIR=os.path.join(workdir, f"run-{side}-{steps}"),
-               TRACEML_AUTO_CAPTURE="0")  # a capture's sampled steps would land in one run only
+               TRACEML_AUTO_CAPTURE="0",  # a capture's sampled steps would land in one run only
+               PYTHONPATH=_this_interpreters_path())
     env.pop("TRACEML_COLLECTOR", None)
     subprocess.run(["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}",
                     _python_binary(), os.path.join(workdir, "loop.py"), side, str(steps), loop],
