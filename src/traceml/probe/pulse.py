@@ -136,7 +136,8 @@ def _read(frames: List[Tuple[str, int, str]]) -> Tuple[str, str]:
             waiting_in = function
         elif not waiting_in and path.endswith("/torch/utils/data/dataloader.py"):
             waiting_in = "DataLoader"
-        if not activity and ("/torch/_dynamo/" in path or "/torch/_inductor/" in path):
+        # A collective inside a dynamo-disabled function (FSDP2's) is a wait, not a compilation.
+        if not activity and not waiting_in and ("/torch/_dynamo/" in path or "/torch/_inductor/" in path):
             activity = "compile"
         elif not activity and (path.endswith("/torch/serialization.py") and function in ("save", "_save")
                                or "save_checkpoint" in function):
