@@ -29,9 +29,9 @@ def progress(rank, steps=20, stalled_s=0.0, pulse=None, now=1000.0, **kwargs):
 
 
 def pulse(rank, stalled_s, steps=20, phase="backward", waiting_in="", stack=(("/home/me/train.py", 42, "load"),),
-          now=1000.0, **kwargs):
+          now=1000.0, innermost="time.py:1 sleep", **kwargs):
     return RankPulse(rank=rank, unix_s=now - 1.0, steps_ended=steps, since_progress_s=stalled_s - 1.0,
-                     phase=phase, stack=list(stack), innermost="time.py:1 sleep", waiting_in=waiting_in,
+                     phase=phase, stack=list(stack), innermost=innermost, waiting_in=waiting_in,
                      pid=100 + rank, **kwargs)
 
 
@@ -83,6 +83,77 @@ def test_counts_of_collectives_say_which_rank_is_behind():
     same = [progress(r, stalled_s=40, pulse=pulse(r, 40, waiting_in="all_reduce", collectives_issued=7))
             for r in (0, 1)]
     assert "collectives fewer" not in find_hang(same, 1000.0).finding.summary
+    # Rank 1, behind, waits in a collective itself: it is the one named, as one that skipped one.
+    assert hang.finding.rank == 1 and hang.finding.summary.startswith("no step has ended for 40 s on ranks 0, 1, 2: "
+                                                                       "rank 1 waits in barrier")
+    assert hang.finding.action.startswith("Look at rank 1's train.py:42 load: it has issued fewer collectives")
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in hang.finding.action
+
+
+def ddp_backward_pulse(rank, collectives_issued, stalled_s=40):
+    """Blocked in backward, in the autograd engine, where DDP's reducer waits for its all-reduce
+    in C++: the innermost frame is autograd's, the user's innermost is the backward() call."""
+    return pulse(rank, stalled_s, phase="backward", stack=[("/home/me/train.py", 11, "main")],
+                 innermost="graph.py:829 _engine_run_backward", collectives_issued=collectives_issued)
+
+
+def test_under_ddp_the_rank_behind_on_the_counts_is_named_and_the_one_in_backward_waits():
+    # The issue's case: rank 1 stalls in its own code before forward; rank 0 went on to backward,
+    # issued its gradient all-reduce (one collective more) and waits in it, inside autograd.
+    stuck = pulse(1, 39, phase="in step", stack=[("/home/me/train.py", 7, "wait_for_shard"),
+                                                 ("/home/me/train.py", 10, "main")], collectives_issued=20)
+    hang = find_hang([progress(0, stalled_s=40, pulse=ddp_backward_pulse(0, 21)),
+                      progress(1, stalled_s=39, pulse=stuck)], 1000.0)
+    assert hang.finding.rank == 1 and hang.finding.evidence["culprit_rank"] == 1
+    assert hang.finding.summary == (
+        "no step has ended for 40 s on ranks 0, 1: rank 1 is in its own code at train.py:7 wait_for_shard "
+        "(in step); rank 0 waits in all_reduce from backward (DDP's, inside autograd) at train.py:11 main for "
+        "40 s; rank 1 has issued 1 collective fewer than rank 0 (20 against 21)")
+    assert hang.finding.action.startswith("Look at rank 1's train.py:7 wait_for_shard: the other ranks wait")
+    assert "py-spy dump --pid 101" in hang.finding.action
+    assert hang.finding.evidence["where"] == "train.py:7 wait_for_shard"
+    assert [(p["state"], p["waiting_in"]) for p in hang.ranks] == [("collective", "all_reduce"), ("own code", None)]
+    # Its stall in the optimizer or a layer's forward reads the same; so does rank 0 as the culprit.
+    hang = find_hang([progress(0, stalled_s=39, pulse=pulse(0, 39, phase="optimizer", collectives_issued=20)),
+                      progress(1, stalled_s=40, pulse=ddp_backward_pulse(1, 21))], 1000.0)
+    assert hang.finding.rank == 0 and hang.finding.summary.startswith(
+        "no step has ended for 40 s on ranks 0, 1: rank 0 is in its own code at train.py:42 load (optimizer); "
+        "rank 1 waits in all_reduce from backward (DDP's, inside autograd)")
+
+
+def test_the_counts_decide_before_the_stacks():
+    # Both in their own code by their stacks: the one with fewer collectives issued is named,
+    # though listed second; the other, ahead but not in backward, stays in its own code.
+    hang = find_hang([progress(0, stalled_s=40, pulse=pulse(0, 40, phase="optimizer", collectives_issued=21)),
+                      progress(1, stalled_s=40, pulse=pulse(1, 40, phase="forward", collectives_issued=20))], 1000.0)
+    assert hang.finding.rank == 1 and [p["state"] for p in hang.ranks] == ["own code", "own code"]
+    assert hang.finding.summary.startswith("no step has ended for 40 s on ranks 0, 1: rank 1 is in its own code")
+    # In backward, ahead, but its own frame innermost (a hook of its own that stalls): its own code.
+    hook = pulse(0, 40, stack=[("/home/me/train.py", 30, "clip_hook")], innermost="train.py:30 clip_hook",
+                 collectives_issued=21)
+    hang = find_hang([progress(0, stalled_s=40, pulse=hook),
+                      progress(1, stalled_s=40, pulse=pulse(1, 40, phase="forward", collectives_issued=20))], 1000.0)
+    assert hang.finding.rank == 1 and [p["state"] for p in hang.ranks] == ["own code", "own code"]
+    # Without counts that differ, backward is no collective: the stacks decide, the first absent rank.
+    hang = find_hang([progress(0, stalled_s=40, pulse=ddp_backward_pulse(0, 21)),
+                      progress(1, stalled_s=40, pulse=pulse(1, 40, phase="forward", collectives_issued=-1))], 1000.0)
+    assert hang.finding.rank == 0 and hang.ranks[0]["state"] == "own code"
+    # Two ranks behind, one waiting and one absent: the absent one is named.
+    ranks = [progress(0, stalled_s=40, pulse=pulse(0, 40, waiting_in="all_reduce", collectives_issued=41)),
+             progress(1, stalled_s=40, pulse=pulse(1, 40, waiting_in="barrier", collectives_issued=40)),
+             progress(2, stalled_s=40, pulse=pulse(2, 40, phase="forward", collectives_issued=40))]
+    assert find_hang(ranks, 1000.0).finding.rank == 2
+    # A rank gone or frozen carries no count: the others agreeing, it is named, and they wait.
+    hang = find_hang([progress(0, stalled_s=40, pulse=ddp_backward_pulse(0, 21)),
+                      progress(1, stalled_s=40, pulse=ddp_backward_pulse(1, 21)),
+                      progress(2, stalled_s=40, gone=True)], 1000.0)
+    assert hang.finding.rank == 2 and hang.finding.summary.startswith(
+        "no step has ended for 40 s on ranks 0, 1, 2: rank 2 is gone (pid 102")
+    assert [p["state"] for p in hang.ranks] == ["collective", "collective", "gone"]
+    frozen = progress(1, stalled_s=40)
+    frozen.last_heard_unix_s = 1000.0 - 30
+    hang = find_hang([progress(0, stalled_s=40, pulse=ddp_backward_pulse(0, 21)), frozen], 1000.0)
+    assert hang.finding.rank == 1 and "rank 0 waits in all_reduce from backward" in hang.finding.summary
 
 
 def test_a_dataloader_wait_names_the_worker_that_owes_the_batch():
@@ -234,6 +305,9 @@ def test_the_pulse_comes_only_while_no_step_ends_and_reads_the_stack():
                          ("/home/me/train.py", 9, "main")]) == ("all_reduce", "")
     assert pulses._read([(f"{site}/serialization.py", 1, "save"), ("/home/me/train.py", 9, "main")]) == ("", "checkpoint")
     assert pulses._read([(f"{site}/_dynamo/eval_frame.py", 1, "_fn")]) == ("", "compile")
+    # FSDP2 waits for its all-gather inside a dynamo-disabled function: a wait, not a compilation.
+    assert pulses._read([(f"{site}/distributed/distributed_c10d.py", 1, "all_gather_single"),
+                         (f"{site}/_dynamo/eval_frame.py", 1, "_fn")]) == ("all_gather_single", "")
     assert pulses._read([(f"{site}/utils/data/dataloader.py", 1, "_next_data")]) == ("DataLoader", "")
 
 
@@ -320,6 +394,35 @@ def test_a_rank_in_its_own_code_is_named_with_its_line_and_the_run_keeps_the_han
     hangs = [alert for alert in alerts if alert["kind"] == "HANG"]
     assert len(hangs) == 1 and hangs[0]["rank"] == 1 and hangs[0]["script"] == "hang_loop.py"
     assert len({(alert["kind"], alert["rank"]) for alert in alerts}) == len(alerts)
+
+
+@pytest.mark.parametrize("stall_in, phase", [("before-forward", "in step"), ("forward", "forward"),
+                                              ("optimizer", "optimizer")])
+def test_under_ddp_the_rank_that_has_not_arrived_is_named_not_the_one_in_backward(tmp_path, stall_in, phase):
+    # Rank 1 stalls in its own code: before forward, in a layer's forward, in its optimizer's
+    # step. Rank 0 goes on to backward, where DDP's reducer waits in C++ for the all-reduce it
+    # issued: no collective frame on its stack, one collective more in its count. Allowed 8 s,
+    # as the DataLoader test: each rank's first pulse comes 5 s after its last step.
+    run = Launched(tmp_path, "--ddp", "--stall-rank", 1, "--at", 15, "--stall-in", stall_in,
+                   traceml_args=("--nproc-per-node", "2", "--hang-after", "8"))
+    try:
+        line = run.wait_for("traceml: HANG", timeout_s=90)
+        assert line is not None, "".join(run.stderr_lines)[-3000:]
+    finally:
+        returncode = run.stop()
+    assert returncode == 1  # torch.distributed.run's own under SIGTERM
+    assert re.search(r"on ranks 0, 1: rank 1 is in its own code at hang_loop\.py:\d+ load_shard "
+                     rf"\({phase}\); rank 0 waits in all_reduce from backward \(DDP's, inside autograd\) at "
+                     r"hang_loop\.py:\d+ main for \d+ s; rank 1 has issued 1 collective fewer than rank 0", line), line
+    summary = run.summary()
+    hang, finding = summary["hang"], summary["primary_diagnosis"]
+    assert hang["culprit_rank"] == 1 and finding["kind"] == "HANG" and finding["rank"] == 1
+    assert re.match(r"Look at rank 1's hang_loop\.py:\d+ load_shard: the other ranks wait for it",
+                    finding["action"]), finding["action"]
+    waiting, stalled = hang["ranks"]
+    assert (waiting["state"], waiting["waiting_in"], waiting["phase"]) == ("collective", "all_reduce", "backward")
+    assert (stalled["state"], stalled["phase"]) == ("own code", phase)
+    assert waiting["collectives_issued"] == stalled["collectives_issued"] + 1
 
 
 def test_a_rank_whose_dataloader_worker_hangs_is_named_live_on_metrics(tmp_path):

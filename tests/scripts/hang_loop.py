@@ -1,7 +1,8 @@
-"""A small loop that averages its gradients by hand with all_reduce (gloo, or one process), for
-the hang locator: at one step a rank can stall in its own code before the collective, its
-DataLoader worker can hang, every rank can evaluate for a while, or a rank can be killed; and,
-as planned work that is no hang, a checkpoint save to a slow disk and a compilation mid-run."""
+"""A small loop that averages its gradients by hand with all_reduce, or under DDP (gloo, or one
+process), for the hang locator: at one step a rank can stall in its own code (after backward,
+before forward, in a layer's forward or in its optimizer's step), its DataLoader worker can
+hang, every rank can evaluate for a while, or a rank can be killed; and, as planned work that
+is no hang, a checkpoint save to a slow disk and a compilation mid-run."""
 import argparse
 import contextlib
 import io
@@ -35,6 +36,28 @@ class Rows(Dataset):
 def load_shard(seconds):
     """The rank's own slow work inside a step: the line the hang finding should name."""
     time.sleep(seconds)
+
+
+class ShardLoader(nn.Module):
+    """A layer whose forward stalls for `stall_s` when set: a forward that never returns."""
+
+    stall_s = 0.0
+
+    def forward(self, inputs):
+        if self.stall_s:
+            load_shard(self.stall_s)
+        return inputs
+
+
+class ShardedSGD(torch.optim.SGD):
+    """SGD whose step stalls for `stall_s` when set: the rank's own code inside the optimizer."""
+
+    stall_s = 0.0
+
+    def step(self, closure=None):
+        if self.stall_s:
+            load_shard(self.stall_s)
+        return super().step(closure)
 
 
 class SlowDisk(io.BytesIO):
@@ -75,6 +98,9 @@ def main():
     parser.add_argument("--at", type=int, default=20, help="the step where it happens")
     parser.add_argument("--stall-rank", type=int, default=-1)
     parser.add_argument("--stall-s", type=float, default=3600.0)
+    parser.add_argument("--stall-in", default="after-backward",
+                        choices=("after-backward", "before-forward", "forward", "optimizer"))
+    parser.add_argument("--ddp", action="store_true", help="DDP averages the gradients, not the loop")
     parser.add_argument("--hang-worker-rank", type=int, default=-1, help="this rank's DataLoader worker hangs")
     parser.add_argument("--eval-s", type=float, default=0.0, help="every rank evaluates this long at --eval-at")
     parser.add_argument("--eval-at", type=int, default=None, help="the step before which it evaluates (--at)")
@@ -91,8 +117,11 @@ def main():
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    shard_loader = ShardLoader()
+    model = nn.Sequential(nn.Linear(16, 32), shard_loader, nn.ReLU(), nn.Linear(32, 1))
+    if args.ddp and distributed:
+        model = nn.parallel.DistributedDataParallel(model)
+    optimizer = ShardedSGD(model.parameters(), lr=0.01)
     hang_at = args.at * 8 if rank == args.hang_worker_rank else -1
     loader = iter(DataLoader(Rows(hang_at), batch_size=8, num_workers=1 if args.hang_worker_rank >= 0 else 0))
     for step in range(args.steps):
@@ -102,15 +131,21 @@ def main():
             torch.save(model.state_dict(), SlowDisk(args.save_s))
         if step == args.compile_at:
             model = torch.compile(model, backend=slow_compiler(args.compile_s))
+        stalls = step == args.at and rank == args.stall_rank
+        shard_loader.stall_s = optimizer.stall_s = 0.0
+        if stalls and args.stall_in in ("forward", "optimizer"):
+            (shard_loader if args.stall_in == "forward" else optimizer).stall_s = args.stall_s
         with (traceml.trace_step(model) if not args.zero_code else contextlib.nullcontext()):
             inputs, targets = next(loader)
+            if stalls and args.stall_in == "before-forward":
+                load_shard(args.stall_s)
             loss = nn.functional.mse_loss(model(inputs), targets)
             loss.backward()
-            if step == args.at and rank == args.stall_rank:
+            if stalls and args.stall_in == "after-backward":
                 load_shard(args.stall_s)
             if step == args.at and rank == args.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if distributed:
+            if distributed and not args.ddp:
                 for parameter in model.parameters():
                     dist.all_reduce(parameter.grad)
             optimizer.step()

@@ -12,7 +12,9 @@ Evaluation, a checkpoint save and a compilation that its stack shows are not sta
 finding tells the ranks that wait in a collective from those that never came (what they do
 instead: their line, or a DataLoader wait), and from those that are gone (the connection
 dropped without a goodbye) or frozen (connected, but no pulse for SENDER_SILENT_S). Where the
-ranks' counts of issued collectives differ, it says which rank is behind and by how many.
+ranks' counts of issued collectives differ, they decide first: the rank that has issued fewest is
+the one the others wait for (then one gone or frozen), and a rank ahead of it in backward waits in
+DDP's all-reduce (issued from C++ inside autograd, with no collective frame on its stack).
 
 RANK_LOST is the end-of-run twin for a rank that died: it ended without a goodbye (SIGKILL from
 the out-of-memory killer or a scheduler, a crash in native code), named with the exit status its
@@ -91,24 +93,33 @@ def find_hang(ranks: List[RankProgress], now_unix_s: float, hang_after_s: float 
     if not stalled or _a_first_pulse_is_due(places):
         return None
     _place_the_pulsing_ranks(places)
+    counts = {place["rank"]: place["collectives_issued"] for place in places
+              if place["collectives_issued"] is not None and place["state"] not in ("gone", "ended")}
+    fewest = min(counts.values()) if len(set(counts.values())) > 1 else None
+    silent = [place for place in places if place["state"] in ("gone", "frozen")]  # no count: not arrived
+    _place_the_ranks_waiting_in_autograd(places, fewest, bool(silent))
     waiting = [place for place in places if place["state"] == "collective"]
     absent = [place for place in places if place["state"] in ("gone", "frozen", "input", "own code")]
+    # The counts decide first: a rank that has issued fewer collectives than the others has not
+    # arrived where they wait, whatever its stack shows (an absent one first, where several tie).
+    behind = [place for place in absent + waiting if fewest is not None and counts.get(place["rank"]) == fewest]
+    culprit = (behind + silent + absent + [None])[0]
     longest_s = max(place["stalled_s"] for place in stalled)
-    parts = [_told(place) for place in absent] + [_told(place) for place in waiting]
-    behind = _collectives_behind(places)
-    if behind:
-        parts.append(behind)
+    parts = [_told(place) for place in [culprit, *(p for p in absent + waiting if p is not culprit)] if place]
+    fewer = _collectives_behind(counts)
+    if fewer:
+        parts.append(fewer)
     elif waiting and not absent:
         parts.append("every stalled rank waits in a collective: they called different ones, or one "
                      "called it fewer times")
-    culprit = absent[0]["rank"] if absent else None
+    rank = culprit["rank"] if culprit else None
     summary = (f"no step has ended for {longest_s:.0f} s on {_ranks_text([p['rank'] for p in stalled])}: "
                + "; ".join(parts))
-    action = _action(absent, waiting)
-    finding = Finding(kind=FindingKind.HANG, severity=Severity.CRIT, summary=summary, action=action, rank=culprit,
+    action = _action(culprit)
+    finding = Finding(kind=FindingKind.HANG, severity=Severity.CRIT, summary=summary, action=action, rank=rank,
                       evidence={"stalled_s": round(longest_s, 1), "stalled_ranks": len(stalled),
-                                "waiting_ranks": len(waiting), "culprit_rank": culprit,
-                                "where": absent[0]["where"] if absent else waiting[0]["where"]})
+                                "waiting_ranks": len(waiting), "culprit_rank": rank,
+                                "where": (culprit or waiting[0])["where"]})
     return Hang(finding=finding, ranks=places, stalled_ranks=[place["rank"] for place in stalled])
 
 
@@ -183,6 +194,18 @@ def _place_the_pulsing_ranks(places: List[Dict[str, Any]]) -> None:
             place["state"] = _pulsed_state(place["waiting_in"] or "")
 
 
+def _place_the_ranks_waiting_in_autograd(places: List[Dict[str, Any]], fewest: Optional[int],
+                                         a_rank_is_silent: bool) -> None:
+    """A rank in backward with a library's frame innermost (the autograd engine's) waits in the
+    gradient all-reduce DDP's reducer issued from C++, where no frame shows it, when it is ahead
+    of another rank on the counts or, the counts agreeing, a rank is gone or frozen."""
+    for place in places:
+        ahead = (place["collectives_issued"] or 0) > fewest if fewest is not None else a_rank_is_silent
+        in_autograd = place["phase"] == "backward" and place["innermost"] != place["where"]
+        if ahead and in_autograd and place["state"] == "own code":
+            place["state"], place["waiting_in"], place["in_autograd"] = "collective", "all_reduce", True
+
+
 def _where(pulse: RankPulse) -> Optional[str]:
     """"train.py:88 load_shard": the innermost of the user's frames (or of all, when none is)."""
     if not pulse.stack:
@@ -196,6 +219,7 @@ def _told(place: Dict[str, Any]) -> str:
     at = f" at {where}" if where else ""
     if state == "collective":
         phase = f" from {place['phase']}" if place["phase"] not in (None, "in step", "outside") else ""
+        phase += " (DDP's, inside autograd)" if place.get("in_autograd") else ""
         return f"rank {rank} waits in {place['waiting_in']}{phase}{at} for {place['stalled_s']:.0f} s"
     if state == "input":
         worker = place.get("loader_worker")
@@ -217,11 +241,9 @@ def _told(place: Dict[str, Any]) -> str:
     return f"rank {rank} is {state}"
 
 
-def _collectives_behind(places: List[Dict[str, Any]]) -> str:
-    """"rank 1 has issued 1 collective fewer than rank 0 (40 against 41)", where the counts the
-    pulses carry differ; "" where they agree or are unknown."""
-    counts = {place["rank"]: place["collectives_issued"] for place in places
-              if place["collectives_issued"] is not None and place["state"] not in ("gone", "ended")}
+def _collectives_behind(counts: Dict[int, int]) -> str:
+    """"rank 1 has issued 1 collective fewer than rank 0 (40 against 41)", where the counts
+    differ; "" where they agree or are unknown."""
     if len(set(counts.values())) < 2:
         return ""
     most = max(counts.values())
@@ -235,20 +257,21 @@ def _collectives_behind(places: List[Dict[str, Any]]) -> str:
     return "; ".join(told)
 
 
-def _action(absent: List[Dict[str, Any]], waiting: List[Dict[str, Any]]) -> str:
-    if absent:
-        first = absent[0]
-        if first["state"] == "input":
-            worker_pid = (first.get("loader_worker") or {}).get("pid") or "<its worker's pid>"
-            return (f"Look at rank {first['rank']}'s Dataset: a worker that hands nothing over is stuck in "
-                    "__getitem__ or collate (a file or socket that never answers, a lock taken before "
-                    f"the fork). `py-spy dump --pid {worker_pid}` shows where; the DataLoader's "
-                    "`timeout=` turns such a wait into an error.")
-        look = f"rank {first['rank']}'s {first['where']}" if first["where"] else f"rank {first['rank']}"
+def _action(culprit: Optional[Dict[str, Any]]) -> str:
+    if culprit and culprit["state"] == "input":
+        worker_pid = (culprit.get("loader_worker") or {}).get("pid") or "<its worker's pid>"
+        return (f"Look at rank {culprit['rank']}'s Dataset: a worker that hands nothing over is stuck in "
+                "__getitem__ or collate (a file or socket that never answers, a lock taken before "
+                f"the fork). `py-spy dump --pid {worker_pid}` shows where; the DataLoader's "
+                "`timeout=` turns such a wait into an error.")
+    look = culprit and f"rank {culprit['rank']}" + (f"'s {culprit['where']}" if culprit["where"] else "")
+    if culprit and culprit["state"] != "collective":
         return (f"Look at {look}: the other ranks wait for it in a collective it has not reached. "
-                f"`py-spy dump --pid {first['pid']}` shows every thread's stack; a rank that died needs its "
+                f"`py-spy dump --pid {culprit['pid']}` shows every thread's stack; a rank that died needs its "
                 "own log (its exit status is in the launcher's output).")
-    return ("The ranks wait in collectives that do not match: look for a collective called under a "
+    # Behind on the counts yet waiting itself, it skipped a collective the others called.
+    return ((f"Look at {look}: it has issued fewer collectives than the ranks waiting for it" if culprit else
+             "The ranks wait in collectives that do not match") + ": look for a collective called under a "
             "condition that differs across ranks (a rank-dependent branch, an uneven last batch, "
             "a metric gathered on rank 0 only). TORCH_DISTRIBUTED_DEBUG=DETAIL names the mismatch.")
 
