@@ -194,13 +194,12 @@ def _place_the_pulsing_ranks(places: List[Dict[str, Any]]) -> None:
             place["state"] = _pulsed_state(place["waiting_in"] or "")
 
 
-def _place_the_ranks_waiting_in_autograd(places: List[Dict[str, Any]], fewest: Optional[int],
-                                         a_rank_is_silent: bool) -> None:
+def _place_the_ranks_waiting_in_autograd(places: List[Dict[str, Any]], fewest: Optional[int], silent: bool) -> None:
     """A rank in backward with a library's frame innermost (the autograd engine's) waits in the
     gradient all-reduce DDP's reducer issued from C++, where no frame shows it, when it is ahead
     of another rank on the counts or, the counts agreeing, a rank is gone or frozen."""
     for place in places:
-        ahead = (place["collectives_issued"] or 0) > fewest if fewest is not None else a_rank_is_silent
+        ahead = (place["collectives_issued"] or 0) > fewest if fewest is not None else silent
         in_autograd = place["phase"] == "backward" and place["innermost"] != place["where"]
         if ahead and in_autograd and place["state"] == "own code":
             place["state"], place["waiting_in"], place["in_autograd"] = "collective", "all_reduce", True
