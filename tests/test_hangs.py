@@ -107,18 +107,19 @@ def test_under_ddp_the_rank_behind_on_the_counts_is_named_and_the_one_in_backwar
     assert hang.finding.rank == 1 and hang.finding.evidence["culprit_rank"] == 1
     assert hang.finding.summary == (
         "no step has ended for 40 s on ranks 0, 1: rank 1 is in its own code at train.py:7 wait_for_shard "
-        "(in step); rank 0 waits in all_reduce from backward (DDP's, inside autograd) at train.py:11 main for "
+        "(in step); rank 0 waits in DDP's all_reduce from backward at train.py:11 main for "
         "40 s; rank 1 has issued 1 collective fewer than rank 0 (20 against 21)")
     assert hang.finding.action.startswith("Look at rank 1's train.py:7 wait_for_shard: the other ranks wait")
     assert "py-spy dump --pid 101" in hang.finding.action
     assert hang.finding.evidence["where"] == "train.py:7 wait_for_shard"
-    assert [(p["state"], p["waiting_in"]) for p in hang.ranks] == [("collective", "all_reduce"), ("own code", None)]
+    assert [(p["state"], p["waiting_in"]) for p in hang.ranks] == [("collective", "DDP's all_reduce"),
+                                                                   ("own code", None)]
     # Its stall in the optimizer or a layer's forward reads the same; so does rank 0 as the culprit.
     hang = find_hang([progress(0, stalled_s=39, pulse=pulse(0, 39, phase="optimizer", collectives_issued=20)),
                       progress(1, stalled_s=40, pulse=ddp_backward_pulse(1, 21))], 1000.0)
     assert hang.finding.rank == 0 and hang.finding.summary.startswith(
         "no step has ended for 40 s on ranks 0, 1: rank 0 is in its own code at train.py:42 load (optimizer); "
-        "rank 1 waits in all_reduce from backward (DDP's, inside autograd)")
+        "rank 1 waits in DDP's all_reduce from backward at train.py:11 main")
 
 
 def test_the_counts_decide_before_the_stacks():
@@ -153,7 +154,7 @@ def test_the_counts_decide_before_the_stacks():
     frozen = progress(1, stalled_s=40)
     frozen.last_heard_unix_s = 1000.0 - 30
     hang = find_hang([progress(0, stalled_s=40, pulse=ddp_backward_pulse(0, 21)), frozen], 1000.0)
-    assert hang.finding.rank == 1 and "rank 0 waits in all_reduce from backward" in hang.finding.summary
+    assert hang.finding.rank == 1 and "rank 0 waits in DDP's all_reduce from backward" in hang.finding.summary
 
 
 def test_a_dataloader_wait_names_the_worker_that_owes_the_batch():
@@ -412,15 +413,15 @@ def test_under_ddp_the_rank_that_has_not_arrived_is_named_not_the_one_in_backwar
         returncode = run.stop()
     assert returncode == 1  # torch.distributed.run's own under SIGTERM
     assert re.search(r"on ranks 0, 1: rank 1 is in its own code at hang_loop\.py:\d+ load_shard "
-                     rf"\({phase}\); rank 0 waits in all_reduce from backward \(DDP's, inside autograd\) at "
-                     r"hang_loop\.py:\d+ main for \d+ s; rank 1 has issued 1 collective fewer than rank 0", line), line
+                     rf"\({phase}\); rank 0 waits in DDP's all_reduce from backward at hang_loop\.py:\d+ main "
+                     r"for \d+ s; rank 1 has issued 1 collective fewer than rank 0", line), line
     summary = run.summary()
     hang, finding = summary["hang"], summary["primary_diagnosis"]
     assert hang["culprit_rank"] == 1 and finding["kind"] == "HANG" and finding["rank"] == 1
     assert re.match(r"Look at rank 1's hang_loop\.py:\d+ load_shard: the other ranks wait for it",
                     finding["action"]), finding["action"]
     waiting, stalled = hang["ranks"]
-    assert (waiting["state"], waiting["waiting_in"], waiting["phase"]) == ("collective", "all_reduce", "backward")
+    assert (waiting["state"], waiting["phase"], waiting["waiting_in"]) == ("collective", "backward", "DDP's all_reduce")
     assert (stalled["state"], stalled["phase"]) == ("own code", phase)
     assert waiting["collectives_issued"] == stalled["collectives_issued"] + 1
 

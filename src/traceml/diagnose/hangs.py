@@ -9,12 +9,10 @@ when it has ended no step for
 
 or, before its first step ends (imports, loading, a first compilation), for FIRST_STEP_S.
 Evaluation, a checkpoint save and a compilation that its stack shows are not stalls. The
-finding tells the ranks that wait in a collective from those that never came (what they do
-instead: their line, or a DataLoader wait), and from those that are gone (the connection
-dropped without a goodbye) or frozen (connected, but no pulse for SENDER_SILENT_S). Where the
-ranks' counts of issued collectives differ, they decide first: the rank that has issued fewest is
-the one the others wait for (then one gone or frozen), and a rank ahead of it in backward waits in
-DDP's all-reduce (issued from C++ inside autograd, with no collective frame on its stack).
+finding names the rank the others wait for: the one that has issued the fewest collectives, where
+the counts differ; then one gone (no goodbye) or frozen (no pulse for SENDER_SILENT_S). It tells
+the ranks waiting in a collective (DDP's all-reduce in backward, from C++, with no frame of its
+own, included) from those that never came (their line, or a DataLoader wait).
 
 RANK_LOST is the end-of-run twin for a rank that died: it ended without a goodbye (SIGKILL from
 the out-of-memory killer or a scheduler, a crash in native code), named with the exit status its
@@ -202,7 +200,7 @@ def _place_the_ranks_waiting_in_autograd(places: List[Dict[str, Any]], fewest: O
         ahead = (place["collectives_issued"] or 0) > fewest if fewest is not None else silent
         in_autograd = place["phase"] == "backward" and place["innermost"] != place["where"]
         if ahead and in_autograd and place["state"] == "own code":
-            place["state"], place["waiting_in"], place["in_autograd"] = "collective", "all_reduce", True
+            place["state"], place["waiting_in"] = "collective", "DDP's all_reduce"
 
 
 def _where(pulse: RankPulse) -> Optional[str]:
@@ -218,7 +216,6 @@ def _told(place: Dict[str, Any]) -> str:
     at = f" at {where}" if where else ""
     if state == "collective":
         phase = f" from {place['phase']}" if place["phase"] not in (None, "in step", "outside") else ""
-        phase += " (DDP's, inside autograd)" if place.get("in_autograd") else ""
         return f"rank {rank} waits in {place['waiting_in']}{phase}{at} for {place['stalled_s']:.0f} s"
     if state == "input":
         worker = place.get("loader_worker")
