@@ -383,6 +383,10 @@ class LoaderSample(msgspec.Struct, tag="loader", array_like=True, gc=False):
     # Of its workers' main threads (where the Dataset runs), the time spent ready to run but
     # waiting for a CPU (Linux's schedstat; 0 where it is not known): the cores were taken.
     worker_cpu_wait_s: float = 0.0
+    # Its next() calls' time on a thread other than the training's, which iterates it ahead into
+    # a buffer (a prefetcher: MONAI's ThreadDataLoader): what that thread spends to get each
+    # batch. 0: iterated on the training thread.
+    thread_next_s: float = 0.0
 
 
 class MemoryLedger(msgspec.Struct, tag="ledger", array_like=True):

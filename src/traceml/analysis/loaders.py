@@ -1,6 +1,7 @@
 """The training DataLoader's figures, from its sender's LoaderSamples: how it is set up, and how
 its batches came: per batch, the worker processes' CPU time and the training's wait for it, and
-how often a batch was already made and waiting. INPUT_BOUND's advice reads them."""
+how often a batch was already made and waiting, and, iterated on a thread ahead of the training,
+that thread's time per batch. INPUT_BOUND's advice reads them."""
 from __future__ import annotations
 
 import bisect
@@ -33,6 +34,9 @@ class LoaderFigures(msgspec.Struct):
     workers_busy_share: Optional[float]  # their CPU time over their wall time, all workers
     workers_cpu_wait_share: Optional[float]  # of their wall time, ready to run but waiting for a CPU
     ready_share: Optional[float]  # of the readings, those that found a batch made and waiting
+    # Iterated ahead of the training on a thread of its own (a prefetcher): that thread's next()
+    # time per batch. None: iterated on the training thread.
+    thread_ms_per_batch: Optional[float] = None
 
     @property
     def on_accelerator(self) -> bool:
@@ -60,6 +64,7 @@ def loader_figures(samples: Sequence[LoaderSample], window: Window,
     batches = sum(last.batches - first.batches for first, last in spans)
     cpu_s = sum(last.worker_cpu_s - first.worker_cpu_s for first, last in spans)
     cpu_wait_s = sum(last.worker_cpu_wait_s - first.worker_cpu_wait_s for first, last in spans)
+    thread_s = sum(last.thread_next_s - first.thread_next_s for first, last in spans)
     worker_s = sum((last.unix_s - first.unix_s) * last.num_workers for first, last in spans)
     readings = sum(last.ready_readings - first.ready_readings for first, last in spans)
     with_a_batch = sum(last.ready_readings_with_a_batch - first.ready_readings_with_a_batch for first, last in spans)
@@ -78,7 +83,8 @@ def loader_figures(samples: Sequence[LoaderSample], window: Window,
         worker_cpu_ms_per_batch=cpu_s * 1e3 / batches if with_workers else None,
         workers_busy_share=cpu_s / worker_s if with_workers and worker_s > 0 else None,
         workers_cpu_wait_share=cpu_wait_s / worker_s if with_workers and worker_s > 0 else None,
-        ready_share=with_a_batch / readings if with_workers and readings >= MIN_READINGS else None)
+        ready_share=with_a_batch / readings if with_workers and readings >= MIN_READINGS else None,
+        thread_ms_per_batch=thread_s * 1e3 / batches if latest.thread_next_s and batches else None)
 
 
 def _within(samples: List[LoaderSample], window: Window) -> tuple:

@@ -131,10 +131,13 @@ def input_bound(window: Window, loader: Optional[LoaderFigures] = None) -> Optio
     def advise() -> Tuple[str, str, dict]:
         if loader is None:  # pinning only helps batches bound for an accelerator
             return "", INPUT_ACTION + (PIN_ACTION if any(s.device_timed for s in window.steps) else ""), {}
-        wait_ms = window.mean_ms("input_wait") / (loader.batches_per_step or 1.0)
-        cause, action, code = loader_advice(loader, wait_ms)
+        batches = loader.batches_per_step or 1.0
+        wait_ms = window.mean_ms("input_wait") / batches
+        work_ms = window.step_mean_ms / batches - wait_ms  # the training's own time a batch
+        cause, action, code = loader_advice(loader, wait_ms, work_ms)
         return (f"{describe_loader(loader)}: {cause}", action,
-                {**loader.evidence(), "input_wait_ms_per_batch": round(wait_ms, 3), "loader_cause": code})
+                {**loader.evidence(), "input_wait_ms_per_batch": round(wait_ms, 3),
+                 "training_ms_per_batch": round(work_ms, 3), "loader_cause": code})
 
     return _waiting(window, "input_wait", FindingKind.INPUT_BOUND, "input wait", advise)
 
@@ -149,15 +152,21 @@ def describe_loader(loader: LoaderFigures) -> str:
     if loader.batch_size is not None:
         settings.append(f"batch_size={loader.batch_size}")
     where = f"on {loader.device}" if loader.on_accelerator else "on the CPU (no accelerator: pin_memory pins nothing)"
-    return f"DataLoader({', '.join(settings)}) training {where}"
+    thread = " iterated on a thread ahead of the training," if loader.thread_ms_per_batch is not None else ""
+    return f"DataLoader({', '.join(settings)}){thread} training {where}"
 
 
-def loader_advice(loader: LoaderFigures, wait_ms: float) -> Tuple[str, str, str]:
+def loader_advice(loader: LoaderFigures, wait_ms: float, work_ms: float) -> Tuple[str, str, str]:
     """What the DataLoader's figures say the wait is, what can help there, and a code for the
-    cause (the evidence's loader_cause): no_workers, handover, near_handover, per_sample_work,
-    waiting_workers, or unmeasured. wait_ms: the training's input wait per batch."""
+    cause (the evidence's loader_cause): thread_behind, thread_held_up, no_workers, handover,
+    near_handover, per_sample_work, waiting_workers, or unmeasured. wait_ms: the training's input
+    wait per batch; work_ms: the rest of its step per batch. Batches made in worker processes
+    are read from the workers' figures, wherever the iterator runs; without workers, from the
+    thread that makes them."""
     cost_ms, ready, busy = loader.worker_cpu_ms_per_batch, loader.ready_share, loader.workers_busy_share
-    if loader.num_workers == 0:
+    if loader.num_workers == 0 and loader.thread_ms_per_batch is not None:
+        cause, action, code = _on_thread(loader.thread_ms_per_batch, wait_ms, work_ms)
+    elif loader.num_workers == 0:
         cause, action, code = _without_workers(loader, wait_ms)
     elif ready is None or cost_ms is None or busy is None:
         cause, action, code = (f"each batch takes {wait_ms:.1f} ms to arrive (too few batches to tell why)", (
@@ -194,6 +203,22 @@ def _behind(loader: LoaderFigures, cost_ms: float, ready: float, busy: float,
         action = f"The workers already fill the cores ({loader.num_workers} workers on {loader.usable_cores})"
     return cause, action + ("; make __getitem__ cheaper: cache decoded samples, tokenize ahead of time, "
                             "vectorize the collate."), "per_sample_work"
+
+
+def _on_thread(thread_ms: float, wait_ms: float, work_ms: float) -> Tuple[str, str, str]:
+    """Batches made on a thread ahead of the training (a prefetcher): it keeps up when it makes
+    a batch in no more time than the training spends on one."""
+    made = f"a thread makes each batch in {thread_ms:.1f} ms"
+    if thread_ms > work_ms:
+        return (f"{made}, more than the {work_ms:.1f} ms the training spends on one: the thread falls behind", (
+            "Make the batches in worker processes (num_workers on the DataLoader the thread iterates: MONAI's "
+            "ThreadDataLoader passes it on), or make each batch cheaper: cache decoded samples, tokenize ahead "
+            "of time, vectorize the collate."), "thread_behind")
+    return (f"{made}, within the {work_ms:.1f} ms the training spends on one, yet each takes {wait_ms:.1f} ms to "
+            "arrive: the thread is held up (by the training's own Python, or by the cores) or its buffer runs dry", (
+                "Let the thread run further ahead (a larger buffer: ThreadDataLoader's buffer_size, the queue's "
+                "maxsize), or make the batches in worker processes (num_workers), which do not share the "
+                "training's interpreter."), "thread_held_up")
 
 
 def _without_workers(loader: LoaderFigures, wait_ms: float) -> Tuple[str, str, str]:

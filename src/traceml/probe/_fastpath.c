@@ -103,6 +103,8 @@ typedef struct {
     char comm_timed;      /* DDP's collective wait is timed */
     char optimizer_ends_steps;  /* inferred steps: an optimizer's update ends steps, backward never (step.py) */
     int rank;
+    int fetching;         /* the training thread's depth in timed DataLoader __next__ calls (step.py) */
+    unsigned long training_thread;  /* the thread whose steps are timed (step.py) */
     long long step_index;
     long long step_start_ns;
     long long setup_started_ns;
@@ -215,6 +217,8 @@ static PyMemberDef state_members[] = {
     {"sender", T_OBJECT, offsetof(ProbeState, sender), 0, NULL},
     {"host_rss", T_OBJECT, offsetof(ProbeState, host_rss), 0, NULL},
     {"rank", T_INT, offsetof(ProbeState, rank), 0, NULL},
+    {"fetching", T_INT, offsetof(ProbeState, fetching), 0, NULL},
+    {"training_thread", T_ULONG, offsetof(ProbeState, training_thread), 0, NULL},
     {"_optimizer_ends_steps", T_BOOL, offsetof(ProbeState, optimizer_ends_steps), 0, NULL},
     {"_settled_optimizer", T_OBJECT, offsetof(ProbeState, settled_optimizer), 0, NULL},
     {"span_totals", T_OBJECT, offsetof(ProbeState, span_totals), 0, NULL},
@@ -876,14 +880,20 @@ close_phase(ProbeState *state, PyObject *sums, int phase, long long start_ns)
     PyErr_Restore(type, value, traceback);
 }
 
-/* DataLoader __next__ (args[0]: the iterator): its wait is the step's input wait, or between
- * steps the training's input wait (gradients on) or evaluation's (gradients off). */
+/* DataLoader __next__ (args[0]: the iterator) on the training thread: its wait is the step's
+ * input wait, or between steps the training's input wait (gradients on) or evaluation's
+ * (gradients off). Another thread's call (a prefetching thread's) is not that wait: phases'
+ * Python measures it as that thread's cost of a batch. */
 static PyObject *
 time_next(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     ProbeState *state = (ProbeState *)self->probe;
+    if (PyThread_get_thread_ident() != state->training_thread)
+        return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
     long long start_ns = now_ns();
+    state->fetching++;
     PyObject *result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    state->fetching--;
     long long elapsed_ns = now_ns() - start_ns;
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);  /* StopIteration ends each epoch: it goes on as it came */

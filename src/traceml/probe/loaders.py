@@ -2,14 +2,14 @@
 do, the batches they hand over, their worker processes' CPU time, and whether a batch is already
 made and waiting when the training asks for the next one.
 
-An iterator is noted once, on the training thread: when it is made (the patched
-_BaseDataLoaderIter.__init__), or, for the one a loop was already in when TraceML attached
-(a `for` loop makes its iterator before the first step), at its first batch after that. An
-evaluation's iterator (made with gradients off, or inside a trainer's evaluation) is not noted.
-Everything else happens on the sender thread, from the iterator's own attributes and the
-workers' /proc entries: TraceML never calls the user's Dataset, sampler or collate function,
-and holds the iterator only by a weak reference, so its workers end when the user's loop lets
-it go.
+An iterator is noted once: when it is made (the patched _BaseDataLoaderIter.__init__), or, for
+the one a loop was already in when TraceML attached (a `for` loop makes its iterator before the
+first step), at its first batch after that. An evaluation's iterator (made with gradients off, or
+inside a trainer's evaluation) is not noted. A thread that iterates one ahead of the training (a
+prefetcher) adds up the time its next() calls take (made_on_thread). Everything else happens on
+the sender thread, from the iterator's own attributes and the workers' /proc entries: TraceML
+never calls the user's Dataset, sampler or collate function, and holds the iterator only by a
+weak reference, so its workers end when the user's loop lets it go.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from traceml.records import LoaderSample
 
@@ -46,6 +46,7 @@ class _Watched:
         self.worker_pids: List[int] = []
         self.times_by_worker: dict = {}  # pid -> the latest (CPU time, time waiting for a CPU) read
         self.batches = self.last_yielded = 0
+        self.thread_next_ns = 0  # its next() calls' time on a thread other than the training's
         self.readings = self.readings_with_a_batch = 0
         self.sent_at = 0.0
 
@@ -62,6 +63,7 @@ class LoaderWatch:
         self.rank = rank
         self.cores = usable_cores()
         self._watched: List[_Watched] = []
+        self._by_id: Dict[int, _Watched] = {}  # id() of each watched iterator (alive: pruned with it)
         self._made = 0
         self._lock = threading.Lock()  # note() appends on the training thread, the sender prunes
 
@@ -71,7 +73,14 @@ class LoaderWatch:
             if any(watched.ref() is iterator for watched in self._watched):
                 return
             self._watched.append(_Watched(iterator, self._made))
+            self._by_id[id(iterator)] = self._watched[-1]
             self._made += 1
+
+    # -- a thread that iterates one for the training (a prefetcher): per batch -----------------
+    def made_on_thread(self, iterator: Any, elapsed_ns: int) -> None:
+        watched = self._by_id.get(id(iterator))
+        if watched is not None:
+            watched.thread_next_ns += elapsed_ns
 
     # -- sender thread ------------------------------------------------------------------------
     def read_ready(self) -> None:
@@ -96,6 +105,7 @@ class LoaderWatch:
         out = []
         with self._lock:
             self._watched = [watched for watched in self._watched if watched.ref() is not None]
+            self._by_id = {key: watched for key, watched in self._by_id.items() if watched.ref() is not None}
             watching = list(self._watched)
         for watched in watching:
             if (now_s - watched.sent_at < SAMPLE_EVERY_S and not final) or not self._read(watched):
@@ -106,6 +116,7 @@ class LoaderWatch:
                 usable_cores=self.cores, batches=watched.batches,
                 worker_cpu_s=sum(cpu_s for cpu_s, _ in watched.times_by_worker.values()),
                 ready_readings=watched.readings, ready_readings_with_a_batch=watched.readings_with_a_batch,
+                thread_next_s=watched.thread_next_ns / 1e9,
                 worker_cpu_wait_s=sum(wait_s for _, wait_s in watched.times_by_worker.values())))
         return out
 

@@ -9,6 +9,7 @@ import os
 import sys
 import types
 import weakref
+from threading import get_ident
 from typing import Any, Callable, Dict, List, Optional
 
 from traceml.probe.step import (BACKWARD, CHECKPOINT_BETWEEN_NS, CHECKPOINT_NS, EVAL_NS, FORWARD, FORWARD_CALLS, H2D,
@@ -23,6 +24,7 @@ def install_patches(probe: StepProbe) -> None:
     if _undo:
         return
     _patch_dataloader(probe)
+    _patch_queue_gets(probe)
     _patch_h2d(probe)
     _patch_backward(probe)
     _hook_optimizers(probe)
@@ -55,30 +57,68 @@ def _patch_dataloader(probe: StepProbe) -> None:
     grad_enabled = torch.is_grad_enabled
     iterator_class = dataloader._BaseDataLoaderIter
     original_next = iterator_class.__next__
+    watch = getattr(probe.sender, "loaders", None)
+    made_on_thread = watch.made_on_thread if watch is not None else None
 
     def __next__(self: Any) -> Any:
         start_ns = _now_ns()
+        if get_ident() != probe.training_thread:
+            # A thread that fills a buffer for the training (a prefetcher): not the training's
+            # wait, but what that thread spends making a batch, for INPUT_BOUND's advice.
+            try:
+                return original_next(self)
+            finally:
+                if made_on_thread is not None:
+                    made_on_thread(self, _now_ns() - start_ns)
+        probe.fetching += 1
         try:
             return original_next(self)
-        finally:  # inline, not a probe method: this runs once per batch
-            if probe.in_step:
-                probe.sums[INPUT_WAIT_NS] += _now_ns() - start_ns
-            elif not probe.in_evaluation and grad_enabled():
-                probe.window[INPUT_WAIT_GAP_NS] += _now_ns() - start_ns
-            elif not probe.in_evaluation:
-                # Between steps with gradients off (an evaluation loop): not the training's
-                # input; `outside`, and evaluation. (A trainer's evaluation is timed whole.)
-                probe.window[EVAL_NS] += _now_ns() - start_ns
+        finally:
+            probe.fetching -= 1
+            _count_input_wait(probe, _now_ns() - start_ns, grad_enabled)
 
     __next__.__wrapped__ = original_next  # type: ignore[attr-defined]
-    # Compiled where built: the same work (it has no other path).
+    # Compiled where built: the same work on the training thread, another thread's call in Python.
     timed_next = __next__ if fast_path is None else fast_path.Timer(
         fast_path.NEXT, original_next, __next__, probe, grad_enabled=grad_enabled)
-    watch = getattr(probe.sender, "loaders", None)
     if watch is None:
         _replace(iterator_class, "__next__", timed_next)
     else:
         _watch_training_iterators(probe, iterator_class, timed_next, grad_enabled, watch)
+
+
+def _count_input_wait(probe: StepProbe, elapsed_ns: int, grad_enabled: Callable[[], bool]) -> None:
+    """The training thread's wait for a batch: the step's input wait; between steps, the
+    training's (gradients on) or, with gradients off, an evaluation loop's: `outside`, and
+    evaluation. (A trainer's evaluation is timed whole.)"""
+    if probe.in_step:
+        probe.sums[INPUT_WAIT_NS] += elapsed_ns
+    elif not probe.in_evaluation:
+        probe.window[INPUT_WAIT_GAP_NS if grad_enabled() else EVAL_NS] += elapsed_ns
+
+
+def _patch_queue_gets(probe: StepProbe) -> None:
+    """The training thread's block on a queue.Queue that another thread fills (a prefetching
+    thread's buffer: MONAI's ThreadDataLoader, a hand-written prefetcher) is its input wait,
+    split as the DataLoader's. Other threads' gets are theirs, and one inside a timed DataLoader
+    __next__ (the pin-memory thread's queue) is that wait already."""
+    import queue
+
+    import torch
+
+    grad_enabled, original_get = torch.is_grad_enabled, queue.Queue.get
+
+    @functools.wraps(original_get)
+    def get(self: Any, block: bool = True, timeout: Optional[float] = None) -> Any:
+        if get_ident() != probe.training_thread or probe.fetching:
+            return original_get(self, block, timeout)
+        start_ns = _now_ns()
+        try:
+            return original_get(self, block, timeout)
+        finally:
+            _count_input_wait(probe, _now_ns() - start_ns, grad_enabled)
+
+    _replace(queue.Queue, "get", get)
 
 
 def _watch_training_iterators(probe: StepProbe, iterator_class: Any, timed_next: Any,
@@ -281,18 +321,15 @@ def _patch_checkpoint_saves(probe: StepProbe) -> None:
     save (and async_save's blocking part), Hugging Face Trainer's and Lightning's save methods.
     A checkpoint is the user's planned work, named as such, not a stall. Saves call each other
     (a trainer's save calls torch.save): the outermost call is timed."""
-    import threading
-
     import torch
 
-    training_thread = threading.get_ident()
     saving = [False]
 
     def timed(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def save(*args: Any, **kwargs: Any) -> Any:
             # Another thread's save (an asynchronous checkpoint's writer) does not stall training.
-            if saving[0] or threading.get_ident() != training_thread:
+            if saving[0] or get_ident() != probe.training_thread:
                 return original(*args, **kwargs)
             saving[0] = True
             start_ns = _now_ns()

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -151,7 +152,8 @@ class _PythonProbeState:
     __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "in_evaluation", "layers_active",
                  "comm_timed", "step_index", "_step_start_ns", "setup_started_ns", "due_step", "_closed",
                  "_optimizer_timed", "_optimizer_start_ns", "_ended_steps", "_steps_dropped",
-                 "_unconfirmed", "timeline", "sender", "host_rss", "rank", "span_totals",
+                 "_unconfirmed", "timeline", "sender", "host_rss", "rank", "span_totals", "training_thread",
+                 "fetching",
                  # inferred steps: what optimizer_stepped and backward_returned read on every call
                  # (see reset_inferred_steps)
                  "_settled_optimizer", "_optimizer_ends_steps")
@@ -245,6 +247,10 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         # True while a trainer's evaluation runs (an integration says so): timed as a whole as
         # evaluation, and its loader waits are not the training's input wait.
         self.in_evaluation, self._evaluation_start_ns = False, 0
+        # The thread that made the probe (the one whose steps it times), and how deep it is in
+        # timed DataLoader __next__ calls: a queue's get inside one (the pin-memory thread's) is
+        # that wait already (phases._patch_queue_gets).
+        self.training_thread, self.fetching = threading.get_ident(), 0
         # User spans, summed by name where each call ends: name -> its SpanTotal for the latest
         # step it ran in; sent as one SpanRecord per name and step (span_done, span_record).
         self.span_totals: dict = {}
