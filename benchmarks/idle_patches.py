@@ -1,7 +1,7 @@
 """What TraceML's patches cost code that runs outside the traced steps: evaluation, data prep.
 
 TraceML patches torch (Tensor.to, autograd.backward, the DataLoader iterator, the traced model's
-class, optimizer hooks, torch.save) for as long as a run is traced. Code outside the steps goes
+class, optimizer hooks, torch.save) and queue.Queue.get for as long as a run is traced. Code outside the steps goes
 through those patches too. Each operation below runs in blocks with TraceML attached (patches in,
 the model hooked, no step open) and detached (torch as it was), the blocks in a shuffled order in
 one process; the figure is the median per call on each side and the difference.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import random
 import statistics
 import tempfile
@@ -69,9 +70,16 @@ def main() -> None:
         with torch.no_grad():
             next(loaders["no_grad"])
 
+    buffer: queue.Queue = queue.Queue()
+
+    def queue_get() -> None:  # a prefetching thread's buffer, as the training thread takes from it
+        buffer.put(None)
+        buffer.get()
+
     operations = {"Tensor.to(dtype)": to_dtype, "traced model, no_grad": traced_model_no_grad,
                   "another module": other_module, "backward + optimizer.step": backward_and_step,
-                  "DataLoader next": loader_next, "DataLoader next, no_grad": loader_next_no_grad}
+                  "DataLoader next": loader_next, "DataLoader next, no_grad": loader_next_no_grad,
+                  "queue.Queue put + get": queue_get}
 
     with traceml.trace_step(model):  # starts the probe and hooks the model
         model(inputs)
