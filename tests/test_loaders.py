@@ -177,7 +177,7 @@ def window_of(steps=40):
 
 
 def samples(num_workers=2, batches=39, cpu_s=0.0, readings=400, with_a_batch=0, iterators=1, pin_memory=False,
-            batch_size=16, seconds=40.0, cpu_wait_s=0.0):
+            batch_size=16, seconds=40.0, cpu_wait_s=0.0, thread_s=0.0):
     """Two readings of each iterator, `seconds` apart: the figures measured between them."""
     made = []
     for loader in range(iterators):
@@ -189,7 +189,7 @@ def samples(num_workers=2, batches=39, cpu_s=0.0, readings=400, with_a_batch=0, 
                               ready_readings_with_a_batch=5, **common),
                  LoaderSample(unix_s=start + seconds - 0.5, batches=4 + batches, worker_cpu_s=1.0 + cpu_s,
                               ready_readings=10 + readings, ready_readings_with_a_batch=5 + with_a_batch,
-                              worker_cpu_wait_s=cpu_wait_s, **common)]
+                              worker_cpu_wait_s=cpu_wait_s, thread_next_s=thread_s, **common)]
     return made
 
 
@@ -238,6 +238,12 @@ def input_bound_of(window, figures):
     (dict(cpu_s=60.0, with_a_batch=240), "cpu", "per_sample_work", ["Raise num_workers"], []),
     # Workers behind but idle on the CPU: waiting on something else.
     (dict(cpu_s=2.0, with_a_batch=20), "cpu", "waiting_workers", ["More workers overlap", "storage"], []),
+    # Iterated on a thread ahead of the training (70 ms of training a batch): that thread's time a
+    # batch without workers; with workers, the workers' figures, wherever the iterator runs.
+    (dict(num_workers=0, thread_s=3.9), "cpu", "thread_behind",
+     ["worker processes", "num_workers on the DataLoader the thread iterates"], ["Set num_workers", "buffer"]),
+    (dict(num_workers=0, thread_s=0.78), "cpu", "thread_held_up", ["a larger buffer", "worker processes"], []),
+    (dict(cpu_s=60.0, with_a_batch=20, thread_s=3.9), "cpu", "per_sample_work", ["Raise num_workers"], []),
     # Workers started afresh each epoch: keep them.
     (dict(cpu_s=60.0, with_a_batch=20, iterators=3), "cpu", "per_sample_work", ["persistent_workers=True"], []),
     (dict(cpu_s=60.0, with_a_batch=20), "cpu", "per_sample_work", [], ["persistent_workers=True"]),
@@ -255,6 +261,16 @@ def test_input_bound_advises_what_the_loaders_figures_say_can_help(figures, devi
     assert evidence["device"] == device and evidence["input_wait_ms_per_batch"] == pytest.approx(30.0)
     for setting in ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "batch_size"):
         assert setting in evidence
+
+
+def test_a_thread_behind_the_training_is_told_with_both_times_a_batch():
+    window = window_of()
+    finding = input_bound_of(window, loader_figures(samples(num_workers=0, thread_s=3.9), window, hellos()))
+    assert ("DataLoader(num_workers=0, batch_size=16) iterated on a thread ahead of the training, training on the "
+            "CPU") in finding.summary
+    assert "a thread makes each batch in 100.0 ms, more than the 70.0 ms the training spends on one" in finding.summary
+    assert finding.evidence["thread_ms_per_batch"] == pytest.approx(100.0)
+    assert finding.evidence["training_ms_per_batch"] == pytest.approx(70.0)
 
 
 def test_the_handover_finding_states_both_costs():
