@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from traceml.records import LoaderSample
 
@@ -63,7 +63,6 @@ class LoaderWatch:
         self.rank = rank
         self.cores = usable_cores()
         self._watched: List[_Watched] = []
-        self._by_id: Dict[int, _Watched] = {}  # id() of each watched iterator (alive: pruned with it)
         self._made = 0
         self._lock = threading.Lock()  # note() appends on the training thread, the sender prunes
 
@@ -73,14 +72,13 @@ class LoaderWatch:
             if any(watched.ref() is iterator for watched in self._watched):
                 return
             self._watched.append(_Watched(iterator, self._made))
-            self._by_id[id(iterator)] = self._watched[-1]
             self._made += 1
 
     # -- a thread that iterates one for the training (a prefetcher): per batch -----------------
     def made_on_thread(self, iterator: Any, elapsed_ns: int) -> None:
-        watched = self._by_id.get(id(iterator))
-        if watched is not None:
-            watched.thread_next_ns += elapsed_ns
+        for watched in self._watched:  # the live ones: one or two
+            if watched.ref() is iterator:
+                watched.thread_next_ns += elapsed_ns
 
     # -- sender thread ------------------------------------------------------------------------
     def read_ready(self) -> None:
@@ -105,7 +103,6 @@ class LoaderWatch:
         out = []
         with self._lock:
             self._watched = [watched for watched in self._watched if watched.ref() is not None]
-            self._by_id = {key: watched for key, watched in self._by_id.items() if watched.ref() is not None}
             watching = list(self._watched)
         for watched in watching:
             if (now_s - watched.sent_at < SAMPLE_EVERY_S and not final) or not self._read(watched):

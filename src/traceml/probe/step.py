@@ -152,8 +152,7 @@ class _PythonProbeState:
     __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "in_evaluation", "layers_active",
                  "comm_timed", "step_index", "_step_start_ns", "setup_started_ns", "due_step", "_closed",
                  "_optimizer_timed", "_optimizer_start_ns", "_ended_steps", "_steps_dropped",
-                 "_unconfirmed", "timeline", "sender", "host_rss", "rank", "span_totals", "training_thread",
-                 "fetching",
+                 "_unconfirmed", "timeline", "sender", "host_rss", "rank", "span_totals", "training_thread", "fetching",
                  # inferred steps: what optimizer_stepped and backward_returned read on every call
                  # (see reset_inferred_steps)
                  "_settled_optimizer", "_optimizer_ends_steps")
