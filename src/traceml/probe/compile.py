@@ -26,7 +26,6 @@ class CompileWatch:
 
     def __init__(self, probe: Any) -> None:
         self.probe = probe
-        self.training_thread = threading.get_ident()
         self._started: Optional[Tuple[str, str, int]] = None  # (compile_id, trigger, start ns)
         # Ended compilations the sender has not sent yet: (compile_id, trigger, step, start
         # unix s, duration ms, ended monotonic s). Appended on the training thread, taken by
@@ -36,14 +35,14 @@ class CompileWatch:
 
     # -- training thread: torch calls these around each compilation ------------------------
     def on_start(self, *args: Any) -> None:
-        if threading.get_ident() != self.training_thread:
+        if threading.get_ident() != self.probe.training_thread:
             return
         compile_id, trigger = _describe(args)
         self._started = (compile_id, trigger, time.perf_counter_ns())
 
     def on_end(self, *args: Any) -> None:
         started, self._started = self._started, None
-        if started is None or threading.get_ident() != self.training_thread:
+        if started is None or threading.get_ident() != self.probe.training_thread:
             return
         compile_id, trigger, start_ns = started
         probe = self.probe

@@ -31,8 +31,8 @@ import functools
 import logging
 import os
 import sys
-import threading
 import weakref
+from threading import get_ident
 from typing import Any, Callable, Iterable, List, Tuple
 
 from traceml.probe.step import EVAL_NS, StepProbe, _now_ns
@@ -75,7 +75,7 @@ class EvaluationRegions:
         self._swapped: List[Tuple[Any, str, Any, Any]] = []  # (module, name, torch's, ours) meanwhile
         self._is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
         self._grad_enabled = torch.is_grad_enabled
-        self._thread, self._process = threading.get_ident(), os.getpid()
+        self._process = os.getpid()
         # module -> of the model's kind; made anew when the traced models change
         self._verdicts: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
         self._verdicts_for: tuple = ()
@@ -111,7 +111,7 @@ class EvaluationRegions:
         try:
             if (self.owner is not None and self._step == probe.step_index) or probe.in_evaluation:
                 return False
-            if self._grad_enabled() or threading.get_ident() != self._thread or os.getpid() != self._process:
+            if self._grad_enabled() or get_ident() != probe.training_thread or os.getpid() != self._process:
                 return False
             self._stop_watching()  # a region left open in an earlier window (never exited)
             self.owner, self.qualified, self._step = owner, qualified, probe.step_index
@@ -160,7 +160,7 @@ class EvaluationRegions:
 
     # -- the first module with parameters called in the region ---------------------------------
     def _first_module_call(self, module: Any, args: Any) -> None:
-        if self._is_compiling() or threading.get_ident() != self._thread:
+        if self._is_compiling() or get_ident() != self.probe.training_thread:
             return None  # code torch.compile traces, or another thread's module: not this region's
         try:
             if self.owner is None or self.probe.in_step:

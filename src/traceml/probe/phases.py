@@ -1,11 +1,12 @@
-"""The patches and hooks that report phases to the probe: DataLoader, H2D copies, model forward,
-backward, optimizer step, and the garbage collector. Each is installed once per process."""
+"""The patches and hooks that report phases to the probe: DataLoader, queue gets, H2D copies, model
+forward, backward, optimizer step, and the garbage collector. Each is installed once per process."""
 from __future__ import annotations
 
 import functools
 import gc
 import logging
 import os
+import queue
 import sys
 import types
 import weakref
@@ -24,7 +25,6 @@ def install_patches(probe: StepProbe) -> None:
     if _undo:
         return
     _patch_dataloader(probe)
-    _patch_queue_gets(probe)
     _patch_h2d(probe)
     _patch_backward(probe)
     _hook_optimizers(probe)
@@ -85,6 +85,7 @@ def _patch_dataloader(probe: StepProbe) -> None:
         _replace(iterator_class, "__next__", timed_next)
     else:
         _watch_training_iterators(probe, iterator_class, timed_next, grad_enabled, watch)
+    _patch_queue_gets(probe, grad_enabled)
 
 
 def _count_input_wait(probe: StepProbe, elapsed_ns: int, grad_enabled: Callable[[], bool]) -> None:
@@ -97,16 +98,12 @@ def _count_input_wait(probe: StepProbe, elapsed_ns: int, grad_enabled: Callable[
         probe.window[INPUT_WAIT_GAP_NS if grad_enabled() else EVAL_NS] += elapsed_ns
 
 
-def _patch_queue_gets(probe: StepProbe) -> None:
+def _patch_queue_gets(probe: StepProbe, grad_enabled: Callable[[], bool]) -> None:
     """The training thread's block on a queue.Queue that another thread fills (a prefetching
     thread's buffer: MONAI's ThreadDataLoader, a hand-written prefetcher) is its input wait,
     split as the DataLoader's. Other threads' gets are theirs, and one inside a timed DataLoader
     __next__ (the pin-memory thread's queue) is that wait already."""
-    import queue
-
-    import torch
-
-    grad_enabled, original_get = torch.is_grad_enabled, queue.Queue.get
+    original_get = queue.Queue.get
 
     @functools.wraps(original_get)
     def get(self: Any, block: bool = True, timeout: Optional[float] = None) -> Any:
