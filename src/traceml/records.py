@@ -79,6 +79,7 @@ class RankHello(msgspec.Struct, tag="hello", array_like=True):
     # measured under `traceml run` (None: not measured).
     imports_ms: Optional[float] = None
     slowest_import: str = ""  # the top-level module whose import took longest
+    modules_imported: int = 0  # the modules the script loaded meanwhile (measured as imports_ms)
 
 
 class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
@@ -389,6 +390,39 @@ class LoaderSample(msgspec.Struct, tag="loader", array_like=True, gc=False):
     thread_next_s: float = 0.0
 
 
+class CodeSite(msgspec.Struct, array_like=True, gc=False):
+    """One piece of the user's code the training thread was sampled in: a function (its most
+    sampled line), or a statement at a module's top level."""
+
+    file: str
+    line: int  # the line sampled most in it
+    function: str  # "<module>": a top-level statement
+    samples: int
+    # The wall time they stand for: each sample, the time since the sampler's previous round (a
+    # thread that holds the GIL delays the next sample, whose weight then covers the delay).
+    seconds: float
+    importing_s: float = 0.0  # of it, inside a module import (startup)
+    statement: int = 0  # startup: the script's top-level line it ran under (0: the site is that line)
+
+
+# What a CodeSample's samples are of: time inside the step outside the timed phases, time
+# between steps (not input wait, evaluation or a save), and the script's start before its
+# first step.
+CODE_PARTS = ("untraced", "outside", "startup")
+
+
+class CodeSample(msgspec.Struct, tag="code", array_like=True):
+    """Where one rank's training thread was in one of CODE_PARTS, from its stack sampled every
+    20 ms by the sender thread (probe/code_sites.py): cumulative, so the latest of a rank and
+    part holds all of it. Sites keep the innermost frame of the user's own code."""
+
+    rank: int
+    part: str  # one of CODE_PARTS
+    samples: int  # every sample taken in that part
+    seconds: float  # the wall time they stand for (the sites' denominator)
+    sites: List[CodeSite] = []  # the most sampled first, at most probe/code_sites.SITES_KEPT
+
+
 class MemoryLedger(msgspec.Struct, tag="ledger", array_like=True):
     """What holds one rank's memory, as its sender read it (probe/ledger.py): sent when a
     figure moves. Bytes count each storage once (tied weights, views); a sharded parameter
@@ -547,7 +581,8 @@ class Finding(msgspec.Struct, omit_defaults=False):
 
 
 Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord, LayerReport, LayerCapture,
-               SpanRecord, ScalarRecord, CompileRecord, HostSyncSample, LoaderSample, MemoryLedger, RankPulse]
+               SpanRecord, ScalarRecord, CompileRecord, HostSyncSample, LoaderSample, MemoryLedger, RankPulse,
+               CodeSample]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(List[Record])

@@ -37,6 +37,7 @@ class RankTime(msgspec.Struct):
     ended_unix_s: Optional[float] = None  # from its goodbye
     imports_ms: Optional[float] = None
     slowest_import: str = ""
+    modules_imported: int = 0
     first_step: Optional[int] = None
     first_step_unix_s: Optional[float] = None  # where the first step's window starts
     first_input_wait_ms: float = 0.0
@@ -98,7 +99,7 @@ class Goodput(msgspec.Struct):
 
     wall_s: float
     parts: Dict[str, Dict[str, float]]  # part -> {seconds, share}
-    startup: Dict[str, object]  # imports_s, first_compilation_s, first_batch_s, setup_s, slowest_import
+    startup: Dict[str, object]  # imports_s, first_compilation_s, first_batch_s, setup_s, slowest_import, modules_imported
 
     def share(self, part: str) -> float:
         return self.parts[part]["share"] if self.parts else 0.0
@@ -129,6 +130,7 @@ class RunTime:
             tally = self._rank(record.rank)  # type: ignore[attr-defined]
             tally.started_unix_s = record.started_at_unix_s  # type: ignore[attr-defined]
             tally.imports_ms, tally.slowest_import = record.imports_ms, record.slowest_import  # type: ignore[attr-defined]
+            tally.modules_imported = record.modules_imported  # type: ignore[attr-defined]
         elif kind is RankEnd:
             tally = self._rank(record.rank)  # type: ignore[attr-defined]
             tally.ended_unix_s = record.ended_unix_s  # type: ignore[attr-defined]
@@ -170,7 +172,7 @@ class RunTime:
 
 def _startup_parts(split: List[tuple]) -> Dict[str, object]:
     """What startup was made of, as far as it can be told (the mean over ranks, in seconds):
-    the script's imports, the first compilation, the first batch, and the rest (building the
+    the script's imports (every module it loaded, wherever), the first compilation, the first batch, and the rest (building the
     model, the data, the process group; the interpreter and TraceML's own start)."""
     count = len(split)
     imports = [t.imports_ms for t, _ in split if t.imports_ms is not None]
@@ -181,4 +183,5 @@ def _startup_parts(split: List[tuple]) -> Dict[str, object]:
     setup_s = max(0.0, startup_s - (imports_s or 0.0) - compile_s - batch_s)
     slowest = next((t.slowest_import for t, _ in split if t.slowest_import), "")
     return {"imports_s": imports_s, "first_compilation_s": compile_s, "first_batch_s": batch_s,
-            "setup_s": setup_s, "slowest_import": slowest}
+            "setup_s": setup_s, "slowest_import": slowest,
+            "modules_imported": round(sum(t.modules_imported for t, _ in split) / count)}

@@ -13,12 +13,12 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Set
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import msgspec
 
 from traceml.collector.store import Store
-from traceml.records import (HEADER_BYTES, CompileRecord, FrameError, HostSyncSample, LayerCapture, LayerReport,
+from traceml.records import (HEADER_BYTES, CodeSample, CompileRecord, FrameError, HostSyncSample, LayerCapture, LayerReport,
                              LoaderSample, MemoryLedger, OomRecord, RankEnd, RankHello, RankPulse, StepRecord, SystemSample,
                              decode_payload, parse_header)
 
@@ -71,6 +71,7 @@ class Collector:
         self.run_time = run_time  # every rank's wall time so far, for goodput
         self.compiles: List[CompileRecord] = []  # torch.compile's compilations, for RECOMPILATION
         self.host_syncs: List[HostSyncSample] = []  # the sampled steps' host syncs, for HOST_SYNC
+        self.code: Dict[Tuple[int, str], CodeSample] = {}  # (rank, part) -> where its untimed time went
         # The training DataLoaders' latest figures, for INPUT_BOUND's advice.
         self.loaders: Deque[LoaderSample] = collections.deque(maxlen=RECENT_LOADER_SAMPLES)
         # What holds each rank's memory: every reading that moved (a few a run), for the live views.
@@ -172,6 +173,8 @@ class Collector:
                 self.compiles.append(record)
             elif kind is HostSyncSample:
                 self.host_syncs.append(record)
+            elif kind is CodeSample:
+                self.code[(record.rank, record.part)] = record
             elif kind is LoaderSample:
                 self.loaders.append(record)
             elif kind is MemoryLedger:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import msgspec
 
 from traceml import rundir
-from traceml.records import (ALL_PHASES, CompileRecord, Finding, GpuSample, HostSyncSample, LayerCapture, LayerReport,
+from traceml.records import (ALL_PHASES, CodeSample, CompileRecord, Finding, GpuSample, HostSyncSample, LayerCapture, LayerReport,
                              LoaderSample, MemoryLedger, OomRecord, RankEnd, RankHello, RolledStep, ScalarRecord, SpanRecord, StepRecord,
                              SystemSample)
 
@@ -63,6 +63,7 @@ CREATE TABLE IF NOT EXISTS compiles (rank INTEGER, step INTEGER, compile TEXT);
 CREATE TABLE IF NOT EXISTS host_syncs (rank INTEGER, first_step INTEGER, sample TEXT);
 CREATE TABLE IF NOT EXISTS loaders (rank INTEGER, loader INTEGER, unix_s REAL, sample TEXT);
 CREATE TABLE IF NOT EXISTS ledgers (rank INTEGER, step INTEGER, ledger TEXT);
+CREATE TABLE IF NOT EXISTS code_sites (rank INTEGER, part TEXT, sample TEXT, PRIMARY KEY (rank, part));
 CREATE TABLE IF NOT EXISTS spans (rank INTEGER, step INTEGER, name TEXT, start_unix_s REAL,
                                   duration_ms REAL, count INTEGER);
 CREATE TABLE IF NOT EXISTS scalars (rank INTEGER, step INTEGER, name TEXT, value REAL);
@@ -289,6 +290,9 @@ class Store:
             elif type(record) is LoaderSample:
                 self._db.execute("INSERT INTO loaders VALUES (?, ?, ?, ?)", (
                     record.rank, record.loader, record.unix_s, msgspec.json.encode(record).decode()))
+            elif type(record) is CodeSample:  # cumulative: the latest of a rank and part replaces the rest
+                self._db.execute("INSERT OR REPLACE INTO code_sites VALUES (?, ?, ?)", (
+                    record.rank, record.part, msgspec.json.encode(record).decode()))
             elif type(record) is MemoryLedger:
                 self._db.execute("INSERT INTO ledgers VALUES (?, ?, ?)", (
                     record.rank, record.step, msgspec.json.encode(record).decode()))
@@ -520,6 +524,10 @@ class Store:
     def loader_samples(self) -> List[LoaderSample]:
         """The training DataLoaders' figures, each rank's in the order they came."""
         return self._decoded("SELECT sample FROM loaders ORDER BY rank, rowid", LoaderSample)
+
+    def code_samples(self) -> List[CodeSample]:
+        """Where each rank's untimed time went (the latest of each part), by rank."""
+        return self._decoded("SELECT sample FROM code_sites ORDER BY rank, part", CodeSample)
 
     def ledgers(self) -> List[MemoryLedger]:
         """What held each rank's memory, each reading that moved, each rank's in the order they came."""

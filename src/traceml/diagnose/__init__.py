@@ -30,7 +30,7 @@ from traceml.diagnose.spikes import WARN_COST_SHARE, Stalls, periodic, planned_w
 from traceml.diagnose.step_time import (MIN_STEPS, compute_bound, gc_pressure, h2d_bound,
                                         input_bound, insufficient_data, untraced_work)
 from traceml.diagnose.stragglers import comm_bound, cores_taken_by_others, straggler
-from traceml.records import (CompileRecord, Finding, FindingKind, HostSyncSample, LayerCapture, OomRecord,
+from traceml.records import (CodeSample, CompileRecord, Finding, FindingKind, HostSyncSample, LayerCapture, OomRecord,
                              Severity, SystemSample)
 
 SEVERITY_ORDER = {Severity.CRIT: 0, Severity.WARN: 1, Severity.INFO: 2}
@@ -62,7 +62,8 @@ class DiagnosisInput:
     compilations, for RECOMPILATION; host_syncs: the probe's sampled host syncs (CUDA), for
     HOST_SYNC; loader: the training DataLoader's figures (analysis.loaders), for what
     INPUT_BOUND advises; ledger: what holds each rank's memory (analysis.ledger), for which part
-    the memory rules name.
+    the memory rules name; code: where the untimed time went (the probe's sampled stacks), for
+    the code UNTRACED_WORK and SLOW_STARTUP name.
     """
 
     window: Window
@@ -84,6 +85,7 @@ class DiagnosisInput:
     host_syncs: Sequence[HostSyncSample] = ()
     loader: Optional[LoaderFigures] = None
     ledger: List[dict] = field(default_factory=list)
+    code: Sequence[CodeSample] = ()
 
 
 def diagnose(run: DiagnosisInput) -> List[Finding]:
@@ -94,12 +96,12 @@ def diagnose(run: DiagnosisInput) -> List[Finding]:
         return findings + [insufficient_data(run.steps_seen, run.steps_found_by)]
     stalls = run.stalls if run.stalls is not None else Stalls(window, run.system)
     shares = [finding for finding in (input_bound(window, run.loader), h2d_bound(window),
-                                      untraced_work(window, run.steps_found_by), gc_pressure(window))
+                                      untraced_work(window, run.steps_found_by, run.code), gc_pressure(window))
               if finding is not None]
     findings += _one_finding_per_cause(shares, stalls) + planned_work(window, goodput)
     run_ms = goodput.wall_s * 1e3 if goodput is not None else window.total_ms
     after_step = window.steps[0].step if len(window) else 0
-    findings += [finding for finding in (recompilations(run.compiles, after_step, run_ms), slow_startup(goodput),
+    findings += [finding for finding in (recompilations(run.compiles, after_step, run_ms), slow_startup(goodput, run.code),
                                          host_sync(run.host_syncs, window))
                  if finding is not None]
     findings += [finding for finding in (compute_bound(window),

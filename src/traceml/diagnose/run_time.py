@@ -7,7 +7,8 @@ from collections import Counter
 from typing import List, Optional, Sequence, Tuple
 
 from traceml.analysis.goodput import Goodput
-from traceml.records import CompileRecord, Finding, FindingKind, Severity
+from traceml.diagnose.untimed import named, sites_evidence, sites_text
+from traceml.records import CodeSample, CompileRecord, Finding, FindingKind, Severity
 from traceml.words import counted
 
 STARTUP_LINE = 0.20  # startup at this share of a run ...
@@ -117,9 +118,10 @@ def recompilations(compiles: Sequence[CompileRecord], after_step: int, run_ms: f
                   "torch_reason": frames[0].recompile_reason[:300], "code": frames[0].code})
 
 
-def slow_startup(goodput: Optional[Goodput]) -> Optional[Finding]:
+def slow_startup(goodput: Optional[Goodput], code: Sequence[CodeSample] = ()) -> Optional[Finding]:
     """SLOW_STARTUP: startup at STARTUP_LINE or more of a run longer than STARTUP_MIN_RUN_S,
-    with its largest part named where it can be told."""
+    with its largest part named where it can be told, and the script's code it was sampled in
+    (diagnose/untimed.py)."""
     if goodput is None or goodput.wall_s < STARTUP_MIN_RUN_S:
         return None
     share = goodput.share("startup")
@@ -132,14 +134,19 @@ def slow_startup(goodput: Optional[Goodput]) -> Optional[Finding]:
     described = ", ".join(f"{words} {value:.1f} s" + (f" ({slowest} the slowest)" if key == "imports_s"
                                                          and slowest else "")
                           for key, words, value in told if value >= 0.05)
+    sites = named(code, "startup", 1.0)
+    modules = int(goodput.startup.get("modules_imported") or 0)  # type: ignore[call-overload]
+    named_code = sites_text(sites) + (f", {modules:,} modules imported" if sites and modules else "")
     return Finding(
         kind=FindingKind.SLOW_STARTUP, severity=Severity.CRIT if share >= STARTUP_CRIT else Severity.WARN,
         summary=(f"startup takes {goodput.seconds('startup'):.1f} s, {share:.0%} of the run, before "
-                 f"the first step" + (f": {described}" if described else "")),
+                 f"the first step" + (f": {described}" if described else "")
+                 + (f"; {named_code}" if named_code else "")),
         action=STARTUP_ACTIONS[largest],
         evidence={"share": round(share, 4), "seconds": round(goodput.seconds("startup"), 3),
                   "largest_part": largest[:-2], **{key: (round(float(value), 3) if value is not None else None)
-                                                   for key, _, value in parts}})
+                                                   for key, _, value in parts},
+                  "modules_imported": modules, **sites_evidence(sites, "seconds")})
 
 
 def compile_summary(compiles: Sequence[CompileRecord], after_step: int) -> Optional[dict]:

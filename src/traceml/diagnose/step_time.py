@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 from traceml.analysis.loaders import LoaderFigures
 from traceml.analysis.rollup import Window
+from traceml.diagnose.untimed import named, part_shares, sites_evidence, sites_text
 from traceml.records import (COMPUTE_PHASES, STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER,
-                             STEPS_FROM_TRACE_STEP, Finding, FindingKind, Severity)
+                             STEPS_FROM_TRACE_STEP, CodeSample, Finding, FindingKind, Severity)
 from traceml.words import counted
 
 MIN_STEPS = 10
@@ -287,7 +288,10 @@ def h2d_bound(window: Window) -> Optional[Finding]:
     return _waiting(window, "h2d", FindingKind.H2D_BOUND, "host-to-device copying", lambda: ("", H2D_ACTION, {}))
 
 
-def untraced_work(window: Window, steps_found_by: Optional[str] = None) -> Optional[Finding]:
+def untraced_work(window: Window, steps_found_by: Optional[str] = None,
+                  code: Sequence[CodeSample] = ()) -> Optional[Finding]:
+    """UNTRACED_WORK: time outside the timed phases, in the step or between steps, with the
+    code it was sampled in (diagnose/untimed.py) where the probe sampled it."""
     outside_share, untraced_share = window.share("outside"), window.share("untraced")
     # GC pauses, evaluation and checkpoint saves land in this time too; they have findings of
     # their own, so they are not counted here twice.
@@ -297,15 +301,20 @@ def untraced_work(window: Window, steps_found_by: Optional[str] = None) -> Optio
     if severity is None:
         return None
     work_ms = share * window.step_mean_ms
-    where, action = _where_and_what_to_do(outside_share >= untraced_share, steps_found_by,
-                                          outside_share, untraced_share)
+    between = outside_share >= untraced_share
+    where, action = _where_and_what_to_do(between, steps_found_by, outside_share, untraced_share)
+    part = "outside" if between else "untraced"
+    sites = named(code, part, part_shares(window)[part])
+    if sites:
+        where += f": {sites_text(sites)}"
+        action = f"Start with {sites[0]['where']}. {action}"
     return Finding(
         kind=FindingKind.UNTRACED_WORK, severity=severity,
         summary=(f"{_of_step('work outside forward, backward and optimizer', share, work_ms, window)}"
                  f"; {where}"),
         action=action,
         evidence=_evidence(window, share, work_ms, outside_share=round(outside_share, 4),
-                           untraced_share=round(untraced_share, 4)))
+                           untraced_share=round(untraced_share, 4), **sites_evidence(sites, "share")))
 
 
 TRAINERS_ACTION = ("A step this short is mostly the trainer's own fixed cost: give each update "

@@ -12,8 +12,8 @@
  *
  * Inferred steps (zero-code mode, the Trace API) end at the optimizer's step once its turn is
  * known, here too; and the Trace API's span and log_scalar of a float have their C short
- * paths in TraceState, the base class of tracer.Trace. ImportTimer times a script's imports
- * for zero-code mode without a Python frame per import statement.
+ * paths in TraceState, the base class of tracer.Trace. ImportTimer times a script's module
+ * loads for zero-code mode without a Python frame per load.
  *
  * Nothing here may fail the user's call: bookkeeping that fails is dropped (its error cleared),
  * and an exception from the wrapped call leaves exactly as it came.
@@ -1518,23 +1518,23 @@ static PyTypeObject SpanType = {
     .tp_methods = span_methods,
 };
 
-/* ---- ImportTimer: builtins.__import__ while a script starts ------------------------------- */
+/* ---- ImportTimer: importlib's _find_and_load while a script starts ------------------------ */
 
-/* Times the outermost import statements of one thread (zero_code's _ImportTimer). In C because
- * a Python __import__ adds a frame to every import statement, nested ones included: besides
- * its own cost, that deepens the import machinery's frames, and CPython 3.11 maps and unmaps
- * a frame stack chunk each time a call crosses a chunk's end (thousands of times while torch
- * imports: ~50 ms). */
+/* Times one thread's outermost module loads (zero_code's _ImportTimer, in front of importlib's
+ * _find_and_load: every import statement, importlib.import_module and __import__ that loads a
+ * module goes through it). In C because a Python wrapper adds a frame to every load, nested ones
+ * included: besides its own cost, that deepens the import machinery's frames, and CPython 3.11
+ * maps and unmaps a frame stack chunk each time a call crosses a chunk's end (thousands of times
+ * while torch imports: ~50 ms). */
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
-    PyObject *original;      /* the __import__ it stands in front of */
+    PyObject *original;      /* the _find_and_load it stands in front of */
     unsigned long thread;    /* the one thread timed (the script's main thread) */
     int depth;
     long long total_ns;
     long long slowest_ns;
-    PyObject *slowest_name;  /* the name given to the slowest import statement */
-    int slowest_level;       /* and its level (0: absolute) */
+    PyObject *slowest_name;  /* the module of the slowest load */
 } ImportTimer;
 
 static PyObject *
@@ -1550,17 +1550,7 @@ import_timer_call(ImportTimer *self, PyObject *const *args, size_t nargsf, PyObj
     self->depth = 0;
     self->total_ns += elapsed_ns;
     if (elapsed_ns > self->slowest_ns) {
-        int level = 0;
-        if (nargs >= 5 && PyLong_Check(args[4])) {
-            PyObject *type, *value, *traceback;
-            PyErr_Fetch(&type, &value, &traceback);  /* the import's own error, if any, goes on */
-            level = (int)PyLong_AsLong(args[4]);
-            if (PyErr_Occurred())
-                PyErr_Clear();
-            PyErr_Restore(type, value, traceback);
-        }
         self->slowest_ns = elapsed_ns;
-        self->slowest_level = level;
         Py_XSETREF(self->slowest_name, Py_NewRef(args[0]));
     }
     return result;
@@ -1611,14 +1601,13 @@ static PyMemberDef import_timer_members[] = {
     {"total_ns", T_LONGLONG, offsetof(ImportTimer, total_ns), READONLY, NULL},
     {"slowest_ns", T_LONGLONG, offsetof(ImportTimer, slowest_ns), READONLY, NULL},
     {"slowest_name", T_OBJECT, offsetof(ImportTimer, slowest_name), READONLY, NULL},
-    {"slowest_level", T_INT, offsetof(ImportTimer, slowest_level), READONLY, NULL},
     {NULL},
 };
 
 static PyTypeObject ImportTimerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "traceml.probe._fastpath.ImportTimer",
-    .tp_doc = "ImportTimer(original __import__): times this thread's outermost imports.",
+    .tp_doc = "ImportTimer(original _find_and_load): times this thread's outermost module loads.",
     .tp_basicsize = sizeof(ImportTimer),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_vectorcall_offset = offsetof(ImportTimer, vectorcall),

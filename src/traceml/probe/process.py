@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, List, Optional, cast
+from typing import Any, List, Optional, Tuple, cast
 
 from traceml.probe import step
 from traceml.probe.phases import (disarm_first_call, hook_model, install_patches, on_first_module_call, owner_of,
@@ -257,11 +257,14 @@ def _create_probe(model: Any) -> StepProbe:
                          on_fault=_disable, time_the_model_of=_time_the_model_of,
                          stop_awaiting_models=disarm_first_call, grad_enabled=torch.is_grad_enabled, syncs=syncs)
 
+    startup, startup_sites = _startup_so_far()
     # Made where the training runs: its thread is the one whose stack a stall reports.
-    sender = Sender(_hello(torch, device, device_memory), timeline=timeline, host_rss=host_rss, thread_cpu=thread_cpu,
+    sender = Sender(_hello(torch, device, device_memory, startup), timeline=timeline, host_rss=host_rss, thread_cpu=thread_cpu,
                     feed_of=probe_for, training_thread=threading.get_ident(), web_port=_create_options.get("web_port"),
                     run_name=_create_options.get("run_name"))
     probe = cast(StepProbe, sender.feed)  # what probe_for made
+    for record in startup_sites:
+        sender.push(record)
     sender.start()
     atexit.register(_at_exit)
     return probe
@@ -278,7 +281,7 @@ def _model_device(torch: Any, model: Any) -> Any:
     return torch.device("cpu")
 
 
-def _hello(torch: Any, device: Any, device_memory: Any) -> RankHello:
+def _hello(torch: Any, device: Any, device_memory: Any, startup: dict) -> RankHello:
     rank, local_rank, world_size, node_rank = rank_env()
     return RankHello(
         rank=rank,
@@ -295,18 +298,25 @@ def _hello(torch: Any, device: Any, device_memory: Any) -> RankHello:
         started_at_unix_s=_process_start_unix_s(),
         token=os.environ.get(ENV_TOKEN, ""),
         steps_from=_create_options.get("steps_from", STEPS_FROM_TRACE_STEP),
-        **_imports_so_far(),
+        **startup,
     )
 
 
 import_timer: Any = None  # zero_code's timer of the script's imports, under `traceml run`
+startup_sampler: Any = None  # and its sampler of the script's start (probe/code_sites.py)
 
 
-def _imports_so_far() -> dict:
-    """The script's import time until now (its timer then stops), when `traceml run` timed it."""
-    global import_timer
+def _startup_so_far() -> Tuple[dict, List[Any]]:
+    """The script's import time and modules loaded until now, as the hello's fields, and where
+    its start was sampled, as CodeSamples, when `traceml run` measured them (both then stop)."""
+    global import_timer, startup_sampler
     timer, import_timer = import_timer, None
-    return timer.stop() if timer is not None else {}
+    sampler, startup_sampler = startup_sampler, None
+    fields = timer.stop() if timer is not None else {}
+    sites: List[Any] = []
+    if sampler is not None:
+        sites, fields["modules_imported"] = sampler.stop(rank_env()[0])
+    return fields, sites
 
 
 def _process_start_unix_s() -> float:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Deque, List, Optional, Protocol, Tuple
 
 from traceml import rendezvous
+from traceml.probe.code_sites import CodeSampler
 from traceml.probe.ledger import LedgerWatch
 from traceml.probe.loaders import LoaderWatch
 from traceml.probe.pulse import PulseWatch
@@ -45,6 +46,7 @@ RECENT_STEPS_KEPT = 4096
 CONNECT_TIMEOUT_S = 2.0
 SEND_TIMEOUT_S = 5.0
 RECONNECT_BACKOFF_S = 1.0
+CODE_SITES_EVERY_FLUSHES = 10  # where the untimed time goes, sent about once a second while sampled
 HEARTBEAT_S = 20.0  # an empty frame when nothing else went out: the collector drops idle peers
 QUIET_CONNECT_S = 15.0  # other ranks may start before rank 0's collector: no warning before this
 
@@ -125,8 +127,11 @@ class Sender:
         self.feed: Optional[StepFeed] = feed_of(self) if feed_of is not None else None
         # Where the training thread is while no step ends; None once its frames cannot be read.
         self.pulses: Optional[PulseWatch] = None
+        # Where the training thread's time outside the timed phases goes, once it is large.
+        self.code: Optional[CodeSampler] = None
         if self.feed is not None and training_thread is not None:
             self.pulses = PulseWatch(self.feed.rank, self.feed, training_thread, loaders=self.loaders)
+            self.code = CodeSampler(training_thread)
 
     # -- training thread ------------------------------------------------------------------
     def push(self, record: Any) -> None:
@@ -178,6 +183,7 @@ class Sender:
         self._take_ended_steps()
         self._take_ended_spans()
         self._watch_loaders(flushing=False, final=True)
+        self._sample_code(send=True)
         self._read_last_ledger()  # this thread has stopped: close() runs on the training's
         # Let the device finish the last steps' events and scalar copies.
         while ((self.timeline is not None and self.timeline.pending_count) or self._deferred) \
@@ -235,6 +241,7 @@ class Sender:
                     self.host_rss.refresh()
                 self._take_ended_steps()
                 self._take_ended_spans()
+                self._sample_code(send=rounds % (ROUNDS_PER_FLUSH * CODE_SITES_EVERY_FLUSHES) == 0)
                 if rounds % ROUNDS_PER_FLUSH == 0:
                     self._collect_device_steps()
                     self._pulse()
@@ -258,6 +265,21 @@ class Sender:
         except Exception:  # a loader that cannot be read: no figures, the rest goes on
             log.debug("traceml: DataLoader watch failed; it stops", exc_info=True)
             self.loaders = None
+
+    def _sample_code(self, send: bool) -> None:
+        """A sample of the training thread's stack when it is due (probe/code_sites.py); with
+        send, the tallies that moved since the last go out."""
+        code = self.code
+        if code is None:
+            return
+        try:
+            code.sample(self.feed)
+            if send:
+                for record in code.records(self.hello.rank):
+                    self.push(record)
+        except Exception:  # frames it cannot read: the untimed time goes unnamed, the rest goes on
+            log.debug("traceml: code sampling stops", exc_info=True)
+            self.code = None
 
     def _pulse(self) -> None:
         """A RankPulse when the training thread has ended no step for a while (probe/pulse.py)."""
@@ -292,6 +314,7 @@ class Sender:
         with self._taking_steps:
             ended, dropped = self.feed.drain_steps()
             self._stamp_thread_cpu(ended)
+            self._note_steps(ended)
             room = max(0, self.capacity - len(self._buffer))
             if len(ended) > room:  # a full buffer drops, as push does
                 dropped += len(ended) - room
@@ -311,6 +334,11 @@ class Sender:
             figures = thread_cpu.ran_and_waited_ms(start_s, start_s + step.step_ms / 1e3)
             if figures is not None:
                 step.on_cpu_ms, step.cpu_wait_ms = figures
+
+    def _note_steps(self, steps: List[StepRecord]) -> None:
+        """Ended steps, for the code sampler to decide whether their untimed time is large."""
+        if self.code is not None and steps:
+            self.code.note_steps(steps)
 
     def _take_ended_spans(self) -> None:
         """The spans handed over since the last call, as SpanRecords, into the buffer."""
@@ -337,6 +365,7 @@ class Sender:
             return
         resolved = self.timeline.resolve_ready(self.feed.record_from)
         self._stamp_thread_cpu(resolved)
+        self._note_steps(resolved)
         for record in resolved:
             self.push(record)
 

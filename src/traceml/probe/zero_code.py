@@ -10,7 +10,6 @@ method waits for it (phases.on_first_module_call), and that is all there is.
 """
 from __future__ import annotations
 
-import builtins
 import logging
 import os
 import runpy
@@ -23,30 +22,29 @@ log = logging.getLogger("traceml")
 
 
 class _PythonImportTimer:
-    """Times the script's import statements (the outermost ones, on the main thread), where the
+    """Times the script's module loads (the outermost ones, on the main thread), where the
     compiled module is not built; else _fastpath.ImportTimer, the same in C (see there why)."""
 
     def __init__(self, original: Any) -> None:
         self.original = original
         self.thread = threading.get_ident()
         self.depth = 0
-        self.total_ns = self.slowest_ns = self.slowest_level = 0
+        self.total_ns = self.slowest_ns = 0
         self.slowest_name: Any = None
 
-    def __call__(self, name: str, globals: Any = None, locals: Any = None, fromlist: Any = (),
-                 level: int = 0) -> Any:
+    def __call__(self, name: str, *args: Any) -> Any:
         if self.depth or threading.get_ident() != self.thread:
-            return self.original(name, globals, locals, fromlist, level)
+            return self.original(name, *args)
         self.depth = 1
         start_ns = time.perf_counter_ns()
         try:
-            return self.original(name, globals, locals, fromlist, level)
+            return self.original(name, *args)
         finally:
             self.depth = 0
             elapsed_ns = time.perf_counter_ns() - start_ns
             self.total_ns += elapsed_ns
             if elapsed_ns > self.slowest_ns:
-                self.slowest_ns, self.slowest_name, self.slowest_level = elapsed_ns, name, level
+                self.slowest_ns, self.slowest_name = elapsed_ns, name
 
 
 def _import_timer_base() -> Any:
@@ -57,18 +55,21 @@ def _import_timer_base() -> Any:
     return fast_path.ImportTimer if fast_path is not None else _PythonImportTimer
 
 
+# Every module load goes through it: import statements (builtins.__import__ calls it from C),
+# importlib.import_module (a lazy registry's walk) and __import__ alike.
+_bootstrap: Any = sys.modules["_frozen_importlib"]
+
+
 class _ImportTimer(_import_timer_base()):  # type: ignore[misc]
-    """builtins.__import__ from the script's start to its first step, for the startup part of
-    goodput; then it steps aside, so the training's imports cost nothing."""
+    """importlib's _find_and_load from the script's start to its first step, for the startup
+    part of goodput; then it steps aside, so the training's imports cost nothing."""
 
     def stop(self) -> dict:
-        """Step aside (the import statement as it was) and say what was timed, as the hello's
-        fields."""
-        if builtins.__import__ is self:
-            builtins.__import__ = self.original
+        """Step aside (the loader as it was) and say what was timed, as the hello's fields."""
+        if _bootstrap._find_and_load is self:
+            _bootstrap._find_and_load = self.original
         name = self.slowest_name if isinstance(self.slowest_name, str) else ""
-        return {"imports_ms": self.total_ns / 1e6,
-                "slowest_import": name.partition(".")[0] if self.slowest_level == 0 else name}
+        return {"imports_ms": self.total_ns / 1e6, "slowest_import": name.partition(".")[0]}
 
 
 def _start_at_first_module_call() -> None:
@@ -88,16 +89,19 @@ def main(argv: List[str]) -> None:
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(script)  # as `python script.py` would
     try:
+        from traceml.probe import process
+        from traceml.probe.code_sites import StartupSampler
+
+        # The probe's hello takes the import time and startup's samples so far and stops both
+        # (process._startup_so_far).
+        process.import_timer = _bootstrap._find_and_load = _ImportTimer(_bootstrap._find_and_load)
+        process.startup_sampler = StartupSampler(script)
+    except Exception:
+        log.debug("traceml: startup timing unavailable", exc_info=True)
+    try:  # after the timer: torch's import here is the script's (it finds torch loaded)
         _start_at_first_module_call()
     except Exception:  # no torch: the script runs untraced
         log.warning("traceml: zero-code tracing unavailable", exc_info=True)
-    try:
-        from traceml.probe import process
-
-        # The probe's hello takes the import time so far and stops the timer (process._imports_so_far).
-        process.import_timer = builtins.__import__ = _ImportTimer(builtins.__import__)
-    except Exception:
-        log.debug("traceml: import timing unavailable", exc_info=True)
     try:
         runpy.run_path(script, run_name="__main__")
     except (SystemExit, KeyboardInterrupt):
@@ -108,6 +112,10 @@ def main(argv: List[str]) -> None:
         error.with_traceback(_from_frame_of(script, error.__traceback__))  # what is printed
         sys.excepthook(type(error), error, error.__traceback__)
         sys.exit(1)
+    finally:  # a script that never stepped: sampling its start ends with it
+        sampler = getattr(sys.modules.get("traceml.probe.process"), "startup_sampler", None)
+        if sampler is not None:
+            sampler.stop(0)
 
 
 def _from_frame_of(script: str, traceback: Any) -> Any:

@@ -11,7 +11,7 @@ from traceml.analysis.ledger import ledger_rows
 from traceml.analysis.loaders import loader_figures
 from traceml.analysis.rollup import Window, max_present, rank_medians
 from traceml.diagnose import DiagnosisInput, MemoryLimits, Stalls
-from traceml.records import (CompileRecord, HostSyncSample, LayerCapture, LayerReport, LoaderSample, MemoryLedger,
+from traceml.records import (CodeSample, CompileRecord, HostSyncSample, LayerCapture, LayerReport, LoaderSample, MemoryLedger,
                              OomRecord, RankEnd, RankHello, RolledStep, StepRecord, SystemSample, warmup_steps)
 from traceml.report.deep_dive import deep_dive_figures, layers_alive
 
@@ -32,6 +32,7 @@ class RunRecords:
     captures: Sequence[LayerCapture] = ()
     loader_samples: Sequence[LoaderSample] = ()
     ledgers: Sequence[MemoryLedger] = ()
+    code: Sequence[CodeSample] = ()  # where the untimed time went, each rank's latest of each part
     layer_report: Optional[LayerReport] = None
     goodput: Optional[Goodput] = None
     steps_seen: Optional[int] = None  # the run's steps so far; None: as many as `rolled` holds
@@ -61,7 +62,8 @@ def diagnosis_input(run: RunRecords) -> DiagnosisInput:
         stalls=Stalls(window, list(run.system)), captures=list(run.captures), goodput=run.goodput,
         compiles=list(run.compiles), host_syncs=list(run.host_syncs),
         loader=loader_figures(list(run.loader_samples), window, list(run.hellos)),
-        ledger=ledger_rows(list(run.ledgers), list(run.steps), layers, first_step=first_step))
+        ledger=ledger_rows(list(run.ledgers), list(run.steps), layers, first_step=first_step),
+        code=list(run.code))
 
 
 def steps_found_by(hellos: Sequence[RankHello], ends: Sequence[RankEnd]) -> Optional[str]:

@@ -12,6 +12,7 @@ from traceml.analysis.goodput import Goodput
 from traceml.analysis.rollup import RankRow, Window, rank_spread
 from traceml.diagnose import MemoryLimits, diagnose
 from traceml.diagnose.hangs import PULSED_STATES, Hang, RankProgress, find_hang, hang_after_s_from_env
+from traceml.diagnose.untimed import untimed_summary
 from traceml.records import ALERT_SEVERITIES, Finding, FindingKind, LayerReport, SystemSample, warmup_steps
 from traceml.report.diagnosis import RunRecords, diagnosis_input
 
@@ -31,6 +32,7 @@ class LiveState:
         self.spread: Dict[str, dict] = {}  # across ranks, per phase (rollup.rank_spread)
         self.goodput: Optional[Goodput] = None  # the run's wall time so far, by part
         self.ledger: List[Dict[str, Any]] = []  # what holds each rank's memory (analysis.ledger)
+        self.code: Dict[str, Any] = {}  # where the untimed time goes (diagnose.untimed.untimed_summary)
 
 
 def snapshot(collector: Any, script: str, elapsed_s: float,
@@ -49,7 +51,7 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
         rolled=rolled, steps=records, hellos=hellos, ends=list(collector.ends.values()),
         system=list(collector.system_samples), ooms=list(collector.ooms), compiles=list(collector.compiles),
         host_syncs=list(collector.host_syncs), captures=list(collector.captures),
-        loader_samples=list(collector.loaders), ledgers=list(collector.ledgers),
+        loader_samples=list(collector.loaders), ledgers=list(collector.ledgers), code=list(collector.code.values()),
         layer_report=collector.latest_layers, goodput=collector.run_time.goodput(now_unix_s=time.time()),
         steps_seen=steps_seen, recent_steps=RECENT_WINDOW))
     findings = diagnose(inputs) if rolled else []
@@ -66,6 +68,7 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
                       inputs.limits, collector.latest_layers, findings, alerts)
     state.goodput = inputs.goodput
     state.ledger = inputs.ledger
+    state.code = untimed_summary(inputs.code, inputs.window, inputs.goodput)
     if ranks:
         state.spread = rank_spread(records, skip_steps=warmup_steps(steps_seen))
     return state

@@ -15,6 +15,7 @@ from traceml.analysis.ledger import LEDGER_PARTS, PART_WORDS, ledger_history, pa
 from traceml.analysis.rollup import comm_wait_parts
 from traceml.collector.store import Store
 from traceml.diagnose.stragglers import straggler_finding, straggler_rank
+from traceml.diagnose.untimed import code_lines
 from traceml.records import ALL_PHASES, warmup_steps
 from traceml.report import queries
 from traceml.report.live import snapshot
@@ -102,6 +103,7 @@ class RunSource:
             "phases": {name: {"median_ms": stats.median_ms, "mean_ms": stats.mean_ms,
                               "share": stats.share} for name, stats in window.phases.items()},
             "goodput": state.goodput.parts if state.goodput is not None else None,
+            "untimed": code_lines(state.code),
             "primary": findings[0] if findings else None, "findings": findings, "exit_code": None,
         }
 
@@ -215,6 +217,7 @@ def _overview_of_summary(summary: Dict[str, Any], run_dir: str) -> Dict[str, Any
         "throughput": summary.get("throughput", {"steps_per_s": 0.0, "samples_per_s": None}),
         "phases": {name: phases[name] for name in ALL_PHASES if name in phases},
         "goodput": summary.get("goodput"),
+        "untimed": code_lines(summary.get("code") or {}),
         "primary": summary.get("primary_diagnosis"), "findings": summary.get("findings", []),
         "exit_code": run.get("exit_code"),
     }

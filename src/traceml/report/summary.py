@@ -20,6 +20,7 @@ from traceml.diagnose.captures import grown_layers
 from traceml.diagnose.hangs import rank_lost
 from traceml.diagnose.host_sync import sync_sites
 from traceml.diagnose.run_time import compile_summary
+from traceml.diagnose.untimed import untimed_summary
 from traceml.records import Finding, LayerCapture, RankEnd, RankHello, RolledStep, SystemSample, warmup_steps
 from traceml.report.deep_dive import deep_dive_figures
 from traceml.report.diagnosis import RunRecords, diagnosis_input
@@ -80,12 +81,13 @@ class RunData:
         self.layer_report = reports[0] if reports else None  # rank 0's, or the first rank's
         self.deep_dive = deep_dive_figures(self.layer_report)
         self.ooms, self.host_syncs, self.ledgers = store.ooms(), store.host_syncs(), store.ledgers()
+        self.code = store.code_samples()
         # What the rules read, built as the live views build it (report.diagnosis).
         self.inputs = diagnosis_input(RunRecords(
             rolled=self.rolled, steps=self.records, hellos=self.hellos, ends=self.ends, system=self.samples,
             ooms=self.ooms, compiles=self.compiles, host_syncs=self.host_syncs, captures=store.captures(),
             loader_samples=store.loader_samples(), ledgers=self.ledgers, layer_report=self.layer_report,
-            goodput=self.goodput))
+            goodput=self.goodput, code=self.code))
         inputs = self.inputs
         self.window, self.ranks, self.stalls = inputs.window, inputs.ranks, inputs.stalls
         self.limits, self.found_by, self.loader, self.ledger = inputs.limits, inputs.steps_found_by, inputs.loader, \
@@ -227,6 +229,8 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "compile": compile_summary(data.compiles, after_step=data.warmup),
         # CUDA only: each line that made the host wait for the GPU in the sampled steps.
         "host_syncs": sync_sites(data.host_syncs),
+        # Where the untimed time went (sampled stacks), each part at a tenth of its whole or more.
+        "code": untimed_summary(data.code, window, data.goodput),
         "memory": _memory(data),
         "system": _system(data.samples),
         "ranks": data.ranks,

@@ -15,16 +15,19 @@ import os
 import signal
 import subprocess
 import threading
-from typing import Any, Callable, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import msgspec
 
-from traceml.records import ALERT_SEVERITIES
+from traceml.records import ALERT_SEVERITIES, FindingKind
 
 log = logging.getLogger("traceml")
 
 ALERT_CHECK_S = 2.0
 ALERT_TIMEOUT_S = 10.0
+# UNTRACED_WORK waits up to this many checks for the code it is sampled in (the probe samples
+# once the share is large, and sends about once a second), so that its document names it.
+UNNAMED_CHECKS = 3
 
 
 class AlertCommand:
@@ -35,6 +38,7 @@ class AlertCommand:
         self.command, self.live_state, self.script = command, live_state, script
         self.timeout_s, self.check_s = timeout_s, check_s
         self.sent: Set[Tuple[str, Optional[int]]] = set()
+        self._unnamed: Dict[Tuple[str, Optional[int]], int] = {}  # checks that saw it without its code
         self._running: Optional[subprocess.Popen] = None  # the command under way, if any
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-alerts", daemon=True)
@@ -63,6 +67,10 @@ class AlertCommand:
                 if self._stop.is_set():
                     return
                 if finding.severity in ALERT_SEVERITIES and key not in self.sent:
+                    if finding.kind == FindingKind.UNTRACED_WORK and "code_1" not in finding.evidence:
+                        self._unnamed[key] = self._unnamed.get(key, 0) + 1
+                        if self._unnamed[key] <= UNNAMED_CHECKS:
+                            continue
                     self.sent.add(key)
                     self.send(finding)
 

@@ -10,6 +10,7 @@ from traceml.analysis.goodput import PARTS
 from traceml.analysis.rollup import comm_wait_parts
 from traceml.diagnose.hangs import PULSED_STATES, signal_name
 from traceml.diagnose.stragglers import straggler_rank
+from traceml.diagnose.untimed import code_lines
 from traceml.records import ALL_PHASES, OVERLAPPING_PHASES, STEP_PHASES, FindingKind, Severity
 from traceml.words import counted, every, size
 
@@ -96,6 +97,8 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     goodput = summary.get("goodput")
     if goodput:
         facts.add_row("Goodput", goodput_text(goodput))
+    for line in code_lines(summary.get("code") or {}):
+        facts.add_row("Untimed", Text(line))
     if summary.get("compile"):
         facts.add_row("Compile", _compile_line(summary["compile"]))
     facts.add_row("System", _system_line(system))

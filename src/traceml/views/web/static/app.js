@@ -215,6 +215,8 @@ function renderOverview(ov) {
   $('run-info').textContent = info.join(' · ');
 
   renderFindings(ov.findings || []);
+  // Where the untimed time goes, in the user's code (sampled stacks): a line a part.
+  $('untimed').replaceChildren(...(ov.untimed || []).map((line) => make('div', 'untimed', 'untimed: ' + line)));
   renderBreakdown(ov.phases || {});
 }
 

@@ -1,0 +1,103 @@
+"""Where the untimed time went, in the user's code: the probe's sampled sites (probe/code_sites.py)
+merged over ranks, as shares of the step (time inside the step outside its timed phases, and
+between steps) or seconds of startup, for the findings that name them and for the summary."""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+from traceml.analysis.goodput import Goodput
+from traceml.analysis.rollup import Window
+from traceml.records import CodeSample
+
+SITES_TOLD = 3  # the sites a sentence names
+SITE_LINE = 0.01  # ... each at least this share of its whole
+PART_LINE = 0.10  # a part this share of its whole (the step; the run, for startup) is named in the summary
+
+
+def where(site: Dict[str, Any]) -> str:
+    """"train.py:41 update_metrics", or "train.py:57 (module level)"."""
+    place = f"{os.path.basename(site['file'])}:{site['line']}"
+    return f"{place} (module level)" if site["function"] == "<module>" else f"{place} {site['function']}"
+
+
+def part_shares(window: Window) -> Dict[str, float]:
+    """The step's untimed parts as shares of it: inside the step outside the timed phases, and
+    between steps less the evaluation and saves there (their own findings name them)."""
+    outside = window.share("outside") - window.planned_share("eval") - window.planned_share("checkpoint")
+    return {"untraced": window.share("untraced"), "outside": max(0.0, outside)}
+
+
+def code_sites(samples: Sequence[CodeSample], part: str) -> List[Dict[str, Any]]:
+    """The part's sites over every rank that sampled it, the most sampled first: each with its
+    fraction of the samples and, for startup, its seconds (both the mean over those ranks)."""
+    records = [sample for sample in samples if sample.part == part and sample.seconds > 0]
+    rows: Dict[tuple, Dict[str, Any]] = {}
+    for record in records:
+        for site in record.sites:
+            key = (site.file, site.function, site.line if site.function == "<module>" else 0, site.statement)
+            row = rows.setdefault(key, {"file": site.file, "line": site.line, "function": site.function,
+                                        "statement": site.statement, "samples": 0, "fraction": 0.0,
+                                        "seconds": 0.0, "importing_s": 0.0})
+            row["samples"] += site.samples
+            row["fraction"] += site.seconds / record.seconds / len(records)
+            row["seconds"] += site.seconds / len(records)
+            row["importing_s"] += site.importing_s / len(records)
+    return sorted(rows.values(), key=lambda row: -row["fraction"])
+
+
+def named(samples: Sequence[CodeSample], part: str, whole: float) -> List[Dict[str, Any]]:
+    """The part's top sites, at least SITE_LINE of it, as {where, share} of the step (whole: the
+    part's share of the step) or, for startup, {where, seconds, importing_s}."""
+    rows = [row for row in code_sites(samples, part) if row["fraction"] >= SITE_LINE][:SITES_TOLD]
+    if part == "startup":
+        return [{"where": where(row), "seconds": round(row["seconds"], 3), "importing_s": round(row["importing_s"], 3),
+                 "statement": row["statement"]} for row in rows]
+    return [{"where": where(row), "share": round(whole * row["fraction"], 4)} for row in rows]
+
+
+def sites_evidence(sites: List[Dict[str, Any]], figure: str) -> Dict[str, Any]:
+    """A finding's evidence of its named sites: code_1, code_1_share (or _s), ..."""
+    evidence: Dict[str, Any] = {}
+    for index, site in enumerate(sites, 1):
+        evidence[f"code_{index}"] = site["where"]
+        evidence[f"code_{index}_{'s' if figure == 'seconds' else figure}"] = site[figure]
+    return evidence
+
+
+def sites_text(sites: List[Dict[str, Any]]) -> str:
+    """"55% of the step in train.py:41 update_metrics, 3% in train.py:60 log", or, for startup,
+    "16.8 s in run.py:57 (module level), 1.2 s in ..."."""
+    told = [(f"{site['share']:.0%}" if "share" in site else f"{site['seconds']:.1f} s") for site in sites]
+    of_step = " of the step" if sites and "share" in sites[0] else ""
+    return ", ".join(f"{figure}{of_step if index == 0 else ''} in {site['where']}"
+                     for index, (figure, site) in enumerate(zip(told, sites)))
+
+
+def untimed_summary(samples: Sequence[CodeSample], window: Window, goodput: Optional[Goodput]) -> Dict[str, Any]:
+    """final_summary.json's "code": each untimed part at PART_LINE of its whole or more, with its
+    top sites (none sampled: an empty list)."""
+    summary: Dict[str, Any] = {}
+    if len(window):
+        for part, share in part_shares(window).items():
+            if share >= PART_LINE:
+                summary[part] = {"share": round(share, 4), "sites": named(samples, part, share)}
+    if goodput is not None and goodput.share("startup") >= PART_LINE:
+        summary["startup"] = {"seconds": round(goodput.seconds("startup"), 3),
+                              "modules_imported": goodput.startup.get("modules_imported"),
+                              "sites": named(samples, "startup", 1.0)}
+    return summary
+
+
+def code_lines(code: Dict[str, Any]) -> List[str]:
+    """final_summary.json's "code" in words, a line a part: "in the step 41%: 33% of the step in
+    train.py:62 update_metrics, ...", "startup 19.5 s: 11.6 s in train.py:77 (module level), ..."."""
+    lines = []
+    for part, words in (("untraced", "in the step"), ("outside", "between steps")):
+        if part in code:
+            lines.append(f"{words} {code[part]['share']:.0%}: {sites_text(code[part]['sites']) or 'no code sampled'}")
+    startup = code.get("startup")
+    if startup:
+        modules = f"; {startup['modules_imported']:,} modules imported" if startup.get("modules_imported") else ""
+        lines.append(f"startup {startup['seconds']:.1f} s: {sites_text(startup['sites']) or 'no code sampled'}{modules}")
+    return lines

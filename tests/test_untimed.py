@@ -1,0 +1,134 @@
+"""Every untimed second has a name: the code the training thread was sampled in, inside the step
+outside its timed phases, between steps and at startup (probe/code_sites.py, diagnose/untimed.py)."""
+import json
+import sqlite3
+import sys
+
+import pytest
+from conftest import SCRIPTS, ended_well, wide_mlp
+
+from traceml.probe import code_sites
+from traceml.probe.code_sites import CodeSampler
+from traceml.records import StepRecord
+
+UNTIMED_LOOP = SCRIPTS / "untimed_loop.py"
+
+
+def step(untraced_ms=0.0, outside_ms=0.0, step_ms=100.0):
+    return StepRecord(rank=0, step=0, start_unix_s=0.0, step_ms=step_ms, input_wait_ms=0.0, outside_ms=outside_ms,
+                      h2d_ms=0.0, forward_ms=step_ms - untraced_ms - outside_ms, backward_ms=0.0, optimizer_ms=0.0,
+                      untraced_ms=untraced_ms, gc_ms=0.0, gc_collections=0, forward_calls=1, samples=8)
+
+
+class Probe:
+    in_step, open_phase, in_evaluation = 1, -1, False
+
+
+def test_a_clean_loop_never_reads_a_stack(monkeypatch):
+    def no_stack():
+        raise AssertionError("a clean loop's stack was read")
+
+    sampler = CodeSampler(thread_id=0)
+    monkeypatch.setattr(code_sites.sys, "_current_frames", no_stack)
+    probe = Probe()
+    for _ in range(50):  # 5 s of steps with 5% untraced and 5% between steps: under the line
+        sampler.note_steps([step(untraced_ms=5.0, outside_ms=5.0)])
+        for in_step in (0, 1):
+            probe.in_step = in_step
+            sampler.sample(probe)
+    assert not sampler.untraced_on and not sampler.outside_on
+    assert sampler.records(rank=0) == []
+
+
+def test_a_large_untraced_share_samples_only_outside_the_timed_phases():
+    import threading
+
+    sampler = CodeSampler(thread_id=threading.get_ident())
+    sampler.note_steps([step(untraced_ms=60.0)] * 10)
+    assert sampler.untraced_on and not sampler.outside_on
+    probe = Probe()
+    probe.open_phase = 1  # forward: timed, not sampled
+    sampler.sample(probe)
+    probe.open_phase, probe.in_step = -1, 0  # between steps: small, not sampled
+    sampler.sample(probe)
+    assert sampler.records(rank=0) == []
+    probe.in_step = 1
+    line = sys._getframe().f_lineno + 1
+    sampler.sample(probe)  # this very function is the user's code sampled
+    (record,) = sampler.records(rank=0)
+    assert record.part == "untraced" and record.samples == 1 and record.seconds > 0
+    (site,) = record.sites
+    assert (site.function, site.line, site.file) == (
+        "test_a_large_untraced_share_samples_only_outside_the_timed_phases", line, __file__)
+    sampler.note_steps([step(untraced_ms=1.0)] * 10)  # the share fell: sampling stops
+    assert not sampler.untraced_on
+
+
+def _timings(run):
+    return json.loads((run.run_dir.parent / "timings.json").read_text())
+
+
+def own_share(timings, part, summary):
+    """The script's own share of its steps in `part` ("helper_s", "between_s"), over the steps
+    TraceML measured (the warm-up left out)."""
+    first, starts = summary["steps"]["warmup_excluded"], timings["starts"]
+    return sum(timings[part][first:]) / (starts[-1] - starts[first])
+
+
+def _code_rows(run_dir):
+    with sqlite3.connect(f"file:{run_dir / 'telemetry.sqlite'}?mode=ro", uri=True) as db:
+        return dict(db.execute("SELECT part, COUNT(*) FROM code_sites GROUP BY part").fetchall())
+
+
+def test_a_helper_after_the_update_and_a_slow_start_are_named(traceml_run, tmp_path):
+    # 30 ms of metrics after optimizer.step() inside each step; at startup, a walk of a registry
+    # that imports 300 modules on one top-level line, then a second of building.
+    run = traceml_run("--steps", 70, "--helper-ms", 30, "--modules", 300, "--build-ms", 1000,
+                      "--timings", tmp_path / "timings.json", script=UNTIMED_LOOP)
+    assert ended_well(run), run.stderr
+    timings, summary = _timings(run), run.summary()
+    lines = timings["lines"]
+    primary = summary["primary_diagnosis"]
+    assert primary["kind"] == "UNTRACED_WORK"
+    evidence = primary["evidence"]
+    assert evidence["code_1"] == f"untimed_loop.py:{lines['update_metrics']} update_metrics"
+    assert abs(evidence["code_1_share"] - own_share(timings, "helper_s", summary)) <= 0.05, (evidence, timings)
+    assert f"{evidence['code_1_share']:.0%} of the step in {evidence['code_1']}" in primary["summary"]
+    assert summary["code"]["untraced"]["sites"][0]["where"] == evidence["code_1"]
+    card = (run.run_dir / "final_summary.txt").read_text()
+    assert "Untimed" in card and f"untimed_loop.py:{lines['update_metrics']}" in card
+    # Startup: the walk's module loads count as imports, wherever the script made them.
+    startup = summary["startup"]
+    assert startup["modules_imported"] >= 300
+    assert startup["imports_s"] >= 0.8 * timings["walk_s"]
+    assert startup["setup_s"] >= 0.8 * timings["build_s"]
+    sites = {site["where"]: site for site in summary["code"]["startup"]["sites"]}
+    walk = sites[f"untimed_loop.py:{lines['walk']} (module level)"]
+    assert walk["importing_s"] >= 0.8 * walk["seconds"] > 0
+    build = sites[f"untimed_loop.py:{lines['build']} build"]
+    assert abs(build["seconds"] - timings["build_s"]) <= 0.3 * timings["build_s"] + 0.2, (build, timings)
+    assert build["importing_s"] < 0.1 * build["seconds"]
+    assert _code_rows(run.run_dir).keys() == {"untraced", "startup"}  # nothing large between steps
+
+
+def test_work_between_steps_is_named_and_alerted(traceml_run, tmp_path):
+    alerts = tmp_path / "alerts.jsonl"
+    run = traceml_run("--steps", 70, "--between-ms", 30, "--timings", tmp_path / "timings.json",
+                      script=UNTIMED_LOOP, traceml_args=("--on-alert", f"cat >> {alerts}"))
+    assert ended_well(run), run.stderr
+    timings, summary = _timings(run), run.summary()
+    primary = summary["primary_diagnosis"]
+    assert primary["kind"] == "UNTRACED_WORK"
+    evidence = primary["evidence"]
+    assert evidence["code_1"] == f"untimed_loop.py:{timings['lines']['log_everything']} log_everything"
+    assert abs(evidence["code_1_share"] - own_share(timings, "between_s", summary)) <= 0.05, (evidence, timings)
+    documents = [json.loads(line) for line in alerts.read_text().splitlines()]
+    (alert,) = [document for document in documents if document["kind"] == "UNTRACED_WORK"]
+    assert alert["evidence"]["code_1"] == evidence["code_1"] and evidence["code_1"] in alert["summary"]
+
+
+@wide_mlp
+def test_a_compute_bound_run_samples_no_step(wide_mlp_run):
+    assert ended_well(wide_mlp_run)
+    assert not {"untraced", "outside"} & _code_rows(wide_mlp_run.run_dir).keys()
+    assert "untraced" not in wide_mlp_run.summary()["code"]
