@@ -132,3 +132,29 @@ def test_a_compute_bound_run_samples_no_step(wide_mlp_run):
     assert ended_well(wide_mlp_run)
     assert not {"untraced", "outside"} & _code_rows(wide_mlp_run.run_dir).keys()
     assert "untraced" not in wide_mlp_run.summary()["code"]
+
+
+def test_slow_startup_names_the_line_and_the_modules_imported():
+    from traceml.analysis.goodput import RunTime
+    from traceml.diagnose.run_time import slow_startup
+    from traceml.records import CodeSample, CodeSite, RankHello
+
+    # The case: 21.5 s of startup, 19 of them imports, 16.8 s in one top-level line.
+    hello = RankHello(rank=0, local_rank=0, world_size=1, node_rank=0, host="h", pid=1, device="cpu",
+                      device_name="cpu", device_capacity_bytes=None, torch_version="2", argv=["run_clm.py"],
+                      started_at_unix_s=1000.0, imports_ms=19000.0, slowest_import="transformers",
+                      modules_imported=1012)
+    first = step(step_ms=80_000.0)
+    first.start_unix_s = 1021.5
+    goodput = RunTime.of([hello, first]).goodput(now_unix_s=1101.5)
+    sites = [CodeSite(file="/x/run_clm.py", line=57, function="<module>", samples=800, seconds=16.8, importing_s=16.7),
+             CodeSite(file="/x/run_clm.py", line=410, function="main", samples=100, seconds=2.1, statement=700)]
+    code = [CodeSample(rank=0, part="startup", samples=1000, seconds=21.0, sites=sites)]
+    found = slow_startup(goodput, code)
+    assert found.summary.endswith("; 16.8 s in run_clm.py:57 (module level), 2.1 s in run_clm.py:410 main, "
+                                  "1,012 modules imported")
+    evidence = found.evidence
+    assert (evidence["code_1"], evidence["code_1_s"], evidence["modules_imported"]) == (
+        "run_clm.py:57 (module level)", 16.8, 1012)
+    assert (evidence["code_2"], evidence["code_2_s"]) == ("run_clm.py:410 main", 2.1)
+    assert evidence["imports_s"] == 19.0 and evidence["setup_s"] == 2.5

@@ -11,7 +11,7 @@ from traceml.analysis.rollup import Window
 from traceml.records import CodeSample
 
 SITES_TOLD = 3  # the sites a sentence names
-SITE_LINE = 0.01  # ... each at least this share of its whole
+SITE_LINE = 0.01  # ... each at least this share of its whole (the step; startup)
 PART_LINE = 0.10  # a part this share of its whole (the step; the run, for startup) is named in the summary
 
 
@@ -47,9 +47,9 @@ def code_sites(samples: Sequence[CodeSample], part: str) -> List[Dict[str, Any]]
 
 
 def named(samples: Sequence[CodeSample], part: str, whole: float) -> List[Dict[str, Any]]:
-    """The part's top sites, at least SITE_LINE of it, as {where, share} of the step (whole: the
-    part's share of the step) or, for startup, {where, seconds, importing_s}."""
-    rows = [row for row in code_sites(samples, part) if row["fraction"] >= SITE_LINE][:SITES_TOLD]
+    """The part's top sites, at least SITE_LINE of the whole, as {where, share} of the step (whole:
+    the part's share of the step) or, for startup, {where, seconds, importing_s, statement}."""
+    rows = [row for row in code_sites(samples, part) if whole * row["fraction"] >= SITE_LINE][:SITES_TOLD]
     if part == "startup":
         return [{"where": where(row), "seconds": round(row["seconds"], 3), "importing_s": round(row["importing_s"], 3),
                  "statement": row["statement"]} for row in rows]
