@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from traceml.probe.pulse import is_user_frame
 from traceml.probe.layout import NO_PHASE
-from traceml.records import CodeSample, CodeSite, StepRecord
+from traceml.records import MAX_WARMUP_STEPS, CodeSample, CodeSite, StepRecord
 
 SAMPLE_INTERVAL_S = 0.02
 MAX_WEIGHT_S = 5.0  # a sample stands for the time since the previous round, at most this
@@ -48,9 +48,12 @@ class CodeSampler:
     # -- the sender thread -------------------------------------------------------------------
     def note_steps(self, steps: List[StepRecord]) -> None:
         """The steps just ended: once the recent ones add up to RECENT_STEPS_MS, whether each
-        part is large enough to sample."""
+        part is large enough to sample. The first steps (the probe's own set-up, warm-up) are
+        not the run (records.warmup_steps)."""
         step_ms, untraced_ms, outside_ms = self._recent
         for step in steps:
+            if step.step < MAX_WARMUP_STEPS:
+                continue
             step_ms += step.step_ms
             untraced_ms += step.untraced_ms
             outside_ms += step.outside_ms - step.eval_ms - step.checkpoint_ms

@@ -183,7 +183,7 @@ class Sender:
         self._take_ended_steps()
         self._take_ended_spans()
         self._watch_loaders(flushing=False, final=True)
-        self._sample_code(send=True)
+        self._sample_code(send=True, sample=False)  # this is the training thread: nothing to sample
         self._read_last_ledger()  # this thread has stopped: close() runs on the training's
         # Let the device finish the last steps' events and scalar copies.
         while ((self.timeline is not None and self.timeline.pending_count) or self._deferred) \
@@ -266,14 +266,15 @@ class Sender:
             log.debug("traceml: DataLoader watch failed; it stops", exc_info=True)
             self.loaders = None
 
-    def _sample_code(self, send: bool) -> None:
+    def _sample_code(self, send: bool, sample: bool = True) -> None:
         """A sample of the training thread's stack when it is due (probe/code_sites.py); with
         send, the tallies that moved since the last go out."""
         code = self.code
         if code is None:
             return
         try:
-            code.sample(self.feed)
+            if sample:
+                code.sample(self.feed)
             if send:
                 for record in code.records(self.hello.rank):
                     self.push(record)
