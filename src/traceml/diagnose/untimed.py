@@ -84,6 +84,7 @@ def untimed_summary(samples: Sequence[CodeSample], window: Window, goodput: Opti
                 summary[part] = {"share": round(share, 4), "sites": named(samples, part, share)}
     if goodput is not None and goodput.share("startup") >= PART_LINE:
         summary["startup"] = {"seconds": round(goodput.seconds("startup"), 3),
+                              "imports_s": goodput.startup.get("imports_s"),
                               "modules_imported": goodput.startup.get("modules_imported"),
                               "sites": named(samples, "startup", 1.0)}
     return summary
@@ -91,13 +92,15 @@ def untimed_summary(samples: Sequence[CodeSample], window: Window, goodput: Opti
 
 def code_lines(code: Dict[str, Any]) -> List[str]:
     """final_summary.json's "code" in words, a line a part: "in the step 41%: 33% of the step in
-    train.py:62 update_metrics, ...", "startup 19.5 s: 11.6 s in train.py:77 (module level), ..."."""
+    train.py:62 update_metrics, ...", "startup 19.5 s (imports 17.0 s, 2,110 modules): 11.6 s in
+    train.py:77 (module level), ..."."""
     lines = []
     for part, words in (("untraced", "in the step"), ("outside", "between steps")):
         if part in code:
             lines.append(f"{words} {code[part]['share']:.0%}: {sites_text(code[part]['sites']) or 'no code sampled'}")
     startup = code.get("startup")
     if startup:
-        modules = f"; {startup['modules_imported']:,} modules imported" if startup.get("modules_imported") else ""
-        lines.append(f"startup {startup['seconds']:.1f} s: {sites_text(startup['sites']) or 'no code sampled'}{modules}")
+        imports = (f" (imports {startup['imports_s']:.1f} s, {startup['modules_imported'] or 0:,} modules)"
+                   if startup.get("imports_s") is not None else "")
+        lines.append(f"startup {startup['seconds']:.1f} s{imports}: {sites_text(startup['sites']) or 'no code sampled'}")
     return lines
