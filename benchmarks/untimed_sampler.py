@@ -32,7 +32,7 @@ class Probe:
 
 
 def clean_step() -> StepRecord:
-    return StepRecord(rank=0, step=0, start_unix_s=0.0, step_ms=10.0, input_wait_ms=0.0, outside_ms=0.1, h2d_ms=0.0,
+    return StepRecord(rank=0, step=10, start_unix_s=0.0, step_ms=10.0, input_wait_ms=0.0, outside_ms=0.1, h2d_ms=0.0,
                       forward_ms=4.0, backward_ms=5.0, optimizer_ms=0.8, untraced_ms=0.1, gc_ms=0.0,
                       gc_collections=0, forward_calls=1, samples=8)
 
