@@ -161,8 +161,8 @@ def test_slow_startup_names_the_line_and_the_modules_imported():
     first = step(step_ms=80_000.0)
     first.start_unix_s = 1021.5
     goodput = RunTime.of([hello, first]).goodput(now_unix_s=1101.5)
-    sites = [CodeSite(file="/x/run_clm.py", line=57, function="<module>", samples=800, seconds=16.8, importing_s=16.7),
-             CodeSite(file="/x/run_clm.py", line=410, function="main", samples=100, seconds=2.1, statement=700)]
+    sites = [CodeSite(file="/x/run_clm.py", line=57, function="<module>", seconds=16.8, importing_s=16.7),
+             CodeSite(file="/x/run_clm.py", line=410, function="main", seconds=2.1, statement=700)]
     code = [CodeSample(rank=0, part="startup", samples=1000, seconds=21.0, sites=sites)]
     found = slow_startup(goodput, code)
     assert found.summary.endswith("; 16.8 s in run_clm.py:57 (module level), 2.1 s in run_clm.py:410 main, "

@@ -146,7 +146,6 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     on_cpu_ms: Optional[float] = None
 
 
-
 class RolledStep(msgspec.Struct):
     """One step across all ranks that reported it: per-phase medians, and the slowest rank.
     Made by the rollup (analysis.rollup.roll_up) and kept in the store's `rolled` table."""
@@ -391,36 +390,22 @@ class LoaderSample(msgspec.Struct, tag="loader", array_like=True, gc=False):
 
 
 class CodeSite(msgspec.Struct, array_like=True, gc=False):
-    """One piece of the user's code the training thread was sampled in: a function (its most
-    sampled line), or a statement at a module's top level."""
-
+    """A function (at its line sampled most) or a top-level statement the training thread was sampled in."""
     file: str
-    line: int  # the line sampled most in it
+    line: int
     function: str  # "<module>": a top-level statement
-    samples: int
-    # The wall time they stand for: each sample, the time since the sampler's previous round (a
-    # thread that holds the GIL delays the next sample, whose weight then covers the delay).
-    seconds: float
+    seconds: float  # the time its samples stand for: each, the time since the sampler's round before
     importing_s: float = 0.0  # of it, inside a module import (startup)
     statement: int = 0  # startup: the script's top-level line it ran under (0: the site is that line)
 
 
-# What a CodeSample's samples are of: time inside the step outside the timed phases, time
-# between steps (not input wait, evaluation or a save), and the script's start before its
-# first step.
-CODE_PARTS = ("untraced", "outside", "startup")
-
-
 class CodeSample(msgspec.Struct, tag="code", array_like=True):
-    """Where one rank's training thread was in one of CODE_PARTS, from its stack sampled every
-    20 ms by the sender thread (probe/code_sites.py): cumulative, so the latest of a rank and
-    part holds all of it. Sites keep the innermost frame of the user's own code."""
-
+    """Where a rank's training thread was in one part (probe/code_sites.CODE_PARTS): cumulative."""
     rank: int
-    part: str  # one of CODE_PARTS
-    samples: int  # every sample taken in that part
-    seconds: float  # the wall time they stand for (the sites' denominator)
-    sites: List[CodeSite] = []  # the most sampled first, at most probe/code_sites.SITES_KEPT
+    part: str
+    samples: int
+    seconds: float  # the time they stand for: the sites' denominator
+    sites: List[CodeSite] = []  # the most time first
 
 
 class MemoryLedger(msgspec.Struct, tag="ledger", array_like=True):
@@ -581,8 +566,7 @@ class Finding(msgspec.Struct, omit_defaults=False):
 
 
 Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord, LayerReport, LayerCapture,
-               SpanRecord, ScalarRecord, CompileRecord, HostSyncSample, LoaderSample, MemoryLedger, RankPulse,
-               CodeSample]
+               SpanRecord, ScalarRecord, CompileRecord, HostSyncSample, LoaderSample, MemoryLedger, RankPulse, CodeSample]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(List[Record])

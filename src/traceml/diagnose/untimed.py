@@ -37,9 +37,8 @@ def code_sites(samples: Sequence[CodeSample], part: str) -> List[Dict[str, Any]]
         for site in record.sites:
             key = (site.file, site.function, site.line if site.function == "<module>" else 0, site.statement)
             row = rows.setdefault(key, {"file": site.file, "line": site.line, "function": site.function,
-                                        "statement": site.statement, "samples": 0, "fraction": 0.0,
-                                        "seconds": 0.0, "importing_s": 0.0})
-            row["samples"] += site.samples
+                                        "statement": site.statement, "fraction": 0.0, "seconds": 0.0,
+                                        "importing_s": 0.0})
             row["fraction"] += site.seconds / record.seconds / len(records)
             row["seconds"] += site.seconds / len(records)
             row["importing_s"] += site.importing_s / len(records)

@@ -18,6 +18,9 @@ from traceml.probe.pulse import is_user_frame
 from traceml.probe.layout import NO_PHASE
 from traceml.records import MAX_WARMUP_STEPS, CodeSample, CodeSite, StepRecord
 
+# What is sampled: untimed time in the step (outside the timed phases), between steps (not input
+# wait, evaluation or a save), and the script's start before its first step.
+CODE_PARTS = ("untraced", "outside", "startup")
 SAMPLE_INTERVAL_S = 0.02
 MAX_WEIGHT_S = 5.0  # a sample stands for the time since the previous round, at most this
 SAMPLE_LINE = 0.10  # a part at this share of the recent steps' time is sampled
@@ -30,17 +33,17 @@ _TIMED_ELSEWHERE = ("/torch/utils/data/", "/torch/serialization.py")
 
 
 class CodeSampler:
-    """The tallies of one training thread (thread_id), part by part (records.CODE_PARTS).
+    """The tallies of one training thread (thread_id), part by part (CODE_PARTS).
     script: the script's path, whose top-level line a startup sample keeps."""
 
     def __init__(self, thread_id: int, script: str = ""):
         self.thread_id, self.script = thread_id, script
         self.untraced_on = self.outside_on = False  # decided by note_steps
         self._recent = [0.0, 0.0, 0.0]  # step, untraced, outside (less planned work) ms
-        # part -> {(file, function, first or top-level line, statement): [samples, seconds, importing_s, {line: samples}]}
-        self._sites: Dict[str, Dict[tuple, list]] = {"untraced": {}, "outside": {}, "startup": {}}
-        self._samples = {"untraced": 0, "outside": 0, "startup": 0}
-        self._seconds = {"untraced": 0.0, "outside": 0.0, "startup": 0.0}
+        # part -> {(file, function, first or top-level line, statement): [seconds, importing_s, {line: samples}]}
+        self._sites: Dict[str, Dict[tuple, list]] = {part: {} for part in CODE_PARTS}
+        self._samples = {part: 0 for part in CODE_PARTS}
+        self._seconds = {part: 0.0 for part in CODE_PARTS}
         self._sent = dict(self._samples)
         self._round_at = time.monotonic()
         self._user: Dict[str, bool] = {}  # is_user_frame, by file
@@ -144,17 +147,16 @@ class CodeSampler:
         self._seconds[part] += weight
         tally = self._sites[part].get(key)
         if tally is None:
-            tally = self._sites[part][key] = [0, 0.0, 0.0, {}]
-        tally[0] += 1
-        tally[1] += weight
-        tally[2] += weight if importing else 0.0
-        tally[3][line] = tally[3].get(line, 0) + 1
+            tally = self._sites[part][key] = [0.0, 0.0, {}]
+        tally[0] += weight
+        tally[1] += weight if importing else 0.0
+        tally[2][line] = tally[2].get(line, 0) + 1
 
     def _top(self, part: str) -> List[CodeSite]:
-        tallies = sorted(self._sites[part].items(), key=lambda item: -item[1][1])[:SITES_KEPT]
-        return [CodeSite(file=file, line=max(lines, key=lines.__getitem__), function=function, samples=samples,
-                         seconds=seconds, importing_s=importing_s, statement=statement)
-                for (file, function, _, statement), (samples, seconds, importing_s, lines) in tallies]
+        tallies = sorted(self._sites[part].items(), key=lambda item: -item[1][0])[:SITES_KEPT]
+        return [CodeSite(file=file, line=max(lines, key=lines.__getitem__), function=function, seconds=seconds,
+                         importing_s=importing_s, statement=statement)
+                for (file, function, _, statement), (seconds, importing_s, lines) in tallies]
 
 
 class StartupSampler:
