@@ -9,7 +9,7 @@ installed.
 """
 
 # Bumped when the compiled timers' behaviour changes in a way the layout does not show.
-VERSION = 10
+VERSION = 11
 
 NO_PHASE = -1
 
