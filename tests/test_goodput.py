@@ -54,7 +54,11 @@ def test_evaluation_and_saves_take_the_share_the_script_measures(traceml_run, mo
     assert (evaluations["count"], saves["count"]) == (own["evaluations"], own["saves"]) == (6, 7)
     assert (evaluations["after_last_step_count"], saves["after_last_step_count"]) == (2, 1)
     assert found["EVAL_HEAVY"]["summary"].startswith("evaluated 6 times (every 20 steps, the last 2 after the last step)")
-    assert "STEP_SPIKES" not in found and "UNTRACED_WORK" not in found  # planned work, told as such
+    # Planned work, told as such: never slow steps (a busy machine's own stalls are told as the
+    # machine's, now that no evaluation in a step's time hides them), nor untraced work.
+    spikes = found.get("STEP_SPIKES")
+    assert spikes is None or (spikes["evidence"]["machine_wide"] and spikes["evidence"]["period_steps"] is None), spikes
+    assert "UNTRACED_WORK" not in found
     training = goodput["training"]["share"]
     assert f"Goodput    {training:.0%} · startup" in run.stdout
 
@@ -89,7 +93,8 @@ def test_evaluation_and_saves_between_epochs_are_planned_work_not_slow_steps(tra
     assert step["mean_ms"] == pytest.approx(own["step_mean_ms"], rel=0.25)
     assert step["p90_ms"] <= 1.25 * own["step_p90_ms"] + 1.0
     assert summary["phases"]["outside"]["mean_ms"] < 0.25 * own["step_mean_ms"]
-    assert "STEP_SPIKES" not in found or found["STEP_SPIKES"]["evidence"]["first_spike_step"] not in (79, 159)
+    spikes = found.get("STEP_SPIKES")
+    assert spikes is None or (spikes["evidence"]["machine_wide"] and spikes["evidence"]["period_steps"] is None), spikes
 
 
 def test_hf_trainer_evaluation_and_checkpoints_match_its_own_figures(traceml_run):

@@ -125,11 +125,9 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     gc_gen2_ms: float = 0.0
     tokens: int = 0  # token inputs (an integer 2-D first input or input_ids): positions trained, padding in
     real_tokens: Optional[int] = None  # of them, those trained: labels not -100, or mask kept (None: neither)
-    # The user's planned work in the window, beside the step (taken out of outside_ms between
-    # steps, out of untraced_ms inside one). Evaluation: the no-grad regions between steps in
-    # which the model runs, and what lies between them (probe/evaluation.py), and the
-    # DataLoader waits between steps with gradients off. Checkpoints: time inside the saves
-    # (probe/phases.py, _patch_checkpoint_saves).
+    # The user's planned work in the window, beside the step (out of outside_ms between steps,
+    # out of untraced_ms inside one): evaluation (probe/evaluation.py) and the DataLoader waits
+    # between steps with gradients off; time inside the saves (phases._patch_checkpoint_saves).
     eval_ms: float = 0.0
     checkpoint_ms: float = 0.0
     instrumented: bool = False  # TraceML slowed this step on purpose (a deep-dive sample)
@@ -293,7 +291,7 @@ class RankEnd(msgspec.Struct, tag="end", array_like=True):
     ended_unix_s: Optional[float] = None
     tail_eval_ms: float = 0.0
     tail_checkpoint_ms: float = 0.0
-    tail_evaluations: int = 0
+    tail_evaluations: int = 0  # how many
     tail_saves: int = 0
 
 

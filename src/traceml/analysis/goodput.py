@@ -170,13 +170,10 @@ class RunTime:
                         "share": sum(p[part] for _, p in split) / total_ms if total_ms else 0.0}
                  for part in PARTS}
         tallies = [tally for tally, _ in split]
-        after_last_step = {
-            "evaluation": {"ms": sum(t.tail_eval_ms for t in tallies) / count,
-                           "count": max(t.tail_evaluations for t in tallies)},
-            "checkpoint": {"ms": sum(t.tail_checkpoint_ms for t in tallies) / count,
-                           "count": max(t.tail_saves for t in tallies)}}
-        return Goodput(wall_s=total_ms / count / 1e3, parts=parts, startup=_startup_parts(split),
-                       after_last_step=after_last_step)
+        after = {part: {"ms": sum(getattr(t, f"tail_{name}_ms") for t in tallies) / count,
+                        "count": max(getattr(t, f"tail_{many}") for t in tallies)}
+                 for part, name, many in (("evaluation", "eval", "evaluations"), ("checkpoint", "checkpoint", "saves"))}
+        return Goodput(wall_s=total_ms / count / 1e3, parts=parts, startup=_startup_parts(split), after_last_step=after)
 
 
 def _startup_parts(split: List[tuple]) -> Dict[str, object]:

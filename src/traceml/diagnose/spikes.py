@@ -310,14 +310,11 @@ def periodic(finding: Finding, stalls: Stalls, what: str, phase: str) -> Finding
 
 
 def planned_work(window: Window, goodput: Optional[Goodput] = None) -> List[Finding]:
-    """Evaluation and checkpoint saves: how many, how long each, and their share of the run
-    ("evaluated 5 times: 4 of about 36 ms, one of 402 ms at step 500, and 402 ms elsewhere:
-    948 ms, 3.2% of the 29.4 s run"). The run's plan, not a fault: a note, unless they take more
-    than their line. Planned work is never in step_ms: each window's is beside it, and the
-    goodbye's after the last step counts as one more. Of the run's wall time (goodput) when
-    known, else of the window's steps and their planned work. The numbers add up: the typical
-    one times its count, the outliers named apart, and what fell outside the windows counted
-    (the warm-up steps) make the total."""
+    """Evaluation and checkpoint saves ("evaluated 5 times: 4 of about 36 ms, one of 402 ms at
+    step 500, and 402 ms elsewhere: 948 ms, 3.2% of the 29.4 s run"): a note, unless more than
+    their line of the run (goodput's, else the window's steps and their planned work). Each
+    window that holds some counts once, and each one after the last step; the typical one times
+    its count, the outliers and what the windows counted missed (the warm-up) add up to the total."""
     found = []
     after_last_step = goodput.after_last_step if goodput is not None else {}
     run_ms = (goodput.wall_s * 1e3 if goodput is not None
@@ -340,9 +337,7 @@ def planned_work(window: Window, goodput: Optional[Goodput] = None) -> List[Find
         durations_ms = [ms for _, ms in occurrences]
         each_ms, outlier_indexes = _typical(durations_ms)
         outliers = [occurrences[i] for i in outlier_indexes]
-        # Outliers keep their place: an evaluation every 10 steps that once took 10 times longer
-        # is still every 10 steps.
-        period = _period([step for step, _ in occurrences if step is not None])
+        period = _period([step for step, _ in occurrences if step is not None])  # outliers in it
         after_ms = sum(ms for step, ms in occurrences if step is None)
         after_count = sum(step is None for step, _ in occurrences)
         if len(occurrences) == 1:
@@ -377,10 +372,7 @@ def _occurrences(windows: Sequence[Tuple[Optional[int], float]],
                  step_median_ms: float) -> List[Tuple[Optional[int], float]]:
     """The windows (step, ms; None: after the last step) that held an evaluation (or a save):
     over an absolute floor, and over a share of the median window that held any or as long as
-    the median step. A stray batch fetched without gradients is not an evaluation; a median,
-    unlike the largest, stays where the others are when one of them takes ten times longer; and
-    an evaluation longer than a whole step is never a stray batch, however much longer a busy
-    machine made the others (a period needs every one of them)."""
+    the median step (see PLANNED_NOISE_SHARE)."""
     held = [(step, ms) for step, ms in windows if ms >= PLANNED_FLOOR_MS]
     if not held:
         return []
@@ -401,8 +393,8 @@ def _typical(values: Sequence[float]) -> Tuple[float, List[int]]:
 
 def _some_of_about(count: int, typical_ms: float, outliers: Sequence[Tuple[Optional[int], float]],
                    digits: int) -> str:
-    """"4 of about 36 ms, one of 402 ms at step 500": the typical occurrences and each outlier
-    (step, ms; step None: after the last step), so that the parts of a total can be added up."""
+    """"4 of about 36 ms, one of 402 ms at step 500": the typical ones and each outlier (step, ms;
+    step None: after the last step), so that the parts of a total can be added up."""
     told = [f"{ms:.{digits}f} ms " + ("after the last step" if step is None else f"at step {step}")
             for step, ms in sorted(outliers, key=lambda outlier: (outlier[0] is None, outlier[0] or 0))]
     said = f"{count - len(told)} of about {typical_ms:.{digits}f} ms"

@@ -12,11 +12,9 @@ next token, decoding, a metric), when the model runs in it:
 A region in which no such module runs is not evaluation: an EMA update (arithmetic on the
 weights, no module called), metrics, someone else's frozen encoder applied to the batch.
 A traced model called with gradients off outside any region is a region of its own.
-An evaluation runs from a module's `eval()` called between steps, or else from its first
-region after the last step, to its last region before the next `eval()` or step: a loop that
-enters torch.no_grad for each batch (Hugging Face's no_trainer examples) fetches its batches
-with gradients on, and gathers its losses, between the regions, and that is evaluation too (a
-save among them stays a checkpoint). Each is counted (StepProbe.count_planned).
+An evaluation runs from a module's `eval()` between steps (else its first region) to its last
+region before the next `eval()` or step: a no_grad region a batch (Hugging Face's no_trainer
+examples) fetches its batches between them, and that is evaluation too (a save stays a save).
 
 Cost: inside a step, entering and leaving a region reads `in_step` and one attribute; no module
 call pays anything, ever. Between steps a region puts a global forward pre-hook in place that
@@ -75,11 +73,9 @@ class EvaluationRegions:
         self.qualified = False  # the model ran in it: evaluation
         self._step = -1  # the step index it opened at: a step started since drops it
         self._start_ns = self._eval_ns_before = 0
-        # Where the next evaluation region closed in the same gap extends from (the last one's
-        # end, or an eval() call before the first): its window, then, and the window's input
-        # wait, saves and evaluation then; and whether a region closed there.
-        self._last_closed: Tuple[Any, int, int, int, int] = (None, 0, 0, 0, 0)
-        self._region_closed = False
+        # Where a region closing in the same window extends the evaluation from: (the window,
+        # its input wait, saves and evaluation then, when, whether a region closed then).
+        self._last_closed: tuple = (None,)
         self._register_hook = torch_module.register_module_forward_pre_hook
         self._hook: Any = None  # the global pre-hook's handle, while it waits for a first module
         self._swapped: List[Tuple[Any, str, Any, Any]] = []  # (module, name, torch's, ours) meanwhile
@@ -148,33 +144,27 @@ class EvaluationRegions:
         self._stop_watching()
         if not self.qualified or probe.in_step or probe.step_index != self._step:
             return
-        window, now_ns = probe.window, _now_ns()
-        last_window, last_end_ns, wait_ns, saves_ns, eval_ns = self._last_closed
-        if last_window is window:  # the evaluation so far (or from its eval()) is extended
-            window[INPUT_WAIT_GAP_NS] = wait_ns  # its batches' fetches with gradients on
-            window[EVAL_NS] = eval_ns + max(0, now_ns - last_end_ns - (window[CHECKPOINT_BETWEEN_NS] - saves_ns))
+        window, now_ns, last = probe.window, _now_ns(), self._last_closed
+        if last[0] is window:  # the evaluation since its eval() or last region: its fetches too
+            window[INPUT_WAIT_GAP_NS] = last[1]
+            window[EVAL_NS] = last[3] + max(0, now_ns - last[4] - (window[CHECKPOINT_BETWEEN_NS] - last[2]))
         else:
-            counted_inside_ns = window[EVAL_NS] - self._eval_ns_before
-            window[EVAL_NS] += max(0, now_ns - self._start_ns - counted_inside_ns)
-        if last_window is not window or not self._region_closed:
+            window[EVAL_NS] += max(0, now_ns - self._start_ns - (window[EVAL_NS] - self._eval_ns_before))
+        if last[0] is not window or not last[5]:
             probe.count_planned(1)
-        self._extend_from_here(window, now_ns, region_closed=True)
+        self._extend_from(window, now_ns, True)
 
-    def _extend_from_here(self, window: list, now_ns: int, region_closed: bool) -> None:
-        """The next evaluation region closed in this gap counts from now on."""
-        self._last_closed = (window, now_ns, window[INPUT_WAIT_GAP_NS], window[CHECKPOINT_BETWEEN_NS],
-                             window[EVAL_NS])
-        self._region_closed = region_closed
+    def _extend_from(self, window: list, now_ns: int, region_closed: bool) -> None:
+        self._last_closed = (window, window[INPUT_WAIT_GAP_NS], window[CHECKPOINT_BETWEEN_NS], window[EVAL_NS],
+                             now_ns, region_closed)
 
     def eval_called(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """Module.eval: between steps it may start an evaluation (the first batch is fetched
-        before the first region)."""
+        """Module.eval: between steps, it starts an evaluation (its first batch's fetch)."""
 
         @functools.wraps(original)
         def eval(module: Any) -> Any:
-            probe = self.probe
-            if not probe.in_step and not self._is_compiling() and threading.get_ident() == self._thread:
-                self._extend_from_here(probe.window, _now_ns(), region_closed=False)
+            if not self.probe.in_step and not self._is_compiling() and threading.get_ident() == self._thread:
+                self._extend_from(self.probe.window, _now_ns(), False)
             return original(module)
 
         return eval
@@ -259,5 +249,5 @@ class EvaluationRegions:
 
     def stop(self) -> None:
         """TraceML is taken out: no region open, no hook left behind."""
-        self.owner, self._last_closed = None, (None, 0, 0, 0, 0)
+        self.owner, self._last_closed = None, (None,)
         self._stop_watching()

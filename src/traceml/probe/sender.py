@@ -167,8 +167,8 @@ class Sender:
 
     def close(self, exit_code: Optional[int] = None, timeout_s: float = 5.0, tail_eval_ms: float = 0.0,
               tail_checkpoint_ms: float = 0.0, tail_counts: Sequence[int] = (0, 0)) -> None:
-        """Ship what is left and say goodbye; bounded in time whatever the collector does.
-        tail_*: the evaluation and saves after the last step, and how many of each."""
+        """Ship what is left and say goodbye (with what ran after the last step, and how many);
+        bounded in time whatever the collector does."""
         ended_unix_s = time.time()
         deadline = time.monotonic() + timeout_s
         self._stop.set()

@@ -240,9 +240,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self.syncs = syncs
         self.layers_active = False
         self.tail_eval_ns = self.tail_checkpoint_ns = 0  # after the last step (see finish)
-        # The evaluations and saves begun between steps in a window: [that window, evaluations,
-        # saves]; the goodbye's count those after the last step (see count_planned).
-        self._planned_counted: list = [None, 0, 0]
+        self._planned_counted: list = [None, 0, 0]  # [a window, evaluations, saves] begun in it
         self.reset_inferred_steps()
         self._grad_enabled: Callable[[], bool] = grad_enabled or _grad_always_enabled
         # True while a trainer's evaluation runs (an integration says so): timed as a whole as
@@ -489,8 +487,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         untraced_ns = max(0, end_ns - start_ns - h2d_ns - forward_ns - backward_ns - optimizer_ns
                           - input_wait_inside_ns)
         input_wait_gap_ns = min(window[INPUT_WAIT_GAP_NS], gap_ns)
-        # Planned work is not the step's: evaluation and saves between steps come off outside,
-        # saves inside the step off untraced, and both off step_ms (they are told beside it).
+        # Planned work is beside the step: between steps off outside, saves inside off untraced.
         planned_gap_ns = min(window[EVAL_NS] + window[CHECKPOINT_BETWEEN_NS], gap_ns - input_wait_gap_ns)
         planned_inside_ns = min(window[CHECKPOINT_NS] - window[CHECKPOINT_BETWEEN_NS], untraced_ns)
         # Positional, in StepRecord's field order: the sender makes one a step, and keywords
@@ -563,20 +560,18 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
 
     def count_planned(self, kind: int) -> None:
         """An evaluation (kind 1) or a save (kind 2) began between steps, in the window now."""
-        counted = self._planned_counted
-        if counted[0] is not self.window:
-            counted[:] = [self.window, 0, 0]
-        counted[kind] += 1
+        if self._planned_counted[0] is not self.window:
+            self._planned_counted = [self.window, 0, 0]
+        self._planned_counted[kind] += 1
 
     def goodbye(self, exit_code: Optional[int], timeout_s: float = 5.0) -> None:
         """Send what is left and the rank's goodbye, with the evaluation and saves that ran
         after the last step (moved aside by finish, or counted since), and how many."""
         window, counted = self.window, self._planned_counted
-        tail_counts = counted[1:] if counted[0] is window and self.step_index else [0, 0]
         self.sender.close(exit_code=exit_code, timeout_s=timeout_s,
                           tail_eval_ms=(self.tail_eval_ns + window[EVAL_NS]) / 1e6,
                           tail_checkpoint_ms=(self.tail_checkpoint_ns + window[CHECKPOINT_BETWEEN_NS]) / 1e6,
-                          tail_counts=tail_counts)
+                          tail_counts=counted[1:] if counted[0] is window and self.step_index else [0, 0])
 
     # -- phases, called by the patches in probe.phases ----------------------------------------
     def phase_begin(self, phase: int) -> int:
