@@ -85,10 +85,14 @@ def test_evaluation_and_saves_between_epochs_are_planned_work_not_slow_steps(tra
     # Never a slow step: the epochs' last steps hold their planned work beside their time, no
     # capture fires for it, and the step figures are the script's own steps' (each from its
     # batch's fetch to its update's end).
-    epoch_ends = [row for row in run.step_rows() if row["eval_ms"] > 0]
-    assert [row["step"] for row in epoch_ends] == [79, 159]
-    assert all(row["step_ms"] < row["eval_ms"] / 2 and row["outside_ms"] < row["eval_ms"] / 4 for row in epoch_ends)
-    assert not [c for c in summary["captures"] if c["reason"] == "spike" and c["step"] in (79, 159)]
+    epoch_ends = {row["step"]: row for row in run.step_rows() if row["eval_ms"] > 0}
+    assert list(epoch_ends) == [79, 159]
+    assert all(row["step_ms"] < row["eval_ms"] / 2 and row["outside_ms"] < row["eval_ms"] / 4
+               for row in epoch_ends.values())
+    # A capture may fire there on a busy machine's stall, never on the step's planned work.
+    for capture in summary["captures"]:
+        took_ms = float(re.search(r"took ([\d.]+) ms", capture["detail"]).group(1)) if capture["reason"] == "spike" else 0
+        assert capture["step"] not in epoch_ends or took_ms < epoch_ends[capture["step"]]["eval_ms"] / 2, capture
     step = summary["phases"]["step"]
     assert step["mean_ms"] == pytest.approx(own["step_mean_ms"], rel=0.25)
     assert step["p90_ms"] <= 1.25 * own["step_p90_ms"] + 1.0
