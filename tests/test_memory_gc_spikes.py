@@ -71,8 +71,11 @@ def test_a_save_every_20th_step_is_one_checkpoint_finding_with_its_period(tracem
     # One cause, one finding: neither the saves' slow steps nor the untraced time they make are
     # told again. Other slow steps may be (after a save this loop sometimes runs ~20x slower in
     # backward until the next save): another finding, never the saves' period again. A busy
-    # machine stalls all steps, the saves' too: that is told as the machine's, under Also.
-    assert "UNTRACED_WORK" not in found
+    # machine stalls all steps, the saves' too: that is told as the machine's, under Also. The
+    # loop's own work around its sub-ms phases may be UNTRACED_WORK (no save dilutes the steps
+    # now), never with the saves in it.
+    untraced = found.get("UNTRACED_WORK")
+    assert untraced is None or untraced["evidence"]["phase_mean_ms"] < stall["evidence"]["each_ms"] / 20, untraced
     spikes = found.get("STEP_SPIKES")
     assert spikes is None or spikes["evidence"]["machine_wide"] or spikes["evidence"].get("period_steps") != 20, spikes
     if stall["evidence"]["share"] >= 0.10:
