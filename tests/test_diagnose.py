@@ -487,39 +487,40 @@ def test_cheap_stalls_on_a_period_are_the_scheduler_on_a_busy_machine_and_the_lo
     assert costly.cost_share >= WARN_COST_SHARE and costly.period == 17
 
 
-def test_a_checkpoint_inside_the_step_is_checkpoint_stall_and_nothing_else():
-    window = stalled_window({19, 39, 59, 79, 99}, extra_ms=1000.0)
-    for step in window.steps:
-        step.checkpoint_ms = 1000.0 if step.step % 20 == 19 else 0.0
-    findings = diagnose(DiagnosisInput(window, steps_seen=100))
-    assert [f.kind for f in findings][:2] == ["CHECKPOINT_STALL", "COMPUTE_BOUND"]
-    assert "UNTRACED_WORK" not in kinds(findings) and "STEP_SPIKES" not in kinds(findings)
-    assert findings[0].summary == "every 20 steps, a checkpoint save inside the step takes 1000 ms: 33% of the run"
-    assert "async_save" in findings[0].action
-
-
-def test_evaluation_every_n_steps_is_noted_under_a_compute_bound_verdict():
-    window = stalled_window({19, 39, 59, 79, 99}, extra_ms=180.0, outside=1.0)  # 8% of the run
-    for step in window.steps:
-        step.eval_ms = 180.0 if step.step % 20 == 19 else 0.0
-    findings = diagnose(DiagnosisInput(window, steps_seen=100))
-    assert [f.kind for f in findings] == ["COMPUTE_BOUND", "EVAL_HEAVY"]
-    assert findings[1].severity == "info" and findings[1].evidence["period_steps"] == 20
-    assert findings[1].summary == "every 20 steps, evaluation between steps takes 180 ms: 8% of the run"
-
-
-def evaluated_window(evaluations_ms, count=100, step_ms=100.0):
-    """Steps of step_ms, mostly forward, with evaluation between steps: {step: its ms}."""
+def planned_window(figure, planned_ms, count=100, step_ms=100.0):
+    """Steps of step_ms, mostly forward, with planned work beside them (never in step_ms, as
+    the probe records it): figure ("eval" or "checkpoint") -> {step: its ms}."""
     steps = []
     for index in range(count):
         step = rolled(index, backward=30.0, optimizer=10.0)
         for name in ("step", "forward", "backward", "optimizer"):
             setattr(step, f"{name}_ms", getattr(step, f"{name}_ms") * step_ms / 100.0)
-        step.eval_ms = evaluations_ms.get(index, 0.0)
-        step.outside_ms += step.eval_ms
-        step.step_ms += step.eval_ms
+        setattr(step, f"{figure}_ms", planned_ms.get(index, 0.0))
         steps.append(step)
     return Window(steps)
+
+
+def test_checkpoints_are_checkpoint_stall_and_nothing_else():
+    window = planned_window("checkpoint", {step: 1000.0 for step in range(19, 100, 20)})
+    findings = diagnose(DiagnosisInput(window, steps_seen=100))
+    assert [f.kind for f in findings][:2] == ["CHECKPOINT_STALL", "COMPUTE_BOUND"]
+    assert "UNTRACED_WORK" not in kinds(findings) and "STEP_SPIKES" not in kinds(findings)
+    assert findings[0].summary == ("saved a checkpoint 5 times (every 20 steps): about 1000 ms each: 5.0 s, "
+                                   "33.3% of the 15.0 s run")
+    assert findings[0].evidence["run_ms"] == 15000.0 and findings[0].evidence["total_ms"] == 5000.0
+    assert "async_save" in findings[0].action
+
+
+def test_evaluation_every_n_steps_is_noted_under_a_compute_bound_verdict():
+    window = planned_window("eval", {step: 180.0 for step in range(19, 100, 20)})  # 8% of the run
+    findings = diagnose(DiagnosisInput(window, steps_seen=100))
+    assert [f.kind for f in findings] == ["COMPUTE_BOUND", "EVAL_HEAVY"]
+    assert findings[1].severity == "info" and findings[1].evidence["period_steps"] == 20
+    assert findings[1].summary == "evaluated 5 times (every 20 steps): about 180 ms each: 900 ms, 8.3% of the 10.9 s run"
+
+
+def evaluated_window(evaluations_ms, count=100, step_ms=100.0):
+    return planned_window("eval", evaluations_ms, count, step_ms)
 
 
 def said_ms(evidence):
@@ -527,6 +528,12 @@ def said_ms(evidence):
     the outliers as named, and what fell outside the windows counted."""
     regular = evidence["count"] - len(evidence["outliers"])
     return regular * evidence["each_ms"] + sum(o["ms"] for o in evidence["outliers"]) + evidence["elsewhere_ms"]
+
+
+def adds_up(evidence):
+    """The words' parts make the total, and the total over the run is the share."""
+    return (said_ms(evidence) == pytest.approx(evidence["total_ms"], abs=0.01)
+            and evidence["total_ms"] / evidence["run_ms"] == pytest.approx(evidence["share"], abs=1e-4))
 
 
 def test_an_evaluation_ten_times_slower_is_named_apart_and_keeps_the_period():
@@ -539,10 +546,9 @@ def test_an_evaluation_ten_times_slower_is_named_apart_and_keeps_the_period():
     found = findings[0]
     assert found.evidence["period_steps"] == 10 and found.evidence["count"] == 10
     assert found.evidence["each_ms"] == 100.0 and found.evidence["outliers"] == [{"step": 9, "ms": 1200.0}]
-    assert said_ms(found.evidence) / window.total_ms == pytest.approx(found.evidence["share"], abs=1e-4)
-    assert found.summary == ("every 10 steps, evaluation between steps takes 100 ms (one of them 1200 ms): "
-                             "17% of the run")
-
+    assert adds_up(found.evidence)
+    assert found.summary == ("evaluated 10 times (every 10 steps): 9 of about 100 ms, one of 1200 ms at step 9: "
+                             "2.1 s, 17.4% of the 12.1 s run")
 
 
 def test_a_busy_machine_stretching_some_evaluations_twelve_times_keeps_the_period():
@@ -553,12 +559,13 @@ def test_a_busy_machine_stretching_some_evaluations_twelve_times_keeps_the_perio
     window = evaluated_window(evaluations, count=40, step_ms=20.0)
     (found,) = [f for f in diagnose(DiagnosisInput(window, steps_seen=40)) if f.kind == "EVAL_HEAVY"]
     assert found.evidence["period_steps"] == 10 and found.evidence["count"] == 3
-    assert said_ms(found.evidence) / window.total_ms == pytest.approx(found.evidence["share"], abs=1e-4)
+    assert adds_up(found.evidence)
     # A stray batch fetched without gradients (a forward alone, under a step) is still none of them.
     evaluations[25] = 12.0
     (found,) = [f for f in diagnose(DiagnosisInput(evaluated_window(evaluations, count=40, step_ms=20.0),
                                                    steps_seen=40)) if f.kind == "EVAL_HEAVY"]
     assert found.evidence["period_steps"] == 10 and found.evidence["count"] == 3
+
 
 def test_irregular_evaluations_are_counted_all_and_once_is_once():
     # What a field run stored: five evaluations over 996 steps of 15 ms, one of them 458 ms.
@@ -567,29 +574,47 @@ def test_irregular_evaluations_are_counted_all_and_once_is_once():
     (found,) = [f for f in diagnose(DiagnosisInput(window, steps_seen=996)) if f.kind == "EVAL_HEAVY"]
     assert found.evidence["count"] == 5 and found.evidence["period_steps"] is None
     assert found.evidence["outliers"] == [{"step": 500, "ms": 457.6}]
-    assert said_ms(found.evidence) / window.total_ms == pytest.approx(found.evidence["share"], abs=1e-4)
-    assert found.summary == ("5 times in 996 steps, evaluation between steps takes 52 ms (one of them 458 ms): "
-                             "4% of the run")
+    assert adds_up(found.evidence)
+    assert found.summary == "evaluated 5 times: 4 of about 52 ms, one of 458 ms at step 500: 666 ms, 4.3% of the 15.6 s run"
     window = evaluated_window({50: 3000.0})
     (found,) = [f for f in diagnose(DiagnosisInput(window, steps_seen=100)) if f.kind == "EVAL_HEAVY"]
-    assert found.summary == "once in 100 steps, evaluation between steps takes 3000 ms: 23% of the run"
-    assert found.evidence["count"] == 1 and found.evidence["outliers"] == []
+    assert found.summary == "evaluated once (at step 50): 3.0 s, 23.1% of the 13.0 s run"
+    assert found.evidence["count"] == 1 and found.evidence["outliers"] == [] and found.evidence["first_step"] == 50
 
 
-def test_evaluation_outside_the_steps_counted_is_said_and_added_up():
-    # Ten evaluations of 100 ms in the steps, and a final one of 1000 ms after the last step:
-    # goodput holds all of it.
-    window = evaluated_window({step: 100.0 for step in range(9, 100, 10)})
-    run_s = window.total_ms / 1e3 + 2.0  # startup, and the final evaluation
-    evaluation_s = 2.0
+def goodput_of(window, evaluation_s, after_last_step_ms, startup_s=1.0, after_last_step_count=1):
+    """The run's goodput around a window: startup, its steps, and evaluation_s in all, of which
+    after_last_step_ms came after the last step."""
+    in_windows_s = sum(s.eval_ms for s in window.steps) / 1e3
+    run_s = startup_s + window.total_ms / 1e3 + in_windows_s + (evaluation_s - in_windows_s)
     parts = {part: {"seconds": 0.0, "share": 0.0} for part in PARTS}
     parts["evaluation"] = {"seconds": evaluation_s, "share": evaluation_s / run_s}
-    goodput = Goodput(wall_s=run_s, parts=parts, startup={})
+    return Goodput(wall_s=run_s, parts=parts, startup={},
+                   after_last_step={"evaluation": {"ms": after_last_step_ms, "count": after_last_step_count}})
+
+
+def test_an_evaluation_after_the_last_step_is_counted_and_what_else_is_outside_the_steps_is_said():
+    # Ten evaluations of 100 ms in the steps, and a final one after the last step: goodput holds
+    # all of it. A final one like the others is one more of them.
+    window = evaluated_window({step: 100.0 for step in range(9, 100, 10)})
+    goodput = goodput_of(window, 1.1, 100.0)
     (found,) = [f for f in diagnose(DiagnosisInput(window, steps_seen=100, goodput=goodput)) if f.kind == "EVAL_HEAVY"]
-    assert found.evidence["elsewhere_ms"] == pytest.approx(1000.0)
-    assert said_ms(found.evidence) / (run_s * 1e3) == pytest.approx(found.evidence["share"], abs=1e-4)
-    assert found.summary == ("every 10 steps, evaluation between steps takes 100 ms, and 1000 ms more "
-                             "elsewhere in the run: 15% of the run")
+    assert found.evidence["count"] == 11 and found.evidence["after_last_step_ms"] == 100.0 and adds_up(found.evidence)
+    assert found.summary == ("evaluated 11 times (every 10 steps, the last after the last step): about 100 ms each: "
+                             "1.1 s, 9.1% of the 12.1 s run")
+    # A final one ten times longer is named apart; 300 ms more in the warm-up steps are elsewhere.
+    goodput = goodput_of(window, 2.3, 1000.0)
+    (found,) = [f for f in diagnose(DiagnosisInput(window, steps_seen=100, goodput=goodput)) if f.kind == "EVAL_HEAVY"]
+    assert found.evidence["outliers"] == [{"step": None, "ms": 1000.0}] and adds_up(found.evidence)
+    assert found.evidence["elsewhere_ms"] == pytest.approx(300.0)
+    assert found.summary == ("evaluated 11 times (every 10 steps): 10 of about 100 ms, one of 1000 ms after the last "
+                             "step, and 300 ms elsewhere: 2.3 s, 17.3% of the 13.3 s run")
+    # Two after the last step (a last one, then a final one), told as two.
+    goodput = goodput_of(window, 1.2, 200.0, after_last_step_count=2)
+    (found,) = [f for f in diagnose(DiagnosisInput(window, steps_seen=100, goodput=goodput)) if f.kind == "EVAL_HEAVY"]
+    assert found.evidence["count"] == 12 and found.evidence["after_last_step_count"] == 2 and adds_up(found.evidence)
+    assert found.summary == ("evaluated 12 times (every 10 steps, the last 2 after the last step): about 100 ms each: "
+                             "1.2 s, 9.8% of the 12.2 s run")
 
 
 def test_a_finding_worth_less_than_a_tenth_of_the_run_is_never_the_verdict():

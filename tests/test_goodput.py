@@ -48,11 +48,57 @@ def test_evaluation_and_saves_take_the_share_the_script_measures(traceml_run, mo
     assert goodput["startup"]["seconds"] >= 1.0
     assert startup["setup_s"] >= 0.95 and startup["imports_s"] > 0.1 and startup["slowest_import"] == "torch"
     found = kinds(summary)
-    assert found["EVAL_HEAVY"]["evidence"]["period_steps"] == 20
-    assert found["CHECKPOINT_STALL"]["evidence"]["period_steps"] == 15
-    assert "STEP_SPIKES" not in found and "UNTRACED_WORK" not in found  # planned work, told as such
+    evaluations, saves = found["EVAL_HEAVY"]["evidence"], found["CHECKPOINT_STALL"]["evidence"]
+    assert evaluations["period_steps"] == 20 and saves["period_steps"] == 15
+    # Each counted, those after the last step too: two evaluations there, one save.
+    assert (evaluations["count"], saves["count"]) == (own["evaluations"], own["saves"]) == (6, 7)
+    assert (evaluations["after_last_step_count"], saves["after_last_step_count"]) == (2, 1)
+    assert found["EVAL_HEAVY"]["summary"].startswith("evaluated 6 times (every 20 steps, the last 2 after the last step)")
+    # Planned work, told as such: never slow steps (a busy machine's own stalls are told as the
+    # machine's, now that no evaluation in a step's time hides them), nor untraced work.
+    spikes = found.get("STEP_SPIKES")
+    assert spikes is None or (spikes["evidence"]["machine_wide"] and spikes["evidence"]["period_steps"] is None), spikes
+    assert "UNTRACED_WORK" not in found
     training = goodput["training"]["share"]
     assert f"Goodput    {training:.0%} · startup" in run.stdout
+
+
+@pytest.mark.serial  # compares its step times with the script's own (under -n 2, another test beside it)
+def test_evaluation_and_saves_between_epochs_are_planned_work_not_slow_steps(traceml_run):
+    # run_clm_no_trainer's shape: each epoch ends with an evaluation (torch.no_grad around each
+    # batch, the batches fetched with gradients on) and Accelerate's save_state, between one
+    # update and the next; the last epoch's come after the last step, then a final save_model.
+    run = traceml_run("--epochs", 3, "--steps", 240, "--eval-batches", 10, "--save-mb", 48, script=EVAL_SAVE,
+                      timeout=240)
+    assert run.returncode == 0, run.stderr
+    own, summary = measured(run), run.summary()
+    goodput, found = summary["goodput"], kinds(summary)
+    # Counted, the ones after the last step too.
+    evaluations, saves = found["EVAL_HEAVY"]["evidence"], found["CHECKPOINT_STALL"]["evidence"]
+    assert (evaluations["count"], saves["count"]) == (own["evaluations"], own["saves"]) == (3, 4)
+    assert (evaluations["after_last_step_count"], saves["after_last_step_count"]) == (1, 2)
+    assert found["EVAL_HEAVY"]["summary"].startswith("evaluated 3 times (the last after the last step): ")
+    assert found["CHECKPOINT_STALL"]["summary"].startswith("saved a checkpoint 4 times (the last 2 after the last step): ")
+    # Timed whole: save_state's gathering and writing, the evaluation's fetches between its regions.
+    assert goodput["checkpoint"]["seconds"] == pytest.approx(own["save_s"], rel=0.1)
+    assert goodput["evaluation"]["seconds"] == pytest.approx(own["eval_s"], rel=0.1)
+    # Never a slow step: the epochs' last steps hold their planned work beside their time, no
+    # capture fires for it, and the step figures are the script's own steps' (each from its
+    # batch's fetch to its update's end).
+    epoch_ends = {row["step"]: row for row in run.step_rows() if row["eval_ms"] > 0}
+    assert list(epoch_ends) == [79, 159]
+    assert all(row["step_ms"] < row["eval_ms"] / 2 and row["outside_ms"] < row["eval_ms"] / 4
+               for row in epoch_ends.values())
+    # A capture may fire there on a busy machine's stall, never on the step's planned work.
+    for capture in summary["captures"]:
+        took_ms = float(re.search(r"took ([\d.]+) ms", capture["detail"]).group(1)) if capture["reason"] == "spike" else 0
+        assert capture["step"] not in epoch_ends or took_ms < epoch_ends[capture["step"]]["eval_ms"] / 2, capture
+    step = summary["phases"]["step"]
+    assert step["mean_ms"] == pytest.approx(own["step_mean_ms"], rel=0.25)
+    assert step["p90_ms"] <= 1.25 * own["step_p90_ms"] + 1.0
+    assert summary["phases"]["outside"]["mean_ms"] < 0.25 * own["step_mean_ms"]
+    spikes = found.get("STEP_SPIKES")
+    assert spikes is None or (spikes["evidence"]["machine_wide"] and spikes["evidence"]["period_steps"] is None), spikes
 
 
 def test_hf_trainer_evaluation_and_checkpoints_match_its_own_figures(traceml_run):
@@ -188,21 +234,22 @@ def step(index, start, step_ms=100.0, outside_ms=0.0, eval_ms=0.0, checkpoint_ms
 def test_the_parts_add_up_to_the_wall_time_and_put_each_second_in_its_place():
     # Start at 1000 s; first step at 1010 (10 s startup, 2 of them imports); 10 steps of 100 ms, one
     # of them with 300 ms of evaluation and 200 ms of a save between steps, one with a save of
-    # 50 ms inside it; then 1 s of a final evaluation and 0.5 s of teardown.
+    # 50 ms inside it (beside step_ms, as the probe records them); then 1 s of two final
+    # evaluations and 0.5 s of teardown.
     records = [hello(imports_ms=2000.0), step(0, 1010.0, input_wait_ms=40.0)]
     start = 1010.1
     for index in range(1, 10):
         if index == 4:
-            records.append(step(index, start, step_ms=600.0, outside_ms=520.0, eval_ms=300.0, checkpoint_ms=200.0))
+            records.append(step(index, start, step_ms=100.0, outside_ms=20.0, eval_ms=300.0, checkpoint_ms=200.0))
             start += 0.6
         elif index == 6:
-            records.append(step(index, start, checkpoint_ms=50.0))
+            records.append(step(index, start, step_ms=50.0, checkpoint_ms=50.0))
             start += 0.1
         else:
             records.append(step(index, start))
             start += 0.1
     records.append(RankEnd(rank=0, exit_code=0, records_sent=0, records_dropped=0,
-                           ended_unix_s=start + 1.5, tail_eval_ms=1000.0))
+                           ended_unix_s=start + 1.5, tail_eval_ms=1000.0, tail_evaluations=2))
     goodput = RunTime.of(records).goodput(now_unix_s=None)
     seconds = {part: goodput.seconds(part) for part in PARTS}
     assert sum(seconds.values()) == pytest.approx(start + 1.5 - 1000.0)
@@ -212,6 +259,7 @@ def test_the_parts_add_up_to_the_wall_time_and_put_each_second_in_its_place():
     # 1.5 s of steps less planned work, the first batch and 20 ms of other work between steps.
     assert seconds["training"] == pytest.approx(1.5 - 0.3 - 0.25 - 0.04 - 0.02)
     assert seconds["other"] == pytest.approx(0.02 + 0.5)
+    assert goodput.after_last_step == {"evaluation": {"ms": 1000.0, "count": 2}, "checkpoint": {"ms": 0.0, "count": 0}}
     assert goodput.startup["imports_s"] == pytest.approx(2.0)
     assert goodput.startup["setup_s"] == pytest.approx(10.04 - 2.0 - 0.04)
 

@@ -65,21 +65,25 @@ def test_a_save_every_20th_step_is_one_checkpoint_finding_with_its_period(tracem
     summary = run.summary()
     found = kinds(summary)
     stall = found["CHECKPOINT_STALL"]
-    assert stall["evidence"]["period_steps"] == 20 and stall["evidence"]["where"] == "inside the step"
-    assert stall["summary"].startswith("every 20 steps, a checkpoint save inside the step takes")
+    assert stall["evidence"]["period_steps"] == 20 and stall["evidence"]["count"] == 6
+    assert stall["summary"].startswith("saved a checkpoint 6 times (every 20 steps): ")
     assert "async_save" in stall["action"]
     # One cause, one finding: neither the saves' slow steps nor the untraced time they make are
     # told again. Other slow steps may be (after a save this loop sometimes runs ~20x slower in
     # backward until the next save): another finding, never the saves' period again. A busy
-    # machine stalls all steps, the saves' too: that is told as the machine's, under Also.
-    assert "UNTRACED_WORK" not in found
+    # machine stalls all steps, the saves' too: that is told as the machine's, under Also. The
+    # loop's own work around its sub-ms phases may be UNTRACED_WORK (no save dilutes the steps
+    # now), never with the saves in it.
+    untraced = found.get("UNTRACED_WORK")
+    assert untraced is None or untraced["evidence"]["phase_mean_ms"] < stall["evidence"]["each_ms"] / 20, untraced
     spikes = found.get("STEP_SPIKES")
     assert spikes is None or spikes["evidence"]["machine_wide"] or spikes["evidence"].get("period_steps") != 20, spikes
     if stall["evidence"]["share"] >= 0.10:
         assert summary["primary_diagnosis"]["kind"] == "CHECKPOINT_STALL"
+    # Inside the step, the save is beside the step's time, not in its untraced time.
     saves = [row for row in run.step_rows() if row["checkpoint_ms"] > 0]
     assert [row["step"] for row in saves] == list(range(19, 120, 20))
-    assert all(row["untraced_ms"] >= row["checkpoint_ms"] for row in saves)
+    assert all(row["untraced_ms"] < row["checkpoint_ms"] / 2 for row in saves)
 
 
 @wide_mlp

@@ -2,6 +2,7 @@
 import copy
 import gc
 import inspect
+import io
 import pickle
 import time
 
@@ -59,6 +60,12 @@ def records(probe):
             if type(raw) in (StepRecord, EndedWindow)]
 
 
+def beside_ms(record, following):
+    """What a step's window held beside its step time: from its start to the next step's, less
+    its step_ms (the planned work, never the step's)."""
+    return (following.start_unix_s - record.start_unix_s) * 1e3 - record.step_ms
+
+
 def test_phases_land_where_the_time_went(probe):
     model = SlowForward(sleep_ms=20)
     handles = phases.hook_model(probe, model)
@@ -111,9 +118,10 @@ def test_every_figure_of_a_closed_step_lands_in_its_own_field():
     record = probe.record_from(EndedWindow(closed, end_ns + 40 * ms, window, None))
     fields = {name: getattr(record, name) for name in record.__struct_fields__}
     assert fields == dict(
-        rank=0, step=22, start_unix_s=probe.unix_s(start_ns), step_ms=90.0, input_wait_ms=5.0 + 21.0,
-        outside_ms=40.0 - 21.0, h2d_ms=1.0, forward_ms=2.0, backward_ms=3.0, optimizer_ms=4.0,
-        untraced_ms=50.0 - 1 - 2 - 3 - 4 - 5, gc_ms=11.0, gc_collections=12, forward_calls=6, samples=7,
+        # planned work beside the step: the evaluation off outside, the save (inside) off untraced
+        rank=0, step=22, start_unix_s=probe.unix_s(start_ns), step_ms=90.0 - 18 - 19, input_wait_ms=5.0 + 21.0,
+        outside_ms=40.0 - 21.0 - 18, h2d_ms=1.0, forward_ms=2.0, backward_ms=3.0, optimizer_ms=4.0,
+        untraced_ms=50.0 - 1 - 2 - 3 - 4 - 5 - 19, gc_ms=11.0, gc_collections=12, forward_calls=6, samples=7,
         device_timed=False, gpu_idle_ms=None, device_allocated_bytes=23, device_peak_bytes=24,
         device_reserved_bytes=25, host_rss_bytes=26, comm_wait_ms=9.0, gc_max_pause_ms=13.0,
         gc_full_collections=14, gc_gen0_ms=15.0, gc_gen1_ms=16.0, gc_gen2_ms=17.0, tokens=8, real_tokens=10,
@@ -343,10 +351,59 @@ def test_evaluation_and_checkpoint_saves_are_counted_where_they_happen(probe, tm
     first, second = records(probe)
     assert first.eval_ms >= 5.0 and first.forward_calls == 1  # evaluation is not the step's forward
     assert first.checkpoint_ms > 0.0
-    assert first.outside_ms >= first.eval_ms + first.checkpoint_ms  # both were between steps
+    # Both were between steps: beside the step's time, not in its outside.
+    assert beside_ms(first, second) == pytest.approx(first.eval_ms + first.checkpoint_ms, abs=0.01)
+    assert first.outside_ms < first.eval_ms
     assert second.eval_ms == 0.0 and second.checkpoint_ms > 0.0
-    assert second.untraced_ms >= second.checkpoint_ms  # inside the step, outside the model
+    assert second.untraced_ms < second.checkpoint_ms / 2  # inside the step, beside its time
     assert torch.save.__wrapped__ is not None and torch.save.__name__ == "save"
+
+
+class SlowBatches(torch.utils.data.Dataset):
+    """Batches that take load_ms each to fetch."""
+
+    def __init__(self, load_ms):
+        self.load_s = load_ms / 1e3
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, index):
+        time.sleep(self.load_s)
+        return torch.randn(4)
+
+
+def test_an_evaluation_with_a_region_each_batch_runs_from_its_eval_and_each_is_counted(probe):
+    # run_clm_no_trainer's evaluation: model.eval(), then each batch fetched with gradients on
+    # and its forward alone under no_grad; two after the last step, and two saves.
+    model = SlowForward(sleep_ms=2)
+    phases.hook_model(probe, model)
+    probe.sender.close = lambda **goodbye: probe.sender.raw.append(goodbye)
+
+    def evaluate():
+        started = time.perf_counter()
+        model.eval()
+        for batch in DataLoader(SlowBatches(load_ms=5), batch_size=None):
+            with torch.no_grad():
+                model(batch)
+        model.train()
+        return (time.perf_counter() - started) * 1e3
+
+    with probe:
+        model(torch.randn(4))
+    evaluated_ms = evaluate()
+    with probe:
+        model(torch.randn(4))
+    final_ms = evaluate() + evaluate()
+    torch.save({}, io.BytesIO())
+    torch.save({}, io.BytesIO())
+    first, _ = records(probe)
+    probe.goodbye(exit_code=0)
+    (goodbye,) = [item for item in probe.sender.raw if type(item) is dict]
+    # The fetches between the regions (and before the first) are evaluation's, not input wait.
+    assert first.input_wait_ms < 1.0 and first.eval_ms >= 3 * (5 + 2)
+    assert first.eval_ms == pytest.approx(evaluated_ms, rel=0.1)
+    assert goodbye["tail_eval_ms"] == pytest.approx(final_ms, rel=0.1) and goodbye["tail_counts"] == [2, 2]
 
 
 class Sampler(nn.Module):
@@ -405,9 +462,9 @@ def test_no_grad_regions_between_steps_are_evaluation_when_the_model_runs_in_the
     train()
     sampled, updated, copied, last = records(probe)
     assert sampled.eval_ms >= 2 * 2 * (5 + 5) and sampled.forward_calls == 1
-    assert sampled.eval_ms <= sampled.outside_ms  # the nested regions counted once
+    assert sampled.eval_ms <= beside_ms(sampled, updated) + 0.01  # the nested regions counted once
     assert updated.eval_ms == 0.0 and updated.outside_ms >= 20.0
-    assert copied.eval_ms >= 5 + 10 and copied.eval_ms <= copied.outside_ms
+    assert copied.eval_ms >= 5 + 10 and copied.eval_ms <= beside_ms(copied, last) + 0.01
     assert last.eval_ms == 0.0
     assert hooks_seen == [0, 0, 0, 0, 0] and not torch_module._global_forward_pre_hooks
     assert torch_module._has_any_global_hook is has_any_global_hook
@@ -448,7 +505,7 @@ def test_an_evaluations_copy_to_the_device_starts_no_inferred_step(probe):
     first, second, _ = records(probe)
     # The evaluation is the first step's, outside its work; the second step's forward is its
     # own call alone. (Not compared by time: beside a busy core a 5 ms sleep wakes 25 ms late.)
-    assert first.eval_ms >= 2 * 5 and first.eval_ms <= first.outside_ms
+    assert first.eval_ms >= 2 * 5 and first.eval_ms <= beside_ms(first, second) + 0.01
     assert second.forward_calls == 1 and second.eval_ms == 0
 
 

@@ -85,8 +85,9 @@ class RankHello(msgspec.Struct, tag="hello", array_like=True):
 class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     """One optimizer step of one rank.
 
-    The window runs from the end of the previous step to the end of this one, so the seven
-    STEP_PHASES add up to step_ms and step_ms summed over steps is the training time.
+    The window runs from the end of the previous step to the end of this one. The planned work
+    in it (eval_ms, checkpoint_ms) is beside the step, never in step_ms: the seven STEP_PHASES
+    add up to step_ms, and step_ms, eval_ms and checkpoint_ms to the window.
     Device-timed phases (CUDA events) are marked by device_timed; gc_ms overlaps the rest.
     Scalars only, so not tracked by the garbage collector (gc=False): thousands of these
     pass through the probe's buffer and must not make the user's collections slower.
@@ -125,10 +126,9 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     gc_gen2_ms: float = 0.0
     tokens: int = 0  # token inputs (an integer 2-D first input or input_ids): positions trained, padding in
     real_tokens: Optional[int] = None  # of them, those trained: labels not -100, or mask kept (None: neither)
-    # Overlapping figures, like gc_ms: the user's planned work in the window. Evaluation: the
-    # no-grad regions between steps in which the model runs (probe/evaluation.py), and the
-    # DataLoader waits between steps with gradients off (within outside_ms). Checkpoints: time inside torch.save (within
-    # outside_ms between steps, untraced_ms inside one).
+    # The user's planned work in the window, beside the step (out of outside_ms between steps,
+    # out of untraced_ms inside one): evaluation (probe/evaluation.py) and the DataLoader waits
+    # between steps with gradients off; time inside the saves (phases._patch_checkpoint_saves).
     eval_ms: float = 0.0
     checkpoint_ms: float = 0.0
     instrumented: bool = False  # TraceML slowed this step on purpose (a deep-dive sample)
@@ -176,7 +176,7 @@ class RolledStep(msgspec.Struct):
     host_rss_bytes: Optional[int]
     tokens: int = 0  # summed over ranks, padding included
     real_tokens: Optional[int] = None  # summed over the ranks that counted them (labels, a mask)
-    eval_ms: float = 0.0  # overlapping, like gc_ms: evaluation and checkpoint saves in the window
+    eval_ms: float = 0.0  # beside step_ms, never in it: evaluation and checkpoint saves in the window
     checkpoint_ms: float = 0.0
     instrumented: bool = False  # TraceML slowed it on purpose on some rank (a deep-dive sample)
     compile_ms: float = 0.0  # overlapping: torch.compile compiling in the window
@@ -291,6 +291,8 @@ class RankEnd(msgspec.Struct, tag="end", array_like=True):
     ended_unix_s: Optional[float] = None
     tail_eval_ms: float = 0.0
     tail_checkpoint_ms: float = 0.0
+    tail_evaluations: int = 0  # how many
+    tail_saves: int = 0
 
 
 class SpanRecord(msgspec.Struct, tag="span", array_like=True, gc=False):

@@ -29,3 +29,8 @@ def size(count_bytes: float) -> str:
     if abs(value) < 1024 ** 3:
         return f"{value / 1024 ** 2:.1f} MiB"
     return f"{value / 1024 ** 3:.2f} GiB"
+
+
+def duration(ms: float) -> str:
+    """"948 ms" under a second, "29.4 s" from one: a total's figure in a finding."""
+    return f"{ms:.0f} ms" if abs(ms) < 999.5 else f"{ms / 1e3:.1f} s"

@@ -6,10 +6,10 @@ read back from its store is tallied the same way; the summary, the card, the liv
 A rank's time splits as follows (every figure comes from the records; nothing is guessed):
 - startup: process start to its first step's window, plus that step's input wait (the first
   batch) and the first compilation of each function torch.compile compiled within the steps;
-- evaluation and checkpoint: the steps' eval_ms and checkpoint_ms, and the goodbye's tail
-  figures (a final evaluation or save after the last step);
-- other: the rest of the time between steps (outside_ms less evaluation and saves), and
-  after the last step (teardown), and whatever no record covers;
+- evaluation and checkpoint: the steps' eval_ms and checkpoint_ms (beside their step_ms, never
+  in it), and the goodbye's tail figures (a final evaluation or save after the last step);
+- other: the rest of the time between steps (outside_ms), and after the last step (teardown),
+  and whatever no record covers;
 - training: the steps' time less all of the above that fell inside them.
 """
 from __future__ import annotations
@@ -45,23 +45,23 @@ class RankTime(msgspec.Struct):
     step_ms: float = 0.0
     eval_ms: float = 0.0
     checkpoint_ms: float = 0.0
-    between_other_ms: float = 0.0  # outside_ms that was neither evaluation nor a save
+    between_other_ms: float = 0.0  # outside_ms: between steps, neither evaluation nor a save
     first_compile_in_steps_ms: float = 0.0
     first_compile_ms: float = 0.0  # every first compilation, before the steps too
     tail_eval_ms: float = 0.0  # from the goodbye: a final evaluation or save after the last step
     tail_checkpoint_ms: float = 0.0
+    tail_evaluations: int = 0  # how many: each evaluation (a save) after the last step
+    tail_saves: int = 0
 
     def add_step(self, record: StepRecord) -> None:
         self.step_ms += record.step_ms
         self.eval_ms += record.eval_ms
         self.checkpoint_ms += record.checkpoint_ms
-        between_eval = min(record.eval_ms, record.outside_ms)
-        between_save = min(record.checkpoint_ms, record.outside_ms - between_eval)
-        self.between_other_ms += record.outside_ms - between_eval - between_save
+        self.between_other_ms += record.outside_ms
         if self.first_step is None or record.step < self.first_step:
             self.first_step, self.first_step_unix_s = record.step, record.start_unix_s
             self.first_input_wait_ms = record.input_wait_ms
-        end_unix_s = record.start_unix_s + record.step_ms / 1e3
+        end_unix_s = record.start_unix_s + (record.step_ms + record.eval_ms + record.checkpoint_ms) / 1e3
         if self.last_end_unix_s is None or end_unix_s > self.last_end_unix_s:
             self.last_end_unix_s = end_unix_s
 
@@ -86,8 +86,8 @@ class RankTime(msgspec.Struct):
         startup = min(wall_ms, before_ms + self.first_input_wait_ms + self.first_compile_in_steps_ms)
         evaluation = self.eval_ms + self.tail_eval_ms
         checkpoint = self.checkpoint_ms + self.tail_checkpoint_ms
-        training = max(0.0, self.step_ms - self.between_other_ms - self.eval_ms - self.checkpoint_ms
-                       - self.first_input_wait_ms - self.first_compile_in_steps_ms)
+        training = max(0.0, self.step_ms - self.between_other_ms - self.first_input_wait_ms
+                       - self.first_compile_in_steps_ms)
         other = max(0.0, wall_ms - startup - training - evaluation - checkpoint)
         return {"startup": startup, "training": training, "evaluation": evaluation,
                 "checkpoint": checkpoint, "other": other}
@@ -100,6 +100,9 @@ class Goodput(msgspec.Struct):
     wall_s: float
     parts: Dict[str, Dict[str, float]]  # part -> {seconds, share}
     startup: Dict[str, object]  # imports_s, first_compilation_s, first_batch_s, setup_s, slowest_import, modules_imported
+    # Of evaluation and checkpoint, what came after the last step (a final evaluation or save,
+    # which no step's window holds): ms (the mean over ranks) and how many (the most of a rank).
+    after_last_step: Dict[str, Dict[str, float]] = {}
 
     def share(self, part: str) -> float:
         return self.parts[part]["share"] if self.parts else 0.0
@@ -136,6 +139,7 @@ class RunTime:
             tally.ended_unix_s = record.ended_unix_s  # type: ignore[attr-defined]
             tally.tail_eval_ms = record.tail_eval_ms  # type: ignore[attr-defined]
             tally.tail_checkpoint_ms = record.tail_checkpoint_ms  # type: ignore[attr-defined]
+            tally.tail_evaluations, tally.tail_saves = record.tail_evaluations, record.tail_saves  # type: ignore[attr-defined]
 
     @classmethod
     def of(cls, records: Iterable[object]) -> "RunTime":
@@ -167,7 +171,11 @@ class RunTime:
         parts = {part: {"seconds": sum(p[part] for _, p in split) / count / 1e3,
                         "share": sum(p[part] for _, p in split) / total_ms if total_ms else 0.0}
                  for part in PARTS}
-        return Goodput(wall_s=total_ms / count / 1e3, parts=parts, startup=_startup_parts(split))
+        tallies = [tally for tally, _ in split]
+        after = {part: {"ms": sum(getattr(t, f"tail_{name}_ms") for t in tallies) / count,
+                        "count": max(getattr(t, f"tail_{many}") for t in tallies)}
+                 for part, name, many in (("evaluation", "eval", "evaluations"), ("checkpoint", "checkpoint", "saves"))}
+        return Goodput(wall_s=total_ms / count / 1e3, parts=parts, startup=_startup_parts(split), after_last_step=after)
 
 
 def _startup_parts(split: List[tuple]) -> Dict[str, object]:

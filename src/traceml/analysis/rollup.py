@@ -167,11 +167,6 @@ class Window:
         return share_interval([sum(getattr(s, f"{name}_ms") for name in names) for s in self.steps],
                               [s.step_ms for s in self.steps])
 
-    def planned_share(self, name: str) -> float:
-        """The share of the window's time in planned work: `eval` or `checkpoint` (overlapping
-        the phases, like gc)."""
-        return sum(getattr(s, f"{name}_ms") for s in self.steps) / self.total_ms if self.total_ms > 0 else 0.0
-
     def mean_ms(self, *names: str) -> float:
         return sum(self.phases[name].mean_ms for name in names)
 

@@ -129,9 +129,9 @@ def diagnose(run: DiagnosisInput) -> List[Finding]:
 
 
 def _one_finding_per_cause(shares: List[Finding], stalls: Stalls) -> List[Finding]:
-    """Slow steps explained by planned work are that work's finding; those that explain a
-    share-based finding are told in it, by their period; the rest are STEP_SPIKES."""
-    if not stalls.episodes or stalls.explained_by("eval", "checkpoint"):
+    """Slow steps that explain a share-based finding are told in it, by their period; the rest
+    are STEP_SPIKES (planned work is never in a step's time: it has findings of its own)."""
+    if not stalls.episodes:
         return shares
     for index, finding in enumerate(shares):
         phases = STALL_CAUSES.get(finding.kind, ())

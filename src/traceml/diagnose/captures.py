@@ -25,7 +25,7 @@ FINDINGS_OF = {
     CAPTURE_REGRESSION: (FindingKind.COMPUTE_BOUND, FindingKind.COMPUTE_STRAGGLER, FindingKind.STEP_SPIKES,
                          FindingKind.RECOMPILATION),
     CAPTURE_SPIKE: (FindingKind.STEP_SPIKES, FindingKind.UNTRACED_WORK, FindingKind.INPUT_BOUND,
-                    FindingKind.GC_PRESSURE, FindingKind.CHECKPOINT_STALL, FindingKind.EVAL_HEAVY),
+                    FindingKind.GC_PRESSURE),
     CAPTURE_MEMORY: (FindingKind.MEMORY_CREEP, FindingKind.MEMORY_PRESSURE),
 }
 

@@ -24,7 +24,7 @@ from traceml.analysis.goodput import Goodput
 from traceml.analysis.rollup import Window
 from traceml.records import (ALL_PHASES, STEP_PHASES, Finding, FindingKind, RolledStep, Severity,
                              SystemSample, warmup_stall_horizon)
-from traceml.words import counted, every, times
+from traceml.words import counted, duration, every, times
 
 MIN_Z = 6.0  # robust z-score (median and MAD) a step must pass to be slow
 MIN_RATIO = 2.0  # ... and it must take this many times the median step (a busy machine's
@@ -50,8 +50,8 @@ PLANNED_NOISE_SHARE = 0.1  # ... and this share of the median window that holds 
                            # or at least the median step: a stray batch fetched without gradients is a
                            # forward alone, less than a step, while on a busy machine one evaluation
                            # can take twelve times another's
-PLANNED_ELSEWHERE_SHARE = 0.1  # planned work outside the windows counted (the warm-up steps, after
-                               # the last step): said when it is this share of all of it
+PLANNED_ELSEWHERE_SHARE = 0.02  # planned work outside the windows counted (the warm-up steps):
+                                # said when it is this share of all of it
 OUTLIER_RATIO = 5.0  # a slow step, an evaluation or a save this many times the median one is an
                      # outlier: named apart and left out of the typical figure (a busy machine
                      # stretches short work two or three times; a first evaluation that loads its
@@ -150,7 +150,7 @@ class Stalls:
         self._regular = [s for i, s in enumerate(self.slow) if i not in outliers]
         normal = self._normal = [s for s in steps if s.step not in stalled]
         self.usual_ms = {name: statistics.median(getattr(s, f"{name}_ms") for s in normal) if normal else 0.0
-                         for name in ALL_PHASES + ("eval", "checkpoint")}
+                         for name in ALL_PHASES}
         # How much longer each part is in the typical slow step (the mean of all but the
         # outliers, which tell their own): so many slow steps times it, and the outliers, are the cost.
         self.growth_ms = {name: statistics.fmean(getattr(s, f"{name}_ms") for s in self._regular) - usual
@@ -195,11 +195,10 @@ class Stalls:
         return sum(self.phase_excess_ms(phase)) / self.total_ms if self.total_ms else 0.0
 
     def explained_by(self, *names: str) -> bool:
-        """Whether these figures (phases, eval, checkpoint) account for the slow steps' excess."""
+        """Whether these phases account for the slow steps' excess."""
         if not self.slow:
             return False
-        # Together, step by step: slow steps that are some an evaluation and some a save are
-        # explained by the two, though neither is in most of them.
+
         def together(step: RolledStep) -> float:
             return sum(getattr(step, f"{name}_ms") for name in names)
 
@@ -311,62 +310,74 @@ def periodic(finding: Finding, stalls: Stalls, what: str, phase: str) -> Finding
 
 
 def planned_work(window: Window, goodput: Optional[Goodput] = None) -> List[Finding]:
-    """Evaluation and checkpoint saves, with their share of the run and how often they come.
-    The run's plan, not a fault: a note, unless they take more than their line. The share is
-    of the run's wall time (goodput) when known, else of the window's steps. The numbers add
-    up: the windows that held the work, each the typical time but for the outliers named apart,
-    and what fell outside those windows (the warm-up steps, a final evaluation), make the share."""
+    """Evaluation and checkpoint saves ("evaluated 5 times: 4 of about 36 ms, one of 402 ms at
+    step 500, and 402 ms elsewhere: 948 ms, 3.2% of the 29.4 s run"): a note, unless more than
+    their line of the run (goodput's, else the window's steps and their planned work). Each
+    window that holds some counts once, and each one after the last step; the typical one times
+    its count, the outliers and what the windows counted missed (the warm-up) add up to the total."""
     found = []
-    run_ms = goodput.wall_s * 1e3 if goodput is not None else window.total_ms
+    after_last_step = goodput.after_last_step if goodput is not None else {}
+    run_ms = (goodput.wall_s * 1e3 if goodput is not None
+              else window.total_ms + sum(s.eval_ms + s.checkpoint_ms for s in window.steps))
     window_median_ms = statistics.median(s.step_ms for s in window.steps) if window.steps else 0.0
-    for kind, name, part, line, what, action in (
-            (FindingKind.EVAL_HEAVY, "eval", "evaluation", EVAL_LINE, "evaluation", EVAL_ACTION),
-            (FindingKind.CHECKPOINT_STALL, "checkpoint", "checkpoint", CHECKPOINT_LINE, "a checkpoint save",
+    for kind, name, part, line, verb, action in (
+            (FindingKind.EVAL_HEAVY, "eval", "evaluation", EVAL_LINE, "evaluated", EVAL_ACTION),
+            (FindingKind.CHECKPOINT_STALL, "checkpoint", "checkpoint", CHECKPOINT_LINE, "saved a checkpoint",
              CHECKPOINT_ACTION)):
         figure = f"{name}_ms"
-        if goodput is not None:
-            share = goodput.share(part)
-        else:
-            share = sum(getattr(s, figure) for s in window.steps) / run_ms if run_ms else 0.0
-        occurrences = _occurrences(window.steps, figure, window_median_ms)
+        in_steps = [(s.step, getattr(s, figure)) for s in window.steps]
+        total_ms = goodput.seconds(part) * 1e3 if goodput is not None else sum(ms for _, ms in in_steps)
+        share = total_ms / run_ms if run_ms else 0.0
+        after = after_last_step.get(part, {})
+        after_count = max(1, int(after.get("count", 0)))  # a run stored before they were counted: one
+        after_each_ms = after.get("ms", 0.0) / after_count
+        occurrences = _occurrences(in_steps + [(None, after_each_ms)] * after_count, window_median_ms)
         if share < PLANNED_NOTE_SHARE or not occurrences:
             continue
-        durations_ms = [getattr(s, figure) for s in occurrences]
+        durations_ms = [ms for _, ms in occurrences]
         each_ms, outlier_indexes = _typical(durations_ms)
-        # Outliers keep their place: an evaluation every 10 steps that once took 10 times longer
-        # is still every 10 steps.
-        period = _period([s.step for s in occurrences])
-        when = every(period, "step") if period else f"{times(len(occurrences))} in {counted(len(window), 'step')}"
-        elsewhere_ms = max(0.0, share * run_ms - sum(durations_ms))
-        elsewhere = (f", and {elsewhere_ms:.0f} ms more elsewhere in the run"
-                     if elsewhere_ms >= PLANNED_ELSEWHERE_SHARE * share * run_ms else "")
-        inside = sum(s.untraced_ms >= 0.8 * getattr(s, figure) for s in occurrences) > len(occurrences) / 2
-        where = "inside the step" if inside else "between steps"
+        outliers = [occurrences[i] for i in outlier_indexes]
+        period = _period([step for step, _ in occurrences if step is not None])  # outliers in it
+        after_ms = sum(ms for step, ms in occurrences if step is None)
+        after_count = sum(step is None for step, _ in occurrences)
+        if len(occurrences) == 1:
+            when, amounts = ["after the last step" if after_ms else f"at step {occurrences[0][0]}"], f"{each_ms:.0f} ms"
+        else:
+            last = "the last" if after_count == 1 else f"the last {after_count}"
+            when = ([every(period, "step")] if period else []) + (
+                [f"{last} after the last step"] if after_ms and (None, after_each_ms) not in outliers else [])
+            amounts = (_some_of_about(len(occurrences), each_ms, outliers, 0) if outliers
+                       else f"about {each_ms:.0f} ms each")
+        elsewhere_ms = max(0.0, total_ms - sum(durations_ms))
+        if elsewhere_ms >= PLANNED_ELSEWHERE_SHARE * total_ms:
+            amounts += f", and {elsewhere_ms:.0f} ms elsewhere"
+        elif len(occurrences) == 1:
+            amounts = ""  # the total says it
         severity = Severity.CRIT if share >= 2 * line else Severity.WARN if share >= line else Severity.INFO
-        outliers = [{"step": occurrences[i].step, "ms": round(durations_ms[i], 3)} for i in outlier_indexes]
         found.append(Finding(
             kind=kind, severity=severity,
-            summary=(f"{when}, {what} {where} takes {each_ms:.0f} ms"
-                     f"{_outlier_words([o['ms'] for o in outliers])}{elsewhere}: {share:.0%} of the run"),
+            summary=(f"{verb} {times(len(occurrences))}" + (f" ({', '.join(when)})" if when else "")
+                     + (f": {amounts}" if amounts else "") + f": {duration(total_ms)}, {share:.1%} of the "
+                     f"{duration(run_ms)} run"),
             action=action,
-            evidence={"share": round(share, 4), "each_ms": round(each_ms, 3), "period_steps": period,
-                      "count": len(occurrences), "outliers": outliers,
-                      "elsewhere_ms": round(elsewhere_ms, 3), "where": where, "line": line}))
+            evidence={"share": round(share, 4), "count": len(occurrences), "each_ms": round(each_ms, 3),
+                      "period_steps": period, "outliers": [{"step": step, "ms": round(ms, 3)} for step, ms in outliers],
+                      "first_step": occurrences[0][0], "after_last_step_ms": round(after_ms, 3),
+                      "after_last_step_count": after_count, "elsewhere_ms": round(elsewhere_ms, 3),
+                      "total_ms": round(total_ms, 3), "run_ms": round(run_ms, 3), "line": line}))
     return found
 
 
-def _occurrences(steps: Sequence[RolledStep], figure: str, step_median_ms: float) -> List[RolledStep]:
-    """The windows that held an evaluation (or a save): over an absolute floor, and over a share
-    of the median window that held any or as long as the median step. A stray batch fetched
-    without gradients is not an evaluation; a median, unlike the largest, stays where the others
-    are when one of them takes ten times longer; and an evaluation longer than a whole step is
-    never a stray batch, however much longer a busy machine made the others (a period needs
-    every one of them)."""
-    held = [s for s in steps if getattr(s, figure) >= PLANNED_FLOOR_MS]
+def _occurrences(windows: Sequence[Tuple[Optional[int], float]],
+                 step_median_ms: float) -> List[Tuple[Optional[int], float]]:
+    """The windows (step, ms; None: after the last step) that held an evaluation (or a save):
+    over an absolute floor, and over a share of the median window that held any or as long as
+    the median step (see PLANNED_NOISE_SHARE)."""
+    held = [(step, ms) for step, ms in windows if ms >= PLANNED_FLOOR_MS]
     if not held:
         return []
-    line_ms = min(PLANNED_NOISE_SHARE * statistics.median(getattr(s, figure) for s in held), step_median_ms)
-    return [s for s in held if getattr(s, figure) >= max(line_ms, PLANNED_FLOOR_MS)]
+    line_ms = min(PLANNED_NOISE_SHARE * statistics.median(ms for _, ms in held), step_median_ms)
+    return [(step, ms) for step, ms in held if ms >= max(line_ms, PLANNED_FLOOR_MS)]
 
 
 def _typical(values: Sequence[float]) -> Tuple[float, List[int]]:
@@ -378,6 +389,18 @@ def _typical(values: Sequence[float]) -> Tuple[float, List[int]]:
     median = statistics.median(values)
     outliers = [i for i, value in enumerate(values) if median > 0 and value >= OUTLIER_RATIO * median]
     return statistics.fmean(v for i, v in enumerate(values) if i not in outliers), outliers
+
+
+def _some_of_about(count: int, typical_ms: float, outliers: Sequence[Tuple[Optional[int], float]],
+                   digits: int) -> str:
+    """"4 of about 36 ms, one of 402 ms at step 500": the typical ones and each outlier (step, ms;
+    step None: after the last step), so that the parts of a total can be added up."""
+    told = [f"{ms:.{digits}f} ms " + ("after the last step" if step is None else f"at step {step}")
+            for step, ms in sorted(outliers, key=lambda outlier: (outlier[0] is None, outlier[0] or 0))]
+    said = f"{count - len(told)} of about {typical_ms:.{digits}f} ms"
+    if len(told) == 1:
+        return f"{said}, one of {told[0]}"
+    return f"{said}, {len(told)} of {', '.join(told[:-1])} and {told[-1]}" if told else said
 
 
 def _outlier_words(values_ms: Sequence[float], digits: int = 0) -> str:

@@ -293,9 +293,9 @@ def untraced_work(window: Window, steps_found_by: Optional[str] = None,
     """UNTRACED_WORK: time outside the timed phases, in the step or between steps, with the
     code it was sampled in (diagnose/untimed.py) where the probe sampled it."""
     outside_share, untraced_share = window.share("outside"), window.share("untraced")
-    # GC pauses, evaluation and checkpoint saves land in this time too; they have findings of
-    # their own, so they are not counted here twice.
-    named_share = window.share("gc") + window.planned_share("eval") + window.planned_share("checkpoint")
+    # GC pauses land in this time too; they have a finding of their own, so they are not
+    # counted here twice (evaluation and saves are never in a step's time).
+    named_share = window.share("gc")
     share = max(0.0, outside_share + untraced_share - named_share)
     severity = _severity(share, UNTRACED_WARN_SHARE, UNTRACED_CRIT_SHARE)
     if severity is None:

@@ -23,9 +23,8 @@ def where(site: Dict[str, Any]) -> str:
 
 def part_shares(window: Window) -> Dict[str, float]:
     """The step's untimed parts as shares of it: inside the step outside the timed phases, and
-    between steps less the evaluation and saves there (their own findings name them)."""
-    outside = window.share("outside") - window.planned_share("eval") - window.planned_share("checkpoint")
-    return {"untraced": window.share("untraced"), "outside": max(0.0, outside)}
+    between steps (evaluation and saves are beside the step, never in either)."""
+    return {"untraced": window.share("untraced"), "outside": window.share("outside")}
 
 
 def code_sites(samples: Sequence[CodeSample], part: str) -> List[Dict[str, Any]]:

@@ -543,17 +543,27 @@ step_record_of(ProbeState *self, StepEntry *entry, PyObject *record_type, double
     long long gap_ns = entry->window_end_ns - entry->end_ns;
     long long untraced_ns = entry->end_ns - entry->start_ns - sums[H2D] - sums[FORWARD] - sums[BACKWARD]
         - sums[OPTIMIZER] - sums[INPUT_WAIT_NS];
+    if (untraced_ns < 0)
+        untraced_ns = 0;
     long long gap_wait_ns = window[INPUT_WAIT_GAP_NS] < gap_ns ? window[INPUT_WAIT_GAP_NS] : gap_ns;
+    /* Planned work is not the step's (see record_from). */
+    long long planned_gap_ns = window[EVAL_NS] + window[CHECKPOINT_BETWEEN_NS];
+    if (planned_gap_ns > gap_ns - gap_wait_ns)
+        planned_gap_ns = gap_ns - gap_wait_ns;
+    long long planned_inside_ns = window[CHECKPOINT_NS] - window[CHECKPOINT_BETWEEN_NS];
+    if (planned_inside_ns > untraced_ns)
+        planned_inside_ns = untraced_ns;
     enum { FIELDS = COUNT(STEP_RECORD_FIELDS) };
     PyObject *fields[FIELDS] = {  /* in STEP_RECORD_FIELDS' order */
         PyLong_FromLong(self->rank), PyLong_FromLongLong(entry->step),
         PyFloat_FromDouble(unix_at_zero_s + (double)entry->start_ns / 1e9),  /* start_unix_s */
-        PyFloat_FromDouble((double)(entry->window_end_ns - entry->start_ns) / 1e6),  /* step_ms */
+        PyFloat_FromDouble((double)(entry->window_end_ns - entry->start_ns - planned_gap_ns - planned_inside_ns)
+                           / 1e6),  /* step_ms */
         PyFloat_FromDouble((double)(sums[INPUT_WAIT_NS] + gap_wait_ns) / 1e6),  /* input_wait_ms */
-        PyFloat_FromDouble((double)(gap_ns - gap_wait_ns) / 1e6),  /* outside_ms */
+        PyFloat_FromDouble((double)(gap_ns - gap_wait_ns - planned_gap_ns) / 1e6),  /* outside_ms */
         PyFloat_FromDouble((double)sums[H2D] / 1e6), PyFloat_FromDouble((double)sums[FORWARD] / 1e6),
         PyFloat_FromDouble((double)sums[BACKWARD] / 1e6), PyFloat_FromDouble((double)sums[OPTIMIZER] / 1e6),
-        PyFloat_FromDouble((double)(untraced_ns > 0 ? untraced_ns : 0) / 1e6),  /* untraced_ms */
+        PyFloat_FromDouble((double)(untraced_ns - planned_inside_ns) / 1e6),  /* untraced_ms */
         PyFloat_FromDouble((double)window[GC_NS] / 1e6), PyLong_FromLongLong(window[GC_COLLECTIONS]),
         PyLong_FromLongLong(sums[FORWARD_CALLS]), PyLong_FromLongLong(sums[SAMPLES]),
         Py_NewRef(Py_False), Py_NewRef(Py_None),  /* device_timed, gpu_idle_ms: on CUDA only */

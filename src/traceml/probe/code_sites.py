@@ -59,7 +59,7 @@ class CodeSampler:
                 continue
             step_ms += step.step_ms
             untraced_ms += step.untraced_ms
-            outside_ms += step.outside_ms - step.eval_ms - step.checkpoint_ms
+            outside_ms += step.outside_ms
         if step_ms < RECENT_STEPS_MS:
             self._recent = [step_ms, untraced_ms, outside_ms]
             return

@@ -12,6 +12,9 @@ next token, decoding, a metric), when the model runs in it:
 A region in which no such module runs is not evaluation: an EMA update (arithmetic on the
 weights, no module called), metrics, someone else's frozen encoder applied to the batch.
 A traced model called with gradients off outside any region is a region of its own.
+An evaluation runs from a module's `eval()` between steps (else its first region) to its last
+region before the next `eval()` or step: a no_grad region a batch (Hugging Face's no_trainer
+examples) fetches its batches between them, and that is evaluation too (a save stays a save).
 
 Cost: inside a step, entering and leaving a region reads `in_step` and one attribute; no module
 call pays anything, ever. Between steps a region puts a global forward pre-hook in place that
@@ -35,7 +38,7 @@ import weakref
 from threading import get_ident
 from typing import Any, Callable, Iterable, List, Tuple
 
-from traceml.probe.step import EVAL_NS, StepProbe, _now_ns
+from traceml.probe.step import CHECKPOINT_BETWEEN_NS, EVAL_NS, INPUT_WAIT_GAP_NS, StepProbe, _now_ns
 
 log = logging.getLogger("traceml")
 
@@ -70,6 +73,9 @@ class EvaluationRegions:
         self.qualified = False  # the model ran in it: evaluation
         self._step = -1  # the step index it opened at: a step started since drops it
         self._start_ns = self._eval_ns_before = 0
+        # Where a region closing in the same window extends the evaluation from: (the window,
+        # its input wait, saves and evaluation then, when, whether a region closed then).
+        self._last_closed: tuple = (None,)
         self._register_hook = torch_module.register_module_forward_pre_hook
         self._hook: Any = None  # the global pre-hook's handle, while it waits for a first module
         self._swapped: List[Tuple[Any, str, Any, Any]] = []  # (module, name, torch's, ours) meanwhile
@@ -138,9 +144,30 @@ class EvaluationRegions:
         self._stop_watching()
         if not self.qualified or probe.in_step or probe.step_index != self._step:
             return
-        window = probe.window
-        counted_inside_ns = window[EVAL_NS] - self._eval_ns_before
-        window[EVAL_NS] += max(0, _now_ns() - self._start_ns - counted_inside_ns)
+        window, now_ns, last = probe.window, _now_ns(), self._last_closed
+        if last[0] is window:  # the evaluation since its eval() or last region: its fetches too
+            window[INPUT_WAIT_GAP_NS] = last[1]
+            window[EVAL_NS] = last[3] + max(0, now_ns - last[4] - (window[CHECKPOINT_BETWEEN_NS] - last[2]))
+        else:
+            window[EVAL_NS] += max(0, now_ns - self._start_ns - (window[EVAL_NS] - self._eval_ns_before))
+        if last[0] is not window or not last[5]:
+            probe.count_planned(1)
+        self._extend_from(window, now_ns, True)
+
+    def _extend_from(self, window: list, now_ns: int, region_closed: bool) -> None:
+        self._last_closed = (window, window[INPUT_WAIT_GAP_NS], window[CHECKPOINT_BETWEEN_NS], window[EVAL_NS],
+                             now_ns, region_closed)
+
+    def eval_called(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Module.eval: between steps, it starts an evaluation (its first batch's fetch)."""
+
+        @functools.wraps(original)
+        def eval(module: Any) -> Any:
+            if not self.probe.in_step and not self._is_compiling() and threading.get_ident() == self._thread:
+                self._extend_from(self.probe.window, _now_ns(), False)
+            return original(module)
+
+        return eval
 
     def model_called(self, call: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
         """A traced model called between steps with gradients off: the open region is
@@ -222,5 +249,5 @@ class EvaluationRegions:
 
     def stop(self) -> None:
         """TraceML is taken out: no region open, no hook left behind."""
-        self.owner = None
+        self.owner, self._last_closed = None, (None,)
         self._stop_watching()

@@ -9,7 +9,7 @@ installed.
 """
 
 # Bumped when the compiled timers' behaviour changes in a way the layout does not show.
-VERSION = 11
+VERSION = 12
 
 NO_PHASE = -1
 

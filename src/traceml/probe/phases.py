@@ -314,10 +314,12 @@ def _apply_patch(patch: Callable[[Any], None], module: Any) -> None:
 
 
 def _patch_checkpoint_saves(probe: StepProbe) -> None:
-    """Time checkpoint saves on the training thread: torch.save, torch.distributed.checkpoint's
-    save (and async_save's blocking part), Hugging Face Trainer's and Lightning's save methods.
-    A checkpoint is the user's planned work, named as such, not a stall. Saves call each other
-    (a trainer's save calls torch.save): the outermost call is timed."""
+    """Time checkpoint saves on the training thread: torch.save, safetensors' save_file and
+    save_model, torch.distributed.checkpoint's save (and async_save's blocking part),
+    save_pretrained, Accelerate's save_state and save_model, Hugging Face Trainer's and
+    Lightning's save methods. A checkpoint is the user's planned work, named as such, not a
+    stall. Saves call each other (save_state gathers the state, then calls safetensors and
+    torch.save): the outermost call is timed, so the work around the writes counts too."""
     import torch
 
     saving = [False]
@@ -338,6 +340,7 @@ def _patch_checkpoint_saves(probe: StepProbe) -> None:
                 probe.window[CHECKPOINT_NS] += elapsed_ns
                 if not probe.in_step:
                     probe.window[CHECKPOINT_BETWEEN_NS] += elapsed_ns
+                    probe.count_planned(2)
 
         return save
 
@@ -349,6 +352,11 @@ def _patch_checkpoint_saves(probe: StepProbe) -> None:
     patch_methods(torch, "save")
     when_imported("torch.distributed.checkpoint",
                   lambda dcp: patch_methods(dcp, "save", "async_save", "save_state_dict"))
+    when_imported("safetensors.torch", lambda module: patch_methods(module, "save_file", "save_model"))
+    when_imported("transformers.modeling_utils",
+                  lambda module: patch_methods(module.PreTrainedModel, "save_pretrained"))
+    when_imported("accelerate.accelerator",
+                  lambda module: patch_methods(module.Accelerator, "save_state", "save_model"))
     when_imported("transformers.trainer", lambda module: patch_methods(module.Trainer, "_save_checkpoint"))
     for lightning in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
         when_imported(lightning, lambda module: patch_methods(module.Trainer, "save_checkpoint"))
@@ -361,6 +369,7 @@ def _time_evaluation_regions(probe: StepProbe) -> None:
     """Time no-grad regions between steps in which the model runs as evaluation (see
     probe/evaluation.py): torch's grad-mode context managers' enter and exit, on their classes."""
     global _evaluation
+    import torch
     from torch.autograd import grad_mode
 
     from traceml.probe.evaluation import EvaluationRegions
@@ -369,6 +378,7 @@ def _time_evaluation_regions(probe: StepProbe) -> None:
     for manager in (grad_mode.no_grad, grad_mode.inference_mode, grad_mode.set_grad_enabled):
         _replace(manager, "__enter__", regions.entering(manager.__enter__))
         _replace(manager, "__exit__", regions.leaving(manager.__exit__))
+    _replace(torch.nn.Module, "eval", regions.eval_called(torch.nn.Module.eval))
     _evaluation = regions
     when_imported("torch._dynamo.callback", lambda callbacks: _stop_watching_at_compilations(regions, callbacks))
 

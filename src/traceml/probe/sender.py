@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Deque, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Deque, List, Optional, Protocol, Sequence, Tuple
 
 from traceml import rendezvous
 from traceml.probe.code_sites import CodeSampler
@@ -171,8 +171,9 @@ class Sender:
         self._thread.start()
 
     def close(self, exit_code: Optional[int] = None, timeout_s: float = 5.0, tail_eval_ms: float = 0.0,
-              tail_checkpoint_ms: float = 0.0) -> None:
-        """Ship what is left and say goodbye; bounded in time whatever the collector does."""
+              tail_checkpoint_ms: float = 0.0, tail_counts: Sequence[int] = (0, 0)) -> None:
+        """Ship what is left and say goodbye (with what ran after the last step, and how many);
+        bounded in time whatever the collector does."""
         ended_unix_s = time.time()
         deadline = time.monotonic() + timeout_s
         self._stop.set()
@@ -195,7 +196,8 @@ class Sender:
         self._buffer.append(RankEnd(rank=self.hello.rank, exit_code=exit_code, records_sent=0,
                                     records_dropped=0, steps_from=self.steps_from,
                                     ended_unix_s=ended_unix_s, tail_eval_ms=tail_eval_ms,
-                                    tail_checkpoint_ms=tail_checkpoint_ms))
+                                    tail_checkpoint_ms=tail_checkpoint_ms, tail_evaluations=tail_counts[0],
+                                    tail_saves=tail_counts[1]))
         # Rank 0's collector may still be starting when a short run's other ranks end: keep
         # trying to reach it, whatever the back-off said, until the deadline.
         while True:

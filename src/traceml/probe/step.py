@@ -203,7 +203,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
     __slots__ = ("_start_event", "_phase_events", "_gradients_done_ns", "_open_event", "_gc_start_ns",
                  "device_memory", "exit_code", "_unix_at_zero_s", "_gradients_done_event", "_layers",
                  "_turn", "_optimizers_seen", "_model_wait_ends", "_evaluation_start_ns",
-                 "_grad_enabled", "tail_eval_ns", "tail_checkpoint_ns",
+                 "_grad_enabled", "tail_eval_ns", "tail_checkpoint_ns", "_planned_counted",
                  "on_fault", "time_the_model_of", "stop_awaiting_models", "_syncs", "sync_due_step", "_layers_due_step",
                  "_ledger_due_step")
 
@@ -241,6 +241,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self.syncs = syncs
         self.layers_active = False
         self.tail_eval_ns = self.tail_checkpoint_ns = 0  # after the last step (see finish)
+        self._planned_counted: list = [None, 0, 0]  # [a window, evaluations, saves] begun in it
         self.reset_inferred_steps()
         self._grad_enabled: Callable[[], bool] = grad_enabled or _grad_always_enabled
         # True while a trainer's evaluation runs (an integration says so): timed as a whole as
@@ -488,18 +489,21 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         h2d_ns, forward_ns, backward_ns, optimizer_ns = sums[H2D], sums[FORWARD], sums[BACKWARD], sums[OPTIMIZER]
         input_wait_inside_ns = sums[INPUT_WAIT_NS]
         gap_ns = window_end_ns - end_ns
-        untraced_ns = (end_ns - start_ns - h2d_ns - forward_ns - backward_ns - optimizer_ns
-                       - input_wait_inside_ns)
+        untraced_ns = max(0, end_ns - start_ns - h2d_ns - forward_ns - backward_ns - optimizer_ns
+                          - input_wait_inside_ns)
         input_wait_gap_ns = min(window[INPUT_WAIT_GAP_NS], gap_ns)
+        # Planned work is beside the step: between steps off outside, saves inside off untraced.
+        planned_gap_ns = min(window[EVAL_NS] + window[CHECKPOINT_BETWEEN_NS], gap_ns - input_wait_gap_ns)
+        planned_inside_ns = min(window[CHECKPOINT_NS] - window[CHECKPOINT_BETWEEN_NS], untraced_ns)
         # Positional, in StepRecord's field order: the sender makes one a step, and keywords
         # would cost it a 31-entry dict each time (about a third of its work per step).
         record = StepRecord(
             self.rank, step, self.unix_s(start_ns),  # rank, step, start_unix_s
-            (window_end_ns - start_ns) / 1e6,  # step_ms
+            (window_end_ns - start_ns - planned_gap_ns - planned_inside_ns) / 1e6,  # step_ms
             (input_wait_inside_ns + input_wait_gap_ns) / 1e6,  # input_wait_ms
-            (gap_ns - input_wait_gap_ns) / 1e6,  # outside_ms
+            (gap_ns - input_wait_gap_ns - planned_gap_ns) / 1e6,  # outside_ms
             h2d_ns / 1e6, forward_ns / 1e6, backward_ns / 1e6, optimizer_ns / 1e6,  # h2d .. optimizer_ms
-            max(0, untraced_ns) / 1e6,  # untraced_ms
+            (untraced_ns - planned_inside_ns) / 1e6,  # untraced_ms
             window[GC_NS] / 1e6, window[GC_COLLECTIONS], sums[FORWARD_CALLS], sums[SAMPLES],  # gc_ms .. samples
             False, None,  # device_timed, gpu_idle_ms: the DeviceTimeline's, on CUDA
             closed.device_allocated_bytes, closed.device_peak_bytes, closed.device_reserved_bytes,
@@ -556,14 +560,23 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         if self.in_evaluation:
             self.in_evaluation = False
             self.window[EVAL_NS] += _now_ns() - self._evaluation_start_ns
+            if not self.in_step:
+                self.count_planned(1)
+
+    def count_planned(self, kind: int) -> None:
+        """An evaluation (kind 1) or a save (kind 2) began between steps, in the window now."""
+        if self._planned_counted[0] is not self.window:
+            self._planned_counted = [self.window, 0, 0]
+        self._planned_counted[kind] += 1
 
     def goodbye(self, exit_code: Optional[int], timeout_s: float = 5.0) -> None:
         """Send what is left and the rank's goodbye, with the evaluation and saves that ran
-        after the last step (moved aside by finish, or counted since)."""
-        window = self.window
+        after the last step (moved aside by finish, or counted since), and how many."""
+        window, counted = self.window, self._planned_counted
         self.sender.close(exit_code=exit_code, timeout_s=timeout_s,
                           tail_eval_ms=(self.tail_eval_ns + window[EVAL_NS]) / 1e6,
-                          tail_checkpoint_ms=(self.tail_checkpoint_ns + window[CHECKPOINT_BETWEEN_NS]) / 1e6)
+                          tail_checkpoint_ms=(self.tail_checkpoint_ns + window[CHECKPOINT_BETWEEN_NS]) / 1e6,
+                          tail_counts=counted[1:] if counted[0] is window and self.step_index else [0, 0])
 
     # -- phases, called by the patches in probe.phases ----------------------------------------
     def phase_begin(self, phase: int) -> int:
