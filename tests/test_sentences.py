@@ -47,6 +47,20 @@ def spiky(extra_ms, slow_steps, outlier_ms=0.0, **where_ms) -> Window:
     return Window(steps)
 
 
+def frozen(rank_progress):
+    rank_progress.last_heard_unix_s = 1000.0 - 30  # no word for 30 s: frozen
+    return rank_progress
+
+
+def bigger_batches() -> Window:
+    """Every 10th batch 8 times larger, its forward and backward 5 times longer."""
+    steps = [rolled(index, backward=30.0, optimizer=10.0) for index in range(100)]
+    for step in steps[9::10]:
+        step.forward_ms, step.backward_ms, step.samples = 5 * step.forward_ms, 5 * step.backward_ms, 64
+        step.step_ms = step.forward_ms + step.backward_ms + step.optimizer_ms
+    return Window(steps)
+
+
 def compiles():
     first = CompileRecord(rank=0, step=0, start_unix_s=0.0, duration_ms=900.0, compile_id="0/0", trigger="dynamo")
     reasons = ["0/0: tensor 'args[0]' size mismatch at index 1. expected 8, actual 9", "0/0: L['n'] == 3"]
@@ -99,12 +113,18 @@ CASES = {
     "STEP_SPIKES, the machine": lambda: step_spikes(Stalls(
         stalled_window({23, 41, 42, 58, 67, 88}, extra_ms=250.0, forward=0.6, backward=0.3, optimizer=0.1),
         busy_machine())),
+    "STEP_SPIKES, bigger batches": lambda: diagnose(DiagnosisInput(bigger_batches(), steps_seen=100))[0],
+    "GC_PRESSURE, every 10 steps": lambda: diagnose(DiagnosisInput(
+        stalled_window(set(range(9, 100, 10)), extra_ms=400.0, gc=1.0), steps_seen=100))[0],
     "RECOMPILATION": lambda: recompilations(compiles(), after_step=5, run_ms=31_400.0),
     "SLOW_STARTUP, imports": lambda: slow_startup(goodput_of(startup_s=25.0, wall_s=100.0, imports_ms=18_040.0)),
     "SLOW_STARTUP, setup": lambda: slow_startup(goodput_of(startup_s=50.0, wall_s=100.0, imports_ms=1000.0)),
     "HOST_SYNC": lambda: host_sync(sync_samples(), window(outside=12.0)),
     "MEMORY_CREEP": lambda: memory_creep(memory_window([GIB + i * 3 * 2 ** 20 for i in range(40)]),
                                          MemoryLimits(device_capacity_bytes=8 * GIB)),
+    "MEMORY_CREEP, its part and layers": lambda: memory_creep(
+        memory_window([GIB + i * 3 * 2 ** 20 for i in range(40)]), MemoryLimits(device_capacity_bytes=8 * GIB),
+        [{"name": "encoder.layer.3", "alive_bytes": 24 * 2 ** 20}], [{"rank": 0, "growth": {"activations": 110 * 2 ** 20}}]),
     "MEMORY_PRESSURE": lambda: memory_pressure(window(), MemoryLimits(device_capacity_bytes=8 * GIB),
                                                int(7.6 * GIB), None, ledger_row()),
     "MEMORY_PRESSURE, out of memory": lambda: out_of_memory(OomRecord(
@@ -126,6 +146,10 @@ CASES = {
         progress(2, stalled_s=40, pulse=pulse(2, 40, waiting_in="DataLoader", loader_worker=1,
                                               loader_worker_pid=4242, loader_worker_state="sleeping"))],
         1000.0).finding,
+    "HANG, gone and frozen": lambda: find_hang([progress(0, stalled_s=40, pulse=pulse(0, 40, waiting_in="all_reduce")),
+                                                progress(1, stalled_s=40, gone=True),
+                                                frozen(progress(2, stalled_s=40))], 1000.0).finding,
+    "RANK_LOST, an exit status": lambda: rank_lost([{"rank": 0, "from_step": 0, "exit_code": 3, "pid": 4711}], {}, 1),
     "RANK_LOST": lambda: rank_lost([{"rank": 1, "from_step": 30, "exit_code": -9, "pid": 4711},
                                     {"rank": 3, "from_step": 28, "exit_code": -9, "pid": 4713}],
                                    {1: {"exit_code": -9}, 3: {"exit_code": -9}, 0: {"exit_code": -15}}, 4),
