@@ -118,7 +118,8 @@ def every_runs_sentences_checked(request):
     tmp_path = request.node.funcargs.get("tmp_path")
     if tmp_path is not None:
         for summary in sorted(Path(tmp_path).rglob("final_summary.json")):
-            _check_sentences(summary.parent)
+            if summary.parent not in CHECKED_RUNS:
+                _check_sentences(summary.parent)
 
 
 def _running(process: psutil.Process) -> bool:
@@ -170,8 +171,12 @@ def run_traceml(where: Path, *script_args, script=TRAIN_LOOP, run_dir=None, trac
     return Run(process, run_dir)
 
 
+CHECKED_RUNS = set()  # run directories whose sentences were checked as the run ended
+
+
 def _check_sentences(run_dir: Path) -> None:
     """Every finding of a run that left a summary states figures its evidence gives (sentences.py)."""
+    CHECKED_RUNS.add(run_dir)
     try:
         summary = json.loads((run_dir / "final_summary.json").read_text())
     except (OSError, ValueError):
