@@ -47,6 +47,12 @@ def spiky(extra_ms, slow_steps, outlier_ms=0.0, **where_ms) -> Window:
     return Window(steps)
 
 
+def waiting_in_collectives(steps: Window) -> Window:
+    for step in steps.steps:
+        step.comm_wait_ms = 3.3  # of backward's 30.4 ms
+    return Window(steps.steps)
+
+
 def frozen(rank_progress):
     rank_progress.last_heard_unix_s = 1000.0 - 30  # no word for 30 s: frozen
     return rank_progress
@@ -107,6 +113,8 @@ CASES = {
         if f.kind == "UNTRACED_WORK"),
     "GC_PRESSURE": lambda: diagnose(DiagnosisInput(window(gc=14.2), steps_seen=20))[0],
     "COMPUTE_BOUND": lambda: diagnose(DiagnosisInput(window(backward=30.4, optimizer=5.4), steps_seen=20))[0],
+    "COMPUTE_BOUND, less its wait in collectives": lambda: diagnose(DiagnosisInput(
+        waiting_in_collectives(window(backward=30.4, optimizer=5.4)), steps_seen=20))[0],
     "STEP_SPIKES, one step": lambda: step_spikes(Stalls(stalled_window({50}, extra_ms=1000.0))),
     "STEP_SPIKES, in a row": lambda: step_spikes(Stalls(stalled_window(range(50, 56)))),
     "STEP_SPIKES, an outlier": lambda: step_spikes(Stalls(spiky(150.0, set(range(9, 100, 10)), 1850.0))),
