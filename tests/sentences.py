@@ -19,10 +19,11 @@ SIZES = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
 # (value, unit, part, label): unit "%" a share (0-1), "ms" a time, "B" bytes, "" a count; part: one
 # of the parts of a total, rounded so that they add up to it (words.rounded_parts), which may put it
 # a unit of its last digit from its own rounding; label: what names it in the words ("rank 1",
-# "ranks 0, 1", "step 49", "pid 4242"): a figure so named is one of those, and only such a figure is.
+# "ranks 0, 1", "step 49", "pid 4242", a setting's "num_workers=2"): a figure so named is one of those,
+# and only such a figure is.
 Figure = Tuple[float, str, bool, str]
 LABELS = (("rank", re.compile(r"\branks? (?:\d+, )*$")), ("step", re.compile(r"\bstep $")),
-          ("pid", re.compile(r"\bpid $")))
+          ("pid", re.compile(r"\bpid $")), ("=", re.compile(r"\w+=$")))
 
 
 def share(value: Any, part: bool = False) -> List[Figure]:
@@ -62,8 +63,8 @@ def _of_step(e: dict) -> List[Figure]:
 
 def _loader(e: dict) -> List[Figure]:
     """INPUT_BOUND's words about the DataLoader (step_time.describe_loader, loader_advice)."""
-    return (count(e.get("num_workers"), e.get("prefetch_factor"), e.get("batch_size"), e.get("usable_cores"),
-                  e.get("iterators_made"))
+    settings = [figure for key in ("num_workers", "prefetch_factor", "batch_size") for figure in count(e.get(key), label=key)]
+    return (settings + count(e.get("num_workers"), e.get("usable_cores"), e.get("iterators_made"))
             + share(e.get("ready_share")) + share(e.get("workers_busy_share")) + share(e.get("workers_cpu_wait_share"))
             + ms(e.get("worker_cpu_ms_per_batch")) + ms(e.get("input_wait_ms_per_batch")))
 
@@ -178,6 +179,8 @@ class Shown:
         self.start = match.start()
         before = match.string[:match.start()]
         self.label = next((label for label, pattern in LABELS if pattern.search(before)), "")
+        if self.label == "=":
+            self.label = re.search(r"(\w+)=$", before)[1]
         digits = len(text.split(".")[1]) if "." in text else 0
         self.value = float(text)
         self.half_unit = 0.5 * 10 ** -digits
