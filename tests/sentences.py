@@ -71,7 +71,8 @@ def _loader(e: dict) -> List[Figure]:
     settings = [figure for key in ("num_workers", "prefetch_factor", "batch_size") for figure in count(e.get(key), label=key)]
     return (settings + count(e.get("num_workers"), e.get("usable_cores"), e.get("iterators_made"))
             + share(e.get("ready_share")) + share(e.get("workers_busy_share")) + share(e.get("workers_cpu_wait_share"))
-            + ms(e.get("worker_cpu_ms_per_batch")) + ms(e.get("input_wait_ms_per_batch")))
+            + ms(e.get("worker_cpu_ms_per_batch")) + ms(e.get("input_wait_ms_per_batch"))
+            + ms(e.get("thread_ms_per_batch")) + ms(e.get("training_ms_per_batch")))
 
 
 def _stalls(e: dict) -> List[Figure]:

@@ -100,6 +100,10 @@ CASES = {
                                                                                       worker_cpu_ms_per_batch=20.0)),
     "INPUT_BOUND, no workers": lambda: input_bound(window(input_wait=23.4), loader(num_workers=0)),
     "INPUT_BOUND, unmeasured": lambda: input_bound(window(input_wait=23.4), loader(ready_share=None)),
+    "INPUT_BOUND, a thread behind": lambda: input_bound(window(input_wait=30.0), loader(
+        num_workers=0, thread_ms_per_batch=100.0)),
+    "INPUT_BOUND, a thread held up": lambda: input_bound(window(input_wait=30.0), loader(
+        num_workers=0, thread_ms_per_batch=20.0)),
     "INPUT_BOUND, on a GPU": lambda: input_bound(window(input_wait=23.4), loader(device="cuda:0")),
     "H2D_BOUND": lambda: diagnose(DiagnosisInput(window(h2d=17.77), steps_seen=20))[0],
     "UNTRACED_WORK, between steps": lambda: diagnose(DiagnosisInput(window(outside=41.3), steps_seen=20))[0],
