@@ -24,6 +24,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from sentences import check_summary
+
 # One intra-op thread for torch in every process the suite starts (and in its own): each test
 # asks for one core and gets it. torch's default is a thread per core, and two processes each
 # spinning two threads on two cores (two workers, or a test beside a busy machine) ran a
@@ -67,7 +69,9 @@ class Run:
         return self.process.stderr
 
     def summary(self) -> dict:
-        return json.loads((self.run_dir / "final_summary.json").read_text())
+        summary = json.loads((self.run_dir / "final_summary.json").read_text())
+        check_summary(summary, str(self.run_dir))
+        return summary
 
     def step_rows(self) -> list:
         with sqlite3.connect(self.run_dir / "telemetry.sqlite") as db:
@@ -104,6 +108,18 @@ def no_process_left_behind():
     _reap_orphans(before)
     if left:
         pytest.fail("processes left behind:\n" + "\n".join(names), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def every_runs_sentences_checked(request):
+    """After each test, the findings of every run it left a summary of in its tmp_path, however it
+    was started (the traceml_run fixture, plain python, its own subprocess), must check (sentences.py)."""
+    yield
+    tmp_path = request.node.funcargs.get("tmp_path")
+    if tmp_path is not None:
+        for summary in sorted(Path(tmp_path).rglob("final_summary.json")):
+            if summary.parent not in CHECKED_RUNS:
+                _check_sentences(summary.parent)
 
 
 def _running(process: psutil.Process) -> bool:
@@ -151,7 +167,21 @@ def run_traceml(where: Path, *script_args, script=TRAIN_LOOP, run_dir=None, trac
                str(script), *map(str, script_args)]
     process = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                              cwd=where, env={**_env(), **(env or {})})
+    _check_sentences(run_dir)
     return Run(process, run_dir)
+
+
+CHECKED_RUNS = set()  # run directories whose sentences were checked as the run ended
+
+
+def _check_sentences(run_dir: Path) -> None:
+    """Every finding of a run that left a summary states figures its evidence gives (sentences.py)."""
+    CHECKED_RUNS.add(run_dir)
+    try:
+        summary = json.loads((run_dir / "final_summary.json").read_text())
+    except (OSError, ValueError):
+        return  # a run that was to fail, or was stopped, before its summary
+    check_summary(summary, str(run_dir))
 
 
 @pytest.fixture

@@ -318,10 +318,11 @@ def test_consecutive_slow_steps_are_one_stall_never_every_1_steps():
     assert stalls.period is None
     found = step_spikes(stalls)
     assert "every 1 steps" not in found.summary and "once, 6 steps in a row" in found.summary
-    # One slow step alone: "1 step takes", "once", "it costs".
+    # One slow step alone: "1 step takes", "once", "it costs"; its cost given with its base.
     found = step_spikes(Stalls(stalled_window({50}, extra_ms=1000.0)))
     assert found.summary == ("1 step takes 1100.0 ms against a median of 100.0 ms, once; untraced grows "
-                             "by 1000.0 ms in it; it costs 9% of the run's time")
+                             "by 1000.0 ms in it; it costs 1.0 s over the median step, 9.1% of the 11.0 s "
+                             "of measured steps")
 
 
 def test_one_stall_ten_times_longer_hides_neither_the_period_nor_its_cost():
@@ -335,13 +336,15 @@ def test_one_stall_ten_times_longer_hides_neither_the_period_nor_its_cost():
     said_ms = 9 * 150.0 + 2000.0  # nine typical stalls and the outlier, as the words give them
     (untraced,) = [f for f in diagnose(DiagnosisInput(window, steps_seen=100)) if f.kind == "UNTRACED_WORK"]
     assert untraced.evidence["period_steps"] == 10 and untraced.evidence["outliers"] == [{"step": 49, "ms": 2000.0}]
-    assert untraced.summary == ("every 10 steps, untraced work inside the step takes 150 ms (one of them "
-                                "2000 ms) against a median step of 100.0 ms: 25% of the run")
+    assert untraced.summary == ("every 10 steps, untraced work inside the step takes more in 10 steps: 9 of "
+                                "about 150 ms, one of 2000 ms at step 49, against a median step of 100.0 ms: "
+                                "3.4 s, 25.1% of the 13.3 s of measured steps")
     assert untraced.evidence["stall_share"] == pytest.approx(said_ms / window.total_ms, abs=1e-4)
     # Told as slow steps, the same stalls add up to their cost the same way.
     spikes = step_spikes(stalls)
-    assert spikes.summary.startswith("10 steps take 250.0 ms (one of them 2100.0 ms) against a median of "
-                                     "100.0 ms, every 10 steps;")
+    assert spikes.summary.startswith("10 steps are slow: 9 of about 250.0 ms, one of 2100.0 ms at step 49, "
+                                     "against a median of 100.0 ms, every 10 steps;")
+    assert spikes.summary.endswith("they cost 3.4 s over the median step, 25.1% of the 13.3 s of measured steps")
     assert spikes.evidence["share"] == pytest.approx(said_ms / window.total_ms, abs=1e-4)
 
 
@@ -399,7 +402,7 @@ def test_periodic_untraced_work_is_one_finding_told_by_its_period():
     primary = findings[0]
     assert primary.kind == "UNTRACED_WORK" and primary.evidence["period_steps"] == 20
     assert primary.summary.startswith("every 20 steps, untraced work inside the step takes 1000 ms")
-    assert f"{primary.evidence['share']:.0%} of the run" in primary.summary
+    assert primary.summary.endswith(f": 5.0 s, {primary.evidence['share']:.1%} of the 15.0 s of measured steps")
 
 
 def busy_machine(seconds=100, other_cores=0.9):

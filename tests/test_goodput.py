@@ -274,7 +274,7 @@ def test_slow_startup_at_its_lines_and_naming_its_largest_part():
     assert slow_startup(goodput_of(startup_s=19.0, wall_s=100.0)) is None  # 19% of the run
     found = slow_startup(goodput_of(startup_s=25.0, wall_s=100.0, imports_ms=18000.0))
     assert found.severity == "warn" and found.evidence["largest_part"] == "imports"
-    assert found.summary.startswith("startup takes 25.0 s, 25% of the run, before the first step: "
+    assert found.summary.startswith("startup takes 25.0 s, 25% of the 100.0 s run, before the first step: "
                                     "the script's imports 18.0 s (transformers the slowest)")
     assert "importtime" in found.action
     crit = slow_startup(goodput_of(startup_s=50.0, wall_s=100.0, imports_ms=1000.0))

@@ -133,7 +133,7 @@ def test_host_sync_names_the_line_and_is_worth_the_host_work_it_keeps_from_overl
     finding = host_sync([item_sample(), item_sample(first_step=100)], window_of(10.0, 1.5, 0.5))
     assert finding.kind == "HOST_SYNC"
     assert finding.summary == ("train.py:57 `total += loss.item()` synchronizes every step: the host "
-                               "waits 3.0 ms a step for the GPU, 30% of it")
+                               "waits 3.0 ms a step for the GPU, 30% of the 10.0 ms step")
     assert finding.evidence["calls_per_step"] == 1.0 and finding.evidence["wait_ms_per_step"] == 3.0
     assert finding.evidence["share"] == pytest.approx(0.2)  # the 2 ms of host work, not the 3 ms wait
     assert finding.severity == "warn"

@@ -3,6 +3,9 @@ never "1 steps", "1 times" or "every 1 steps" (every noun they count takes an s)
 "1.5 MiB", "2.00 GiB"."""
 from __future__ import annotations
 
+import math
+from typing import List, Sequence
+
 
 def counted(count: int, noun: str) -> str:
     """"1 step", "3 steps"."""
@@ -34,3 +37,12 @@ def size(count_bytes: float) -> str:
 def duration(ms: float) -> str:
     """"948 ms" under a second, "29.4 s" from one: a total's figure in a finding."""
     return f"{ms:.0f} ms" if abs(ms) < 999.5 else f"{ms / 1e3:.1f} s"
+
+
+def rounded_parts(values: Sequence[float], digits: int) -> List[float]:
+    """The values rounded to `digits` so that they add up to their sum rounded alike (the largest
+    remainders rounded up): a sentence's parts then add up to the total it shows."""
+    unit = 10.0 ** -digits
+    floors = [math.floor(value / unit + 1e-9) for value in values]
+    up = sorted(range(len(values)), key=lambda i: floors[i] - values[i] / unit)[:round(sum(values) / unit) - sum(floors)]
+    return [round((floors[i] + (i in up)) * unit, digits) for i in range(len(values))]

@@ -117,8 +117,19 @@ def find_hang(ranks: List[RankProgress], now_unix_s: float, hang_after_s: float 
     finding = Finding(kind=FindingKind.HANG, severity=Severity.CRIT, summary=summary, action=action, rank=rank,
                       evidence={"stalled_s": round(longest_s, 1), "stalled_ranks": len(stalled),
                                 "waiting_ranks": len(waiting), "culprit_rank": rank,
-                                "where": (culprit or waiting[0])["where"]})
+                                "where": (culprit or waiting[0])["where"], **_figures(places)})
     return Hang(finding=finding, ranks=places, stalled_ranks=[place["rank"] for place in stalled])
+
+
+def _figures(places: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Each rank's figures that the finding's words name, flat ("rank_1_stalled_s"), as evidence."""
+    figures: Dict[str, Any] = {}
+    for place in places:
+        worker = place.get("loader_worker") or {}
+        told = {key: place[key] for key in ("stalled_s", "pid", "host", "where", "collectives_issued")}
+        told.update(worker=worker.get("worker"), worker_pid=worker.get("pid"))
+        figures.update({f"rank_{place['rank']}_{key}": value for key, value in told.items() if value is not None})
+    return figures
 
 
 def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Dict[str, Any]:
@@ -344,7 +355,8 @@ def rank_lost(missing: List[Dict[str, Any]], exits: Dict[int, Dict[str, int]],
                    rank=first["rank"],
                    evidence={"rank": first["rank"], "last_step": last_step, "exit_code": exit_code,
                              "signal": signal, "pid": first.get("pid"),
-                             "ranks_lost": len(missing), "ranks_stopped_after": len(stopped)})
+                             "ranks_lost": len(missing), "ranks_stopped_after": len(stopped),
+                             "other_ranks_lost": others, "ranks_stopped": stopped})
 
 
 def signal_name(exit_code: Optional[int]) -> Optional[str]:

@@ -65,11 +65,12 @@ def host_sync(samples: Sequence[HostSyncSample], window: Window) -> Optional[Fin
     share = overlap_ms / step_ms
     code = f" `{top['code']}`" if top["code"] else ""
     summary = (f"{top['site']}{code} synchronizes {_how_often(top['calls_per_step'])}: the host waits "
-               f"{top['wait_ms_per_step']:.1f} ms a step for the GPU, {top['wait_ms_per_step'] / step_ms:.0%} of it")
+               f"{top['wait_ms_per_step']:.1f} ms a step for the GPU, {top['wait_ms_per_step'] / step_ms:.0%} of "
+               f"the {step_ms:.1f} ms step")
     if len(every_step) > 1:
         others = len(every_step) - 1
         summary += (f" (and {counted(others, 'other line')} every step: "
-                    f"{wait_ms - top['wait_ms_per_step']:.1f} ms)")
+                    f"{wait_ms - top['wait_ms_per_step']:.1f} ms more)")
     advice = ADVICE.get(top["call"], _COPY_ADVICE)
     action = (f"{advice[0].upper()}{advice[1:]}. While the host waits it cannot load the next batch or "
               f"queue the next kernels: up to {overlap_ms:.1f} ms a step ({share:.0%}) could overlap "
@@ -80,7 +81,8 @@ def host_sync(samples: Sequence[HostSyncSample], window: Window) -> Optional[Fin
         evidence={"share": round(share, 4), "site": top["site"], "code": top["code"], "call": top["call"],
                   "calls_per_step": top["calls_per_step"], "wait_ms_per_step": top["wait_ms_per_step"],
                   "wait_share": round(wait_ms / step_ms, 4), "lines": len(every_step),
-                  "overlap_ms_per_step": round(overlap_ms, 4), "sampled_steps": top["sampled_steps"]})
+                  "overlap_ms_per_step": round(overlap_ms, 4), "sampled_steps": top["sampled_steps"],
+                  "step_mean_ms": round(step_ms, 3), "others_wait_ms_per_step": round(wait_ms - top["wait_ms_per_step"], 4)})
 
 
 def _how_often(calls_per_step: float) -> str:

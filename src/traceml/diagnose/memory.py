@@ -121,7 +121,7 @@ def memory_creep(window: Window, limits: MemoryLimits, layers_alive: Optional[Li
     forecast = (f"at this rate it runs out near step {oom_step:,} ({_gib(headroom)} left{driven})"
                 if oom_step is not None else "the memory limit is not known")
     evidence = {"bytes_per_step": round(slope, 1), "held_bytes": held[-1], "growth_bytes": round(growth),
-                "measured_on": trend.measured_on, "steps": trend.window_steps,
+                "measured_on": trend.measured_on, "steps": trend.window_steps, "over_steps": steps[-1] - steps[0],
                 "projected_oom_step": oom_step, "phase": "held across steps", "headroom_bytes": headroom if headroom > 0 else None,
                 "share": round(min(1.0, growth / held[-1]), 4) if held[-1] else None}
     summary = (f"{where} at step end grows {_gib(slope)} a step ({_gib(growth)} over "
@@ -191,9 +191,11 @@ def memory_pressure(window: Window, limits: MemoryLimits, peak_device_bytes: Opt
     largest = largest_part(ledger)
     if largest is not None:
         part, size, share, row = largest
-        summary += f"; the largest part is {PART_WORDS[part]}: {_gib(size)}, {share:.0%} of rank {row['rank']}'s"
+        summary += (f"; the largest part is {PART_WORDS[part]}: {_gib(size)}, {share:.0%} of the {_gib(row['held'])} "
+                    f"rank {row['rank']} holds")
         action = "One larger batch or sequence will not fit. " + PART_ADVICE[part]
-        evidence.update(largest_part=part, largest_part_bytes=size, largest_part_rank=row["rank"])
+        evidence.update(largest_part=part, largest_part_bytes=size, largest_part_rank=row["rank"],
+                        largest_part_rank_held_bytes=row["held"])
     return Finding(kind=FindingKind.MEMORY_PRESSURE,
                    severity=Severity.CRIT if ratio >= PRESSURE_CRIT else Severity.WARN,
                    summary=summary, action=action, evidence=evidence)
@@ -221,6 +223,7 @@ def out_of_memory(oom: OomRecord, limits: MemoryLimits) -> Finding:
                 "accumulation, activation checkpointing on the largest layers, mixed precision; "
                 "if reserved is far above allocated, fragmentation: set "
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."),
-        evidence={"oom": True, "step": oom.step, "phase": oom.phase, "layer": oom.layer,
+        evidence={"oom": True, "step": oom.step, "rank": oom.rank, "phase": oom.phase, "layer": oom.layer,
+                  "held_bytes": held, "capacity_bytes": capacity, "largest_layers": largest or None,
                   "allocated_bytes": oom.allocated_bytes, "reserved_bytes": oom.reserved_bytes,
                   "peak_bytes": oom.peak_bytes, "message": oom.message[:200], "share": 1.0})

@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence, Tuple
 from traceml.analysis.goodput import Goodput
 from traceml.diagnose.untimed import named, sites_evidence, sites_text
 from traceml.records import CodeSample, CompileRecord, Finding, FindingKind, Severity
-from traceml.words import counted
+from traceml.words import counted, duration, rounded_parts
 
 STARTUP_LINE = 0.20  # startup at this share of a run ...
 STARTUP_MIN_RUN_S = 60.0  # ... longer than this: SLOW_STARTUP
@@ -103,7 +103,7 @@ def recompilations(compiles: Sequence[CompileRecord], after_step: int, run_ms: f
     (what, action), _ = reasons.most_common(1)[0]
     first = min(r.step for r in frames)
     summary = (f"{counted(count, 'recompilation')} after step {after_step} (first at "
-               f"step {first}), {seconds:.1f} s, {share:.0%} of the run: {what}")
+               f"step {first}), {seconds:.1f} s, {share:.1%} of the {duration(run_ms)} run: {what}")
     if len(reasons) > 1:
         summary += f" (and {counted(len(reasons) - 1, 'other reason')})"
     return Finding(
@@ -114,7 +114,8 @@ def recompilations(compiles: Sequence[CompileRecord], after_step: int, run_ms: f
                 "compiling that function and runs it uncompiled. TORCH_LOGS=recompiles shows each guard."),
         rank=rank0 if len({rank for rank, _ in late_ids}) < len({r.rank for r in compiles}) else None,
         evidence={"share": round(share, 4), "recompilations": count, "seconds": round(seconds, 3),
-                  "first_step": first, "after_step": after_step, "reason": what,
+                  "first_step": first, "after_step": after_step, "reason": what, "run_s": round(run_ms / 1e3, 3),
+                  "reasons": len(reasons),
                   "torch_reason": frames[0].recompile_reason[:300], "code": frames[0].code})
 
 
@@ -131,19 +132,23 @@ def slow_startup(goodput: Optional[Goodput], code: Sequence[CodeSample] = ()) ->
     told = sorted(((key, words, float(value)) for key, words, value in parts if value), key=lambda p: -p[2])
     largest = told[0][0] if told else "setup_s"
     slowest = goodput.startup.get("slowest_import")
+    # In tenths of a second that add up to the startup said (setup is what the others leave).
+    tenths = rounded_parts([value for _, _, value in told] + [goodput.seconds("startup") - sum(
+        value for _, _, value in told)], 1)
     described = ", ".join(f"{words} {value:.1f} s" + (f" ({slowest} the slowest)" if key == "imports_s"
                                                          and slowest else "")
-                          for key, words, value in told if value >= 0.05)
+                          for (key, words, _), value in zip(told, tenths) if value >= 0.05)
     sites = named(code, "startup", 1.0)
     modules = int(goodput.startup.get("modules_imported") or 0)  # type: ignore[call-overload]
     named_code = sites_text(sites) + (f", {modules:,} modules imported" if sites and modules else "")
     return Finding(
         kind=FindingKind.SLOW_STARTUP, severity=Severity.CRIT if share >= STARTUP_CRIT else Severity.WARN,
-        summary=(f"startup takes {goodput.seconds('startup'):.1f} s, {share:.0%} of the run, before "
+        summary=(f"startup takes {sum(tenths):.1f} s, {share:.0%} of the {goodput.wall_s:.1f} s run, before "
                  f"the first step" + (f": {described}" if described else "")
                  + (f"; {named_code}" if named_code else "")),
         action=STARTUP_ACTIONS[largest],
         evidence={"share": round(share, 4), "seconds": round(goodput.seconds("startup"), 3),
+                  "run_s": round(goodput.wall_s, 3),
                   "largest_part": largest[:-2], **{key: (round(float(value), 3) if value is not None else None)
                                                    for key, _, value in parts},
                   "modules_imported": modules, **sites_evidence(sites, "seconds")})

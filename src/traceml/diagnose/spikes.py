@@ -174,7 +174,8 @@ class Stalls:
 
     @property
     def cost_ms(self) -> float:
-        return sum(e.excess_ms for e in self.episodes)
+        """The slow steps' time over the median step (a part's stall counts the whole step it slowed)."""
+        return sum(s.step_ms - self.median_ms for s in self.slow)
 
     @property
     def cost_share(self) -> float:
@@ -224,7 +225,8 @@ class Stalls:
                 "step_median_ms": round(self.median_ms, 3),
                 "first_spike_step": self.episodes[0].first_step if self.episodes else None,
                 "longest_episode_steps": max((e.steps for e in self.episodes), default=0),
-                "outliers": [{"step": s.step, "ms": round(s.step_ms, 3)} for s in self.outliers]}
+                "outliers": [{"step": s.step, "ms": round(s.step_ms, 3)} for s in self.outliers],
+                "cost_ms": round(self.cost_ms, 3), "steps_total_ms": round(self.total_ms, 3)}
 
     def warmup_note(self) -> List[dict]:
         """The warm-up transients, for the summary: slow early steps that did not come back."""
@@ -265,9 +267,13 @@ def step_spikes(stalls: Stalls) -> Optional[Finding]:
     slow_ms = stalls.median_ms + stalls.excess_ms
     one = len(stalls.slow) == 1
     they, them, cost_verb = ("it", "it", "costs") if one else ("they", "them", "cost")
-    slow_steps = (f"{counted(len(stalls.slow), 'step')} take{'s' if one else ''} {slow_ms:.1f} ms"
-                  f"{_outlier_words([s.step_ms for s in stalls.outliers], digits=1)} against a median of "
-                  f"{stalls.median_ms:.1f} ms")
+    outliers = [(s.step, s.step_ms) for s in stalls.outliers]
+    slow_steps = (f"{counted(len(stalls.slow), 'step')} "
+                  + (f"are slow: {_some_of_about(len(stalls.slow), slow_ms, outliers, 1)}," if outliers else
+                     f"take{'s' if one else ' about'} {slow_ms:.1f} ms")
+                  + f" against a median of {stalls.median_ms:.1f} ms")
+    cost_words = (f"{they} {cost_verb} {duration(stalls.cost_ms)} over the median step, {cost:.1%} of the "
+                  f"{duration(stalls.total_ms)} of measured steps")
     evidence = {**stalls.evidence(), "share": round(cost, 4), "machine_wide": stalls.machine_wide,
                 "input_ratio": None if stalls.input_ratio is None else round(stalls.input_ratio, 2),
                 "other_cpu_cores": None if stalls.other_cpu_cores is None else round(stalls.other_cpu_cores, 2)}
@@ -275,15 +281,14 @@ def step_spikes(stalls: Stalls) -> Optional[Finding]:
         busy = (f"; other processes used {stalls.other_cpu_cores:.1f} CPU cores meanwhile"
                 if stalls.contended else "")
         summary = (f"the machine stalls the training {stalls.when()}: {slow_steps}, every phase "
-                   f"slower at once{busy}; {they} {cost_verb} {cost:.0%} of the run's time")
+                   f"slower at once{busy}; {cost_words}")
         action = MACHINE_ACTION
     else:
         phase = stalls.phase
         inputs = (f"; {they} carr{'ies' if one else 'y'} {stalls.input_ratio:.1f}x the usual step's "
                   f"{stalls.input_measure}" if stalls.bigger_inputs else "")
         summary = (f"{slow_steps}, {stalls.when()}; {phase.replace('_', ' ')} grows by "
-                   f"{stalls.growth_ms[phase]:.1f} ms in {them}{inputs}; {they} {cost_verb} {cost:.0%} of "
-                   f"the run's time")
+                   f"{stalls.growth_ms[phase]:.1f} ms in {them}{inputs}; {cost_words}")
         action = (BIGGER_INPUT_ACTION if stalls.bigger_inputs
                   else ACTIONS.get(phase, DEFAULT_ACTION.format(phase=phase)))
     return Finding(kind=FindingKind.STEP_SPIKES, severity=Severity.WARN if cost >= WARN_COST_SHARE else Severity.INFO,
@@ -291,20 +296,25 @@ def step_spikes(stalls: Stalls) -> Optional[Finding]:
 
 
 def periodic(finding: Finding, stalls: Stalls, what: str, phase: str) -> Finding:
-    """A share-based finding whose time comes from the stalls: told once, by its cause and
-    period ("every 20 steps, untraced work inside the step takes 104 ms against a median step of
-    8.0 ms: 60% of the run, 66% with its time in the other steps"). The share said first is the
-    stalls' own (their count times the typical figure, with the outliers named); the finding's,
-    when it reads otherwise, after it: the same work in the other steps as well."""
+    """A share-based finding whose time comes from the stalls: told once, by its cause and period
+    ("every 20 steps, untraced work inside the step takes 104 ms in 5 steps against a median step of
+    8.0 ms: 520 ms, 60.0% of the 867 ms of measured steps, 66.0% with its time in the other steps").
+    The stalls' own share first (their count times the typical figure, and the outliers named apart);
+    the finding's, when it reads otherwise, after it: the same work in the other steps as well."""
     share = finding.evidence["share"]
     stall_share = stalls.phase_cost_share(phase)
+    stall_ms = stall_share * stalls.total_ms
     outliers_ms = stalls.phase_excess_ms(phase, stalls.outliers)
-    rest = f", {share:.0%} with its time in the other steps" if f"{share:.0%}" != f"{stall_share:.0%}" else ""
-    summary = (f"{stalls.when()}, {what} takes {stalls.growth_ms[phase]:.0f} ms{_outlier_words(outliers_ms)} "
-               f"against a median step of {stalls.median_ms:.1f} ms: {stall_share:.0%} of the run{rest}")
+    outliers = [(s.step, ms) for s, ms in zip(stalls.outliers, outliers_ms)]
+    count, growth_ms = len(stalls.slow), stalls.growth_ms[phase]
+    takes = (f"more in {counted(count, 'step')}: {_some_of_about(count, growth_ms, outliers, 0)},"
+             if outliers else f"{growth_ms:.0f} ms in {counted(count, 'step')}")
+    rest = f", {share:.1%} with its time in the other steps" if f"{share:.1%}" != f"{stall_share:.1%}" else ""
+    summary = (f"{stalls.when()}, {what} takes {takes} against a median step of {stalls.median_ms:.1f} ms: "
+               f"{duration(stall_ms)}, {stall_share:.1%} of the {duration(stalls.total_ms)} of measured steps{rest}")
     evidence = {**finding.evidence, **stalls.evidence(), "share": share, "stall_share": round(stall_share, 4),
-                "periodic": True,
-                "outliers": [{"step": s.step, "ms": round(ms, 3)} for s, ms in zip(stalls.outliers, outliers_ms)]}
+                "periodic": True, "stall_ms": round(stall_ms, 3),
+                "outliers": [{"step": step, "ms": round(ms, 3)} for step, ms in outliers]}
     return Finding(kind=finding.kind, severity=finding.severity, summary=summary,
                    action=ACTIONS.get(phase, finding.action), rank=finding.rank, evidence=evidence)
 

@@ -9,7 +9,7 @@ from traceml.analysis.rollup import Window
 from traceml.diagnose.untimed import named, part_shares, sites_evidence, sites_text
 from traceml.records import (COMPUTE_PHASES, STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER,
                              STEPS_FROM_TRACE_STEP, CodeSample, Finding, FindingKind, Severity)
-from traceml.words import counted
+from traceml.words import counted, rounded_parts
 
 MIN_STEPS = 10
 WAIT_WARN_SHARE = 0.10  # input wait or H2D at this share of step time: warn
@@ -108,15 +108,17 @@ def _waiting(window: Window, phase: str, kind: str, what: str,
         return None
     share, wait_ms = window.share(phase), window.mean_ms(phase)
     summary = _of_step(what, share, wait_ms, window)
+    lines = {"line": WAIT_WARN_SHARE, "verdict_share": round(WAIT_WARN_SHARE * (1 + LINE_MARGIN), 6),
+             "verdict_low_share": round(WAIT_WARN_SHARE * (1 - LINE_MARGIN), 6), "interval_level": 0.95}
     if severity == Severity.INFO:
-        summary += (f", at the {WAIT_WARN_SHARE:.0%} line (95% interval {interval[0]:.1%} to "
-                    f"{interval[1]:.1%}; {WAIT_WARN_SHARE * (1 + LINE_MARGIN):.1%} needed, the interval "
-                    f"above {WAIT_WARN_SHARE * (1 - LINE_MARGIN):.1%}): too close to call the run bound by it")
+        summary += (f", at the {lines['line']:.0%} line ({lines['interval_level']:.0%} interval {interval[0]:.1%} to "
+                    f"{interval[1]:.1%}; {lines['verdict_share']:.1%} needed, the interval "
+                    f"above {lines['verdict_low_share']:.1%}): too close to call the run bound by it")
     cause, action, cause_evidence = advise()
     if cause:
         summary += f"; {cause}"
     evidence = _evidence(window, share, wait_ms, share_low=round(interval[0], 4),
-                         share_high=round(interval[1], 4), **cause_evidence)
+                         share_high=round(interval[1], 4), **lines, **cause_evidence)
     return Finding(kind=kind, severity=severity, summary=summary, action=action, evidence=evidence)
 
 
@@ -362,16 +364,19 @@ def compute_bound(window: Window, healthy: bool = False) -> Optional[Finding]:
     compute_ms = window.mean_ms(*COMPUTE_PHASES) - comm.mean_ms
     if share < COMPUTE_SHARE and not healthy:
         return None
-    parts = ", ".join(f"{name} {window.phases[name].share:.0%}" for name in COMPUTE_PHASES)
+    # In whole percents that add up to the share said: the collectives' wait is taken off.
+    phase_shares = [window.phases[name].share for name in COMPUTE_PHASES] + ([-comm.share] if comm.share > 0 else [])
+    percents = rounded_parts([100 * part for part in phase_shares], 0)
+    parts = ", ".join(f"{name} {percent:.0f}%" for name, percent in zip(COMPUTE_PHASES, percents))
     if comm.share > 0:
-        parts += f", less {comm.share:.0%} waiting in collectives"
+        parts += f", less {-percents[-1]:.0f}% waiting in collectives"
     return Finding(
         kind=FindingKind.COMPUTE_BOUND, severity=Severity.INFO,
-        summary=f"{_of_step('model compute', share, compute_ms, window)} ({parts})",
+        summary=f"{_of_step('model compute', sum(percents) / 100, compute_ms, window)} ({parts})",
         action=("The model's own compute dominates, as it should. To go faster: mixed precision "
                 "(torch.autocast with bf16), torch.compile, a fused optimizer (fused=True), or a "
                 "larger batch while memory allows."),
-        evidence=_evidence(window, share, compute_ms, **{
+        evidence=_evidence(window, share, compute_ms, comm_wait_share=round(comm.share, 4), **{
             f"{name}_share": round(window.phases[name].share, 4) for name in COMPUTE_PHASES}))
 
 

@@ -15,6 +15,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from traceml.analysis.rollup import RankRow, comm_wait_parts
 from traceml.diagnose.spikes import OTHER_CPU_CORES
 from traceml.records import STRAGGLER_KINDS, Finding, FindingKind, Severity, SystemSample
+from traceml.words import rounded_parts
 
 LOSS_WARN_SHARE = 0.05  # the others lose this share of the step waiting: warn
 LOSS_CRIT_SHARE = 0.20  # ... and this much: crit
@@ -72,7 +73,7 @@ def straggler(ranks: List[RankRow], step_ms: float, cores_taken: Optional[float]
                              "cpu_wait_excess_ms": round(cpu_wait_excess, 3),
                              "on_cpu_excess_ms": round(on_cpu_excess, 3),
                              "other_processes_cores": None if cores_taken is None else round(cores_taken, 2),
-                             "measured_by": measured, "ranks": len(ranks)})
+                             "measured_by": measured, "ranks": len(ranks), "step_median_ms": round(step_ms, 3)})
 
 
 def cores_taken_by_others(system: Sequence[SystemSample], start_unix_s: float, end_unix_s: float) -> Optional[float]:
@@ -182,8 +183,9 @@ def comm_bound(ranks: List[RankRow], step_ms: float, sharded_by: str = "") -> Op
     zero = sharded_by.startswith("DeepSpeed")
     sharded = bool(sharded_by) or forward_ms > 0
     if sharded:
-        parts = [(forward_ms, "in forward's all-gathers"), (backward_ms, "in backward"),
-                 (optimizer_ms, "in the optimizer step's all-gathers")]
+        # In tenths of a millisecond that add up to the wait said.
+        tenths = rounded_parts([forward_ms, backward_ms, optimizer_ms], 1)
+        parts = zip(tenths, ("in forward's all-gathers", "in backward", "in the optimizer step's all-gathers"))
         where = ", ".join(f"{ms:.1f} ms {place}" for ms, place in parts if ms > 0.05) or "in backward"
     else:
         where = "in backward's all-reduce, after the last gradient bucket"
