@@ -5,8 +5,7 @@ it, shares come with their base and totals with their parts, adding up within th
 FIGURES says, per finding kind, which figures its words may state and how each is derived from
 the evidence; ADDS_UP, per kind, the sums and shares a reader would redo, on the figures as shown.
 NAMES holds numbers that are names in a kind's words ("generation 2"); text the evidence holds (a
-file:line, a layer's name, a reason torch gave) is quoted, not computed, and left out. PENDING
-holds kinds being reworded on another branch, left out of the run checks until then.
+file:line, a layer's name, a reason torch gave) is quoted, not computed, and left out.
 `problems(finding)` lists what does not hold (empty: the sentence checks); `check_findings` fails
 with them. conftest.py runs it on every run of the traceml_run fixture as it ends and, after each
 test, on every final_summary.json under the test's tmp_path; test_sentences.py on each kind made
@@ -109,6 +108,18 @@ def _planned(e: dict) -> List[Figure]:
     return figures
 
 
+def _code(e: dict) -> List[Figure]:
+    """The code an untimed part was sampled in (diagnose/untimed.sites_evidence): each site's share
+    of the step or, at startup, its seconds; and the modules the script imported."""
+    figures = count(e.get("modules_imported"))
+    for key, value in e.items():
+        if re.fullmatch(r"code_\d+_share", key):
+            figures += share(value)
+        elif re.fullmatch(r"code_\d+_s", key):
+            figures += ms(value * 1e3)
+    return figures
+
+
 def _hang(e: dict) -> List[Figure]:
     """HANG: each rank's figures (hangs._figures) and the collective counts' differences."""
     figures = ms(e["stalled_s"] * 1e3) + count(e.get("stalled_ranks"), e.get("waiting_ranks"))
@@ -132,7 +143,8 @@ FIGURES: Dict[str, Callable[[dict], List[Figure]]] = {
     "INSUFFICIENT_DATA": lambda e: count(e["steps"], e["min_steps"]),
     "INPUT_BOUND": _periodic(lambda e: _of_step(e) + _loader(e)),
     "H2D_BOUND": _periodic(_of_step),
-    "UNTRACED_WORK": _periodic(lambda e: _of_step(e) + share(e.get("outside_share")) + share(e.get("untraced_share"))),
+    "UNTRACED_WORK": _periodic(lambda e: _of_step(e) + share(e.get("outside_share")) + share(e.get("untraced_share"))
+                               + _code(e)),
     "GC_PRESSURE": _periodic(lambda e: _of_step(e) + count(e.get("collections_per_step")) + ms(e.get("median_pause_ms"))
                              + ms(e.get("worst_pause_ms")) + share(e.get("full_collection_share"))),
     "COMPUTE_BOUND": lambda e: (_of_step(e) + share(e["forward_share"], True) + share(e["backward_share"], True)
@@ -144,7 +156,7 @@ FIGURES: Dict[str, Callable[[dict], List[Figure]]] = {
                                 + ms(e["seconds"] * 1e3) + share(e["share"]) + ms(e["run_s"] * 1e3)),
     "SLOW_STARTUP": lambda e: (ms(e["seconds"] * 1e3) + share(e["share"]) + ms(e["run_s"] * 1e3) + [
         figure for key in ("imports_s", "first_compilation_s", "first_batch_s", "setup_s")
-        for figure in ms(None if e.get(key) is None else e[key] * 1e3, True)]),
+        for figure in ms(None if e.get(key) is None else e[key] * 1e3, True)] + _code(e)),
     "HOST_SYNC": lambda e: (count(e["calls_per_step"], e["lines"] - 1) + share(e["calls_per_step"])
                             + ms(e["wait_ms_per_step"]) + share(e["wait_ms_per_step"] / e["step_mean_ms"])
                             + ms(e["step_mean_ms"]) + ms(e["others_wait_ms_per_step"])),
@@ -167,10 +179,6 @@ FIGURES: Dict[str, Callable[[dict], List[Figure]]] = {
 _STRAGGLER = lambda e: (ms(e["loss_ms"]) + share(e["share"]) + ms(e["step_median_ms"]) + ms(e["rank_value_ms"])
                         + ms(e["others_median_ms"]) + count(e.get("other_processes_cores")))
 FIGURES.update(INPUT_STRAGGLER=_STRAGGLER, COMPUTE_STRAGGLER=_STRAGGLER, STRAGGLER=_STRAGGLER)
-
-# Kinds whose words are being rewritten to the form their entry checks: left out of check_findings
-# (tests/test_sentences.py runs their entries as xfail) until the rewording merges.
-PENDING = {"EVAL_HEAVY": "reworded on branch w-planned", "CHECKPOINT_STALL": "reworded on branch w-planned"}
 
 # Numbers that are names in a kind's words, not figures.
 NAMES: Dict[str, Sequence[str]] = {"GC_PRESSURE": ("generation 2",)}
@@ -259,7 +267,7 @@ def problems(finding: dict) -> List[str]:
 
 def check_findings(findings: Iterable[dict], where: str = "") -> None:
     """Fail with every problem of these findings' sentences."""
-    found = [problem for finding in findings if finding["kind"] not in PENDING for problem in problems(finding)]
+    found = [problem for finding in findings for problem in problems(finding)]
     assert not found, f"sentences a reader cannot check{f' ({where})' if where else ''}:\n" + "\n".join(found)
 
 

@@ -163,8 +163,11 @@ class EvaluationRegions:
 
         @functools.wraps(original)
         def eval(module: Any) -> Any:
-            if not self.probe.in_step and not self._is_compiling() and threading.get_ident() == self._thread:
-                self._extend_from(self.probe.window, _now_ns(), False)
+            try:
+                if not self.probe.in_step and not self._is_compiling() and get_ident() == self.probe.training_thread:
+                    self._extend_from(self.probe.window, _now_ns(), False)
+            except Exception:  # TraceML's fault costs its figure, never the user's eval()
+                log.debug("traceml: an evaluation's start was not noted", exc_info=True)
             return original(module)
 
         return eval
