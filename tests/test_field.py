@@ -232,12 +232,14 @@ def test_a_first_evaluation_ten_times_slower_is_named_apart_and_keeps_the_period
     assert summary["primary_diagnosis"]["kind"] == "COMPUTE_BOUND", summary["findings"]
     (found,) = [f for f in summary["findings"] if f["kind"] == "EVAL_HEAVY"]
     evidence = found["evidence"]
-    # Eleven evaluations in the steps (the twelfth comes after the last one), every 10 steps.
-    assert evidence["period_steps"] == 10 and evidence["count"] == 11, found
+    # Eleven evaluations in the steps, every 10 steps, and the twelfth after the last step.
+    assert evidence["period_steps"] == 10 and evidence["count"] == 12, found
+    assert evidence["after_last_step_count"] == 1
     ((first, first_ms),) = [(o["step"], o["ms"]) for o in evidence["outliers"]]
     assert first < 15 and first_ms >= 5 * evidence["each_ms"]
-    assert found["summary"].startswith(f"every 10 steps, evaluation between steps takes {evidence['each_ms']:.0f} ms "
-                                       f"(one of them {first_ms:.0f} ms)")
+    assert found["summary"].startswith(f"evaluated 12 times (every 10 steps, the last after the last step): "
+                                       f"11 of about {evidence['each_ms']:.0f} ms, one of {first_ms:.0f} ms "
+                                       f"at step {first}")
     # The numbers add up to the share of the run goodput gives evaluation.
     wall_ms = sum(part["seconds"] for part in summary["goodput"].values()) * 1e3
     said_ms = (evidence["count"] - 1) * evidence["each_ms"] + first_ms + evidence["elsewhere_ms"]

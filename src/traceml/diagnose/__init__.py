@@ -6,8 +6,9 @@ finding's period), and ranks the findings so the first is the primary diagnosis:
 
 1. an out-of-memory post-mortem;
 2. memory that will run out (MEMORY_CREEP or MEMORY_PRESSURE at crit);
-3. findings worth at least VERDICT_SHARE of the run's time (`evidence.share`: what acting on
-   the cause could win), the most worth first, severity breaking ties. Evaluation and
+3. findings worth at least VERDICT_SHARE of their whole (`evidence.share`: what acting on the
+   cause could win), the most run time first (a share of the step weighs as that share of the
+   run's training), severity breaking ties. Evaluation and
    checkpoints count only above their own lines (they are the run's plan);
 4. COMPUTE_BOUND, the verdict of a healthy run (given even below its own line when nothing
    above is found);
@@ -123,7 +124,7 @@ def diagnose(run: DiagnosisInput) -> List[Finding]:
                                  comm_bound(run.ranks, window.step_median_ms, sharded_by)) if f]
     if not any(_group(f) <= 3 for f in findings):
         findings.append(compute_bound(window, healthy=True))
-    findings = rank(findings)
+    findings = rank(findings, goodput.share("training") if goodput is not None and goodput.parts else 1.0)
     attach_captures(findings, run.captures)
     return findings
 
@@ -175,9 +176,19 @@ def _group(finding: Finding) -> int:
     return 4
 
 
-def rank(findings: List[Finding]) -> List[Finding]:
-    """The primary diagnosis first: see the module's docstring."""
-    return sorted(findings, key=lambda f: (_group(f), -worth(f), SEVERITY_ORDER[f.severity]))
+# Kinds whose share is of the run's wall time; every other kind's is of the step.
+RUN_SHARE_KINDS = (FindingKind.EVAL_HEAVY, FindingKind.CHECKPOINT_STALL, FindingKind.SLOW_STARTUP,
+                   FindingKind.RECOMPILATION)
+
+
+def rank(findings: List[Finding], training_share: float = 1.0) -> List[Finding]:
+    """The primary diagnosis first: see the module's docstring. Findings are ordered by the run
+    time they could win: a share of the step weighs as that share of the training's part of the
+    run (training_share), so a step-based finding and a run-based one compare like for like."""
+    def run_worth(finding: Finding) -> float:
+        return worth(finding) * (1.0 if finding.kind in RUN_SHARE_KINDS else training_share)
+
+    return sorted(findings, key=lambda f: (_group(f), -run_worth(f), SEVERITY_ORDER[f.severity]))
 
 
 __all__ = ["diagnose", "DiagnosisInput", "rank", "worth", "Finding", "MemoryLimits", "SEVERITY_ORDER", "Stalls"]

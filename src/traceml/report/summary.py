@@ -215,15 +215,7 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
             "rank_figures_every_n_steps": data.rank_sample_every,
         },
         "phases": phases,
-        "throughput": {
-            "steps_per_s": window.steps_per_s,
-            "samples_per_s": window.samples_per_s,
-            # The global batch: samples a step, summed over ranks (the median step's).
-            "samples_per_step": statistics.median(s.samples for s in window.steps) if len(window) else None,
-            "tokens_per_s": window.tokens_per_s,  # real tokens trained (labels, attention_mask), summed over ranks
-            "padding_share": window.padding_share,
-            **_model_flops(data),
-        },
+        "throughput": _throughput(data),
         "goodput": data.goodput.parts if data.goodput is not None else None,
         "startup": data.goodput.startup if data.goodput is not None else None,
         "compile": compile_summary(data.compiles, after_step=data.warmup),
@@ -245,6 +237,19 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "primary_diagnosis": findings[0] if findings else None,
         "findings": findings,
     })
+
+
+def _throughput(data: RunData) -> Dict[str, Any]:
+    window = data.window
+    return {
+        "steps_per_s": window.steps_per_s,
+        "samples_per_s": window.samples_per_s,
+        # The global batch: samples a step, summed over ranks (the median step's).
+        "samples_per_step": statistics.median(s.samples for s in window.steps) if len(window) else None,
+        "tokens_per_s": window.tokens_per_s,  # real tokens trained (labels, attention_mask), summed over ranks
+        "padding_share": window.padding_share,
+        **_model_flops(data),
+    }
 
 
 def flat_summary(records: List[Any]) -> Dict[str, Any]:
