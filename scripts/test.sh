@@ -36,7 +36,7 @@ report() {
 
 TRACEML_NO_FASTPATH=1 python -m pytest -q tests/test_probe.py tests/test_fastpath.py >"$beside_log" 2>&1 &
 python_timers=$!
-python -m pytest -n 5 --dist loadgroup -m "not serial" --deselect "$dry_run" "$@"
+python -m pytest -n 5 --dist loadgroup -m "not serial" --durations=15 --deselect "$dry_run" "$@"
 parallel_status=$?
 wait "$python_timers"
 python_timers_status=$?
