@@ -56,6 +56,9 @@ def test_a_rank_slower_in_compute_is_the_compute_straggler_and_the_ledger_holds_
     assert summary["mesh"] == {"dims": {"dim0": 2}, "coordinates": {"0": {"dim0": 0}, "1": {"dim0": 1}}}
 
 
+# Serial: it judges two ranks' step times against each other, and beside five workers and two
+# busy loops (a load of 9 on 2 cores) the 30 ms rank 1 spends between steps was lost in theirs.
+@pytest.mark.serial
 def test_zero_code_hsdp_with_accumulation_names_the_rank_busy_between_steps(traceml_run):
     run, summary = fsdp_run(traceml_run, "--steps", 40, "--slow-rank", 1, "--sleep-ms", 30, "--zero-code",
                             "--accumulate", 2, "--shard", "hsdp")
