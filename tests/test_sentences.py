@@ -239,3 +239,18 @@ def test_a_share_without_its_base_fails():
 
 def test_a_kind_without_an_entry_fails():
     assert problems({"kind": "NEW_KIND", "summary": "3 of 4", "evidence": {}}) != []
+
+
+def test_startup_parts_add_up_before_the_code_that_says_where_the_same_seconds_went():
+    finding = {"kind": "SLOW_STARTUP", "rank": None,
+               "summary": "startup takes 13.5 s, 22% of the 60.7 s run, before the first step: the script's imports "
+                          "13.3 s (torch the slowest), building the model and data 0.2 s; 7.1 s in train_loop.py:57 "
+                          "main, 0.1 s in synthetic_data.py:11 __init__, 1,806 modules imported",
+               "evidence": {"share": 0.2224, "seconds": 13.5, "run_s": 60.7, "imports_s": 13.3, "setup_s": 0.2,
+                            "first_compilation_s": None, "first_batch_s": None, "slowest_import": "torch",
+                            "modules_imported": 1806, "code_1": "train_loop.py:57 main", "code_1_s": 7.1,
+                            "code_2": "synthetic_data.py:11 __init__", "code_2_s": 0.1}}
+    assert problems(finding) == []
+    miscounted = copy.deepcopy(finding)
+    miscounted["summary"] = miscounted["summary"].replace("1,806", "1,807")
+    assert any("'1,807' follows from no evidence" in problem for problem in problems(miscounted))
