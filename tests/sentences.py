@@ -123,7 +123,7 @@ def _code(e: dict) -> List[Figure]:
 def _hang(e: dict) -> List[Figure]:
     """HANG: each rank's figures (hangs._figures) and the collective counts' differences."""
     figures = ms(e["stalled_s"] * 1e3) + count(e.get("stalled_ranks"), e.get("waiting_ranks"))
-    issued = {}
+    issued: Dict[str, Dict[int, int]] = {}  # on the default group, and on the group that decided
     for key, value in e.items():
         match = re.fullmatch(r"rank_(\d+)_(\w+)", key)
         if not match or isinstance(value, str):
@@ -133,9 +133,10 @@ def _hang(e: dict) -> List[Figure]:
             figures += ms(value * 1e3)
         else:
             figures += pid(value) if match.group(2).endswith("pid") else count(value)
-        if match.group(2) == "collectives_issued":
-            issued[int(match.group(1))] = value
-    figures += count(*(max(issued.values()) - value for value in issued.values()))
+        if match.group(2) in ("collectives_issued", "issued_on_group"):
+            issued.setdefault(match.group(2), {})[int(match.group(1))] = value
+    for counts in issued.values():
+        figures += count(*(max(counts.values()) - value for value in counts.values()))
     return figures
 
 

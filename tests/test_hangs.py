@@ -90,6 +90,49 @@ def test_counts_of_collectives_say_which_rank_is_behind():
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in hang.finding.action
 
 
+def test_on_a_2d_mesh_the_counts_of_each_dimension_chain_to_the_rank_that_has_not_arrived():
+    # DP over "ranks 0, 2" and "ranks 1, 3" (DDP's all-reduce from C++: no group said), TP over
+    # "ranks 0, 1" and "ranks 2, 3". Rank 2 stalls in its own code before its TP all-reduce: rank 3
+    # waits for it there; ranks 0 and 1 went on to backward, where rank 1 waits on rank 3 (behind
+    # on their DP group, yet ahead on its TP group) and rank 0 on rank 2. The default group's
+    # counts agree and say nothing.
+    def mesh_pulse(rank, dp, tp, **kwargs):
+        return pulse(rank, 40, collectives_issued=3, subgroup_collectives={
+            f"ranks {rank % 2}, {rank % 2 + 2}": dp, f"ranks {rank - rank % 2}, {rank - rank % 2 + 1}": tp}, **kwargs)
+
+    stuck = mesh_pulse(2, dp=20, tp=30, phase="forward", stack=[("/home/me/train.py", 7, "wait_for_shard")])
+    tp_wait = mesh_pulse(3, dp=20, tp=31, phase="forward", waiting_in="all_reduce", waiting_group="ranks 2, 3",
+                         stack=[("/home/me/train.py", 20, "forward")])
+    ddp_wait = dict(phase="backward", stack=[("/home/me/train.py", 11, "main")],
+                    innermost="graph.py:829 _engine_run_backward")
+    hang = find_hang([progress(0, stalled_s=40, pulse=mesh_pulse(0, dp=21, tp=31, **ddp_wait)),
+                      progress(1, stalled_s=40, pulse=mesh_pulse(1, dp=21, tp=31, **ddp_wait)),
+                      progress(2, stalled_s=40, pulse=stuck), progress(3, stalled_s=40, pulse=tp_wait)], 1000.0)
+    assert hang.finding.rank == 2
+    assert [(p["state"], p["waiting_in"]) for p in hang.ranks] == [
+        ("collective", "DDP's all_reduce"), ("collective", "DDP's all_reduce"), ("own code", None),
+        ("collective", "all_reduce")]
+    assert hang.finding.summary.startswith("no step has ended for 40 s on ranks 0, 1, 2, 3: rank 2 is in its own "
+                                           "code at train.py:7 wait_for_shard (forward)")
+    assert hang.finding.summary.endswith("rank 2 has issued 1 collective fewer than rank 3 on the group of "
+                                         "ranks 2, 3 (30 against 31)")
+    assert hang.finding.evidence["decided_on_group"] == "ranks 2, 3"
+
+
+def test_mismatched_calls_on_groups_name_the_rank_behind_where_the_others_wait():
+    # Each rank is ahead on one group and behind on another: no chain ends. The group the
+    # waiting ranks wait on decides.
+    hang = find_hang([
+        progress(0, stalled_s=40, pulse=pulse(0, 40, waiting_in="all_reduce", waiting_group="ranks 0, 1",
+                                              collectives_issued=9, subgroup_collectives={"ranks 0, 1": 8})),
+        progress(1, stalled_s=40, pulse=pulse(1, 40, waiting_in="all_reduce", waiting_group="ranks 0, 1",
+                                              collectives_issued=10, subgroup_collectives={"ranks 0, 1": 7})),
+        progress(2, stalled_s=40, pulse=pulse(2, 40, waiting_in="barrier", waiting_group="world",
+                                              collectives_issued=10))], 1000.0)
+    assert hang.finding.rank == 1 and "rank 1 has issued 1 collective fewer than rank 0 on the group of ranks 0, 1 " \
+        "(7 against 8)" in hang.finding.summary
+
+
 def ddp_backward_pulse(rank, collectives_issued, stalled_s=40):
     """Blocked in backward, in the autograd engine, where DDP's reducer waits for its all-reduce
     in C++: the innermost frame is autograd's, the user's innermost is the backward() call."""
@@ -366,7 +409,9 @@ class Launched:
 
 
 def test_a_rank_in_its_own_code_is_named_with_its_line_and_the_run_keeps_the_hang(tmp_path):
-    run = Launched(tmp_path, "--stall-rank", 1, "--at", 15, traceml_args=(
+    # The loop averages its gradients on a group of its own: the counts that say who is behind
+    # are that group's, the default group's being the same on both ranks.
+    run = Launched(tmp_path, "--stall-rank", 1, "--at", 15, "--grads-on-subgroup", traceml_args=(
         "--nproc-per-node", "2", "--hang-after", "5", "--on-alert", f"cat >> {tmp_path / 'alerts.jsonl'}"))
     try:
         started = time.monotonic()
@@ -375,6 +420,8 @@ def test_a_rank_in_its_own_code_is_named_with_its_line_and_the_run_keeps_the_han
         assert time.monotonic() - started < 90
         assert "rank 1 is in its own code at hang_loop.py" in line and "load_shard" in line
         assert "rank 0 waits in all_reduce" in line
+        assert re.search(r"rank 1 has issued 1 collective fewer than rank 0 on the group of ranks 0, 1 "
+                         r"\((\d+) against (\d+)\)", line), line
         alerts_file = tmp_path / "alerts.jsonl"
         deadline = time.monotonic() + 15  # the alert thread looks every 2 s
         while time.monotonic() < deadline and '"HANG"' not in (alerts_file.read_text() if alerts_file.exists() else ""):
@@ -389,6 +436,9 @@ def test_a_rank_in_its_own_code_is_named_with_its_line_and_the_run_keeps_the_han
     assert places[1]["state"] == "own code" and places[1]["last_step"] == 14
     assert any("hang_loop.py" in frame and "load_shard" in frame for frame in places[1]["stack"])
     assert places[0]["state"] == "collective" and places[0]["waiting_in"] == "all_reduce"
+    assert places[0]["waiting_group"] == "ranks 0, 1" and places[0]["collectives_issued"] == places[1]["collectives_issued"]
+    on_group = {rank: place["subgroup_collectives"]["ranks 0, 1"] for rank, place in places.items()}
+    assert on_group[0] == on_group[1] + 1 and summary["primary_diagnosis"]["evidence"]["decided_on_group"] == "ranks 0, 1"
     assert "Hang" in run.stdout.splitlines()[2]  # among the card's first lines
     # --on-alert: one JSON document for the hang, however many checks saw it.
     alerts = [json.loads(line) for line in (tmp_path / "alerts.jsonl").read_text().splitlines()]
@@ -441,6 +491,8 @@ def test_a_rank_whose_dataloader_worker_hangs_is_named_live_on_metrics(tmp_path)
         assert re.search(r"rank 1 is in a DataLoader wait at hang_loop\.py:\d+ main: its worker 0 \(pid \d+, "
                          r"(sleeping|running)\) has not handed over the batch it owes", line), line
         assert "rank 0 waits in all_reduce" in line
+        assert re.search(r"rank 1 has issued 1 collective fewer than rank 0 on the group of ranks 0, 1 "
+                         r"\((\d+) against (\d+)\)", line), line
         assert "rank 1 has issued 1 collective fewer than rank 0" in line
         # The line places every rank that has pulsed once one is past its 8 s; on a busy machine
         # the other crosses its own a second or two later, and only then is it stalled on /metrics.

@@ -498,6 +498,12 @@ class RankPulse(msgspec.Struct, tag="pulse", array_like=True):
     loader_worker: int = -1
     loader_worker_pid: int = 0
     loader_worker_state: str = ""
+    # The same count on each other process group the rank belongs to (a DeviceMesh dimension's,
+    # a new_group's), by the group's label ("ranks 0, 2"): the same label on every member.
+    subgroup_collectives: Dict[str, int] = {}
+    # The label of the group the collective it waits in was issued on ("world": the default
+    # group); "" when it waits in none, or the call does not say.
+    waiting_group: str = ""
 
 
 try:

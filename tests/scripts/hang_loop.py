@@ -1,5 +1,5 @@
-"""A small loop that averages its gradients by hand with all_reduce, or under DDP (gloo, or one
-process), for the hang locator: at one step a rank can stall in its own code (after backward,
+"""A small loop that averages its gradients by hand with all_reduce (on the default group or a
+group of its own), or under DDP (gloo, or one process), for the hang locator: at one step a rank can stall in its own code (after backward,
 before forward, in a layer's forward or in its optimizer's step), its DataLoader worker can
 hang, every rank can evaluate for a while, or a rank can be killed; and, as planned work that
 is no hang, a checkpoint save to a slow disk and a compilation mid-run."""
@@ -101,6 +101,8 @@ def main():
     parser.add_argument("--stall-in", default="after-backward",
                         choices=("after-backward", "before-forward", "forward", "optimizer"))
     parser.add_argument("--ddp", action="store_true", help="DDP averages the gradients, not the loop")
+    parser.add_argument("--grads-on-subgroup", action="store_true",
+                        help="the loop averages its gradients on a group of its own, as on a mesh dimension's")
     parser.add_argument("--hang-worker-rank", type=int, default=-1, help="this rank's DataLoader worker hangs")
     parser.add_argument("--eval-s", type=float, default=0.0, help="every rank evaluates this long at --eval-at")
     parser.add_argument("--eval-at", type=int, default=None, help="the step before which it evaluates (--at)")
@@ -116,6 +118,7 @@ def main():
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
+    grads_group = dist.new_group(list(range(dist.get_world_size()))) if args.grads_on_subgroup else None
     torch.manual_seed(0)
     shard_loader = ShardLoader()
     model = nn.Sequential(nn.Linear(16, 32), shard_loader, nn.ReLU(), nn.Linear(32, 1))
@@ -147,7 +150,7 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
             if distributed and not args.ddp:
                 for parameter in model.parameters():
-                    dist.all_reduce(parameter.grad)
+                    dist.all_reduce(parameter.grad, group=grads_group)
             optimizer.step()
             optimizer.zero_grad()
         time.sleep(0.01)

@@ -9,8 +9,8 @@ when it has ended no step for
 
 or, before its first step ends (imports, loading, a first compilation), for FIRST_STEP_S.
 Evaluation, a checkpoint save and a compilation that its stack shows are not stalls. The
-finding names the rank the others wait for: the one that has issued the fewest collectives, where
-the counts differ; then one gone (no goodbye) or frozen (no pulse for SENDER_SILENT_S). It tells
+finding names the rank the others wait for: the one that has issued fewer collectives than the
+others on a process group where the counts differ and more on none (Counts); then one gone (no goodbye) or frozen (no pulse for SENDER_SILENT_S). It tells
 the ranks waiting in a collective (DDP's all-reduce in backward, from C++, with no frame of its
 own, included) from those that never came (their line, or a DataLoader wait).
 
@@ -91,20 +91,20 @@ def find_hang(ranks: List[RankProgress], now_unix_s: float, hang_after_s: float 
     if not stalled or _a_first_pulse_is_due(places):
         return None
     _place_the_pulsing_ranks(places)
-    counts = {place["rank"]: place["collectives_issued"] for place in places
-              if place["collectives_issued"] is not None and place["state"] not in ("gone", "ended")}
-    fewest = min(counts.values()) if len(set(counts.values())) > 1 else None
     silent = [place for place in places if place["state"] in ("gone", "frozen")]  # no count: not arrived
-    _place_the_ranks_waiting_in_autograd(places, fewest, bool(silent))
+    counts = Counts(places)
+    _place_the_ranks_waiting_in_autograd(places, counts, bool(silent))
     waiting = [place for place in places if place["state"] == "collective"]
     absent = [place for place in places if place["state"] in ("gone", "frozen", "input", "own code")]
-    # The counts decide first: a rank that has issued fewer collectives than the others has not
-    # arrived where they wait, whatever its stack shows (an absent one first, where several tie).
-    behind = [place for place in absent + waiting if fewest is not None and counts.get(place["rank"]) == fewest]
+    # The counts decide first: a rank that has issued fewer collectives than the others, on the
+    # group they wait on, has not arrived where they wait, whatever its stack shows (an absent
+    # one first, where several tie).
+    decided_on = counts.deciding_group([place["waiting_group"] for place in waiting])
+    behind = [place for place in absent + waiting if place["rank"] in counts.fewest(decided_on)]
     culprit = (behind + silent + absent + [None])[0]
     longest_s = max(place["stalled_s"] for place in stalled)
     parts = [_told(place) for place in [culprit, *(p for p in absent + waiting if p is not culprit)] if place]
-    fewer = _collectives_behind(counts)
+    fewer = counts.told(decided_on)
     if fewer:
         parts.append(fewer)
     elif waiting and not absent:
@@ -117,7 +117,8 @@ def find_hang(ranks: List[RankProgress], now_unix_s: float, hang_after_s: float 
     finding = Finding(kind=FindingKind.HANG, severity=Severity.CRIT, summary=summary, action=action, rank=rank,
                       evidence={"stalled_s": round(longest_s, 1), "stalled_ranks": len(stalled),
                                 "waiting_ranks": len(waiting), "culprit_rank": rank,
-                                "where": (culprit or waiting[0])["where"], **_figures(places)})
+                                "where": (culprit or waiting[0])["where"], **_figures(places),
+                                **counts.evidence(decided_on)})
     return Hang(finding=finding, ranks=places, stalled_ranks=[place["rank"] for place in stalled])
 
 
@@ -153,7 +154,9 @@ def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Di
         "innermost": pulse.innermost if fresh else None,
         "where": _where(pulse) if fresh else None, "stalled": False, "state": "stepping",
         "pulsing": fresh,  # it has said where it is since its last step: PULSE_AFTER_S without one
-        "collectives_issued": pulse.collectives_issued if fresh and pulse.collectives_issued >= 0 else None}
+        "collectives_issued": pulse.collectives_issued if fresh and pulse.collectives_issued >= 0 else None,
+        "subgroup_collectives": dict(pulse.subgroup_collectives) if fresh else {},
+        "waiting_group": (pulse.waiting_group or None) if fresh else None}
     if fresh and pulse.loader_worker >= 0:
         place["loader_worker"] = {"worker": pulse.loader_worker, "pid": pulse.loader_worker_pid,
                                   "state": pulse.loader_worker_state}
@@ -203,12 +206,12 @@ def _place_the_pulsing_ranks(places: List[Dict[str, Any]]) -> None:
             place["state"] = _pulsed_state(place["waiting_in"] or "")
 
 
-def _place_the_ranks_waiting_in_autograd(places: List[Dict[str, Any]], fewest: Optional[int], silent: bool) -> None:
+def _place_the_ranks_waiting_in_autograd(places: List[Dict[str, Any]], counts: "Counts", silent: bool) -> None:
     """A rank in backward with a library's frame innermost (the autograd engine's) waits in the
     gradient all-reduce DDP's reducer issued from C++, where no frame shows it, when it is ahead
-    of another rank on the counts or, the counts agreeing, a rank is gone or frozen."""
+    of another rank on the counts of some group or, the counts agreeing, a rank is gone or frozen."""
     for place in places:
-        ahead = (place["collectives_issued"] or 0) > fewest if fewest is not None else silent
+        ahead = place["rank"] in counts.ahead if counts.differ else silent
         in_autograd = place["phase"] == "backward" and place["innermost"] != place["where"]
         if ahead and in_autograd and place["state"] == "own code":
             place["state"], place["waiting_in"] = "collective", "DDP's all_reduce"
@@ -248,20 +251,80 @@ def _told(place: Dict[str, Any]) -> str:
     return f"rank {rank} is {state}"
 
 
-def _collectives_behind(counts: Dict[int, int]) -> str:
-    """"rank 1 has issued 1 collective fewer than rank 0 (40 against 41)", where the counts
-    differ; "" where they agree or are unknown."""
-    if len(set(counts.values())) < 2:
-        return ""
-    most = max(counts.values())
-    ahead = _ranks_text([rank for rank, count in counts.items() if count == most])
-    told = []
-    for rank, count in counts.items():
-        if count < most:
-            fewer = most - count
-            told.append(f"rank {rank} has issued {fewer} collective{'s' if fewer > 1 else ''} fewer than "
-                        f"{ahead} ({count} against {most})")
-    return "; ".join(told)
+WORLD = "world"  # the default group's label in a pulse's waiting_group
+
+
+class Counts:
+    """The collectives each live rank has issued, per process group (the default group,
+    "world", and each DeviceMesh dimension's or new_group's it belongs to), and who is behind.
+
+    In a group whose counts differ, the ranks short of its most have not arrived where its
+    others wait. Groups chain: on a 2x2 mesh, a rank waiting on its TP peer may itself be ahead on
+    its DP group, where the one stuck rank is behind. The rank behind in some group and ahead in
+    none is where the chain ends."""
+
+    def __init__(self, places: List[Dict[str, Any]]):
+        self.by_group: Dict[str, Dict[int, int]] = {}
+        for place in places:
+            if place["collectives_issued"] is None or place["state"] in ("gone", "ended"):
+                continue
+            issued = {WORLD: place["collectives_issued"], **place["subgroup_collectives"]}
+            for group, count in issued.items():
+                self.by_group.setdefault(group, {})[place["rank"]] = count
+        self.uneven = [group for group, counts in self.by_group.items() if len(set(counts.values())) > 1]
+        self.differ = bool(self.uneven)
+        self.behind = {rank for group in self.uneven for rank in self._short_of_most(group)}
+        self.ahead = {rank for group in self.uneven for rank, count in self.by_group[group].items()
+                      if count == max(self.by_group[group].values())}
+
+    def _short_of_most(self, group: str) -> List[int]:
+        counts = self.by_group[group]
+        return [rank for rank, count in counts.items() if count < max(counts.values())]
+
+    def deciding_group(self, waited_on: List[Optional[str]]) -> Optional[str]:
+        """The group whose counts name the culprit: one where a rank at the end of the chain is
+        behind, the group the waiting ranks wait on first; without such a rank (each behind is
+        ahead elsewhere: mismatched calls), the group most of them wait on, then the default."""
+        waited = [group for group in waited_on if group in self.uneven]
+        ordered = sorted(self.uneven, key=lambda group: (-waited.count(group), group != WORLD))
+        ends = self.behind - self.ahead
+        for group in ordered:
+            if ends & set(self._short_of_most(group)):
+                return group
+        return ordered[0] if ordered else None
+
+    def fewest(self, group: Optional[str]) -> List[int]:
+        """The ranks with the fewest on this group: those at the chain's end first, where any are."""
+        if group is None:
+            return []
+        counts = self.by_group[group]
+        short = [rank for rank in self._short_of_most(group) if rank not in self.ahead]
+        return short or [rank for rank, count in counts.items() if count == min(counts.values())]
+
+    def told(self, group: Optional[str]) -> str:
+        """"rank 1 has issued 1 collective fewer than rank 0 (40 against 41)" on the default group,
+        or "... on ranks 0, 1's group ..." on another; "" where the counts agree or are unknown."""
+        if group is None:
+            return ""
+        counts = self.by_group[group]
+        most = max(counts.values())
+        ahead = _ranks_text([rank for rank, count in counts.items() if count == most])
+        on = "" if group == WORLD else f" on the group of {group}"
+        told = []
+        for rank, count in counts.items():
+            if count < most:
+                fewer = most - count
+                told.append(f"rank {rank} has issued {fewer} collective{'s' if fewer > 1 else ''} fewer than "
+                            f"{ahead}{on} ({count} against {most})")
+        return "; ".join(told)
+
+    def evidence(self, group: Optional[str]) -> Dict[str, Any]:
+        """The deciding group and each rank's count on it, when it is not the default group (whose
+        counts are each rank's collectives_issued)."""
+        if group is None or group == WORLD:
+            return {}
+        return {"decided_on_group": group,
+                **{f"rank_{rank}_issued_on_group": count for rank, count in self.by_group[group].items()}}
 
 
 def _action(culprit: Optional[Dict[str, Any]]) -> str:

@@ -9,8 +9,9 @@ that steps costs one integer comparison a flush.
 What the stack says is read here too, where the frames are: a torch.distributed collective
 being waited in, a DataLoader wait, a checkpoint save or a compilation (the hang rule leaves
 those alone), and which frames are the user's own. With it go two figures that tell why: the
-collectives the rank has issued (its default process group's sequence number, which counts
-DDP's and FSDP's own as well as the script's), and, in a DataLoader wait, the worker that owes
+collectives the rank has issued (each process group's sequence number, the default group's
+counting DDP's and FSDP's own as well as the script's), the group the collective it waits in was
+issued on, and, in a DataLoader wait, the worker that owes
 the batch and its state (probe/loaders.py).
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import sys
 import sysconfig
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from traceml.records import PULSE_AFTER_S, PULSE_EVERY_S, RankPulse
 STACK_FRAMES = 12  # the user's innermost frames kept
@@ -73,7 +74,9 @@ class PulseWatch:
         # but to wait in a collective (it is not using the group then); -1 otherwise.
         in_distributed = any("/torch/distributed/" in path.replace("\\", "/") for path, _, _ in frames)
         in_collective = waiting_in not in ("", "DataLoader")
-        count = collectives_issued() if steps and (in_collective or not in_distributed) else -1
+        readable = steps and (in_collective or not in_distributed)
+        count, subgroups = collectives_issued() if readable else (-1, {})
+        waiting_group = _waited_group(frame, waiting_in) if in_collective and readable else ""
         worker = self.loaders.awaited_worker() if waiting_in == "DataLoader" and self.loaders else None
         worker_id, worker_pid, worker_state = worker or (-1, 0, "")
         return RankPulse(rank=self.rank, unix_s=time.time(), steps_ended=steps,
@@ -81,7 +84,8 @@ class PulseWatch:
                          stack=[frame for frame in frames if is_user_frame(frame[0])][:STACK_FRAMES],
                          innermost=innermost, waiting_in=waiting_in, pid=os.getpid(),
                          collectives_issued=count, loader_worker=worker_id,
-                         loader_worker_pid=worker_pid, loader_worker_state=worker_state)
+                         loader_worker_pid=worker_pid, loader_worker_state=worker_state,
+                         subgroup_collectives=subgroups, waiting_group=waiting_group)
 
     def _phase(self) -> str:
         probe = self.probe
@@ -97,16 +101,69 @@ class PulseWatch:
         return step.PHASE_NAMES[open_phase] if 0 <= open_phase < len(step.PHASE_NAMES) else "in step"
 
 
-def collectives_issued() -> int:
-    """The collectives issued on the default process group so far, -1 when there is none. Read
-    from its sequence number, a counter the backend keeps (gloo and NCCL alike)."""
-    dist = sys.modules.get("torch.distributed")
+def collectives_issued() -> Tuple[int, Dict[str, int]]:
+    """The collectives issued on the default process group so far (-1 when there is none), and
+    on each other group this rank belongs to, by its label. Read from each group's sequence
+    number, a counter the backend keeps (gloo and NCCL alike)."""
     try:
-        if dist is None or not dist.is_initialized():
-            return -1
-        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+        world, labels = _groups()
+        if world is None:
+            return -1, {}
+        subgroups = {}
+        for group, label in labels.items():
+            if group is not world:
+                subgroups[label] = int(group._get_sequence_number_for_group())
+        return int(world._get_sequence_number_for_group()), subgroups
     except Exception:  # a backend without the counter, or a group being torn down
-        return -1
+        return -1, {}
+
+
+def _groups() -> Tuple[Any, Dict[Any, str]]:
+    """(the default group or None, {each group this rank belongs to: its label}). A label
+    names the group's ranks, so every member gives it the same one; two groups of the same
+    ranks (every member belongs to both) are told apart by their torch names."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_initialized():
+        return None, {}
+    c10d = dist.distributed_c10d
+    world = c10d._get_default_group()
+    names = dict(c10d._world.pg_names)
+    labels = {group: "world" if group is world else ranks_label(dist.get_process_group_ranks(group))
+              for group in names}
+    seen: Dict[str, int] = {}
+    for label in labels.values():
+        seen[label] = seen.get(label, 0) + 1
+    return world, {group: label if seen[label] == 1 else f"{label} (group {names[group]})"
+                   for group, label in labels.items()}
+
+
+def ranks_label(ranks: List[int]) -> str:
+    """"ranks 0, 2", "ranks 0-7", "ranks 0, 8, ..., 56 (8)": a group's ranks, short at any size."""
+    ranks = sorted(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    if len(ranks) <= 4:
+        return "ranks " + ", ".join(map(str, ranks))
+    stride = ranks[1] - ranks[0]
+    if ranks == list(range(ranks[0], ranks[-1] + 1, stride)):
+        return f"ranks {ranks[0]}, {ranks[1]}, ..., {ranks[-1]} ({len(ranks)})"
+    return f"ranks {ranks[0]}, {ranks[1]}, ..., {ranks[-1]} ({len(ranks)}, uneven)"
+
+
+def _waited_group(frame: Any, waiting_in: str) -> str:
+    """The label of the group the collective `waiting_in` was issued on, read from its frame's
+    arguments (`group=None` is the default group); "" when no frame of it says."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == waiting_in and "/torch/distributed/" in code.co_filename.replace("\\", "/"):
+            arguments = frame.f_locals
+            if "group" not in arguments and "process_group" not in arguments:
+                return ""
+            group = arguments.get("group", arguments.get("process_group"))
+            world, labels = _groups()
+            return labels.get(world if group is None else group, "")
+        frame = frame.f_back
+    return ""
 
 
 def _frames(frame: Any) -> List[Tuple[str, int, str]]:
