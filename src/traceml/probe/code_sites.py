@@ -22,7 +22,12 @@ from traceml.records import MAX_WARMUP_STEPS, CodeSample, CodeSite, StepRecord
 # wait, evaluation or a save), and the script's start before its first step.
 CODE_PARTS = ("untraced", "outside", "startup")
 SAMPLE_INTERVAL_S = 0.02
-MAX_WEIGHT_S = 5.0  # a sample stands for the time since the previous round, at most this
+# A sample stands for the time since the previous round, at most this. At startup a round comes
+# late when an import holds the interpreter, and those seconds are the import's; in a step, where
+# the thread was during a late round (a sender starved on a loaded machine) is not known, and one
+# sample standing for half a second would swing a share its other samples hold steady.
+MAX_WEIGHT_S = 5.0
+MAX_STEP_WEIGHT_S = 4 * SAMPLE_INTERVAL_S
 SAMPLE_LINE = 0.10  # a part at this share of the recent steps' time is sampled
 RECENT_STEPS_MS = 1000.0  # the recent steps: at least this much step time, decided afresh each time
 SITES_KEPT = 10
@@ -75,7 +80,7 @@ class CodeSampler:
         if not (self.untraced_on or self.outside_on):
             return
         now = time.monotonic()
-        weight, self._round_at = min(now - self._round_at, MAX_WEIGHT_S), now
+        weight, self._round_at = min(now - self._round_at, MAX_STEP_WEIGHT_S), now
         if probe.in_step:
             if not self.untraced_on or probe.open_phase != NO_PHASE:
                 return
