@@ -238,14 +238,18 @@ class HeldRanks:
 
     def __init__(self):
         self.hellos = {r: SimpleNamespace(pid=100 + r, host="here", started_at_unix_s=0.0) for r in (0, 1)}
-        self.recent_by_rank = {r: [SimpleNamespace(step=s, start_unix_s=900.0 + s * 0.01, step_ms=10.0)
-                                   for s in range(20)] for r in (0, 1)}
+        self.recent_by_rank = {r: [_ended(s, start_unix_s=900.0 + s * 0.01) for s in range(20)] for r in (0, 1)}
         self.last_heard_unix_s, self.pulses, self.ends, self.lost_ranks = {}, {}, set(), set()
         self.meta = {}
         self.store = SimpleNamespace(set_meta=self.meta.update)
 
     def step_ends(self, rank, step, at_unix_s):
-        self.recent_by_rank[rank].append(SimpleNamespace(step=step, start_unix_s=at_unix_s - 0.01, step_ms=10.0))
+        self.recent_by_rank[rank].append(_ended(step, start_unix_s=at_unix_s - 0.01))
+
+
+def _ended(step, start_unix_s):
+    """A 10 ms step as the collector keeps it, with nothing planned beside it."""
+    return SimpleNamespace(step=step, start_unix_s=start_unix_s, step_ms=10.0, eval_ms=0.0, checkpoint_ms=0.0)
 
 
 def test_a_hang_waits_for_the_first_pulse_of_the_rank_the_others_wait_for():
@@ -491,8 +495,6 @@ def test_a_rank_whose_dataloader_worker_hangs_is_named_live_on_metrics(tmp_path)
         assert re.search(r"rank 1 is in a DataLoader wait at hang_loop\.py:\d+ main: its worker 0 \(pid \d+, "
                          r"(sleeping|running)\) has not handed over the batch it owes", line), line
         assert "rank 0 waits in all_reduce" in line
-        assert re.search(r"rank 1 has issued 1 collective fewer than rank 0 on the group of ranks 0, 1 "
-                         r"\((\d+) against (\d+)\)", line), line
         assert "rank 1 has issued 1 collective fewer than rank 0" in line
         # The line places every rank that has pulsed once one is past its 8 s; on a busy machine
         # the other crosses its own a second or two later, and only then is it stalled on /metrics.

@@ -185,6 +185,12 @@ class RolledStep(msgspec.Struct):
     comm_wait_ms: Optional[float] = None
     forward_comm_wait_ms: float = 0.0
 
+
+def window_end_unix_s(step: Union[StepRecord, RolledStep]) -> float:
+    """Where a step's window ends: its start, its step and the planned work beside it."""
+    return step.start_unix_s + (step.step_ms + step.eval_ms + step.checkpoint_ms) / 1e3
+
+
 class OomRecord(msgspec.Struct, tag="oom", array_like=True):
     """A step that raised an out-of-memory error: where it was and how full memory was."""
 

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Sequence
 import msgspec
 
 from traceml.analysis.rollup import Window
-from traceml.records import LoaderSample, RankHello
+from traceml.records import LoaderSample, RankHello, window_end_unix_s
 
 MIN_BATCHES = 20  # measured batches below this: the figures of how batches came are not given
 MIN_READINGS = 10  # readings of the ready batches below this: whether they wait is not given
@@ -93,6 +93,6 @@ def _within(samples: List[LoaderSample], window: Window) -> tuple:
     if not len(window):
         return samples[0], samples[-1]
     begin = window.steps[0].start_unix_s
-    end = window.steps[-1].start_unix_s + window.steps[-1].step_ms / 1e3
+    end = window_end_unix_s(window.steps[-1])
     inside = [sample for sample in samples if begin <= sample.unix_s <= end]
     return (inside[0], inside[-1]) if len(inside) >= 2 else (samples[0], samples[-1])

@@ -32,7 +32,7 @@ from traceml.diagnose.step_time import (MIN_STEPS, compute_bound, gc_pressure, h
                                         input_bound, insufficient_data, untraced_work)
 from traceml.diagnose.stragglers import comm_bound, cores_taken_by_others, straggler
 from traceml.records import (CodeSample, CompileRecord, Finding, FindingKind, HostSyncSample, LayerCapture, OomRecord,
-                             Severity, SystemSample)
+                             Severity, SystemSample, window_end_unix_s)
 
 SEVERITY_ORDER = {Severity.CRIT: 0, Severity.WARN: 1, Severity.INFO: 2}
 MEMORY_KINDS = (FindingKind.MEMORY_CREEP, FindingKind.MEMORY_PRESSURE)
@@ -117,9 +117,8 @@ def diagnose(run: DiagnosisInput) -> List[Finding]:
         # share one node, the collector's (`traceml run` starts it beside rank 0).
         cores_taken = None
         if run.nodes == 1 and run.on_cpu and len(window):
-            last = window.steps[-1]
             cores_taken = cores_taken_by_others(run.system, window.steps[0].start_unix_s,
-                                                last.start_unix_s + last.step_ms / 1e3)
+                                                window_end_unix_s(window.steps[-1]))
         findings += [f for f in (straggler(run.ranks, window.step_median_ms, cores_taken),
                                  comm_bound(run.ranks, window.step_median_ms, sharded_by)) if f]
     if not any(_group(f) <= 3 for f in findings):

@@ -13,7 +13,7 @@ from traceml.analysis.rollup import RankRow, Window, rank_spread
 from traceml.diagnose import MemoryLimits, diagnose
 from traceml.diagnose.hangs import PULSED_STATES, Hang, RankProgress, find_hang, hang_after_s_from_env
 from traceml.diagnose.untimed import untimed_summary
-from traceml.records import ALERT_SEVERITIES, Finding, FindingKind, LayerReport, SystemSample, warmup_steps
+from traceml.records import ALERT_SEVERITIES, Finding, FindingKind, LayerReport, SystemSample, warmup_steps, window_end_unix_s
 from traceml.report.diagnosis import RunRecords, diagnosis_input
 
 RECENT_WINDOW = 200  # steps the live figures are computed over
@@ -137,7 +137,7 @@ def live_progress(collector: Any, now_unix_s: float) -> List[RankProgress]:
     for rank, hello in sorted(collector.hellos.items()):
         recent = list(collector.recent_by_rank.get(rank, ()))
         steps_ended = recent[-1].step + 1 if recent else 0
-        last = (recent[-1].start_unix_s + recent[-1].step_ms / 1e3) if recent else hello.started_at_unix_s
+        last = window_end_unix_s(recent[-1]) if recent else hello.started_at_unix_s
         median = statistics.median(r.step_ms for r in recent[-50:]) if recent else None
         progress.append(RankProgress(
             rank=rank, pid=hello.pid, host=hello.host, steps_ended=steps_ended, last_progress_unix_s=last,
