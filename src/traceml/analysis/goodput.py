@@ -18,7 +18,7 @@ from typing import Dict, Iterable, List, Optional
 
 import msgspec
 
-from traceml.records import CompileRecord, RankEnd, RankHello, StepRecord
+from traceml.records import CompileRecord, RankEnd, RankHello, StepRecord, window_end_unix_s
 
 PARTS = ("startup", "training", "evaluation", "checkpoint", "other")
 FIRST_COMPILE_TRIGGERS = ("dynamo", "lazy_backward")
@@ -61,7 +61,7 @@ class RankTime(msgspec.Struct):
         if self.first_step is None or record.step < self.first_step:
             self.first_step, self.first_step_unix_s = record.step, record.start_unix_s
             self.first_input_wait_ms = record.input_wait_ms
-        end_unix_s = record.start_unix_s + (record.step_ms + record.eval_ms + record.checkpoint_ms) / 1e3
+        end_unix_s = window_end_unix_s(record)
         if self.last_end_unix_s is None or end_unix_s > self.last_end_unix_s:
             self.last_end_unix_s = end_unix_s
 
