@@ -1,6 +1,8 @@
 """DDP with gloo on the CPU, 2 ranks: every rank traced, stragglers named with their cause,
 two nodes on one machine, a rank killed mid-run, and a user's own torchrun launch."""
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -10,7 +12,7 @@ import psutil
 import pytest
 
 from conftest import GLOO_EXIT_ABORT, SCRIPTS, Run, _env, ddp_input_straggler, ended_well, stored_steps
-from traceml import rendezvous
+from traceml import launcher, rendezvous
 from traceml.analysis.goodput import RunTime
 from traceml.analysis.rollup import LiveRollup
 from traceml.collector.server import Collector
@@ -305,3 +307,47 @@ def test_the_scripts_own_comm_hook_is_ddps_and_wait_is_still_measured(tmp_path, 
     line = next(line for line in run.stdout.splitlines() if line.startswith("steps "))
     counted, waited = int(line.split()[1]), int(line.split()[-1])
     assert counted >= 20 and waited == counted
+
+
+# An agent as torch.distributed.run is to the launcher: it starts one "rank" (a process whose
+# command line names the probe, as a rank's does) and, on SIGTERM, stops it and then takes its
+# time to exit, as a loaded machine's agent does; a rank left alone exits 0 and the agent
+# stays, as in an exit barrier waiting for another node.
+SLOW_AGENT = f'''
+import signal, subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(float(sys.argv[1]))",
+                         sys.argv[1], "{launcher.ZERO_CODE}"])
+def stop(signum, frame):
+    rank.terminate()  # (not waited for here: the main flow is inside rank.wait(), holding its lock)
+    time.sleep(2.0)
+    sys.exit(1)
+signal.signal(signal.SIGTERM, stop)
+rank.wait()
+time.sleep(60)
+'''
+
+
+@pytest.mark.parametrize("signalled", [False, True])
+def test_an_agent_slow_to_exit_after_a_signal_keeps_its_code_and_one_in_its_exit_barrier_ends_as_success(
+        monkeypatch, signalled):
+    monkeypatch.setattr(launcher, "AGENT_EXIT_GRACE_S", 0.5)
+    agent = subprocess.Popen([sys.executable, "-c", SLOW_AGENT, "60" if signalled else "0.5"])
+    watch = launcher.AgentWatch(agent)
+    restore = launcher._forward_signals(agent, watch)
+    try:
+        deadline = time.monotonic() + 20
+        while not watch.ranks_seen and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert watch.ranks_seen
+        if signalled:  # the user's Ctrl-C or a scheduler's SIGTERM, passed on to the agent
+            os.kill(os.getpid(), signal.SIGTERM)
+        exit_code = launcher._launch_ended(SimpleLaunch(), watch, launcher._exit_code(agent.wait(timeout=30)))
+    finally:
+        restore()
+        agent.kill()
+    assert (exit_code, watch.stopped_after_success) == ((1, False) if signalled else (0, True))
+
+
+class SimpleLaunch:
+    def never_started_line(self, exit_code):
+        return f"never started ({exit_code})"

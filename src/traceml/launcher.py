@@ -108,13 +108,16 @@ class AgentWatch:
     exited, the agent has AGENT_EXIT_GRACE_S to exit too; an agent still there is waiting in
     its exit barrier, which it enters only when its own ranks succeeded, for a node that will
     not come: it is stopped (SIGTERM, then SIGKILL with anything left under it) and
-    `stopped_after_success` is set, so the node's exit code is its ranks' 0.
+    `stopped_after_success` is set, so the node's exit code is its ranks' 0. Not once a signal
+    has been passed on to it (`signalled`): its ranks then ended because of the signal, and an
+    agent slow to exit on a loaded machine is not waiting for another node.
     """
 
     def __init__(self, agent: subprocess.Popen):
         self._agent_pid = agent.pid
         self.ranks_seen = False
         self.stopped_after_success = False
+        self.signalled = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="traceml-agent-watch", daemon=True)
         self._thread.start()
@@ -138,7 +141,8 @@ class AgentWatch:
                     self.ranks_seen, ranks_gone_at = True, None
                 elif self.ranks_seen and ranks_gone_at is None:
                     ranks_gone_at = now
-                elif ranks_gone_at is not None and now - ranks_gone_at >= AGENT_EXIT_GRACE_S:
+                elif ranks_gone_at is not None and now - ranks_gone_at >= AGENT_EXIT_GRACE_S \
+                        and not self.signalled.is_set():
                     self._stop_agent(agent)
                     return
         except Exception as exc:  # psutil missing or the process table unreadable: torchrun's own end
@@ -317,9 +321,9 @@ def wait_for_launch(launch: Launch, child: Script, output_fd: Optional[int], col
     `output_fd`, forwarding signals; the node's exit code."""
     watch = AgentWatch(child) if launch.distributed else None
     if output_fd is not None:
-        exit_code = _wait_with_dashboard(child, output_fd, collector, launch.script.name)
+        exit_code = _wait_with_dashboard(child, output_fd, collector, launch.script.name, watch)
     else:
-        exit_code = wait(child)
+        exit_code = wait(child, watch)
     return _launch_ended(launch, watch, exit_code)
 
 
@@ -332,7 +336,8 @@ def run_without_collector(launch: Launch, options: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"traceml: cannot start {launch.script}: {exc}", file=sys.stderr)
         return 2
-    exit_code = _launch_ended(launch, AgentWatch(child), wait(child))
+    watch = AgentWatch(child)
+    exit_code = _launch_ended(launch, watch, wait(child, watch))
     print(f"traceml: node {launch.node_rank} done (exit code {exit_code}); node 0 prints the "
           "card and keeps the run", file=sys.stderr)
     return exit_code
@@ -367,10 +372,11 @@ def _open_terminal() -> Tuple[int, int]:
     return main_fd, terminal_fd
 
 
-def _wait_with_dashboard(child: Script, output_fd: int, collector: Any, script: str) -> int:
+def _wait_with_dashboard(child: Script, output_fd: int, collector: Any, script: str,
+                         watch: Optional[AgentWatch]) -> int:
     from traceml.views.terminal import Dashboard
 
-    restore = _forward_signals(child)
+    restore = _forward_signals(child, watch)
     try:
         try:
             Dashboard(collector, script).run(child, output_fd)
@@ -400,9 +406,10 @@ def _drain(output_fd: int, child: Script) -> None:
             return
 
 
-def wait(child: Script) -> int:
-    """Wait for the script, forwarding signals; its exit code, 128+N if signal N killed it."""
-    restore = _forward_signals(child)
+def wait(child: Script, watch: Optional[AgentWatch] = None) -> int:
+    """Wait for the script, forwarding signals (and telling the agent's watch, where there is
+    one, that they were); its exit code, 128+N if signal N killed it."""
+    restore = _forward_signals(child, watch)
     try:
         returncode = child.wait()
     finally:
@@ -415,7 +422,7 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _forward_signals(child: Script) -> Callable[[], None]:
+def _forward_signals(child: Script, watch: Optional[AgentWatch] = None) -> Callable[[], None]:
     """Pass Ctrl-C and SIGTERM on to the script, and outlive them to write the summary.
 
     A Ctrl-C typed at the terminal already reaches the script, which shares our process group;
@@ -434,6 +441,8 @@ def _forward_signals(child: Script) -> Callable[[], None]:
             return
         if signum == signal.SIGINT and from_terminal():
             return
+        if watch is not None:
+            watch.signalled.set()
         try:
             child.send_signal(signum)
         except ProcessLookupError:
