@@ -18,18 +18,55 @@ _HEADER = struct.Struct(">2sBxI")  # magic, version, pad, payload length
 HEADER_BYTES = _HEADER.size
 _MAGIC = b"TM"
 
-# The phases that add up to a step's wall time, in the order a step lives them.
-STEP_PHASES = ("input_wait", "outside", "h2d", "forward", "backward", "optimizer", "untraced")
+try:
+    from enum import StrEnum
+except ImportError:  # Python before 3.11: the same, by hand
+    from enum import Enum
+
+    class StrEnum(str, Enum):  # type: ignore[no-redef]
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return str.__format__(str(self.value), spec)
+
+
+class Phase(StrEnum):
+    """The phases of a step, in the order a step lives them: the one list of phase names (a
+    member is its name as a string, so JSON, the store's columns and the card hold plain text)."""
+
+    INPUT_WAIT = "input_wait"
+    OUTSIDE = "outside"
+    H2D = "h2d"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    UNTRACED = "untraced"
+    GC = "gc"  # garbage-collector pauses overlap the phases above: reported beside them, never added
+
+
+ALL_PHASES = tuple(Phase)
+STEP_PHASES = ALL_PHASES[:-1]  # they add up to a step's wall time
+OVERLAPPING_PHASES = (Phase.GC,)
 # The model's own work; its share decides COMPUTE_BOUND.
-COMPUTE_PHASES = ("forward", "backward", "optimizer")
+COMPUTE_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 # The phases the probe times itself (on the device, under CUDA), in the order of its step layout.
-TIMED_PHASES = ("h2d",) + COMPUTE_PHASES
-# Garbage-collector pauses overlap the phases above: reported beside them, never added.
-OVERLAPPING_PHASES = ("gc",)
-ALL_PHASES = STEP_PHASES + OVERLAPPING_PHASES
+TIMED_PHASES = (Phase.H2D,) + COMPUTE_PHASES
 # The order a timeline lays a step's phases out in: the probe measures how long each phase
 # took, not when inside the step; the window after the step is input wait, then the rest.
-TIMELINE_ORDER = ("h2d", "forward", "backward", "optimizer", "untraced", "input_wait", "outside")
+TIMELINE_ORDER = TIMED_PHASES + (Phase.UNTRACED, Phase.INPUT_WAIT, Phase.OUTSIDE)
+
+
+class Beside(StrEnum):
+    """Where a rank's pulse finds its training thread when it is in no Phase (RankPulse.phase)."""
+
+    IN_STEP = "in step"  # its own code inside a step, in no timed phase
+    EVALUATION = "evaluation"
+    CHECKPOINT = "checkpoint"
+    COMPILE = "compile"
+
+
+PLANNED_WORK = (Beside.EVALUATION, Beside.CHECKPOINT, Beside.COMPILE)  # beside the steps on purpose
 
 # The warm-up rule, one for the probe, the rollup and the rules: a run's first steps (the
 # allocator growing, autotuning, DataLoader workers starting) are not the run.
@@ -488,8 +525,7 @@ class RankPulse(msgspec.Struct, tag="pulse", array_like=True):
     unix_s: float
     steps_ended: int  # the steps this rank has ended so far
     since_progress_s: float  # since it last ended a step (or since its probe started)
-    phase: str  # what the training thread is in: "forward", "backward", "optimizer", "h2d",
-    # "in step" (its other code), "outside" (between steps), "evaluation", "checkpoint", "compile"
+    phase: str  # what the training thread is in: a timed Phase, Phase.OUTSIDE (between steps) or a Beside
     # The user's frames of the training thread's stack, innermost first: (file, line, function);
     # not the standard library's, an installed package's or TraceML's.
     stack: List[Tuple[str, int, str]] = []
@@ -510,19 +546,6 @@ class RankPulse(msgspec.Struct, tag="pulse", array_like=True):
     # The label of the group the collective it waits in was issued on ("world": the default
     # group); "" when it waits in none, or the call does not say.
     waiting_group: str = ""
-
-
-try:
-    from enum import StrEnum
-except ImportError:  # Python before 3.11: the same, by hand
-    from enum import Enum
-
-    class StrEnum(str, Enum):  # type: ignore[no-redef]
-        def __str__(self) -> str:
-            return str(self.value)
-
-        def __format__(self, spec: str) -> str:
-            return str.__format__(str(self.value), spec)
 
 
 class FindingKind(StrEnum):

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from traceml.analysis.goodput import Goodput
 from traceml.analysis.rollup import RankRow, Window, rank_spread
 from traceml.diagnose import MemoryLimits, diagnose
-from traceml.diagnose.hangs import PULSED_STATES, Hang, RankProgress, find_hang, hang_after_s_from_env
+from traceml.diagnose.hangs import PULSED_STATES, Hang, HangState, RankProgress, find_hang, hang_after_s_from_env
 from traceml.diagnose.untimed import untimed_summary
 from traceml.records import ALERT_SEVERITIES, Finding, FindingKind, LayerReport, SystemSample, warmup_steps, window_end_unix_s
 from traceml.report.diagnosis import RunRecords, diagnosis_input
@@ -122,7 +122,7 @@ class HangWatch:
         DataLoader wait, its own code) that has ended no step since: its late step's record came
         before its next pulse. The hang told stands until that pulse, or until the rank steps."""
         placed = {place["rank"] for place in self.hang.ranks if place["state"] in PULSED_STATES}
-        unplaced = placed if hang is None else {place["rank"] for place in hang.ranks if place["state"] == "stepping"}
+        unplaced = placed if hang is None else {place["rank"] for place in hang.ranks if place["state"] == HangState.STEPPING}
         return bool((placed & unplaced) - self._stepped_since_raise(progress))
 
     def _stepped_since_raise(self, progress: List[RankProgress]) -> set:
