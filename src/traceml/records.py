@@ -1,22 +1,13 @@
-"""The one record schema shared by probe, collector, store and views, and its wire framing.
+"""The one record schema shared by probe, collector, store and views (record_types.py says
+where each record type is kept, wire.py how records travel).
 
-A frame on the wire is a fixed header (magic, version, payload length) followed by a
-msgpack payload: a list of tagged records, each encoded as an array (field order is part of
-the wire version, so a field is only ever appended, with a default; the store reads a field
-added after a run was written as its default, collector/store.py). The collector rejects a frame with the wrong
-magic or version, or one larger than MAX_FRAME_BYTES, by closing that connection only.
+A field is only ever appended to a record, with a default: field order is part of the wire
+version, and the store reads a field added after a run was written as its default.
 """
 
-import struct
 from typing import Dict, List, Optional, Tuple, Union
 
 import msgspec
-
-WIRE_VERSION = 1
-MAX_FRAME_BYTES = 16 * 1024 * 1024
-_HEADER = struct.Struct(">2sBxI")  # magic, version, pad, payload length
-HEADER_BYTES = _HEADER.size
-_MAGIC = b"TM"
 
 try:
     from enum import StrEnum
@@ -600,41 +591,3 @@ class Finding(msgspec.Struct, omit_defaults=False):
     action: str
     rank: Optional[int] = None
     evidence: Dict[str, Union[float, int, str, None]] = {}
-
-
-Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord, LayerReport, LayerCapture,
-               SpanRecord, ScalarRecord, CompileRecord, HostSyncSample, LoaderSample, MemoryLedger, RankPulse, CodeSample]
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(List[Record])
-
-
-class FrameError(ValueError):
-    """A frame that cannot be trusted: the connection that sent it is closed."""
-
-
-def encode_frame(records: List[Record]) -> bytes:
-    payload = _encoder.encode(records)
-    if len(payload) > MAX_FRAME_BYTES:
-        raise FrameError(f"frame of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
-    return _HEADER.pack(_MAGIC, WIRE_VERSION, len(payload)) + payload
-
-
-def parse_header(header: bytes) -> int:
-    """Validate a frame header and return the payload length that follows it."""
-    magic, version, length = _HEADER.unpack(header)
-    if magic != _MAGIC:
-        raise FrameError("bad magic: not a TraceML frame")
-    if version != WIRE_VERSION:
-        raise FrameError(f"wire version {version}, expected {WIRE_VERSION}")
-    if length > MAX_FRAME_BYTES:
-        raise FrameError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
-    return length
-
-
-def decode_payload(payload: bytes) -> List[Record]:
-    try:
-        return _decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, ValueError,
-            OverflowError, RecursionError) as exc:  # a string that is not UTF-8 included
-        raise FrameError(f"malformed payload: {exc}") from None

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Ty
 import msgspec
 
 from traceml.analysis.bootstrap import share_interval
-from traceml.records import ALL_PHASES, STEP_PHASES, RolledStep, StepRecord
+from traceml.records import ALL_PHASES, RolledStep, StepRecord
 
 
 

@@ -9,9 +9,10 @@ from typing import Any, Dict, Iterator, List
 import msgspec
 
 from traceml import rundir
-from traceml.collector.store import STEP_COLUMNS, Store
+from traceml.collector.store import Store
+from traceml.records import ScalarRecord, StepRecord
 
-STEP_FIELDS = [field.name for field in STEP_COLUMNS]  # a step row's keys, in the store's order
+STEP_FIELDS = list(StepRecord.__struct_fields__)  # a step row's keys, in the store's order
 
 
 class StoredRecords:
@@ -26,14 +27,15 @@ class StoredRecords:
         return cls(Store(os.fspath(rundir.finished_store(run_dir)), readonly=True))
 
     def steps(self, first: int, last: int) -> Iterator[Dict[str, Any]]:
-        for step in self.store.steps_between(first, last):
+        for step in self.store.records(StepRecord, "step BETWEEN ? AND ?", (first, last), order="rank, step"):
             yield msgspec.structs.asdict(step)
 
     def spans(self, first: int, last: int) -> List[Dict[str, Any]]:
         return [msgspec.structs.asdict(span) for span in self.store.spans_between(first, last)]
 
     def scalars(self, first: int, last: int) -> List[Dict[str, Any]]:
-        return [msgspec.structs.asdict(scalar) for scalar in self.store.scalars_between(first, last)]
+        return [msgspec.structs.asdict(scalar) for scalar in self.store.records(
+            ScalarRecord, "step BETWEEN ? AND ?", (first, last), order="rank, step")]
 
     def close(self) -> None:
         self.store.close()
