@@ -118,7 +118,8 @@ class HangWatch:
         DataLoader wait, its own code) that has ended no step since: its late step's record came
         before its next pulse. The hang told stands until that pulse, or until the rank steps."""
         placed = {place["rank"] for place in self.hang.ranks if place["state"] in PULSED_STATES}
-        unplaced = placed if hang is None else {place["rank"] for place in hang.ranks if place["state"] == HangState.STEPPING}
+        unplaced = placed if hang is None else {place["rank"] for place in hang.ranks
+                                                if place["state"] == HangState.STEPPING}
         return bool((placed & unplaced) - self._stepped_since_raise(progress))
 
     def _stepped_since_raise(self, progress: List[RankProgress]) -> set:
