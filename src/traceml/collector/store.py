@@ -12,7 +12,7 @@ import msgspec
 
 from traceml import rundir
 from traceml.record_types import RECORD_TYPES, R, RecordType
-from traceml.records import ALL_PHASES, Finding, GpuSample, RolledStep, SpanRecord, StepRecord, SystemSample
+from traceml.records import ALL_PHASES, Finding, GpuSample, RolledStep, ScalarRecord, SpanRecord, StepRecord, SystemSample
 
 # The series each table's rows belong to, indexed with the step: a rank's steps, a span's or a
 # scalar's name.
@@ -280,10 +280,13 @@ class Store:
         with self._lock:
             return self._db.execute(sql, params).fetchall()
 
-    def records(self, record_type: Type[R], where: str = "1", params: Sequence[Any] = (),
-                order: str = "") -> List[R]:
-        """The stored records of one type (record_types.py), in the table's order or `order`;
-        where: an SQL condition on the table's columns. None from a store older than their table."""
+    def records(self, record_type: Type[R]) -> List[R]:
+        """Every stored record of one type, in its table's order (record_types.py)."""
+        return self._read(record_type)
+
+    def _read(self, record_type: Type[R], where: str = "1", params: Sequence[Any] = (), order: str = "") -> List[R]:
+        """The records of one type where an SQL condition on its table's columns holds, in the
+        table's order or `order`; none from a store older than their table."""
         kind = RECORD_TYPES[record_type]
         columns = f"{kind.document} FROM {kind.table} WHERE {kind.document} IS NOT NULL AND" if kind.document \
             else f"{self._select(kind.table)} FROM {kind.table} WHERE"
@@ -300,14 +303,22 @@ class Store:
         return [kind.record(*row) for row in rows]
 
     def steps(self) -> List[StepRecord]:
-        return self.records(StepRecord)
+        return self._read(StepRecord)
 
     def rolled_steps(self) -> List[RolledStep]:
-        return self.records(RolledStep)
+        return self._read(RolledStep)
 
     def steps_at(self, steps: Sequence[int]) -> List[StepRecord]:
         """Every rank's records of these steps, in step then rank order."""
-        return self.records(StepRecord, f"step IN ({', '.join('?' * len(steps))})", list(steps))
+        return self._read(StepRecord, f"step IN ({', '.join('?' * len(steps))})", list(steps))
+
+    def steps_every(self, every: int) -> List[StepRecord]:
+        """The records of every `every`-th step (all of them for 1), in step then rank order."""
+        return self._read(StepRecord, "step % ? = 0", (every,))
+
+    def steps_between(self, first: int, last: int) -> List[StepRecord]:
+        """The records of steps first to last, in rank then step order."""
+        return self._read(StepRecord, "step BETWEEN ? AND ?", (first, last), order="rank, step")
 
     def step_fields(self, rank: int, since_step: int, fields: Sequence[str]) -> List[tuple]:
         """(step, *fields) of one rank's records from since_step on, in step order; fields are
@@ -364,8 +375,8 @@ class Store:
 
     def spans_between(self, first: int, last: int, limit: int = -1) -> List[SpanRecord]:
         """User spans of steps first to last, in rank, step and start order."""
-        return self.records(SpanRecord, "step BETWEEN ? AND ?", (first, last, limit),
-                            order="rank, step, start_unix_s LIMIT ?")
+        return self._read(SpanRecord, "step BETWEEN ? AND ?", (first, last, limit),
+                          order="rank, step, start_unix_s LIMIT ?")
 
     # A span name's time in each step (of a rank) that has a step record, from since_step on:
     # a call in the unfinished last step, or in a step whose record was lost, is in no step.
@@ -391,8 +402,11 @@ class Store:
         count, total = self._rows("SELECT COUNT(*), SUM(step_ms) FROM steps WHERE step >= ?", (since_step,))[0]
         return count, total or 0.0
 
+    def scalars_between(self, first: int, last: int) -> List[ScalarRecord]:
+        return self._read(ScalarRecord, "step BETWEEN ? AND ?", (first, last), order="rank, step")
+
     def latest_system(self) -> Optional[SystemSample]:
-        latest = self.records(SystemSample, order="rowid DESC LIMIT 1")
+        latest = self._read(SystemSample, order="rowid DESC LIMIT 1")
         return latest[0] if latest else None
 
     def system_buckets(self, first_row: int, per_bucket: int) -> List[Tuple[SystemSample, int]]:

@@ -10,7 +10,7 @@ import msgspec
 
 from traceml import rundir
 from traceml.collector.store import Store
-from traceml.records import ScalarRecord, StepRecord
+from traceml.records import StepRecord
 
 STEP_FIELDS = list(StepRecord.__struct_fields__)  # a step row's keys, in the store's order
 
@@ -27,15 +27,14 @@ class StoredRecords:
         return cls(Store(os.fspath(rundir.finished_store(run_dir)), readonly=True))
 
     def steps(self, first: int, last: int) -> Iterator[Dict[str, Any]]:
-        for step in self.store.records(StepRecord, "step BETWEEN ? AND ?", (first, last), order="rank, step"):
+        for step in self.store.steps_between(first, last):
             yield msgspec.structs.asdict(step)
 
     def spans(self, first: int, last: int) -> List[Dict[str, Any]]:
         return [msgspec.structs.asdict(span) for span in self.store.spans_between(first, last)]
 
     def scalars(self, first: int, last: int) -> List[Dict[str, Any]]:
-        return [msgspec.structs.asdict(scalar) for scalar in self.store.records(
-            ScalarRecord, "step BETWEEN ? AND ?", (first, last), order="rank, step")]
+        return [msgspec.structs.asdict(scalar) for scalar in self.store.scalars_between(first, last)]
 
     def close(self) -> None:
         self.store.close()

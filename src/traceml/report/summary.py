@@ -66,7 +66,7 @@ class RunData:
             # Per-rank figures read every record of a run up to RANK_SAMPLE_STEPS steps, and
             # every k-th step of a longer one (medians need no million records).
             self.rank_sample_every = max(1, len(self.rolled) // RANK_SAMPLE_STEPS)
-            self.records = store.records(StepRecord, "step % ? = 0", (self.rank_sample_every,))
+            self.records = store.steps_every(self.rank_sample_every)
         else:
             self.records = store.steps()
             self.rolled = roll_up(self.records)
