@@ -21,7 +21,8 @@ from traceml.analysis.goodput import RunTime
 from traceml.analysis.rollup import LiveRollup
 from traceml.collector.server import Collector
 from traceml.collector.store import Store
-from traceml.records import HEADER_BYTES, ScalarRecord, SpanRecord, StepRecord, decode_payload, encode_frame
+from traceml.records import ScalarRecord, SpanRecord, StepRecord
+from traceml.wire import HEADER_BYTES, decode_payload, encode_frame
 
 STEPS_PER_FRAME = 80
 COMMIT_EVERY_STEPS = 2000

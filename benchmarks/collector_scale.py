@@ -23,7 +23,8 @@ import threading
 RANKS_SCRIPT = r'''
 import json, socket, sys, time
 sys.path[:0] = [sys.argv[5]]
-from traceml.records import RankHello, StepRecord, encode_frame
+from traceml.records import RankHello, StepRecord
+from traceml.wire import encode_frame
 
 port, ranks, steps_per_s, seconds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 per_frame = max(1, steps_per_s // 10)  # one frame every 100 ms

@@ -26,7 +26,8 @@ import psutil
 RANKS_SCRIPT = r'''
 import socket, sys, time
 sys.path[:0] = [sys.argv[4]]
-from traceml.records import RankEnd, RankHello, StepRecord, encode_frame
+from traceml.records import RankEnd, RankHello, StepRecord
+from traceml.wire import encode_frame
 
 port, ranks, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 links = []

@@ -4,14 +4,17 @@ import socket
 import sqlite3
 import time
 
+import msgspec
 import pytest
 
+from traceml import record_types
 from traceml.analysis.goodput import RunTime
 from traceml.analysis.rollup import LiveRollup
 from traceml.collector.server import Collector
 from traceml.collector.store import Store
 from traceml.probe.sender import Sender
-from traceml.records import HEADER_BYTES, encode_frame
+from traceml.records import RankEnd, RankHello
+from traceml.wire import HEADER_BYTES, encode_frame
 from test_records import hello, step
 
 
@@ -46,9 +49,33 @@ def test_records_travel_from_sender_to_the_sqlite_file(collector, tmp_path):
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert db.execute("SELECT count(*), min(step), max(step) FROM steps").fetchone() == (500, 0, 499)
         assert db.execute("SELECT forward_ms FROM steps WHERE step = 42").fetchone()[0] == 3.0
-    (end,) = collector.store.ends()
+    (end,) = collector.store.records(RankEnd)
     assert (end.exit_code, end.records_sent, end.records_dropped) == (0, 500, 0)
-    assert collector.store.hellos()[0].pid == 1
+    assert collector.store.records(RankHello)[0].pid == 1
+
+
+class Checkpoint(msgspec.Struct, tag="checkpoint", array_like=True):
+    """A record type a later TraceML might add: a column per field, one of them a list."""
+
+    rank: int
+    step: int
+    path: str
+    shard_bytes: list = []
+
+
+def test_a_new_record_type_is_one_class_and_one_entry_in_the_table(tmp_path, monkeypatch):
+    monkeypatch.setitem(record_types.RECORD_TYPES, Checkpoint, record_types.RecordType(
+        Checkpoint, "checkpoints", ("rank", "step"), order="step, rank", recent=2, per=("rank",)))
+    collector = Collector(Store(str(tmp_path / "telemetry.sqlite")))
+    saved = [Checkpoint(rank, step, f"ckpt-{step}", [step, 2 * step]) for step in range(3) for rank in (1, 0)]
+    collector.ingest(saved)
+    collector.store.close()
+    # The store made its table from the entry, and reads the records back in its order.
+    stored = Store(str(tmp_path / "telemetry.sqlite"), readonly=True).records(Checkpoint)
+    assert stored == sorted(saved, key=lambda record: (record.step, record.rank))
+    # The collector keeps each rank's two latest.
+    assert collector.kept_by(Checkpoint) == {0: [saved[3], saved[5]], 1: [saved[2], saved[4]]}
+    assert collector.latest(Checkpoint) == {0: saved[5], 1: saved[4]}
 
 
 def test_a_bad_frame_closes_only_its_own_connection(collector):
@@ -132,7 +159,7 @@ def test_end_record_counts_drops_reported_by_the_rank(collector):
     sender.start()
     sender.close(exit_code=3)
     assert collector.wait_for_ranks(timeout_s=5)
-    (end,) = collector.store.ends()
+    (end,) = collector.store.records(RankEnd)
     assert end.exit_code == 3 and end.records_dropped == 15
     assert len(collector.store.steps()) == 10
 
@@ -159,7 +186,7 @@ def test_rolled_steps_in_the_store_match_rolling_every_record_again(tmp_path):
         senders[1].push(msgspec.structs.replace(step(n), rank=1, step_ms=20.0))
     for sender in senders:
         sender.close(exit_code=0)
-    assert wait_for(lambda: len(store.ends()) == 2)
+    assert wait_for(lambda: len(store.records(RankEnd)) == 2)
     collector.stop()
     assert collector.live.late_steps  # rank 1's records came after their steps were rolled
     assert store.meta()["rolled_complete"] is True

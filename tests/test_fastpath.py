@@ -63,7 +63,7 @@ def test_the_step_layout_is_declared_once_and_the_build_says_it_back():
     assert record == StepRecord.__struct_fields__[:len(record)] and len(record) >= 33
     assert step._STEP_ZEROS[step.FAILED_PHASE] == layout.NO_PHASE == step.NO_PHASE
     assert [step.H2D, step.FORWARD, step.BACKWARD, step.OPTIMIZER] == [
-        slots.index(phase) for phase in step.PHASE_NAMES]
+        slots.index(phase) for phase in step.TIMED_PHASES]
 
 
 ANOTHER_LAYOUT = """

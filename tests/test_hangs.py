@@ -16,7 +16,7 @@ import pytest
 from conftest import SCRIPTS, _env, ended_well
 
 from traceml.diagnose.hangs import HANG_AFTER_S, RankProgress, allowance_s, find_hang, rank_lost
-from traceml.records import RankPulse
+from traceml.records import RankEnd, RankHello, RankPulse
 
 HANG_LOOP = SCRIPTS / "hang_loop.py"
 
@@ -242,6 +242,12 @@ class HeldRanks:
         self.last_heard_unix_s, self.pulses, self.ends, self.lost_ranks = {}, {}, set(), set()
         self.meta = {}
         self.store = SimpleNamespace(set_meta=self.meta.update)
+
+    def kept_by(self, record_type):  # the steps'
+        return self.recent_by_rank
+
+    def latest(self, record_type):
+        return {RankHello: self.hellos, RankPulse: self.pulses, RankEnd: dict.fromkeys(self.ends)}[record_type]
 
     def step_ends(self, rank, step, at_unix_s):
         self.recent_by_rank[rank].append(_ended(step, start_unix_s=at_unix_s - 0.01))

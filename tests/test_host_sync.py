@@ -16,7 +16,8 @@ from traceml.diagnose import DiagnosisInput, diagnose
 from traceml.diagnose.host_sync import host_sync, sync_sites
 from traceml.probe import phases, syncs
 from traceml.probe.step import StepProbe
-from traceml.records import HostSyncSample, SyncSite, decode_payload, encode_frame
+from traceml.records import HostSyncSample, SyncSite
+from traceml.wire import decode_payload, encode_frame
 from traceml.report.summary import RunData, build_summary
 from traceml.views.summary import card_text
 from test_records import hello, step
@@ -168,7 +169,7 @@ def test_samples_travel_and_are_stored_and_summarised(tmp_path):
         records.append(record)
     store.write(records + [sample, item_sample(first_step=100)])
     store.commit()
-    assert store.host_syncs() == [sample, item_sample(first_step=100)]
+    assert store.records(HostSyncSample) == [sample, item_sample(first_step=100)]
     summary = build_summary(RunData(store), FACTS)
     assert summary["host_syncs"][0] == {"site": "train.py:57", "code": "total += loss.item()",
                                         "call": "Tensor.item", "calls_per_step": 1.0, "wait_ms_per_step": 3.0,

@@ -14,7 +14,8 @@ SRC = Path(__file__).parent.parent / "src"
 # Bottom to top; a module belongs to the longest prefix that names it ("traceml" alone is the
 # package's public API, which loads the rest lazily: the top).
 LAYERS = [
-    ("records", ("traceml.records", "traceml.rendezvous", "traceml.rundir", "traceml.words")),
+    ("records", ("traceml.records", "traceml.record_types", "traceml.wire", "traceml.rendezvous", "traceml.rundir",
+                 "traceml.words")),
     ("probe", ("traceml.probe", "traceml.integrations")),
     ("collector", ("traceml.collector",)),
     ("analysis", ("traceml.analysis",)),

@@ -9,6 +9,8 @@ from traceml.analysis.goodput import RunTime
 from traceml.analysis.rollup import LiveRollup
 from traceml.collector.server import Collector
 from traceml.collector.store import Store
+from traceml.records import (CompileRecord, HostSyncSample, LayerCapture, LayerReport, LoaderSample, MemoryLedger, OomRecord,
+                             RankEnd, RankHello, SystemSample)
 from traceml.report.live import snapshot
 
 
@@ -18,14 +20,15 @@ def replayed_live_state(run_dir):
     stored = Store(str(run_dir / "telemetry.sqlite"), readonly=True)
     try:
         collector = Collector(Store(":memory:"), live=LiveRollup(), run_time=RunTime())
-        for hello in stored.hellos():
+        for hello in stored.records(RankHello):
             collector._greet(hello)
             collector.ingest([hello])
         steps = sorted(stored.steps(), key=lambda record: (record.step, record.rank))
         collector.ingest(steps)
-        collector.ingest([*stored.system_samples(), *stored.ooms(), *stored.compiles(), *stored.host_syncs(),
-                          *stored.captures(), *stored.loader_samples(), *stored.ledgers(), *stored.layer_reports()])
-        collector.ingest(stored.ends())
+        collector.ingest([record for record_type in (SystemSample, OomRecord, CompileRecord, HostSyncSample, LayerCapture,
+                                                     LoaderSample, MemoryLedger, LayerReport)
+                          for record in stored.records(record_type)])
+        collector.ingest(stored.records(RankEnd))
     finally:
         stored.close()
     return snapshot(collector, "train.py", 10.0, alerts=[])

@@ -4,8 +4,8 @@ import struct
 import msgspec
 import pytest
 
-from traceml.records import (HEADER_BYTES, MAX_FRAME_BYTES, WIRE_VERSION, FrameError, RankEnd,
-                             RankHello, StepRecord, decode_payload, encode_frame, parse_header)
+from traceml.records import RankEnd, RankHello, StepRecord
+from traceml.wire import HEADER_BYTES, MAX_FRAME_BYTES, WIRE_VERSION, FrameError, decode_payload, encode_frame, parse_header
 
 
 def step(n: int) -> StepRecord:

@@ -205,6 +205,8 @@ def test_metrics_carry_each_gpu_as_nvml_reads_it():
     from prometheus_client.exposition import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
+    from traceml.collector.server import Collector
+    from traceml.collector.store import Store
     from traceml.records import GpuSample, SystemSample
     from traceml.views.metrics import LiveMetrics
 
@@ -213,9 +215,10 @@ def test_metrics_carry_each_gpu_as_nvml_reads_it():
             for index in range(2)]
     sample = SystemSample(unix_s=1.0, cpu_percent=12.5, ram_used_bytes=2 ** 34, ram_total_bytes=2 ** 37,
                           training_cpu_percent=180.0, training_rss_bytes=2 ** 32, gpus=gpus, cpu_count=16)
-    collector = SimpleNamespace(recent_by_rank={}, latest_system=sample, latest_layers=None, hellos={})
+    collector = Collector(Store(":memory:"))
+    collector.ingest([sample])
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(LiveMetrics(collector, lambda: SimpleNamespace(findings=[], goodput=None, ledger=[])))
+    registry.register(LiveMetrics(collector, lambda: SimpleNamespace(findings=[], goodput=None, ledger=[], layers=None)))
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(generate_latest(registry).decode())
                for s in family.samples}
@@ -235,15 +238,17 @@ def test_metrics_carry_each_ranks_comm_wait_where_it_was_measured():
     from prometheus_client.parser import text_string_to_metric_families
 
     from test_records import step
+    from traceml.collector.server import Collector
+    from traceml.collector.store import Store
     from traceml.views.metrics import LiveMetrics
 
     # Rank 0 waited 2.5 ms of each 10 ms step in collectives (FSDP, 1.5 of it in forward);
     # rank 1's wait was never measured (a CUDA FSDP run): no figure rather than a zero.
-    recent = {0: [msgspec.structs.replace(step(n), comm_wait_ms=2.5, forward_comm_wait_ms=1.5) for n in range(5)],
-              1: [msgspec.structs.replace(step(n), rank=1) for n in range(5)]}
-    collector = SimpleNamespace(recent_by_rank=recent, latest_system=None, latest_layers=None, hellos={})
+    collector = Collector(Store(":memory:"))
+    collector.ingest([msgspec.structs.replace(step(n), comm_wait_ms=2.5, forward_comm_wait_ms=1.5) for n in range(5)]
+                     + [msgspec.structs.replace(step(n), rank=1) for n in range(5)])
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(LiveMetrics(collector, lambda: SimpleNamespace(findings=[], goodput=None, ledger=[])))
+    registry.register(LiveMetrics(collector, lambda: SimpleNamespace(findings=[], goodput=None, ledger=[], layers=None)))
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(generate_latest(registry).decode())
                for s in family.samples}

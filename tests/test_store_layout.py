@@ -2,6 +2,7 @@
 and `export`; a field added to a record reads as its default from a store written before it; a
 store from a newer TraceML is refused in one line."""
 import contextlib
+import dataclasses
 import json
 import shutil
 import signal
@@ -16,7 +17,7 @@ from conftest import _env
 from test_web import get, read_url
 
 from traceml.collector import store as stores
-from traceml.records import StepRecord
+from traceml.records import RankHello, StepRecord
 
 # A 40-step run (--deep) written by TraceML 0.1.0 as of the hang locator, before the store kept
 # its layout's number. Never regenerate it: it is what a user upgrading from that version holds.
@@ -40,7 +41,7 @@ def test_the_earlier_layout_has_no_number_and_reads_as_layout_1(earlier_run):
     with contextlib.closing(sqlite3.connect(path)) as db:
         assert db.execute("PRAGMA user_version").fetchone() == (0,)
     store = stores.Store(str(path), readonly=True)
-    assert len(store.steps()) == len(store.rolled_steps()) == 40 and store.hellos()[0].rank == 0
+    assert len(store.steps()) == len(store.rolled_steps()) == 40 and store.records(RankHello)[0].rank == 0
     store.close()
 
 
@@ -76,11 +77,8 @@ def test_a_field_added_to_a_record_reads_as_its_default_from_an_older_store(earl
 
     path = str(earlier_run / "telemetry.sqlite")
     earlier = [msgspec.structs.asdict(record) for record in stores.Store(path, readonly=True).steps()]
-    fields = msgspec.structs.fields(LaterStepRecord)
-    monkeypatch.setattr(stores, "StepRecord", LaterStepRecord)
-    monkeypatch.setattr(stores, "STEP_COLUMNS", fields)
-    monkeypatch.setattr(stores, "_STEP_NAMES", [field.name for field in fields])
-    monkeypatch.setitem(stores._COLUMNAR, "steps", fields)
+    later = dataclasses.replace(stores.RECORD_TYPES[StepRecord], record=LaterStepRecord)
+    monkeypatch.setattr(stores, "RECORD_TYPES", {**stores.RECORD_TYPES, StepRecord: later, LaterStepRecord: later})
     store = stores.Store(path, readonly=True)
     later = store.steps()
     assert [record.prefetch_ms for record in later] == [1.5] * 40

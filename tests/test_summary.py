@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from traceml.collector.store import Store
-from traceml.records import GpuSample, RankEnd, SpanRecord, SystemSample
+from traceml.records import Finding, GpuSample, RankEnd, SpanRecord, SystemSample
 from traceml.report.summary import RunData, RunFacts, build_summary
 from traceml.views.report import render_report
 from traceml.views.summary import CARD_WIDTH, card_text
@@ -65,7 +65,7 @@ def test_findings_are_stored_with_the_run(tmp_path, capsys):
     store = filled_store(tmp_path)
     summary = finish_run(store, tmp_path, FACTS)
     reader = Store(str(tmp_path / "telemetry.sqlite"), readonly=True)
-    stored = reader.findings()
+    stored = reader.records(Finding)
     reader.close()
     assert [f.kind for f in stored] == [f["kind"] for f in summary["findings"]]
     assert stored[0].kind == "INPUT_BOUND"
@@ -124,7 +124,7 @@ def test_a_long_run_reads_rolled_steps_and_samples_records_for_rank_figures(tmp_
                                        input_wait_ms=1.0 + 5.0 * rank)
                for n in range(25_000) for rank in (0, 1) if rank == 0 or n < 24_990]
     store.write(records)
-    store.write_rolled(roll_up(records))
+    store.write(roll_up(records))
     store.set_meta({"rolled_complete": True})
     data = RunData(store)
     assert data.rank_sample_every == 2 and len(data.records) < len(records) // 2 + 10
@@ -152,7 +152,7 @@ def test_span_figures_of_a_long_two_rank_run_count_only_measured_steps(tmp_path)
     spans = [SpanRecord(0, n, "odd", 1.0 + n, 100.0 if n % 8 == 1 else 4.0, 2) for n in range(1, 25_000, 2)]
     spans += [SpanRecord(1, 25_000, "odd", 1.0, 50.0, 1), SpanRecord(1, 0, "warmup_only", 1.0, 7.0, 1)]
     store.write(records + spans)
-    store.write_rolled(roll_up(records))
+    store.write(roll_up(records))
     store.set_meta({"rolled_complete": True})
     data = RunData(store)
     assert data.rank_sample_every == 2 and data.warmup == 5

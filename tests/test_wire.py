@@ -15,8 +15,8 @@ from traceml.analysis.rollup import LiveRollup
 from traceml.collector.server import Collector
 from traceml.collector.store import Store
 from traceml.probe.sender import Sender
-from traceml.records import (HEADER_BYTES, MAX_FRAME_BYTES, WIRE_VERSION, FrameError,
-                             StepRecord, decode_payload, encode_frame, parse_header)
+from traceml.records import RankEnd, RankHello, StepRecord
+from traceml.wire import HEADER_BYTES, MAX_FRAME_BYTES, WIRE_VERSION, FrameError, decode_payload, encode_frame, parse_header
 from test_collector import wait_for
 from test_records import hello, step
 
@@ -189,9 +189,9 @@ def test_ten_thousand_bad_frames_do_not_cost_the_real_ranks_a_record(patient_col
     for sender in senders:
         sender.close(exit_code=0)
     assert sum(sender.records_dropped for sender in senders) == 0
-    assert wait_for(lambda: len(collector.store.ends()) == 2, timeout_s=10)  # both goodbyes: all is in
+    assert wait_for(lambda: len(collector.store.records(RankEnd)) == 2, timeout_s=10)  # both goodbyes: all is in
     rows = [(rank, collector.store.step_count(rank), *collector.store.step_bounds("steps", rank)) for rank in (0, 1)]
     assert rows == [(0, steps_per_rank, 0, steps_per_rank - 1), (1, steps_per_rank, 0, steps_per_rank - 1)]
     assert collector.store.step_count() == 2 * steps_per_rank  # nothing forged
     assert collector.frames_rejected >= 1000
-    assert {h.rank for h in collector.store.hellos()} == {0, 1}
+    assert {h.rank for h in collector.store.records(RankHello)} == {0, 1}

@@ -1,35 +1,63 @@
-"""The one record schema shared by probe, collector, store and views, and its wire framing.
+"""The one record schema shared by probe, collector, store and views (record_types.py says
+where each record type is kept, wire.py how records travel).
 
-A frame on the wire is a fixed header (magic, version, payload length) followed by a
-msgpack payload: a list of tagged records, each encoded as an array (field order is part of
-the wire version, so a field is only ever appended, with a default; the store reads a field
-added after a run was written as its default, collector/store.py). The collector rejects a frame with the wrong
-magic or version, or one larger than MAX_FRAME_BYTES, by closing that connection only.
+A field is only ever appended to a record, with a default: field order is part of the wire
+version, and the store reads a field added after a run was written as its default.
 """
 
-import struct
 from typing import Dict, List, Optional, Tuple, Union
 
 import msgspec
 
-WIRE_VERSION = 1
-MAX_FRAME_BYTES = 16 * 1024 * 1024
-_HEADER = struct.Struct(">2sBxI")  # magic, version, pad, payload length
-HEADER_BYTES = _HEADER.size
-_MAGIC = b"TM"
+try:
+    from enum import StrEnum
+except ImportError:  # Python before 3.11: the same, by hand
+    from enum import Enum
 
-# The phases that add up to a step's wall time, in the order a step lives them.
-STEP_PHASES = ("input_wait", "outside", "h2d", "forward", "backward", "optimizer", "untraced")
+    class StrEnum(str, Enum):  # type: ignore[no-redef]
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return str.__format__(str(self.value), spec)
+
+
+class Phase(StrEnum):
+    """The phases of a step, in the order a step lives them: the one list of phase names (a
+    member is its name as a string, so JSON, the store's columns and the card hold plain text)."""
+
+    INPUT_WAIT = "input_wait"
+    OUTSIDE = "outside"
+    H2D = "h2d"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    UNTRACED = "untraced"
+    GC = "gc"  # garbage-collector pauses overlap the phases above: reported beside them, never added
+
+
+ALL_PHASES = tuple(Phase)
+STEP_PHASES = ALL_PHASES[:-1]  # they add up to a step's wall time
+OVERLAPPING_PHASES = (Phase.GC,)
 # The model's own work; its share decides COMPUTE_BOUND.
-COMPUTE_PHASES = ("forward", "backward", "optimizer")
+COMPUTE_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 # The phases the probe times itself (on the device, under CUDA), in the order of its step layout.
-TIMED_PHASES = ("h2d",) + COMPUTE_PHASES
-# Garbage-collector pauses overlap the phases above: reported beside them, never added.
-OVERLAPPING_PHASES = ("gc",)
-ALL_PHASES = STEP_PHASES + OVERLAPPING_PHASES
+TIMED_PHASES = (Phase.H2D,) + COMPUTE_PHASES
 # The order a timeline lays a step's phases out in: the probe measures how long each phase
 # took, not when inside the step; the window after the step is input wait, then the rest.
-TIMELINE_ORDER = ("h2d", "forward", "backward", "optimizer", "untraced", "input_wait", "outside")
+TIMELINE_ORDER = TIMED_PHASES + (Phase.UNTRACED, Phase.INPUT_WAIT, Phase.OUTSIDE)
+
+
+class Beside(StrEnum):
+    """Where a rank's pulse finds its training thread when it is in no Phase (RankPulse.phase)."""
+
+    IN_STEP = "in step"  # its own code inside a step, in no timed phase
+    EVALUATION = "evaluation"
+    CHECKPOINT = "checkpoint"
+    COMPILE = "compile"
+
+
+PLANNED_WORK = (Beside.EVALUATION, Beside.CHECKPOINT, Beside.COMPILE)  # beside the steps on purpose
 
 # The warm-up rule, one for the probe, the rollup and the rules: a run's first steps (the
 # allocator growing, autotuning, DataLoader workers starting) are not the run.
@@ -488,8 +516,7 @@ class RankPulse(msgspec.Struct, tag="pulse", array_like=True):
     unix_s: float
     steps_ended: int  # the steps this rank has ended so far
     since_progress_s: float  # since it last ended a step (or since its probe started)
-    phase: str  # what the training thread is in: "forward", "backward", "optimizer", "h2d",
-    # "in step" (its other code), "outside" (between steps), "evaluation", "checkpoint", "compile"
+    phase: str  # what the training thread is in: a timed Phase, Phase.OUTSIDE (between steps) or a Beside
     # The user's frames of the training thread's stack, innermost first: (file, line, function);
     # not the standard library's, an installed package's or TraceML's.
     stack: List[Tuple[str, int, str]] = []
@@ -510,19 +537,6 @@ class RankPulse(msgspec.Struct, tag="pulse", array_like=True):
     # The label of the group the collective it waits in was issued on ("world": the default
     # group); "" when it waits in none, or the call does not say.
     waiting_group: str = ""
-
-
-try:
-    from enum import StrEnum
-except ImportError:  # Python before 3.11: the same, by hand
-    from enum import Enum
-
-    class StrEnum(str, Enum):  # type: ignore[no-redef]
-        def __str__(self) -> str:
-            return str(self.value)
-
-        def __format__(self, spec: str) -> str:
-            return str.__format__(str(self.value), spec)
 
 
 class FindingKind(StrEnum):
@@ -577,41 +591,3 @@ class Finding(msgspec.Struct, omit_defaults=False):
     action: str
     rank: Optional[int] = None
     evidence: Dict[str, Union[float, int, str, None]] = {}
-
-
-Record = Union[RankHello, StepRecord, RankEnd, SystemSample, OomRecord, LayerReport, LayerCapture,
-               SpanRecord, ScalarRecord, CompileRecord, HostSyncSample, LoaderSample, MemoryLedger, RankPulse, CodeSample]
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(List[Record])
-
-
-class FrameError(ValueError):
-    """A frame that cannot be trusted: the connection that sent it is closed."""
-
-
-def encode_frame(records: List[Record]) -> bytes:
-    payload = _encoder.encode(records)
-    if len(payload) > MAX_FRAME_BYTES:
-        raise FrameError(f"frame of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
-    return _HEADER.pack(_MAGIC, WIRE_VERSION, len(payload)) + payload
-
-
-def parse_header(header: bytes) -> int:
-    """Validate a frame header and return the payload length that follows it."""
-    magic, version, length = _HEADER.unpack(header)
-    if magic != _MAGIC:
-        raise FrameError("bad magic: not a TraceML frame")
-    if version != WIRE_VERSION:
-        raise FrameError(f"wire version {version}, expected {WIRE_VERSION}")
-    if length > MAX_FRAME_BYTES:
-        raise FrameError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
-    return length
-
-
-def decode_payload(payload: bytes) -> List[Record]:
-    try:
-        return _decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, ValueError,
-            OverflowError, RecursionError) as exc:  # a string that is not UTF-8 included
-        raise FrameError(f"malformed payload: {exc}") from None

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Ty
 import msgspec
 
 from traceml.analysis.bootstrap import share_interval
-from traceml.records import ALL_PHASES, STEP_PHASES, RolledStep, StepRecord
+from traceml.records import ALL_PHASES, RolledStep, StepRecord
 
 
 
@@ -227,7 +227,7 @@ def rank_row(rank: int, records: Sequence[StepRecord], last_step: int, behind_sh
     """A rank's row from its records after warm-up (none: its medians are None)."""
     row = RankRow(rank=rank, steps=len(records), last_step=last_step,  # type: ignore[typeddict-item]
                   step_median_ms=_median_of(records, "step_ms"), behind_share=behind_share)
-    for name in STEP_PHASES + ("gc", "comm_wait", "forward_comm_wait", "optimizer_comm_wait", "cpu_wait", "on_cpu"):
+    for name in ALL_PHASES + ("comm_wait", "forward_comm_wait", "optimizer_comm_wait", "cpu_wait", "on_cpu"):
         row[f"{name}_median_ms"] = _median_of(records, f"{name}_ms")  # type: ignore[literal-required]
     return row
 
@@ -275,7 +275,7 @@ def rank_spread(records: Iterable[StepRecord], skip_steps: int) -> Dict[str, dic
             by_step.setdefault(record.step, []).append(record)
     steps = [ranks for ranks in by_step.values() if len(ranks) > 1]
     spread: Dict[str, dict] = {}
-    fields = [f"{name}_ms" for name in ("step",) + STEP_PHASES + ("gc", "comm_wait")]
+    fields = [f"{name}_ms" for name in ("step",) + ALL_PHASES + ("comm_wait",)]
     for name in fields + ["device_peak_bytes", "host_rss_bytes"]:
         medians, worsts, worst_ranks = [], [], []
         for ranks in steps:

@@ -13,21 +13,17 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple, Type
 
 import msgspec
 
 from traceml.collector.store import Store
-from traceml.records import (HEADER_BYTES, CodeSample, CompileRecord, FrameError, HostSyncSample, LayerCapture, LayerReport,
-                             LoaderSample, MemoryLedger, OomRecord, RankEnd, RankHello, RankPulse, StepRecord, SystemSample,
-                             decode_payload, parse_header)
+from traceml.record_types import RECORD_TYPES, R
+from traceml.records import RankEnd, RankHello, StepRecord, SystemSample
+from traceml.wire import HEADER_BYTES, FrameError, decode_payload, parse_header
 
 log = logging.getLogger("traceml")
 COMMIT_INTERVAL_S = 0.5
-RECENT_STEPS = 512  # per rank, for the live views
-RECENT_LEDGERS = 4096  # memory ledger readings, sent when a figure moves
-RECENT_SYSTEM_SAMPLES = 900  # the node's samples (one a second), for the live rules' machine-wide stalls
-RECENT_LOADER_SAMPLES = 1024  # every rank's DataLoader figures (two a second each), for the live views
 # A connection must greet within HELLO_TIMEOUT_S, send each frame's rest within FRAME_TIMEOUT_S
 # of its header, and say something at least every IDLE_TIMEOUT_S (ranks send a heartbeat
 # every HEARTBEAT_S when they have nothing else: a model compiling for minutes is not dead).
@@ -60,27 +56,15 @@ class Collector:
         self.training_pids: Set[int] = set()
         self.ranks_seen: Set[int] = set()
         self.world_size = 1  # the largest a rank's hello announced
-        # What the live views read (they never touch the sockets or the store's writer):
+        # What the live views read (they never touch the sockets or the store's writer): the
+        # recent records of each type, as many as record_types.py says, by its `per` fields' values.
+        self._kept: Dict[Any, Tuple[Dict[Any, Deque[Any]], Tuple[str, ...], Optional[int]]] = {
+            record: ({}, kind.per, kind.recent) for record, kind in RECORD_TYPES.items() if kind.recent != 0}
         self.live = live  # recent steps across ranks
-        self.recent_by_rank: Dict[int, Deque[StepRecord]] = {}  # each rank's recent steps
-        self.hellos: Dict[int, RankHello] = {}
-        self.system_samples: Deque[SystemSample] = collections.deque(maxlen=RECENT_SYSTEM_SAMPLES)
-        self.ooms: List[OomRecord] = []  # the step that ran out of memory, for the post-mortem
-        self.latest_layers: Optional[LayerReport] = None
-        self.captures: List[LayerCapture] = []  # deep-dive captured when a rule fired
         self.run_time = run_time  # every rank's wall time so far, for goodput
-        self.compiles: List[CompileRecord] = []  # torch.compile's compilations, for RECOMPILATION
-        self.host_syncs: List[HostSyncSample] = []  # the sampled steps' host syncs, for HOST_SYNC
-        self.code: Dict[Tuple[int, str], CodeSample] = {}  # (rank, part) -> where its untimed time went
-        # The training DataLoaders' latest figures, for INPUT_BOUND's advice.
-        self.loaders: Deque[LoaderSample] = collections.deque(maxlen=RECENT_LOADER_SAMPLES)
-        # What holds each rank's memory: every reading that moved (a few a run), for the live views.
-        self.ledgers: Deque[MemoryLedger] = collections.deque(maxlen=RECENT_LEDGERS)
         # Ranks whose connection dropped with no goodbye while other ranks were still there:
         # they died or were killed, and the summary reports them missing.
         self.lost_ranks: Set[int] = set()
-        self.ends: Dict[int, RankEnd] = {}  # the goodbyes of the ranks that said one
-        self.pulses: Dict[int, RankPulse] = {}  # each stalled rank's latest word on where it is
         self.last_heard_unix_s: Dict[int, float] = {}  # each rank's latest frame
         self.hang_watch = hang_watch
         self.records_ingested = 0
@@ -103,7 +87,24 @@ class Collector:
 
     @property
     def latest_system(self) -> Optional[SystemSample]:
-        return self.system_samples[-1] if self.system_samples else None
+        return self.latest(SystemSample).get(())
+
+    def kept_by(self, record_type: Type[R]) -> Dict[Any, List[R]]:
+        """The recent records of one type, by the values of its `per` fields (record_types.py:
+        a rank, a rank and a part, () for all), the keys in order, each's records as they came."""
+        by_key = self._kept[record_type][0]
+        return {key: list(by_key[key]) for key in sorted(list(by_key))}
+
+    def kept(self, record_type: Type[R]) -> List[R]:
+        return [record for records in self.kept_by(record_type).values() for record in records]
+
+    def latest(self, record_type: Type[R]) -> Dict[Any, R]:
+        """Each key's latest record of one type (a rank's hello, goodbye or pulse)."""
+        return {key: records[-1] for key, records in self.kept_by(record_type).items() if records}
+
+    def everything_kept(self) -> Dict[Any, List[Any]]:
+        """Every type's recent records, by type: what the rules read live."""
+        return {record_type: self.kept(record_type) for record_type in self._kept}
 
     def start(self, listening: Optional[socket.socket] = None) -> str:
         """Bind and serve on a background thread; raises OSError when the port cannot be bound.
@@ -151,40 +152,21 @@ class Collector:
         self._observe(records)
 
     def _observe(self, records: List[Any]) -> None:
-        """Keep the recent state the live views show."""
+        """Keep the recent records the live views show, roll the steps up and tally the time."""
         steps = []
         for record in records:
             kind = type(record)
+            keeping = self._kept.get(kind)
+            if keeping is not None:
+                by_key, per, recent = keeping
+                key = getattr(record, per[0]) if len(per) == 1 else tuple(getattr(record, name) for name in per)
+                kept = by_key.get(key)
+                if kept is None:
+                    kept = by_key[key] = collections.deque(maxlen=recent)
+                kept.append(record)
             if kind is StepRecord:
                 steps.append(record)
-                recent = self.recent_by_rank.get(record.rank)
-                if recent is None:
-                    recent = self.recent_by_rank[record.rank] = collections.deque(maxlen=RECENT_STEPS)
-                recent.append(record)
-            elif kind is SystemSample:
-                self.system_samples.append(record)
-            elif kind is OomRecord:
-                self.ooms.append(record)
-            elif kind is LayerReport:
-                self.latest_layers = record
-            elif kind is LayerCapture:
-                self.captures.append(record)
-            elif kind is CompileRecord:
-                self.compiles.append(record)
-            elif kind is HostSyncSample:
-                self.host_syncs.append(record)
-            elif kind is CodeSample:
-                self.code[(record.rank, record.part)] = record
-            elif kind is LoaderSample:
-                self.loaders.append(record)
-            elif kind is MemoryLedger:
-                self.ledgers.append(record)
-            elif kind is RankPulse:
-                self.pulses[record.rank] = record
-            elif kind is RankEnd:
-                self.ends[record.rank] = record
-            if self.run_time is not None and (kind is StepRecord or kind is CompileRecord
-                                              or kind is RankHello or kind is RankEnd):
+            if self.run_time is not None:
                 self.run_time.add(record)
         if steps and self.live is not None:
             self.live.add(steps)
@@ -318,7 +300,7 @@ class Collector:
 
     def _store_rolled(self, rolled: List[Any]) -> None:
         try:
-            self.store.write_rolled(rolled)
+            self.store.write(rolled)
         except Exception as exc:
             self._store_failed(exc)
 
@@ -328,7 +310,7 @@ class Collector:
         if self.live is not None:
             rolled = self.live.finish(self.store.steps_at)
             if rolled:
-                self.store.write_rolled(rolled)
+                self.store.write(rolled)
             self.store.set_meta({"rolled_complete": True})
         if self.run_time is not None:
             self.store.set_meta({"run_time": self.run_time.to_builtins()})
@@ -343,7 +325,6 @@ class Collector:
         with self._changed:
             self.training_pids.add(hello.pid)
             self.ranks_seen.add(hello.rank)
-            self.hellos[hello.rank] = hello
             self.world_size = max(self.world_size, hello.world_size)
             if self.live is not None:
                 self.live.world_size = self.world_size

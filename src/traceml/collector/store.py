@@ -6,19 +6,14 @@ import sqlite3
 import threading
 import urllib.parse
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
 import msgspec
 
 from traceml import rundir
-from traceml.records import (ALL_PHASES, CodeSample, CompileRecord, Finding, GpuSample, HostSyncSample, LayerCapture, LayerReport,
-                             LoaderSample, MemoryLedger, OomRecord, RankEnd, RankHello, RolledStep, ScalarRecord, SpanRecord, StepRecord,
-                             SystemSample)
+from traceml.record_types import RECORD_TYPES, R, RecordType
+from traceml.records import ALL_PHASES, Finding, GpuSample, RolledStep, ScalarRecord, SpanRecord, StepRecord, SystemSample
 
-STEP_COLUMNS = msgspec.structs.fields(StepRecord)
-ROLLED_COLUMNS = msgspec.structs.fields(RolledStep)
-_ROLLED_NAMES = [field.name for field in ROLLED_COLUMNS]
-_STEP_NAMES = [field.name for field in STEP_COLUMNS]
 # The series each table's rows belong to, indexed with the step: a rank's steps, a span's or a
 # scalar's name.
 SERIES = {"steps": "rank", "spans": "name", "scalars": "name"}
@@ -34,43 +29,48 @@ BUCKET_FIGURES: Dict[str, List[Tuple[str, str]]] = {
 }
 WAL_PAGES = 64
 CHUNK_RECORDS = 64  # after a failed commit, records are written again this many at a time
-_SYSTEM_NAMES = [field.name for field in msgspec.structs.fields(SystemSample) if field.name != "gpus"]
+
+
+def _held_as_json(field: Any) -> bool:
+    """A field that is no scalar (a list, a dict): its column holds it as JSON."""
+    return getattr(field.type, "__origin__", field.type) in (list, dict, tuple)
 
 
 def _sql_type(field: Any) -> str:
-    kind = field.type
-    text = str(kind)
-    if kind is float or "float" in text:
-        return "REAL"
-    if kind is bool or kind is int or "int" in text:
-        return "INTEGER"
-    return "TEXT"
+    text = "" if _held_as_json(field) else str(field.type)  # "<class 'int'>", "typing.Optional[float]"
+    return "REAL" if "float" in text else "INTEGER" if "int" in text or "bool" in text else "TEXT"
 
 
-_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS steps ({", ".join(f"{f.name} {_sql_type(f)}" for f in STEP_COLUMNS)},
-                                  PRIMARY KEY (rank, step)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS rolled ({", ".join(f"{f.name} {_sql_type(f)}" for f in ROLLED_COLUMNS)},
-                                   PRIMARY KEY (step)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS system ({", ".join(_SYSTEM_NAMES)}, gpus TEXT);
-CREATE TABLE IF NOT EXISTS ranks (rank INTEGER PRIMARY KEY, hello TEXT, end_record TEXT);
-CREATE TABLE IF NOT EXISTS findings (kind TEXT, severity TEXT, rank INTEGER, finding TEXT);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
-CREATE TABLE IF NOT EXISTS ooms (rank INTEGER, step INTEGER, oom TEXT);
-CREATE TABLE IF NOT EXISTS layer_reports (rank INTEGER PRIMARY KEY, report TEXT);
-CREATE TABLE IF NOT EXISTS captures (rank INTEGER, step INTEGER, reason TEXT, capture TEXT);
-CREATE TABLE IF NOT EXISTS compiles (rank INTEGER, step INTEGER, compile TEXT);
-CREATE TABLE IF NOT EXISTS host_syncs (rank INTEGER, first_step INTEGER, sample TEXT);
-CREATE TABLE IF NOT EXISTS loaders (rank INTEGER, loader INTEGER, unix_s REAL, sample TEXT);
-CREATE TABLE IF NOT EXISTS ledgers (rank INTEGER, step INTEGER, ledger TEXT);
-CREATE TABLE IF NOT EXISTS code_sites (rank INTEGER, part TEXT, sample TEXT, PRIMARY KEY (rank, part));
-CREATE TABLE IF NOT EXISTS spans (rank INTEGER, step INTEGER, name TEXT, start_unix_s REAL,
-                                  duration_ms REAL, count INTEGER);
-CREATE TABLE IF NOT EXISTS scalars (rank INTEGER, step INTEGER, name TEXT, value REAL);
-CREATE INDEX IF NOT EXISTS spans_by_step ON spans (step);
-CREATE INDEX IF NOT EXISTS spans_by_name ON spans (name, step);
-CREATE INDEX IF NOT EXISTS scalars_by_name ON scalars (name, step);
-"""
+def _fields(kind: RecordType) -> Dict[str, Any]:
+    return {field.name: field for field in msgspec.structs.fields(kind.record)}
+
+
+def _create_table(table: str, kinds: List[RecordType]) -> str:
+    """A table of one record type (two for `ranks`: a column each), and its indexes."""
+    kind, fields = kinds[0], _fields(kinds[0])
+    columns = ([f"{key} {_sql_type(fields[key])}" for key in kind.keys] + [f"{k.document} TEXT" for k in kinds]
+               if kind.document else [f"{name} {_sql_type(field)}" for name, field in fields.items()])
+    key = f", PRIMARY KEY ({', '.join(kind.keys)})) WITHOUT ROWID" if kind.latest else ")"
+    indexes = "".join(f"CREATE INDEX IF NOT EXISTS {table}_by_{on[0]} ON {table} ({', '.join(on)});\n"
+                      for on in kind.indexes)
+    return f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(columns)}{key};\n{indexes}"
+
+
+def _schema() -> str:
+    tables: Dict[str, List[RecordType]] = {}
+    for kind in RECORD_TYPES.values():
+        if kind.table:
+            tables.setdefault(kind.table, []).append(kind)
+    return "".join(_create_table(table, kinds) for table, kinds in tables.items()) + \
+        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);"
+
+
+def _insert(kind: RecordType) -> str:
+    """The statement that writes a record of this type: its row, or its keys and JSON."""
+    names = [*kind.keys, kind.document] if kind.document else list(_fields(kind))
+    update = ", ".join(f"{name} = excluded.{name}" for name in names if name not in kind.keys)
+    return (f"INSERT INTO {kind.table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
+            + (f" ON CONFLICT({', '.join(kind.keys)}) DO UPDATE SET {update}" if kind.latest else ""))
 
 
 # The store's layout, kept in the file (SQLite's user_version). 1: every store before the number
@@ -78,9 +78,6 @@ CREATE INDEX IF NOT EXISTS scalars_by_name ON scalars (name, step);
 # default (records.py): a store written before a field was added reads it as that default, and a
 # column a newer layout dropped is not read. Raise the number when a table's meaning changes.
 STORE_LAYOUT = 2
-# The tables whose rows are a record's fields, one column each, and the record.
-_COLUMNAR = {"steps": STEP_COLUMNS, "rolled": ROLLED_COLUMNS,
-             "system": [field for field in msgspec.structs.fields(SystemSample) if field.name != "gpus"]}
 
 
 class StoreFull(Exception):
@@ -126,15 +123,12 @@ class Store:
             reserve = Path(path + "-reserve")
             self._reserve = reserve if rundir.hold_room(reserve, WAL_PAGES * 4096) else None
         self._read_layout()  # a newer TraceML's store is refused before anything is written to it
-        self._db.executescript(_SCHEMA)
+        self._db.executescript(_schema())
         self._add_new_columns()
         self._db.execute(f"PRAGMA user_version={STORE_LAYOUT}")
         self._columns = self._read_layout()
         self._db.execute("BEGIN")
-        self._step_insert = (f"INSERT OR REPLACE INTO steps ({', '.join(_STEP_NAMES)}) "
-                             f"VALUES ({', '.join('?' * len(_STEP_NAMES))})")
-        self._system_insert = (f"INSERT INTO system ({', '.join(_SYSTEM_NAMES)}, gpus) "
-                               f"VALUES ({', '.join('?' * (len(_SYSTEM_NAMES) + 1))})")
+        self._inserts = {record: (_insert(kind), _row_of(kind)) for record, kind in RECORD_TYPES.items() if kind.table}
 
     # -- the layout --------------------------------------------------------------------------
     def _read_layout(self) -> Dict[str, Dict[str, str]]:
@@ -145,10 +139,10 @@ class Store:
             raise StoreTooNew(f"{self.path} was written by a newer TraceML (store layout {layout}; this "
                               f"TraceML {_version()} reads up to {STORE_LAYOUT}): upgrade TraceML to open it")
         read_as = {}
-        for table, fields in _COLUMNAR.items():
+        for table, fields in _columnar().items():
             present = self._table_columns(table)
-            read_as[table] = {field.name: field.name if field.name in present or not present
-                              else _sql_literal(field) for field in fields}
+            read_as[table] = {name: name if name in present or not present else _sql_literal(field)
+                              for name, field in fields.items()}
         return read_as
 
     def _select(self, table: str) -> str:
@@ -160,9 +154,9 @@ class Store:
 
     def _add_new_columns(self) -> None:
         """A store from before a field was added, opened to write: the field's column, empty."""
-        for table, fields in _COLUMNAR.items():
+        for table, fields in _columnar().items():
             present = self._table_columns(table)
-            for field in fields:
+            for field in fields.values():
                 if field.name not in present:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN {field.name} {_sql_type(field)} "
                                      f"DEFAULT {_sql_literal(field)}")
@@ -176,12 +170,6 @@ class Store:
         records = list(records)
         for start in range(0, len(records), CHUNK_RECORDS):
             self._apply(self._insert_records, records[start:start + CHUNK_RECORDS])
-
-    def write_rolled(self, rolled: List[RolledStep]) -> None:
-        """Steps rolled up across ranks (by the collector as they complete); a step rolled
-        again replaces its earlier row."""
-        for start in range(0, len(rolled), CHUNK_RECORDS):
-            self._apply(self._insert_rolled, rolled[start:start + CHUNK_RECORDS])
 
     def write_findings(self, findings: List[Finding]) -> None:
         self._apply(self._replace_findings, findings)
@@ -259,75 +247,19 @@ class Store:
             pass
 
     def _insert_records(self, records: List[Any]) -> None:
-        steps: List[tuple] = []
-        samples: List[list] = []
-        spans: List[tuple] = []
-        scalars: List[tuple] = []
+        """Each record type's records in one statement, in the order they came (record_types.py
+        says where each is kept; a pulse is not)."""
+        by_type: Dict[Any, List[Any]] = {}
         for record in records:
-            if type(record) is StepRecord:
-                steps.append(msgspec.structs.astuple(record))
-            elif type(record) is SystemSample:
-                values = [getattr(record, name) for name in _SYSTEM_NAMES]
-                values.append(msgspec.json.encode(record.gpus).decode())
-                samples.append(values)
-            elif type(record) is RankHello:
-                self._db.execute(
-                    "INSERT INTO ranks (rank, hello) VALUES (?, ?) "
-                    "ON CONFLICT(rank) DO UPDATE SET hello = excluded.hello",
-                    (record.rank, msgspec.json.encode(record).decode()))
-            elif type(record) is LayerReport:  # cumulative: the latest replaces the rest
-                self._db.execute("INSERT OR REPLACE INTO layer_reports VALUES (?, ?)", (
-                    record.rank, msgspec.json.encode(record).decode()))
-            elif type(record) is LayerCapture:
-                self._db.execute("INSERT INTO captures VALUES (?, ?, ?, ?)", (
-                    record.rank, record.step, record.reason, msgspec.json.encode(record).decode()))
-            elif type(record) is CompileRecord:
-                self._db.execute("INSERT INTO compiles VALUES (?, ?, ?)", (
-                    record.rank, record.step, msgspec.json.encode(record).decode()))
-            elif type(record) is HostSyncSample:
-                self._db.execute("INSERT INTO host_syncs VALUES (?, ?, ?)", (
-                    record.rank, record.first_step, msgspec.json.encode(record).decode()))
-            elif type(record) is LoaderSample:
-                self._db.execute("INSERT INTO loaders VALUES (?, ?, ?, ?)", (
-                    record.rank, record.loader, record.unix_s, msgspec.json.encode(record).decode()))
-            elif type(record) is CodeSample:  # cumulative: the latest of a rank and part replaces the rest
-                self._db.execute("INSERT OR REPLACE INTO code_sites VALUES (?, ?, ?)", (
-                    record.rank, record.part, msgspec.json.encode(record).decode()))
-            elif type(record) is MemoryLedger:
-                self._db.execute("INSERT INTO ledgers VALUES (?, ?, ?)", (
-                    record.rank, record.step, msgspec.json.encode(record).decode()))
-            elif type(record) is OomRecord:
-                self._db.execute("INSERT INTO ooms VALUES (?, ?, ?)", (
-                    record.rank, record.step, msgspec.json.encode(record).decode()))
-            elif type(record) is RankEnd:
-                self._db.execute(
-                    "INSERT INTO ranks (rank, end_record) VALUES (?, ?) "
-                    "ON CONFLICT(rank) DO UPDATE SET end_record = excluded.end_record",
-                    (record.rank, msgspec.json.encode(record).decode()))
-            elif type(record) is SpanRecord:
-                spans.append(msgspec.structs.astuple(record))
-            elif type(record) is ScalarRecord:
-                scalars.append(msgspec.structs.astuple(record))
-        if spans:
-            self._db.executemany("INSERT INTO spans VALUES (?, ?, ?, ?, ?, ?)", spans)
-        if scalars:
-            self._db.executemany("INSERT INTO scalars VALUES (?, ?, ?, ?)", scalars)
-        if steps:
-            self._db.executemany(self._step_insert, steps)
-        if samples:
-            self._db.executemany(self._system_insert, samples)
-
-    def _insert_rolled(self, rolled: List[RolledStep]) -> None:
-        self._db.executemany(
-            f"INSERT OR REPLACE INTO rolled ({', '.join(_ROLLED_NAMES)}) "
-            f"VALUES ({', '.join('?' * len(_ROLLED_NAMES))})",
-            [msgspec.structs.astuple(step) for step in rolled])
+            by_type.setdefault(type(record), []).append(record)
+        for record_type, group in by_type.items():
+            insert = self._inserts.get(record_type)
+            if insert is not None:
+                self._db.executemany(insert[0], map(insert[1], group))
 
     def _replace_findings(self, findings: List[Finding]) -> None:
         self._db.execute("DELETE FROM findings")
-        self._db.executemany(
-            "INSERT INTO findings VALUES (?, ?, ?, ?)",
-            [(f.kind, f.severity, f.rank, msgspec.json.encode(f).decode()) for f in findings])
+        self._insert_records(findings)
 
     def _insert_meta(self, items: List[Tuple[str, Any]]) -> None:
         self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
@@ -348,35 +280,50 @@ class Store:
         with self._lock:
             return self._db.execute(sql, params).fetchall()
 
+    def records(self, record_type: Type[R]) -> List[R]:
+        """Every stored record of one type, in its table's order (record_types.py)."""
+        return self._read(record_type)
+
+    def _read(self, record_type: Type[R], where: str = "1", params: Sequence[Any] = (), order: str = "") -> List[R]:
+        """The records of one type where an SQL condition on its table's columns holds, in the
+        table's order or `order`; none from a store older than their table."""
+        kind = RECORD_TYPES[record_type]
+        columns = f"{kind.document} FROM {kind.table} WHERE {kind.document} IS NOT NULL AND" if kind.document \
+            else f"{self._select(kind.table)} FROM {kind.table} WHERE"
+        with self._lock:
+            try:
+                rows = self._db.execute(f"SELECT {columns} {where} ORDER BY {order or kind.order}", params).fetchall()
+            except sqlite3.OperationalError:
+                return []
+        if kind.document:
+            return [msgspec.json.decode(row[0], type=kind.record) for row in rows]
+        as_json = [(index, field.type) for index, field in enumerate(_fields(kind).values()) if _held_as_json(field)]
+        for index, field_type in as_json:  # rows made lists only where a column holds JSON
+            rows = [[*row[:index], msgspec.json.decode(row[index], type=field_type), *row[index + 1:]] for row in rows]
+        return [kind.record(*row) for row in rows]
+
     def steps(self) -> List[StepRecord]:
-        return [StepRecord(*row) for row in self._rows(
-            f"SELECT {self._select('steps')} FROM steps ORDER BY step, rank")]
+        return self._read(StepRecord)
 
     def rolled_steps(self) -> List[RolledStep]:
-        return [RolledStep(*row) for row in self._rows(
-            f"SELECT {self._select('rolled')} FROM rolled ORDER BY step")]
+        return self._read(RolledStep)
 
     def steps_at(self, steps: Sequence[int]) -> List[StepRecord]:
         """Every rank's records of these steps, in step then rank order."""
-        return [StepRecord(*row) for row in self._rows(
-            f"SELECT {self._select('steps')} FROM steps WHERE step IN ({', '.join('?' * len(steps))}) "
-            f"ORDER BY step, rank", list(steps))]
+        return self._read(StepRecord, f"step IN ({', '.join('?' * len(steps))})", list(steps))
 
     def steps_every(self, every: int) -> List[StepRecord]:
-        """The records of every `every`-th step (a sample of a long run), in step then rank order."""
-        return [StepRecord(*row) for row in self._rows(
-            f"SELECT {self._select('steps')} FROM steps WHERE step % ? = 0 ORDER BY step, rank", (every,))]
+        """The records of every `every`-th step (all of them for 1), in step then rank order."""
+        return self._read(StepRecord, "step % ? = 0", (every,))
 
     def steps_between(self, first: int, last: int) -> List[StepRecord]:
         """The records of steps first to last, in rank then step order."""
-        return [StepRecord(*row) for row in self._rows(
-            f"SELECT {self._select('steps')} FROM steps WHERE step BETWEEN ? AND ? ORDER BY rank, step",
-            (first, last))]
+        return self._read(StepRecord, "step BETWEEN ? AND ?", (first, last), order="rank, step")
 
     def step_fields(self, rank: int, since_step: int, fields: Sequence[str]) -> List[tuple]:
         """(step, *fields) of one rank's records from since_step on, in step order; fields are
         StepRecord's field names."""
-        unknown = set(fields) - set(_STEP_NAMES)
+        unknown = set(fields) - set(self._columns["steps"])
         if unknown:
             raise ValueError(f"not step fields: {sorted(unknown)}")
         read_as = self._columns["steps"]
@@ -428,9 +375,8 @@ class Store:
 
     def spans_between(self, first: int, last: int, limit: int = -1) -> List[SpanRecord]:
         """User spans of steps first to last, in rank, step and start order."""
-        return [SpanRecord(*row) for row in self._rows(
-            "SELECT rank, step, name, start_unix_s, duration_ms, count FROM spans WHERE step BETWEEN ? AND ? "
-            "ORDER BY rank, step, start_unix_s LIMIT ?", (first, last, limit))]
+        return self._read(SpanRecord, "step BETWEEN ? AND ?", (first, last, limit),
+                          order="rank, step, start_unix_s LIMIT ?")
 
     # A span name's time in each step (of a rank) that has a step record, from since_step on:
     # a call in the unfinished last step, or in a step whose record was lost, is in no step.
@@ -457,13 +403,11 @@ class Store:
         return count, total or 0.0
 
     def scalars_between(self, first: int, last: int) -> List[ScalarRecord]:
-        return [ScalarRecord(*row) for row in self._rows(
-            "SELECT rank, step, name, value FROM scalars WHERE step BETWEEN ? AND ? ORDER BY rank, step",
-            (first, last))]
+        return self._read(ScalarRecord, "step BETWEEN ? AND ?", (first, last), order="rank, step")
 
     def latest_system(self) -> Optional[SystemSample]:
-        rows = self._rows(f"SELECT {self._select('system')}, gpus FROM system ORDER BY rowid DESC LIMIT 1")
-        return _system_sample(rows[0]) if rows else None
+        latest = self._read(SystemSample, order="rowid DESC LIMIT 1")
+        return latest[0] if latest else None
 
     def system_buckets(self, first_row: int, per_bucket: int) -> List[Tuple[SystemSample, int]]:
         """The node sampler's readings, `per_bucket` consecutive readings a bucket counted from
@@ -491,62 +435,6 @@ class Store:
         """The first and last reading's row number (0, -1 when none), for sizing buckets."""
         low, high = self._rows("SELECT MIN(rowid), MAX(rowid) FROM system")[0]
         return (low, high) if low is not None else (0, -1)
-
-    def hellos(self) -> List[RankHello]:
-        return [msgspec.json.decode(text, type=RankHello) for text in self._column("hello")]
-
-    def ends(self) -> List[RankEnd]:
-        return [msgspec.json.decode(text, type=RankEnd) for text in self._column("end_record")]
-
-    def _column(self, name: str) -> List[str]:
-        with self._lock:
-            rows = self._db.execute(f"SELECT {name} FROM ranks WHERE {name} IS NOT NULL ORDER BY rank")
-            return [row[0] for row in rows.fetchall()]
-
-    def system_samples(self) -> List[SystemSample]:
-        return [_system_sample(row) for row in self._rows(
-            f"SELECT {self._select('system')}, gpus FROM system ORDER BY unix_s")]
-
-    def layer_reports(self) -> List[LayerReport]:
-        return self._decoded("SELECT report FROM layer_reports ORDER BY rank", LayerReport)
-
-    def captures(self) -> List[LayerCapture]:
-        return self._decoded("SELECT capture FROM captures ORDER BY step, rank", LayerCapture)
-
-    def compiles(self) -> List[CompileRecord]:
-        """torch.compile's compilations, in the order they happened."""
-        return self._decoded("SELECT compile FROM compiles ORDER BY rowid", CompileRecord)
-
-    def host_syncs(self) -> List[HostSyncSample]:
-        """The sampled steps' host syncs, in the order they came."""
-        return self._decoded("SELECT sample FROM host_syncs ORDER BY rowid", HostSyncSample)
-
-    def loader_samples(self) -> List[LoaderSample]:
-        """The training DataLoaders' figures, each rank's in the order they came."""
-        return self._decoded("SELECT sample FROM loaders ORDER BY rank, rowid", LoaderSample)
-
-    def code_samples(self) -> List[CodeSample]:
-        """Where each rank's untimed time went (the latest of each part), by rank."""
-        return self._decoded("SELECT sample FROM code_sites ORDER BY rank, part", CodeSample)
-
-    def ledgers(self) -> List[MemoryLedger]:
-        """What held each rank's memory, each reading that moved, each rank's in the order they came."""
-        return self._decoded("SELECT ledger FROM ledgers ORDER BY rank, rowid", MemoryLedger)
-
-    def ooms(self) -> List[OomRecord]:
-        return self._decoded("SELECT oom FROM ooms ORDER BY step, rank", OomRecord)
-
-    def _decoded(self, query: str, record_type: Any) -> List[Any]:
-        """Records kept as JSON, one a row; none from a store older than their table."""
-        with self._lock:
-            try:
-                rows = self._db.execute(query).fetchall()
-            except sqlite3.OperationalError:
-                return []
-        return [msgspec.json.decode(row[0], type=record_type) for row in rows]
-
-    def findings(self) -> List[Finding]:
-        return self._decoded("SELECT finding FROM findings ORDER BY rowid", Finding)
 
     def meta(self) -> Dict[str, Any]:
         with self._lock:
@@ -576,8 +464,27 @@ def _version() -> str:
         return "here"
 
 
-def _system_sample(row: tuple) -> SystemSample:
-    return SystemSample(**dict(zip(_SYSTEM_NAMES, row[:-1])), gpus=msgspec.json.decode(row[-1], type=List[GpuSample]))
+def _columnar() -> Dict[str, Dict[str, Any]]:
+    """The tables with a column per field, and their record's fields."""
+    return {kind.table: _fields(kind) for kind in RECORD_TYPES.values() if kind.table and not kind.document}
+
+
+def _row_of(kind: RecordType) -> Callable[[Any], Sequence[Any]]:
+    """How a record of this type becomes its row: its keys and its JSON, or a value a column."""
+    if kind.document:
+        keys = kind.keys
+        return lambda record: (*(getattr(record, key) for key in keys), msgspec.json.encode(record).decode())
+    as_json = [index for index, field in enumerate(_fields(kind).values()) if _held_as_json(field)]
+    if not as_json:
+        return msgspec.structs.astuple
+
+    def row(record: Any) -> Sequence[Any]:
+        values = list(msgspec.structs.astuple(record))
+        for index in as_json:
+            values[index] = msgspec.json.encode(values[index]).decode()
+        return values
+
+    return row
 
 
 def _connect_readonly(path: str) -> sqlite3.Connection:

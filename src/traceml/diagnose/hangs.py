@@ -24,15 +24,31 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from traceml.records import PULSE_AFTER_S, Finding, FindingKind, RankPulse, Severity
+from traceml.records import PLANNED_WORK, PULSE_AFTER_S, Beside, Finding, FindingKind, Phase, RankPulse, Severity, StrEnum
 
 HANG_AFTER_S = 30.0  # the least a rank goes without ending a step before it is stalled
 HANG_STEP_MULTIPLE = 10.0  # ... or this many of its median steps, when longer
 FIRST_STEP_S = 600.0  # before its first step ends: imports, loading the model, a first compilation
 PULSE_DUE_S = PULSE_AFTER_S + 3.0  # a rank's first pulse, a little late on a busy machine
 SENDER_SILENT_S = 15.0  # a stalled rank pulses every 5 s: three missed and its process is frozen
-NOT_STALLS = ("evaluation", "checkpoint", "compile")  # planned work the stack shows
-PULSED_STATES = ("collective", "input", "own code")  # where a rank's pulse places it
+
+
+class HangState(StrEnum):
+    """Where a rank is, as the hang rule places it: the one list of states (the card, the web
+    page and the JSON show the value)."""
+
+    STEPPING = "stepping"  # within its allowance
+    COLLECTIVE = "collective"  # waits in a collective
+    OWN_CODE = "own code"
+    INPUT = "input"  # a DataLoader wait
+    PLANNED = "planned"  # evaluation, a checkpoint save, a compilation (PLANNED_WORK)
+    GONE = "gone"  # its connection dropped without a goodbye
+    FROZEN = "frozen"  # no word from it for SENDER_SILENT_S
+    ENDED = "ended"  # it said goodbye
+
+
+PULSED_STATES = (HangState.COLLECTIVE, HangState.INPUT, HangState.OWN_CODE)  # where a rank's pulse places it
+SILENT_STATES = (HangState.GONE, HangState.FROZEN)  # no count from them: they have not arrived
 
 
 def hang_after_s_from_env() -> float:
@@ -91,11 +107,11 @@ def find_hang(ranks: List[RankProgress], now_unix_s: float, hang_after_s: float 
     if not stalled or _a_first_pulse_is_due(places):
         return None
     _place_the_pulsing_ranks(places)
-    silent = [place for place in places if place["state"] in ("gone", "frozen")]  # no count: not arrived
+    silent = [place for place in places if place["state"] in SILENT_STATES]
     counts = Counts(places)
     _place_the_ranks_waiting_in_autograd(places, counts, bool(silent))
-    waiting = [place for place in places if place["state"] == "collective"]
-    absent = [place for place in places if place["state"] in ("gone", "frozen", "input", "own code")]
+    waiting = [place for place in places if place["state"] == HangState.COLLECTIVE]
+    absent = [place for place in places if place["state"] in SILENT_STATES + (HangState.INPUT, HangState.OWN_CODE)]
     # The counts decide first: a rank that has issued fewer collectives than the others, on the
     # group they wait on, has not arrived where they wait, whatever its stack shows (an absent
     # one first, where several tie).
@@ -134,8 +150,7 @@ def _figures(places: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Dict[str, Any]:
-    """Where one rank is: state "stepping", "collective", "own code", "input", "planned",
-    "gone", "frozen" or "ended", with its line and how long it has gone without a step."""
+    """Where one rank is: its HangState, its line and how long it has gone without a step."""
     pulse = progress.pulse
     # A pulse from before the rank's latest step is stale. An inferred step is sent a step late:
     # a pulse that counted fewer steps but was taken after the latest one ended (both on the
@@ -152,7 +167,7 @@ def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Di
         "phase": pulse.phase if fresh else None, "waiting_in": (pulse.waiting_in or None) if fresh else None,
         "stack": [f"{f}:{line} {function}" for f, line, function in pulse.stack] if fresh else [],
         "innermost": pulse.innermost if fresh else None,
-        "where": _where(pulse) if fresh else None, "stalled": False, "state": "stepping",
+        "where": _where(pulse) if fresh else None, "stalled": False, "state": HangState.STEPPING,
         "pulsing": fresh,  # it has said where it is since its last step: PULSE_AFTER_S without one
         "collectives_issued": pulse.collectives_issued if fresh and pulse.collectives_issued >= 0 else None,
         "subgroup_collectives": dict(pulse.subgroup_collectives) if fresh else {},
@@ -161,30 +176,30 @@ def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Di
         place["loader_worker"] = {"worker": pulse.loader_worker, "pid": pulse.loader_worker_pid,
                                   "state": pulse.loader_worker_state}
     if progress.said_goodbye:
-        place["state"] = "ended"
+        place["state"] = HangState.ENDED
         return place
     if progress.gone:
-        place["state"], place["stalled"] = "gone", stalled_s > place["allowed_s"]
+        place["state"], place["stalled"] = HangState.GONE, stalled_s > place["allowed_s"]
         place["alive"] = _alive(progress.pid, progress.host)
         return place
     if stalled_s <= place["allowed_s"]:
         return place
-    if fresh and pulse.phase in NOT_STALLS:
-        place["state"] = "planned"
+    if fresh and pulse.phase in PLANNED_WORK:
+        place["state"] = HangState.PLANNED
         return place
     silent = now_unix_s - progress.last_heard_unix_s > SENDER_SILENT_S
     if not fresh and not silent:  # its pulse, saying where it is, is on its way: wait for it
         return place
     place["stalled"] = True
-    place["state"] = "frozen" if silent else _pulsed_state(pulse.waiting_in if fresh else "")
+    place["state"] = HangState.FROZEN if silent else _pulsed_state(pulse.waiting_in if fresh else "")
     return place
 
 
-def _pulsed_state(waiting_in: str) -> str:
+def _pulsed_state(waiting_in: str) -> HangState:
     """Where a pulse places its rank (one of PULSED_STATES), from what it waits in."""
     if waiting_in == "DataLoader":
-        return "input"
-    return "collective" if waiting_in else "own code"
+        return HangState.INPUT
+    return HangState.COLLECTIVE if waiting_in else HangState.OWN_CODE
 
 
 def _a_first_pulse_is_due(places: List[Dict[str, Any]]) -> bool:
@@ -192,7 +207,7 @@ def _a_first_pulse_is_due(places: List[Dict[str, Any]]) -> bool:
     With --hang-after near PULSE_AFTER_S, the rank the others wait for stops a moment after them
     and pulses a moment after they are past their allowance: the hang waits for that pulse (at
     most PULSE_DUE_S after the rank's last step) rather than be told without the rank it is about."""
-    return any(place["state"] == "stepping" and not place["pulsing"]
+    return any(place["state"] == HangState.STEPPING and not place["pulsing"]
                and PULSE_AFTER_S - 1.0 <= place["stalled_s"] < PULSE_DUE_S for place in places)
 
 
@@ -202,7 +217,7 @@ def _place_the_pulsing_ranks(places: List[Dict[str, Any]]) -> None:
     stop a second or two apart on a busy machine, and the first word of a hang must name the
     rank it is about and those waiting for it, not only those already past their allowance."""
     for place in places:
-        if place["pulsing"] and place["state"] == "stepping" and place["phase"] not in NOT_STALLS:
+        if place["pulsing"] and place["state"] == HangState.STEPPING and place["phase"] not in PLANNED_WORK:
             place["state"] = _pulsed_state(place["waiting_in"] or "")
 
 
@@ -212,9 +227,9 @@ def _place_the_ranks_waiting_in_autograd(places: List[Dict[str, Any]], counts: "
     of another rank on the counts of some group or, the counts agreeing, a rank is gone or frozen."""
     for place in places:
         ahead = place["rank"] in counts.ahead if counts.differ else silent
-        in_autograd = place["phase"] == "backward" and place["innermost"] != place["where"]
-        if ahead and in_autograd and place["state"] == "own code":
-            place["state"], place["waiting_in"] = "collective", "DDP's all_reduce"
+        in_autograd = place["phase"] == Phase.BACKWARD and place["innermost"] != place["where"]
+        if ahead and in_autograd and place["state"] == HangState.OWN_CODE:
+            place["state"], place["waiting_in"] = HangState.COLLECTIVE, "DDP's all_reduce"
 
 
 def _where(pulse: RankPulse) -> Optional[str]:
@@ -228,10 +243,10 @@ def _where(pulse: RankPulse) -> Optional[str]:
 def _told(place: Dict[str, Any]) -> str:
     rank, state, where = place["rank"], place["state"], place["where"]
     at = f" at {where}" if where else ""
-    if state == "collective":
-        phase = f" from {place['phase']}" if place["phase"] not in (None, "in step", "outside") else ""
+    if state == HangState.COLLECTIVE:
+        phase = f" from {place['phase']}" if place["phase"] not in (None, Beside.IN_STEP, Phase.OUTSIDE) else ""
         return f"rank {rank} waits in {place['waiting_in']}{phase}{at} for {place['stalled_s']:.0f} s"
-    if state == "input":
+    if state == HangState.INPUT:
         worker = place.get("loader_worker")
         owed = ""
         if worker:
@@ -239,14 +254,14 @@ def _told(place: Dict[str, Any]) -> str:
             owed = (f": its worker {worker['worker']}{f' ({status})' if status else ''} has not handed "
                     f"over the batch it owes for {place['stalled_s']:.0f} s")
         return f"rank {rank} is in a DataLoader wait{at}{owed}"
-    if state == "gone":
+    if state == HangState.GONE:
         alive = place.get("alive")
         status = "" if alive is None else (", its process still runs" if alive else ", its process is gone")
         return f"rank {rank} is gone (pid {place['pid']}: its connection dropped without a goodbye{status})"
-    if state == "frozen":
+    if state == HangState.FROZEN:
         return (f"rank {rank} no longer answers (pid {place['pid']} on {place['host']}: no word from it for "
                 f"{place['stalled_s']:.0f} s; frozen, or stopped)")
-    if state == "own code":
+    if state == HangState.OWN_CODE:
         return f"rank {rank} is in its own code{at}" + (f" ({place['phase']})" if place["phase"] else "")
     return f"rank {rank} is {state}"
 
@@ -266,7 +281,7 @@ class Counts:
     def __init__(self, places: List[Dict[str, Any]]):
         self.by_group: Dict[str, Dict[int, int]] = {}
         for place in places:
-            if place["collectives_issued"] is None or place["state"] in ("gone", "ended"):
+            if place["collectives_issued"] is None or place["state"] in (HangState.GONE, HangState.ENDED):
                 continue
             issued = {WORLD: place["collectives_issued"], **place["subgroup_collectives"]}
             for group, count in issued.items():
@@ -328,14 +343,14 @@ class Counts:
 
 
 def _action(culprit: Optional[Dict[str, Any]]) -> str:
-    if culprit and culprit["state"] == "input":
+    if culprit and culprit["state"] == HangState.INPUT:
         worker_pid = (culprit.get("loader_worker") or {}).get("pid") or "<its worker's pid>"
         return (f"Look at rank {culprit['rank']}'s Dataset: a worker that hands nothing over is stuck in "
                 "__getitem__ or collate (a file or socket that never answers, a lock taken before "
                 f"the fork). `py-spy dump --pid {worker_pid}` shows where; the DataLoader's "
                 "`timeout=` turns such a wait into an error.")
     look = culprit and f"rank {culprit['rank']}" + (f"'s {culprit['where']}" if culprit["where"] else "")
-    if culprit and culprit["state"] != "collective":
+    if culprit and culprit["state"] != HangState.COLLECTIVE:
         return (f"Look at {look}: the other ranks wait for it in a collective it has not reached. "
                 f"`py-spy dump --pid {culprit['pid']}` shows every thread's stack; a rank that died needs its "
                 "own log (its exit status is in the launcher's output).")

@@ -22,7 +22,7 @@ import sysconfig
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from traceml.records import PULSE_AFTER_S, PULSE_EVERY_S, RankPulse
+from traceml.records import PULSE_AFTER_S, PULSE_EVERY_S, TIMED_PHASES, Beside, Phase, RankPulse
 STACK_FRAMES = 12  # the user's innermost frames kept
 
 # Functions of torch.distributed a rank waits in for the others.
@@ -92,13 +92,13 @@ class PulseWatch:
         from traceml.probe import phases
 
         if getattr(probe, "in_evaluation", False) or phases.evaluating():
-            return "evaluation"
+            return Beside.EVALUATION
         if not getattr(probe, "in_step", 0):
-            return "outside"
+            return Phase.OUTSIDE
         from traceml.probe import step
 
         open_phase = getattr(probe, "open_phase", step.NO_PHASE)
-        return step.PHASE_NAMES[open_phase] if 0 <= open_phase < len(step.PHASE_NAMES) else "in step"
+        return TIMED_PHASES[open_phase] if 0 <= open_phase < len(TIMED_PHASES) else Beside.IN_STEP
 
 
 def collectives_issued() -> Tuple[int, Dict[str, int]]:
@@ -195,9 +195,9 @@ def _read(frames: List[Tuple[str, int, str]]) -> Tuple[str, str]:
             waiting_in = "DataLoader"
         # A collective inside a dynamo-disabled function (FSDP2's) is a wait, not a compilation.
         if not activity and not waiting_in and ("/torch/_dynamo/" in path or "/torch/_inductor/" in path):
-            activity = "compile"
+            activity = Beside.COMPILE
         elif not activity and (path.endswith("/torch/serialization.py") and function in ("save", "_save")
                                or "save_checkpoint" in function):
-            activity = "checkpoint"
+            activity = Beside.CHECKPOINT
     return waiting_in, activity
 

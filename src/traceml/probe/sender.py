@@ -26,7 +26,8 @@ from traceml.probe.code_sites import CodeSampler
 from traceml.probe.ledger import LedgerWatch
 from traceml.probe.loaders import LoaderWatch
 from traceml.probe.pulse import PulseWatch
-from traceml.records import HEADER_BYTES, RankEnd, RankHello, Record, StepRecord, decode_payload, encode_frame
+from traceml.records import RankEnd, RankHello, StepRecord
+from traceml.wire import HEADER_BYTES, Record, decode_payload, encode_frame
 
 log = logging.getLogger("traceml")
 

@@ -26,7 +26,7 @@ import msgspec
 from traceml.probe import layout
 from traceml.probe.ledger import FIRST_READING_STEPS
 from traceml.probe.turns import OptimizerTurn
-from traceml.records import STEPS_FROM_TRACE_STEP, TIMED_PHASES, SpanRecord, StepRecord
+from traceml.records import STEPS_FROM_TRACE_STEP, TIMED_PHASES, Phase, SpanRecord, StepRecord
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
@@ -48,8 +48,7 @@ _step_slot = {name: index for index, (name, _) in enumerate(layout.STEP_SLOTS)}.
     "comm_wait_ns", "forward_comm_wait_ns", "optimizer_comm_wait_ns", "real_tokens", "token_copies",
     "failed_phase"))
 NO_PHASE = layout.NO_PHASE
-PHASE_NAMES = TIMED_PHASES  # by the indexes above: H2D to OPTIMIZER
-assert [_step_slot(name) for name in PHASE_NAMES] == [H2D, FORWARD, BACKWARD, OPTIMIZER]
+assert [_step_slot(name) for name in TIMED_PHASES] == [H2D, FORWARD, BACKWARD, OPTIMIZER]  # indexes them
 
 
 class SpanTotal:
@@ -607,7 +606,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         """Device events, deep-dive and DDP collective wait, for the phase that just ended."""
         end_event = self.timeline.record() if self.timeline is not None else None
         if end_event is not None:
-            self._phase_events.append((PHASE_NAMES[phase], self._open_event, end_event))
+            self._phase_events.append((TIMED_PHASES[phase], self._open_event, end_event))
         if phase == BACKWARD and self.layers_active and self.layers.active:
             self.layers.backward_done()
         if self._gradients_done_ns and phase == BACKWARD:
@@ -740,7 +739,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
             allocated, peak, reserved = self.device_memory.read()
         self.sender.push(OomRecord(
             rank=self.rank, step=self.step_index,
-            phase=PHASE_NAMES[phase] if phase != NO_PHASE else "untraced", layer=layer,
+            phase=TIMED_PHASES[phase] if phase != NO_PHASE else Phase.UNTRACED, layer=layer,
             message=str(error).strip().splitlines()[0][:500] if str(error).strip() else type(error).__name__,
             allocated_bytes=allocated, reserved_bytes=reserved, peak_bytes=peak,
             host_rss_bytes=self.host_rss.latest_bytes if self.host_rss is not None else None,

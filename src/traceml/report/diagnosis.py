@@ -3,14 +3,16 @@ run's end (report.summary) or from the collector while it trains (report.live): 
 give the same verdict live and on the card."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
 
 from traceml.analysis.goodput import Goodput
 from traceml.analysis.ledger import ledger_rows
 from traceml.analysis.loaders import loader_figures
 from traceml.analysis.rollup import Window, max_present, rank_medians
+from traceml.collector.store import Store
 from traceml.diagnose import DiagnosisInput, MemoryLimits, Stalls
+from traceml.record_types import RECORD_TYPES, R
 from traceml.records import (CodeSample, CompileRecord, HostSyncSample, LayerCapture, LayerReport, LoaderSample, MemoryLedger,
                              OomRecord, RankEnd, RankHello, RolledStep, StepRecord, SystemSample, warmup_steps)
 from traceml.report.deep_dive import deep_dive_figures, layers_alive
@@ -18,25 +20,30 @@ from traceml.report.deep_dive import deep_dive_figures, layers_alive
 
 @dataclass
 class RunRecords:
-    """A run's records as the rules need them: from the store, all of them; from the collector,
-    those it keeps (its recent steps, system samples, DataLoader figures and ledger readings)."""
+    """A run's records as the rules need them: from the store, all of each type the collector
+    keeps (stored_records); from the collector, those it keeps (record_types.py: how many)."""
 
     rolled: Sequence[RolledStep]  # steps across ranks, in step order
-    steps: Sequence[StepRecord]  # every rank's own step records
-    hellos: Sequence[RankHello] = ()
-    ends: Sequence[RankEnd] = ()
-    system: Sequence[SystemSample] = ()
-    ooms: Sequence[OomRecord] = ()
-    compiles: Sequence[CompileRecord] = ()
-    host_syncs: Sequence[HostSyncSample] = ()
-    captures: Sequence[LayerCapture] = ()
-    loader_samples: Sequence[LoaderSample] = ()
-    ledgers: Sequence[MemoryLedger] = ()
-    code: Sequence[CodeSample] = ()  # where the untimed time went, each rank's latest of each part
-    layer_report: Optional[LayerReport] = None
+    kept: Mapping[Any, Sequence[Any]] = field(default_factory=dict)  # by record type (StepRecord: every rank's)
     goodput: Optional[Goodput] = None
     steps_seen: Optional[int] = None  # the run's steps so far; None: as many as `rolled` holds
     recent_steps: Optional[int] = None  # the window keeps only this many of the latest steps
+
+    def of(self, record_type: Type[R]) -> List[R]:
+        return list(self.kept.get(record_type, ()))
+
+    @property
+    def layer_report(self) -> Optional[LayerReport]:
+        """Rank 0's deep-dive (or the first rank's)."""
+        reports = self.of(LayerReport)
+        return reports[0] if reports else None
+
+
+def stored_records(store: Store) -> Dict[Any, List[Any]]:
+    """Every stored record of each type the collector keeps for the rules, by type; but the
+    steps, which a long run's summary samples."""
+    return {record: store.records(record) for record, kind in RECORD_TYPES.items()
+            if kind.recent != 0 and kind.table and record is not StepRecord}
 
 
 def diagnosis_input(run: RunRecords) -> DiagnosisInput:
@@ -49,21 +56,23 @@ def diagnosis_input(run: RunRecords) -> DiagnosisInput:
     window = Window([step for step in recent if step.step >= warmup])
     first_step = window.steps[0].step if len(window) else None
     layers = deep_dive_figures(run.layer_report)["layers"]
+    hellos, system, steps = run.of(RankHello), run.of(SystemSample), run.of(StepRecord)
+    ooms = run.of(OomRecord)
     return DiagnosisInput(
         window=window, steps_seen=steps_seen,
-        ranks=rank_medians(list(run.steps), skip_steps=warmup),
-        limits=MemoryLimits.of_run(list(run.hellos), run.system[-1] if run.system else None),
+        ranks=rank_medians(steps, skip_steps=warmup),
+        limits=MemoryLimits.of_run(hellos, system[-1] if system else None),
         peak_device_bytes=max_present(step.device_peak_bytes for step in run.rolled),
         peak_rss_bytes=max_present(step.host_rss_bytes for step in run.rolled),
-        oom=run.ooms[0] if run.ooms else None, layers_alive=layers_alive(layers),
-        steps_found_by=steps_found_by(run.hellos, run.ends), system=list(run.system),
-        nodes=len({hello.host for hello in run.hellos}) or 1,
-        on_cpu=bool(run.hellos) and all(hello.device == "cpu" for hello in run.hellos),
-        stalls=Stalls(window, list(run.system)), captures=list(run.captures), goodput=run.goodput,
-        compiles=list(run.compiles), host_syncs=list(run.host_syncs),
-        loader=loader_figures(list(run.loader_samples), window, list(run.hellos)),
-        ledger=ledger_rows(list(run.ledgers), list(run.steps), layers, first_step=first_step),
-        code=list(run.code))
+        oom=ooms[0] if ooms else None, layers_alive=layers_alive(layers),
+        steps_found_by=steps_found_by(hellos, run.of(RankEnd)), system=system,
+        nodes=len({hello.host for hello in hellos}) or 1,
+        on_cpu=bool(hellos) and all(hello.device == "cpu" for hello in hellos),
+        stalls=Stalls(window, system), captures=run.of(LayerCapture), goodput=run.goodput,
+        compiles=run.of(CompileRecord), host_syncs=run.of(HostSyncSample),
+        loader=loader_figures(run.of(LoaderSample), window, hellos),
+        ledger=ledger_rows(run.of(MemoryLedger), steps, layers, first_step=first_step),
+        code=run.of(CodeSample))
 
 
 def steps_found_by(hellos: Sequence[RankHello], ends: Sequence[RankEnd]) -> Optional[str]:

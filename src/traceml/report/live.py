@@ -11,9 +11,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from traceml.analysis.goodput import Goodput
 from traceml.analysis.rollup import RankRow, Window, rank_spread
 from traceml.diagnose import MemoryLimits, diagnose
-from traceml.diagnose.hangs import PULSED_STATES, Hang, RankProgress, find_hang, hang_after_s_from_env
+from traceml.diagnose.hangs import PULSED_STATES, Hang, HangState, RankProgress, find_hang, hang_after_s_from_env
 from traceml.diagnose.untimed import untimed_summary
-from traceml.records import ALERT_SEVERITIES, Finding, FindingKind, LayerReport, SystemSample, warmup_steps, window_end_unix_s
+from traceml.records import (ALERT_SEVERITIES, Finding, FindingKind, LayerReport, RankEnd, RankHello, RankPulse, StepRecord,
+                             SystemSample, warmup_steps, window_end_unix_s)
 from traceml.report.diagnosis import RunRecords, diagnosis_input
 
 RECENT_WINDOW = 200  # steps the live figures are computed over
@@ -44,16 +45,11 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
     """
     rolled = list(collector.live.recent)
     steps_seen = collector.live.newest_step + 1
-    records = [record for recent in list(collector.recent_by_rank.values()) for record in list(recent)]
-    system = collector.latest_system
-    hellos = list(collector.hellos.values())
-    inputs = diagnosis_input(RunRecords(
-        rolled=rolled, steps=records, hellos=hellos, ends=list(collector.ends.values()),
-        system=list(collector.system_samples), ooms=list(collector.ooms), compiles=list(collector.compiles),
-        host_syncs=list(collector.host_syncs), captures=list(collector.captures),
-        loader_samples=list(collector.loaders), ledgers=list(collector.ledgers), code=list(collector.code.values()),
-        layer_report=collector.latest_layers, goodput=collector.run_time.goodput(now_unix_s=time.time()),
-        steps_seen=steps_seen, recent_steps=RECENT_WINDOW))
+    run = RunRecords(rolled=rolled, kept=collector.everything_kept(),
+                     goodput=collector.run_time.goodput(now_unix_s=time.time()), steps_seen=steps_seen,
+                     recent_steps=RECENT_WINDOW)
+    records = run.of(StepRecord)
+    inputs = diagnosis_input(run)
     findings = diagnose(inputs) if rolled else []
     hang = getattr(getattr(collector, "hang_watch", None), "hang", None)
     if hang is not None:
@@ -63,9 +59,9 @@ def snapshot(collector: Any, script: str, elapsed_s: float,
         if (finding.kind not in seen and finding.kind != FindingKind.INSUFFICIENT_DATA
                 and finding.severity in ALERT_SEVERITIES):
             alerts.append((elapsed_s, finding))
-    ranks = inputs.ranks if len(collector.recent_by_rank) > 1 else []
-    state = LiveState(script, elapsed_s, inputs.window, steps_seen, ranks, collector.world_size, system,
-                      inputs.limits, collector.latest_layers, findings, alerts)
+    ranks = inputs.ranks if len({record.rank for record in records}) > 1 else []
+    state = LiveState(script, elapsed_s, inputs.window, steps_seen, ranks, collector.world_size,
+                      collector.latest_system, inputs.limits, run.layer_report, findings, alerts)
     state.goodput = inputs.goodput
     state.ledger = inputs.ledger
     state.code = untimed_summary(inputs.code, inputs.window, inputs.goodput)
@@ -122,7 +118,8 @@ class HangWatch:
         DataLoader wait, its own code) that has ended no step since: its late step's record came
         before its next pulse. The hang told stands until that pulse, or until the rank steps."""
         placed = {place["rank"] for place in self.hang.ranks if place["state"] in PULSED_STATES}
-        unplaced = placed if hang is None else {place["rank"] for place in hang.ranks if place["state"] == "stepping"}
+        unplaced = placed if hang is None else {place["rank"] for place in hang.ranks
+                                                if place["state"] == HangState.STEPPING}
         return bool((placed & unplaced) - self._stepped_since_raise(progress))
 
     def _stepped_since_raise(self, progress: List[RankProgress]) -> set:
@@ -134,14 +131,15 @@ class HangWatch:
 def live_progress(collector: Any, now_unix_s: float) -> List[RankProgress]:
     """Each rank's RankProgress from the collector's recent state."""
     progress = []
-    for rank, hello in sorted(collector.hellos.items()):
-        recent = list(collector.recent_by_rank.get(rank, ()))
+    steps, pulses, ends = collector.kept_by(StepRecord), collector.latest(RankPulse), collector.latest(RankEnd)
+    for rank, hello in collector.latest(RankHello).items():
+        recent = steps.get(rank, [])
         steps_ended = recent[-1].step + 1 if recent else 0
         last = window_end_unix_s(recent[-1]) if recent else hello.started_at_unix_s
         median = statistics.median(r.step_ms for r in recent[-50:]) if recent else None
         progress.append(RankProgress(
             rank=rank, pid=hello.pid, host=hello.host, steps_ended=steps_ended, last_progress_unix_s=last,
             median_step_ms=median, last_heard_unix_s=collector.last_heard_unix_s.get(rank, now_unix_s),
-            pulse=collector.pulses.get(rank), said_goodbye=rank in collector.ends,
+            pulse=pulses.get(rank), said_goodbye=rank in ends,
             gone=rank in collector.lost_ranks))
     return progress

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from traceml.analysis.rollup import max_present
 from traceml.collector.store import BUCKET_FIGURES, Store
-from traceml.records import ALL_PHASES, TIMELINE_ORDER
+from traceml.records import ALL_PHASES, TIMELINE_ORDER, RankHello
 
 MAX_POINTS = 2000
 MAX_TIMELINE_STEPS = 200
@@ -138,7 +138,7 @@ def step_range(store: Store) -> Optional[Tuple[int, int]]:
 def settled_step(store: Store) -> Optional[int]:
     """The newest step every rank has reported: what comes later may still change. None while
     a rank of the run has reported no step (its first steps may still come, from step 0)."""
-    world_size = max((hello.world_size for hello in store.hellos()), default=0)
+    world_size = max((hello.world_size for hello in store.records(RankHello)), default=0)
     newest = [store.step_bounds("steps", rank)[1] for rank in store.ranks()]
     if not newest or None in newest or len(newest) < world_size:
         return None

@@ -16,7 +16,7 @@ from traceml.analysis.rollup import comm_wait_parts
 from traceml.collector.store import Store
 from traceml.diagnose.stragglers import straggler_finding, straggler_rank
 from traceml.diagnose.untimed import code_lines
-from traceml.records import ALL_PHASES, warmup_steps
+from traceml.records import ALL_PHASES, MemoryLedger, RankHello, warmup_steps
 from traceml.report import queries
 from traceml.report.live import snapshot
 from traceml.report.deep_dive import deep_dive_figures
@@ -97,7 +97,7 @@ class RunSource:
         return {
             "live": True, "script": self.script, "run_dir": os.fspath(self.run_dir),
             "elapsed_s": elapsed_s, "steps_seen": state.steps_seen, "world_size": state.world_size,
-            "devices": device_names(list(self.collector.hellos.values())),
+            "devices": device_names(list(self.collector.latest(RankHello).values())),
             "step": {"median_ms": window.step_median_ms, "p90_ms": window.step_p90_ms},
             "throughput": {"steps_per_s": window.steps_per_s, "samples_per_s": window.samples_per_s},
             "phases": {name: {"median_ms": stats.median_ms, "mean_ms": stats.mean_ms,
@@ -155,14 +155,14 @@ class RunSource:
         if not self.live:
             summary = self.summary or {}
             return {"deep_dive": summary.get("deep_dive"), "layers": summary.get("layers", [])}
-        return deep_dive_figures(self.collector.latest_layers)
+        return deep_dive_figures(self.live_state().layers)
 
     def memory(self) -> Dict[str, Any]:
         """The memory ledger: each rank's parts now (bytes by analysis.ledger.LEDGER_PARTS, the
         parts not measured left out), and every reading's counted parts over steps."""
         if self.live:
             rows = self.live_state().ledger
-            history = ledger_history(list(self.collector.ledgers))
+            history = ledger_history(self.collector.kept(MemoryLedger))
         else:
             memory = (self.summary or {}).get("memory") or {}
             rows, history = memory.get("ledger") or [], memory.get("ledger_history") or []
@@ -189,11 +189,11 @@ class RunSource:
     def _capacity(self) -> Dict[str, Optional[int]]:
         """The lines memory is drawn against: the largest device, and the node's RAM."""
         if self.live:
-            hellos = list(self.collector.hellos.values())
+            hellos = list(self.collector.latest(RankHello).values())
             system = self.collector.latest_system
             host = system.ram_total_bytes if system is not None else None
         else:
-            hellos = self.store.hellos()
+            hellos = self.store.records(RankHello)
             latest = self.store.latest_system()
             host = latest.ram_total_bytes if latest is not None else None
         device = max((h.device_capacity_bytes for h in hellos if h.device_capacity_bytes), default=None)

@@ -9,9 +9,10 @@ from typing import Any, Dict, Iterator, List
 import msgspec
 
 from traceml import rundir
-from traceml.collector.store import STEP_COLUMNS, Store
+from traceml.collector.store import Store
+from traceml.records import StepRecord
 
-STEP_FIELDS = [field.name for field in STEP_COLUMNS]  # a step row's keys, in the store's order
+STEP_FIELDS = list(StepRecord.__struct_fields__)  # a step row's keys, in the store's order
 
 
 class StoredRecords:

@@ -21,9 +21,10 @@ from traceml.diagnose.hangs import rank_lost
 from traceml.diagnose.host_sync import sync_sites
 from traceml.diagnose.run_time import compile_summary
 from traceml.diagnose.untimed import untimed_summary
-from traceml.records import Finding, LayerCapture, RankEnd, RankHello, RolledStep, SystemSample, warmup_steps
+from traceml.records import (CompileRecord, Finding, LayerCapture, MemoryLedger, RankEnd, RankHello, RolledStep, StepRecord,
+                             SystemSample, warmup_steps)
 from traceml.report.deep_dive import deep_dive_figures
-from traceml.report.diagnosis import RunRecords, diagnosis_input
+from traceml.report.diagnosis import RunRecords, diagnosis_input, stored_records
 
 SCHEMA_VERSION = 1
 RANK_SAMPLE_STEPS = 10_000  # beyond this many steps, per-rank figures read every k-th step
@@ -42,7 +43,7 @@ class RunFacts(msgspec.Struct):
     def from_store(cls, store: Store, script: Optional[str] = None,
                    ended_at_unix_s: Optional[float] = None) -> "RunFacts":
         """With no launcher to ask: rank 0's hello (its argv, its start) and goodbye (its exit code)."""
-        hellos, ends = store.hellos(), store.ends()
+        hellos, ends = store.records(RankHello), store.records(RankEnd)
         rank0 = next((h for h in hellos if h.rank == 0), hellos[0] if hellos else None)
         end0 = next((e for e in ends if e.rank == 0), None)
         argv = rank0.argv if rank0 is not None else [script or "python"]
@@ -65,29 +66,23 @@ class RunData:
             # Per-rank figures read every record of a run up to RANK_SAMPLE_STEPS steps, and
             # every k-th step of a longer one (medians need no million records).
             self.rank_sample_every = max(1, len(self.rolled) // RANK_SAMPLE_STEPS)
-            self.records = (store.steps() if self.rank_sample_every == 1 else
-                            store.steps_every(self.rank_sample_every))
+            self.records = store.steps_every(self.rank_sample_every)
         else:
             self.records = store.steps()
             self.rolled = roll_up(self.records)
         self.warmup = warmup_steps(len(self.rolled))
-        self.hellos: List[RankHello] = store.hellos()
-        self.ends: List[RankEnd] = store.ends()
-        self.samples: List[SystemSample] = store.system_samples()
-        self.compiles = store.compiles()
+        self.stored = stored_records(store)
+        self.hellos: List[RankHello] = self.stored[RankHello]
+        self.ends: List[RankEnd] = self.stored[RankEnd]
+        self.samples: List[SystemSample] = self.stored[SystemSample]
+        self.compiles: List[CompileRecord] = self.stored[CompileRecord]
         self.run_time = self._run_time(store, meta)
         self.goodput = self.run_time.goodput(now_unix_s=None)
-        reports = store.layer_reports()
-        self.layer_report = reports[0] if reports else None  # rank 0's, or the first rank's
-        self.deep_dive = deep_dive_figures(self.layer_report)
-        self.ooms, self.host_syncs, self.ledgers = store.ooms(), store.host_syncs(), store.ledgers()
-        self.code = store.code_samples()
         # What the rules read, built as the live views build it (report.diagnosis).
-        self.inputs = diagnosis_input(RunRecords(
-            rolled=self.rolled, steps=self.records, hellos=self.hellos, ends=self.ends, system=self.samples,
-            ooms=self.ooms, compiles=self.compiles, host_syncs=self.host_syncs, captures=store.captures(),
-            loader_samples=store.loader_samples(), ledgers=self.ledgers, layer_report=self.layer_report,
-            goodput=self.goodput, code=self.code))
+        run = RunRecords(rolled=self.rolled, kept={**self.stored, StepRecord: self.records}, goodput=self.goodput)
+        self.layer_report = run.layer_report
+        self.deep_dive = deep_dive_figures(self.layer_report)
+        self.inputs = diagnosis_input(run)
         inputs = self.inputs
         self.window, self.ranks, self.stalls = inputs.window, inputs.ranks, inputs.stalls
         self.limits, self.found_by, self.loader, self.ledger = inputs.limits, inputs.steps_found_by, inputs.loader, \
@@ -220,13 +215,13 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "startup": data.goodput.startup if data.goodput is not None else None,
         "compile": compile_summary(data.compiles, after_step=data.warmup),
         # CUDA only: each line that made the host wait for the GPU in the sampled steps.
-        "host_syncs": sync_sites(data.host_syncs),
+        "host_syncs": sync_sites(data.inputs.host_syncs),
         # Where the untimed time went (sampled stacks), each part at a tenth of its whole or more.
-        "code": untimed_summary(data.code, window, data.goodput),
+        "code": untimed_summary(data.inputs.code, window, data.goodput),
         "memory": _memory(data),
         "system": _system(data.samples),
         "ranks": data.ranks,
-        "mesh": device_mesh(data.ledger, data.ledgers),
+        "mesh": device_mesh(data.ledger, data.stored[MemoryLedger]),
         "hang": {key: value for key, value in data.hang.items() if key != "finding"} if data.hang else None,
         "rank_spread": rank_spread(data.records, skip_steps=data.warmup),
         "missing_ranks": data.missing_ranks,
@@ -256,7 +251,7 @@ def flat_summary(records: List[Any]) -> Dict[str, Any]:
     """One rank's figures so far as a flat dict (traceml.summary()), for W&B or MLflow: the
     same rollup, warm-up and rules as the card, over the records this process sent."""
     rolled = roll_up(records)
-    inputs = diagnosis_input(RunRecords(rolled=rolled, steps=[]))
+    inputs = diagnosis_input(RunRecords(rolled=rolled))
     window = inputs.window
     findings = diagnose(inputs) if rolled else []
     flat: Dict[str, Any] = {
@@ -343,7 +338,7 @@ def _memory(data: RunData) -> Dict[str, Any]:
         "creep_bytes_per_step": round(trend.bytes_per_step, 1),
         "creep_measured_on": trend.measured_on,
         "ledger": data.ledger,
-        "ledger_history": ledger_history(data.ledgers),
+        "ledger_history": ledger_history(data.stored[MemoryLedger]),
     }
 
 

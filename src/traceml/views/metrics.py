@@ -5,12 +5,12 @@ Prometheus and Grafana pick a run up: scrape `/metrics` on the dashboard's port,
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, Optional
 
 from traceml.analysis.hardware import device_peak_tflops
 from traceml.analysis.ledger import part_bytes
 from traceml.analysis.rollup import Window, percentile
-from traceml.records import ALL_PHASES, StepRecord
+from traceml.records import ALL_PHASES, LayerReport, RankHello, StepRecord
 
 QUANTILES = (0.5, 0.9, 0.99)
 MEMORY_FIELDS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes", "host_rss_bytes")
@@ -47,8 +47,9 @@ class LiveMetrics:
         steps_total = CounterMetricFamily("traceml_steps", "Steps recorded", labels=["rank"])
         findings = GaugeMetricFamily("traceml_finding_active", "A live finding (1 while it holds)",
                                      labels=["kind", "severity", "rank"])
-        for rank, recent in sorted(self.collector.recent_by_rank.items()):
-            records: List[StepRecord] = list(recent)
+        state = self.live_state()
+        hellos = self.collector.latest(RankHello)
+        for rank, records in self.collector.kept_by(StepRecord).items():
             if not records:
                 continue
             label = str(rank)
@@ -70,10 +71,9 @@ class LiveMetrics:
             if window.tokens_per_s is not None:
                 tokens_per_s.add_metric([label], window.tokens_per_s)
             steps_total.add_metric([label], latest.step + 1)
-            utilization = self._mfu(rank, window.steps_per_s)
+            utilization = _mfu(state.layers, hellos.get(rank), window.steps_per_s)
             if utilization is not None:
                 mfu.add_metric([label], utilization)
-        state = self.live_state()
         for finding in state.findings:
             findings.add_metric([finding.kind, finding.severity,
                                  "" if finding.rank is None else str(finding.rank)], 1.0)
@@ -95,7 +95,7 @@ class LiveMetrics:
                                     "its steps allow (the HANG finding), else 0", labels=["rank"])
         hang = getattr(getattr(self.collector, "hang_watch", None), "hang", None)
         stalled_ranks = set(hang.stalled_ranks) if hang is not None else set()
-        for rank in sorted(self.collector.hellos):
+        for rank in hellos:
             stalled.add_metric([str(rank)], 1.0 if rank in stalled_ranks else 0.0)
         yield from (step_time, phase_share, comm_wait, memory, steps_per_s, samples_per_s, tokens_per_s, mfu,
                     steps_total, findings, goodput_share, goodput_seconds, ledger, stalled)
@@ -134,13 +134,13 @@ class LiveMetrics:
                 gpu_power.add_metric([label], gpu.power_w)
         yield from (cpu, ram, gpu_util, gpu_memory, gpu_temperature, gpu_power)
 
-    def _mfu(self, rank: int, steps_per_s: float) -> Any:
-        """The deep-dive's FLOPs a step at this rank's pace, against its device's known peak."""
-        report, hello = self.collector.latest_layers, self.collector.hellos.get(rank)
-        if report is None or not report.flops_per_step or hello is None or hello.device == "cpu":
-            return None
-        peak = device_peak_tflops(hello.device_name)
-        return report.flops_per_step * steps_per_s / (peak * 1e12) if peak else None
+
+def _mfu(report: Optional[LayerReport], hello: Optional[RankHello], steps_per_s: float) -> Optional[float]:
+    """The deep-dive's FLOPs a step at a rank's pace, against its device's known peak."""
+    if report is None or not report.flops_per_step or hello is None or hello.device == "cpu":
+        return None
+    peak = device_peak_tflops(hello.device_name)
+    return report.flops_per_step * steps_per_s / (peak * 1e12) if peak else None
 
 
 def registry_for(collector: Any, live_state: Callable[[], Any]) -> Any:

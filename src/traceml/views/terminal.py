@@ -15,7 +15,7 @@ import time
 from typing import Any, List, Optional, Tuple
 
 from traceml.diagnose.stragglers import straggler_rank
-from traceml.records import STEP_PHASES, Finding
+from traceml.records import ALL_PHASES, STEP_PHASES, Finding
 from traceml.report.live import LiveState, snapshot
 from traceml.report.deep_dive import layer_rows
 from traceml.views.summary import PHASE_LABELS, SEVERITY_STYLE, goodput_text
@@ -130,12 +130,12 @@ def _phase_panel(state: LiveState) -> Any:
     table = Table.grid(padding=(0, 1))
     for _ in range(4):
         table.add_column()
-    for name in STEP_PHASES + ("gc",):
+    for name in ALL_PHASES:
         stats = state.window.phases[name]
         bar = "█" * int(round(stats.share * 20)) if name in STEP_PHASES else ""
         table.add_row(PHASE_LABELS[name], Text(f"{stats.median_ms:8.2f} ms", justify="right"),
                       Text(f"{stats.share:6.1%}", justify="right"), Text(bar, style="cyan"))
-    return _panel("phases (median, % of step)", table, len(STEP_PHASES) + 1)
+    return _panel("phases (median, % of step)", table, len(ALL_PHASES))
 
 
 def _memory_panel(state: LiveState, width: int) -> Any:
