@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from traceml.probe.phases import _run_eagerly_under_dynamo
+from traceml.probe.patches.dynamo import run_eagerly_under_dynamo
 from traceml.records import HostSyncSample, SyncSite
 
 log = logging.getLogger("traceml")
@@ -47,7 +47,7 @@ class HostSyncSampler:
         self._push = push
         # Whether a tensor lives on the device (the host waits to read it): tensor.is_cuda.
         self._on_device = on_device or (lambda tensor: tensor.is_cuda)
-        self._compiler = is_compiling  # a function, True while dynamo traces (probe.phases._compiling)
+        self._compiler = is_compiling  # a function, True while dynamo traces (patches.dynamo.compiling)
         # Frames in these files are not the user's: the site is the first frame outside them.
         self._not_user_code = tuple(os.path.dirname(module.__file__) + os.sep
                                     for module in (torch, sys.modules["traceml"]))
@@ -133,7 +133,7 @@ class HostSyncSampler:
 
         timed.__wrapped__ = original  # type: ignore[attr-defined]
         timed.__name__, timed.__doc__ = name, original.__doc__
-        _run_eagerly_under_dynamo(timed, callees_too=True)
+        run_eagerly_under_dynamo(timed, callees_too=True)
         return timed
 
     def _timed_synchronize(self, original: Any) -> Any:
@@ -148,7 +148,7 @@ class HostSyncSampler:
 
         synchronize.__wrapped__ = original  # type: ignore[attr-defined]
         synchronize.__doc__ = original.__doc__
-        _run_eagerly_under_dynamo(synchronize, callees_too=True)
+        run_eagerly_under_dynamo(synchronize, callees_too=True)
         return synchronize
 
     def _note(self, call: str, wait_ns: int, frame: Any) -> None:

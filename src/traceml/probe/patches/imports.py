@@ -1,0 +1,79 @@
+"""Patches applied at a module's first import: modules a run may never use (torch.distributed.
+checkpoint, a trainer, torch._dynamo) are patched when the script imports them, never imported
+by TraceML."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+from traceml.probe.patches.patch import Patch
+
+log = logging.getLogger("traceml")
+WhenImported = Callable[[str, Callable[[Any], None]], None]  # ImportHooks.when_imported
+
+
+class _AfterImport:
+    """A sys.meta_path finder that runs patches right after a module's first import."""
+
+    def __init__(self) -> None:
+        self.waiting: Dict[str, List[Callable[[Any], None]]] = {}
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in self.waiting:
+            return None  # every other import: one dict lookup
+        spec = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None) if finder is not self else None
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original_exec = loader.exec_module
+        waiting = self.waiting
+
+        def exec_module(module: Any) -> None:
+            try:
+                original_exec(module)
+            finally:
+                del loader.exec_module  # the loader as it was
+            for patch in waiting.pop(name, ()):
+                _apply_patch(patch, module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+class ImportHooks(Patch):
+    """The finder, in sys.meta_path while a patch waits for its module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._finder: Optional[_AfterImport] = None
+
+    def when_imported(self, module_name: str, patch: Callable[[Any], None]) -> None:
+        """Run patch(module) now if the module is imported, else right after its first import."""
+        module = sys.modules.get(module_name)
+        if module is not None:
+            _apply_patch(patch, module)
+            return
+        if self._finder is None:
+            finder = self._finder = _AfterImport()
+            sys.meta_path.insert(0, finder)
+
+            def remove() -> None:
+                if finder in sys.meta_path:
+                    sys.meta_path.remove(finder)
+                self._finder = None
+
+            self.on_remove(remove)
+        self._finder.waiting.setdefault(module_name, []).append(patch)
+
+
+def _apply_patch(patch: Callable[[Any], None], module: Any) -> None:
+    try:
+        patch(module)
+    except Exception:  # a library version we do not know: less telemetry, never the user's run
+        log.debug("traceml: could not patch %s", getattr(module, "__name__", module), exc_info=True)
