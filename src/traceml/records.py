@@ -127,7 +127,7 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     tokens: int = 0  # token inputs (an integer 2-D first input or input_ids): positions trained, padding in
     real_tokens: Optional[int] = None  # of them, those trained: labels not -100, or mask kept (None: neither)
     # The user's planned work in the window, beside the step (out of outside_ms between steps,
-    # out of untraced_ms inside one): evaluation (probe/evaluation.py) and the DataLoader waits
+    # out of untraced_ms inside one): evaluation (probe/patches/evaluation.py) and the DataLoader waits
     # between steps with gradients off; time inside the saves (probe/patches/saves.py).
     eval_ms: float = 0.0
     checkpoint_ms: float = 0.0

@@ -4,19 +4,17 @@ The data flows from the training's own calls into the probe's sums and window, e
 module for its concern: the input wait (input_wait.py), host-to-device copies (h2d.py), the
 model's forward (model_calls.py, with what it is given: tokens.py), backward (backward.py),
 the optimizer's update (optimizers.py), DDP's and FSDP's collectives (collectives.py),
-evaluation between steps (evaluation.py) and checkpoint saves (saves.py); exit_code.py and
-sigterm.py see the run end. imports.py patches modules at their first import; first_call.py
+evaluation between steps (evaluation.py) and checkpoint saves (saves.py); exit.py sees the
+run end. imports.py patches modules at their first import; first_call.py
 awaits the model's first call; dynamo.py keeps all of them out of torch.compile's graphs.
 """
-from __future__ import annotations
-
 import gc
 from typing import Any, List
 
 from traceml.probe.patches.backward import Backward
 from traceml.probe.patches.collectives import Collectives
-from traceml.probe.patches.evaluation import EvaluationPatch
-from traceml.probe.patches.exit_code import ExitCode
+from traceml.probe.patches.evaluation import EvaluationRegions
+from traceml.probe.patches.exit import ExitCode, SigtermFlush
 from traceml.probe.patches.first_call import FirstModelCall
 from traceml.probe.patches.h2d import HostToDevice
 from traceml.probe.patches.imports import ImportHooks
@@ -25,7 +23,6 @@ from traceml.probe.patches.model_calls import ModelCalls
 from traceml.probe.patches.optimizers import OptimizerSteps
 from traceml.probe.patches.patch import Patch
 from traceml.probe.patches.saves import CheckpointSaves
-from traceml.probe.patches.sigterm import SigtermFlush
 from traceml.probe.step import StepProbe
 
 
@@ -35,12 +32,11 @@ class Patches(Patch):
     garbage collector's callback and torch.compile's compile events (probe/compile.py)."""
 
     def __init__(self, probe: StepProbe, first_call: FirstModelCall):
-        super().__init__()
-        self.probe = probe
+        super().__init__(probe)
         self.first_call = first_call
         self.imports = ImportHooks()
         collectives = Collectives(probe)
-        self.evaluation = EvaluationPatch(probe, self.imports.when_imported, lambda: self.models.traced_models())
+        self.evaluation = EvaluationRegions(probe, self.imports.when_imported, lambda: self.models.traced_models())
         self.models = ModelCalls(probe, self.evaluation, collectives)
         self._patches: List[Patch] = [
             self.imports, InputWait(probe, getattr(probe.sender, "loaders", None)), HostToDevice(probe),

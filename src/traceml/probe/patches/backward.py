@@ -1,6 +1,4 @@
 """Backward: `loss.backward()` goes through torch.autograd.backward, looked up at call time."""
-from __future__ import annotations
-
 from typing import Any, Protocol
 
 from traceml.probe.patches.patch import Patch
@@ -15,8 +13,7 @@ class GradientsDone(Protocol):
 
 class Backward(Patch):
     def __init__(self, probe: StepProbe, gradients: GradientsDone):
-        super().__init__()
-        self.probe = probe
+        super().__init__(probe)
         self.gradients = gradients
 
     def install(self) -> None:

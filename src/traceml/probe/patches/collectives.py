@@ -1,7 +1,5 @@
 """DDP's and FSDP's collectives: under DDP, backward's wait for the others' all-reduce; under
 FSDP (probe/sharded.py), each phase's wait in its all-gathers and reduce-scatters."""
-from __future__ import annotations
-
 import logging
 import weakref
 from typing import Any
@@ -17,8 +15,7 @@ class Collectives(Patch):
     """Patches nothing until a model is hooked (model_hooked); FSDP's wrappers go at remove()."""
 
     def __init__(self, probe: StepProbe):
-        super().__init__()
-        self.probe = probe
+        super().__init__(probe)
         self._ddp_models: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the traced DDP models
 
     def model_hooked(self, model: Any) -> None:

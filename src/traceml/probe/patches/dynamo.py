@@ -1,7 +1,5 @@
 """How TraceML's wrappers stay out of torch.compile: whether dynamo traces now, frames it must
 run as plain Python, and the nn.Module attribute every call goes through."""
-from __future__ import annotations
-
 import logging
 from typing import Any, Callable
 

@@ -1,7 +1,5 @@
 """The wait for a model's first call: with steps inferred (zero-code mode, the Trace API,
 Lightning) the model to time, and its device, are learned when it is first called."""
-from __future__ import annotations
-
 import logging
 import os
 import weakref

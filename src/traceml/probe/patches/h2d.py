@@ -1,21 +1,15 @@
 """Host-to-device copies made directly inside a step (a CPU tensor's `.to()` and `.cuda()`), the
 h2d phase; with steps inferred, the batch's copy starts the step."""
-from __future__ import annotations
-
 from typing import Any
 
 from traceml.probe.patches.patch import Patch
-from traceml.probe.step import H2D, StepProbe, _now_ns, fast_path
+from traceml.probe.step import H2D, _now_ns, fast_path
 
 
 class HostToDevice(Patch):
     """Only moves made outside the model's own phases count: a `.to()` inside forward is forward.
     Whether a call moves anything is known only once it returns, so the clock starts on every
     CPU tensor's `.to()` inside a step and is dropped when the result stayed on the CPU."""
-
-    def __init__(self, probe: StepProbe):
-        super().__init__()
-        self.probe = probe
 
     def install(self) -> None:
         import torch

@@ -1,11 +1,9 @@
 """Patches applied at a module's first import: modules a run may never use (torch.distributed.
 checkpoint, a trainer, torch._dynamo) are patched when the script imports them, never imported
 by TraceML."""
-from __future__ import annotations
-
 import logging
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 from traceml.probe.patches.patch import Patch
 
@@ -13,11 +11,28 @@ log = logging.getLogger("traceml")
 WhenImported = Callable[[str, Callable[[Any], None]], None]  # ImportHooks.when_imported
 
 
-class _AfterImport:
-    """A sys.meta_path finder that runs patches right after a module's first import."""
+class ImportHooks(Patch):
+    """A sys.meta_path finder, there while a patch waits for its module's first import."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.waiting: Dict[str, List[Callable[[Any], None]]] = {}
+
+    def when_imported(self, module_name: str, patch: Callable[[Any], None]) -> None:
+        """Run patch(module) now if the module is imported, else right after its first import."""
+        module = sys.modules.get(module_name)
+        if module is not None:
+            _apply_patch(patch, module)
+            return
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+            self.on_remove(self._leave)
+        self.waiting.setdefault(module_name, []).append(patch)
+
+    def _leave(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        self.waiting.clear()  # patches still waiting are dropped with the finder
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if name not in self.waiting:
@@ -31,8 +46,7 @@ class _AfterImport:
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        original_exec = loader.exec_module
-        waiting = self.waiting
+        original_exec, waiting = loader.exec_module, self.waiting
 
         def exec_module(module: Any) -> None:
             try:
@@ -44,32 +58,6 @@ class _AfterImport:
 
         loader.exec_module = exec_module
         return spec
-
-
-class ImportHooks(Patch):
-    """The finder, in sys.meta_path while a patch waits for its module."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._finder: Optional[_AfterImport] = None
-
-    def when_imported(self, module_name: str, patch: Callable[[Any], None]) -> None:
-        """Run patch(module) now if the module is imported, else right after its first import."""
-        module = sys.modules.get(module_name)
-        if module is not None:
-            _apply_patch(patch, module)
-            return
-        if self._finder is None:
-            finder = self._finder = _AfterImport()
-            sys.meta_path.insert(0, finder)
-
-            def remove() -> None:
-                if finder in sys.meta_path:
-                    sys.meta_path.remove(finder)
-                self._finder = None
-
-            self.on_remove(remove)
-        self._finder.waiting.setdefault(module_name, []).append(patch)
 
 
 def _apply_patch(patch: Callable[[Any], None], module: Any) -> None:

@@ -1,12 +1,10 @@
 """The training thread's wait for a batch: DataLoader iterators' __next__ and queue gets, as
 the step's input wait, or between steps as the training's or an evaluation's."""
-from __future__ import annotations
-
 import functools
 import logging
 import queue
 from threading import get_ident
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from traceml.probe.patches.patch import Patch
 from traceml.probe.step import EVAL_NS, INPUT_WAIT_GAP_NS, INPUT_WAIT_NS, StepProbe, _now_ns, fast_path
@@ -24,8 +22,7 @@ class IteratorWatch(Protocol):
 
 class InputWait(Patch):
     def __init__(self, probe: StepProbe, watch: Optional[IteratorWatch]):
-        super().__init__()
-        self.probe = probe
+        super().__init__(probe)
         self.watch = watch  # None: iterators are timed, not watched
 
     def install(self) -> None:

@@ -9,23 +9,21 @@ every module call through torch's slow path, and a global hook makes torch.compi
 wrapper per patched class checks whether the module being called is a traced model (a dict
 lookup) and otherwise calls straight through.
 """
-from __future__ import annotations
-
 import weakref
 from typing import Any, Callable, List, Optional, Protocol
 
-from traceml.probe.evaluation import EvaluationRegions
 from traceml.probe.patches import tokens
 from traceml.probe.patches.dynamo import call_attribute, compiling, run_eagerly_under_dynamo
+from traceml.probe.patches.patch import _ABSENT
 from traceml.probe.step import FORWARD, FORWARD_CALLS, SAMPLES, StepProbe, fast_path
-
-_ABSENT = object()
 
 
 class Evaluation(Protocol):
     """Where a traced model's call between steps with gradients off goes (evaluation.py)."""
 
-    regions: Optional[EvaluationRegions]
+    active: bool
+
+    def model_called(self, call: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any: ...
 
 
 class ModelCollectives(Protocol):
@@ -170,8 +168,8 @@ def _call_timed_in_general(original: Callable[..., Any], traced: _TracedModel, m
             traced.token_inputs = first_token_call = tokens.token_ids(args, kwargs, tensor_type) is not None
         elif traced.token_inputs:
             tokens.count_tokens(probe, traced, model, args, kwargs, tensor_type)
-    elif not probe.in_step and not grad_enabled() and not probe.in_evaluation and evaluation.regions is not None:
-        return evaluation.regions.model_called(original, model, args, kwargs)  # evaluation
+    elif not probe.in_step and not grad_enabled() and not probe.in_evaluation and evaluation.active:
+        return evaluation.model_called(original, model, args, kwargs)  # evaluation
     try:
         if probe.layers_active and probe.layers.active:  # a deep-dive step: count saved tensors
             with probe.layers.saved_tensors_context():

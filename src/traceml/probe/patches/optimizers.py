@@ -1,18 +1,12 @@
 """The optimizer's update, from torch's global optimizer step hooks: the optimizer phase, and
 with steps inferred, the step's end."""
-from __future__ import annotations
-
 from typing import Any
 
 from traceml.probe.patches.patch import Patch
-from traceml.probe.step import OPTIMIZER, StepProbe, fast_path
+from traceml.probe.step import OPTIMIZER, fast_path
 
 
 class OptimizerSteps(Patch):
-    def __init__(self, probe: StepProbe):
-        super().__init__()
-        self.probe = probe
-
     def install(self) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 

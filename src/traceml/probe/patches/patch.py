@@ -1,23 +1,25 @@
 """A patch's undo list: what install() changed, put back newest first by remove()."""
-from __future__ import annotations
-
 from typing import Any, Callable, List
+
+_ABSENT = object()
 
 
 class Patch:
-    """One concern's patch: install() changes things through replace() and on_remove(), and
-    remove() undoes them newest first, leaving torch (and the rest) as it was."""
+    """One concern's patch on the probe's behalf: install() changes things through replace()
+    and on_remove(), and remove() undoes them newest first, leaving torch as it was."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe: Any = None) -> None:
+        self.probe = probe  # the StepProbe the patch reports to
         self._undo: List[Callable[[], None]] = []
 
     def install(self) -> None:
         """Put the patch in place (each concern's own; some patch only when asked)."""
 
     def replace(self, owner: Any, name: str, replacement: Any) -> None:
-        original = getattr(owner, name)
+        """Set owner.name; remove() puts back owner's own, or deletes it where it was inherited."""
+        own = owner.__dict__.get(name, _ABSENT)
         setattr(owner, name, replacement)
-        self._undo.append(lambda: setattr(owner, name, original))
+        self._undo.append(lambda: delattr(owner, name) if own is _ABSENT else setattr(owner, name, own))
 
     def on_remove(self, undo: Callable[[], None]) -> None:
         self._undo.append(undo)

@@ -1,6 +1,4 @@
 """Checkpoint saves on the training thread: the user's planned work, named as such, not a stall."""
-from __future__ import annotations
-
 import functools
 from threading import get_ident
 from typing import Any, Callable
@@ -28,8 +26,7 @@ class CheckpointSaves(Patch):
     torch.save): the outermost call is timed, so the work around the writes counts too."""
 
     def __init__(self, probe: StepProbe, when_imported: WhenImported):
-        super().__init__()
-        self.probe = probe
+        super().__init__(probe)
         self.when_imported = when_imported
         self._saving = False
 

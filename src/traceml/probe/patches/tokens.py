@@ -1,7 +1,5 @@
 """What a traced model's call is given: its samples (the batch's leading dimension) and the
 tokens a step trains on."""
-from __future__ import annotations
-
 from typing import Any
 
 from traceml.probe.step import REAL_TOKENS, TOKEN_COPIES, TOKENS, StepProbe
