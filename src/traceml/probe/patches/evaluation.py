@@ -37,6 +37,7 @@ import weakref
 from threading import get_ident
 from typing import Any, Callable, Dict, Iterable, List, Tuple
 
+from traceml.probe.patches.dynamo import compiling
 from traceml.probe.patches.imports import WhenImported
 from traceml.probe.patches.patch import Patch
 from traceml.probe.step import CHECKPOINT_BETWEEN_NS, EVAL_NS, INPUT_WAIT_GAP_NS, StepProbe, _now_ns
@@ -91,7 +92,7 @@ class EvaluationRegions(Patch):
         from torch.nn.modules import module as torch_module
 
         self._register_hook = torch_module.register_module_forward_pre_hook
-        self._is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+        self._is_compiling = compiling()
         self._grad_enabled = torch.is_grad_enabled
         for manager in (grad_mode.no_grad, grad_mode.inference_mode, grad_mode.set_grad_enabled):
             self.replace(manager, "__enter__", self.entering(manager.__enter__))

@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Protocol
 
 from traceml.probe.patches import tokens
 from traceml.probe.patches.dynamo import call_attribute, compiling, run_eagerly_under_dynamo
-from traceml.probe.patches.patch import _ABSENT
+from traceml.probe.patches.patch import ABSENT
 from traceml.probe.step import FORWARD, FORWARD_CALLS, SAMPLES, StepProbe, fast_path
 
 
@@ -59,7 +59,7 @@ class ModelCalls:
         self.evaluation = evaluation
         self.collectives = collectives
         self._models: dict = {}  # id(model) -> _TracedModel, read by the compiled timer too
-        # class -> [its own attribute before (or _ABSENT), models traced, the call set on it]
+        # class -> [its own attribute before (or ABSENT), models traced, the call set on it]
         self._patched_classes: dict = {}
 
     def traced_models(self) -> List[Any]:
@@ -82,7 +82,7 @@ class ModelCalls:
             inherited = getattr(cls, attribute)
             inherited = getattr(inherited, "traceml_original", inherited)  # not a first-call wait
             timed = self._timed_call(inherited, torch.Tensor, compiling())
-            entry = self._patched_classes[cls] = [cls.__dict__.get(attribute, _ABSENT), 0, timed]
+            entry = self._patched_classes[cls] = [cls.__dict__.get(attribute, ABSENT), 0, timed]
             setattr(cls, attribute, timed)
         entry[1] += 1
         self._models[id(model)] = _TracedModel(self.probe, model)
@@ -101,7 +101,7 @@ class ModelCalls:
             attribute = call_attribute()
             if cls.__dict__.get(attribute) is not entry[2]:
                 return  # someone replaced it since: theirs stays
-            if entry[0] is _ABSENT:
+            if entry[0] is ABSENT:
                 delattr(cls, attribute)
             else:
                 setattr(cls, attribute, entry[0])

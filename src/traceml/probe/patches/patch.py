@@ -1,7 +1,7 @@
 """A patch's undo list: what install() changed, put back newest first by remove()."""
 from typing import Any, Callable, List
 
-_ABSENT = object()
+ABSENT = object()
 
 
 class Patch:
@@ -17,9 +17,9 @@ class Patch:
 
     def replace(self, owner: Any, name: str, replacement: Any) -> None:
         """Set owner.name; remove() puts back owner's own, or deletes it where it was inherited."""
-        own = owner.__dict__.get(name, _ABSENT)
+        own = owner.__dict__.get(name, ABSENT)
         setattr(owner, name, replacement)
-        self._undo.append(lambda: delattr(owner, name) if own is _ABSENT else setattr(owner, name, own))
+        self._undo.append(lambda: delattr(owner, name) if own is ABSENT else setattr(owner, name, own))
 
     def on_remove(self, undo: Callable[[], None]) -> None:
         self._undo.append(undo)
