@@ -7,8 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import SCRIPTS
 from test_live_verdict import assert_live_is_final
-from test_probe import probe  # noqa: F401 (the fixture)
-from traceml.probe import phases
+from test_probe import patches, probe  # noqa: F401 (the fixtures)
 from traceml.probe.layers import LayerProbe
 
 TRANSFORMER = SCRIPTS / "tiny_transformer.py"
@@ -136,9 +135,10 @@ class ConvAndLinears(nn.Module):
         return self.head(tokens).mean()
 
 
-def sampled_flops(probe, model, inputs):
+def sampled_flops(patches, model, inputs):
     """Deep-dive's FLOPs a step over five steps of model(inputs).backward(), two of them sampled."""
-    phases.hook_model(probe, model)
+    probe = patches.probe
+    patches.hook_model(model)
     probe.layers = LayerProbe(probe, model, every_n_steps=2)
     for _ in range(5):
         with probe:
@@ -147,7 +147,7 @@ def sampled_flops(probe, model, inputs):
     return probe.layers.flops_per_step
 
 
-def test_flops_from_the_sampled_steps_shapes_are_torchs_count_of_the_same_step(probe):
+def test_flops_from_the_sampled_steps_shapes_are_torchs_count_of_the_same_step(patches):
     """What torch's FlopCounterMode counts for a step of a model whose products all run in
     modules (backward's, and the checkpointed block's recompute, included), without that mode
     anywhere near the traced steps."""
@@ -155,12 +155,12 @@ def test_flops_from_the_sampled_steps_shapes_are_torchs_count_of_the_same_step(p
     model, images = ConvAndLinears(), torch.randn(2, 3, 8, 8)
     with FlopCounterMode(display=False) as counter:
         model(images).backward()
-    assert sampled_flops(probe, model, images) == counter.get_total_flops() > 0
+    assert sampled_flops(patches, model, images) == counter.get_total_flops() > 0
 
 
-def test_a_grouped_convolution_counts_a_groupth_of_its_products(probe):
+def test_a_grouped_convolution_counts_a_groupth_of_its_products(patches):
     """(torch's counter counts its weight gradient as if ungrouped, 4 times too many here.)"""
     conv = nn.Conv2d(8, 8, 3, padding=1, groups=4)
     inputs = torch.randn(2, 8, 8, 8, requires_grad=True)
     forward = 2 * (2 * 8 * 8 * 8) * (8 // 4) * 3 * 3  # 2 x output elements x products each
-    assert sampled_flops(probe, conv, inputs) == 3 * forward  # and the input's and weight's gradients
+    assert sampled_flops(patches, conv, inputs) == 3 * forward  # and the input's and weight's gradients

@@ -14,7 +14,10 @@ from traceml.analysis.rollup import Window
 from traceml.collector.store import Store
 from traceml.diagnose import DiagnosisInput, diagnose
 from traceml.diagnose.host_sync import host_sync, sync_sites
-from traceml.probe import phases, syncs
+from traceml.probe import syncs
+from traceml.probe.patches import Patches
+from traceml.probe.patches.dynamo import compiling
+from traceml.probe.patches.first_call import FirstModelCall
 from traceml.probe.step import StepProbe
 from traceml.records import HostSyncSample, SyncSite
 from traceml.wire import decode_payload, encode_frame
@@ -37,23 +40,29 @@ def scalars_are_on_the_device(tensor):
 
 
 @pytest.fixture
-def probe():
+def patches():
     before = dict(torch.Tensor.__dict__)
     probe = StepProbe(ListSender())
-    phases.install_patches(probe)
+    patches = Patches(probe, FirstModelCall())
+    patches.install()
     probe.auto_steps = True  # steps inferred from optimizer.step(), as in zero-code mode
     probe.syncs = syncs.HostSyncSampler(probe.rank, probe.sender.push, on_device=scalars_are_on_the_device)
-    yield probe
-    phases.remove_patches()
-    assert {name for name in torch.Tensor.__dict__ if torch.Tensor.__dict__[name] is not before.get(name)} <= {"to", "cuda"}
+    yield patches
+    patches.remove()
+    assert not {name for name in torch.Tensor.__dict__ if torch.Tensor.__dict__[name] is not before.get(name)}
 
 
-def loop_with_syncs(probe, steps):
+@pytest.fixture
+def probe(patches):
+    return patches.probe
+
+
+def loop_with_syncs(patches, steps):
     """A loop that reads its loss every step, its clipped norm's check every step (inside
     torch), and the loss again as a float every other step."""
     torch.manual_seed(0)
     model = nn.Linear(8, 2)
-    phases.hook_model(probe, model)
+    patches.hook_model(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     wrapped_during_sample = []
     for index in range(steps):
@@ -74,8 +83,8 @@ def line_of(marker):
     return first + next(i for i, text in enumerate(source) if text.rstrip().endswith("# " + marker))
 
 
-def test_sampled_steps_name_each_syncing_line_with_its_calls(probe):
-    wrapped = loop_with_syncs(probe, 25)
+def test_sampled_steps_name_each_syncing_line_with_its_calls(probe, patches):
+    wrapped = loop_with_syncs(patches, 25)
     probe.finish()
     samples = [raw for raw in probe.sender.raw if type(raw) is HostSyncSample]
     assert [(s.first_step, s.steps) for s in samples] == [(5, 10)]  # steps 5 to 14, then none until 100
@@ -93,8 +102,8 @@ def test_sampled_steps_name_each_syncing_line_with_its_calls(probe):
     assert all(site.wait_ms > 0 for site in samples[0].sites)
 
 
-def test_a_sample_cut_short_by_the_end_of_the_run_is_sent_with_its_steps(probe):
-    loop_with_syncs(probe, 9)  # the sample starts at step 5; the run ends after step 8
+def test_a_sample_cut_short_by_the_end_of_the_run_is_sent_with_its_steps(probe, patches):
+    loop_with_syncs(patches, 9)  # the sample starts at step 5; the run ends after step 8
     probe.finish()
     samples = [raw for raw in probe.sender.raw if type(raw) is HostSyncSample]
     assert [(s.first_step, s.steps) for s in samples] == [(5, 4)]
@@ -182,8 +191,6 @@ def test_samples_travel_and_are_stored_and_summarised(tmp_path):
 def test_a_compiled_function_that_reads_values_compiles_once_through_a_sample():
     from torch._dynamo.utils import counters
 
-    from traceml.probe.phases import _compiling
-
     def normalised(values):  # graph breaks at the `if` and at .item(), as real code does
         total = values.sum()
         if total > 0:
@@ -194,7 +201,7 @@ def test_a_compiled_function_that_reads_values_compiles_once_through_a_sample():
     inputs = torch.rand(16)
     sent = []
     sampler = syncs.HostSyncSampler(0, sent.append, on_device=scalars_are_on_the_device,
-                                    is_compiling=_compiling())
+                                    is_compiling=compiling())
     for step_index in range(30):
         if step_index in (5, 15):
             sampler.begin_step(step_index)  # the wrappers go in at step 5 and out at step 15

@@ -15,8 +15,9 @@ from torch.utils.data import DataLoader, TensorDataset, dataloader
 from traceml.analysis.loaders import loader_figures
 from traceml.analysis.rollup import Window
 from traceml.diagnose import DiagnosisInput, diagnose
-from traceml.probe import phases
 from traceml.probe.loaders import LoaderWatch, worker_times
+from traceml.probe.patches import Patches
+from traceml.probe.patches.first_call import FirstModelCall
 from traceml.probe.step import INPUT_WAIT_GAP_NS, INPUT_WAIT_NS, StepProbe
 from traceml.records import LoaderSample, RankHello
 from conftest import SCRIPTS
@@ -35,13 +36,18 @@ class WatchedSender:
 
 
 @pytest.fixture
-def probe():
+def patches():
     originals = (dataloader._BaseDataLoaderIter.__next__, dataloader._BaseDataLoaderIter.__init__, queue.Queue.get)
-    probe = StepProbe(WatchedSender())
-    yield probe
-    phases.remove_patches()
+    patches = Patches(StepProbe(WatchedSender()), FirstModelCall())  # each test installs them
+    yield patches
+    patches.remove()
     assert (dataloader._BaseDataLoaderIter.__next__, dataloader._BaseDataLoaderIter.__init__,
             queue.Queue.get) == originals
+
+
+@pytest.fixture
+def probe(patches):
+    return patches.probe
 
 
 def noted(probe):
@@ -52,9 +58,9 @@ def small_loader(**options):
     return DataLoader(TensorDataset(torch.arange(64.0).reshape(32, 2)), batch_size=4, **options)
 
 
-def test_the_iterator_a_loop_was_already_in_is_noted_at_its_next_batch_then_only_timed(probe):
+def test_the_iterator_a_loop_was_already_in_is_noted_at_its_next_batch_then_only_timed(probe, patches):
     batches = iter(small_loader())  # a `for` loop makes it before the first step attaches TraceML
-    phases.install_patches(probe)
+    patches.install()
     assert dataloader._BaseDataLoaderIter.__dict__["__next__"].__name__ == "first_next"
     next(batches)
     assert noted(probe) == [batches]
@@ -64,8 +70,8 @@ def test_the_iterator_a_loop_was_already_in_is_noted_at_its_next_batch_then_only
     assert noted(probe) == [batches]
 
 
-def test_iterators_made_later_are_noted_when_made_and_an_evaluations_are_not(probe):
-    phases.install_patches(probe)
+def test_iterators_made_later_are_noted_when_made_and_an_evaluations_are_not(probe, patches):
+    patches.install()
     training, evaluation = small_loader(), small_loader()
     epoch = iter(training)
     with torch.no_grad():
@@ -90,8 +96,8 @@ def input_wait_ms(probe):
     return (probe.sums[INPUT_WAIT_NS] + probe.window[INPUT_WAIT_GAP_NS]) / 1e6
 
 
-def test_a_loader_iterated_on_a_thread_is_that_threads_cost_and_the_block_on_its_queue_the_wait(probe):
-    phases.install_patches(probe)
+def test_a_loader_iterated_on_a_thread_is_that_threads_cost_and_the_block_on_its_queue_the_wait(probe, patches):
+    patches.install()
     batches = iter(DataLoader(SlowDataset(), batch_size=4))  # noted here; iterated on the thread
     made = queue.Queue(maxsize=1)
     filler = threading.Thread(target=lambda: [made.put(batch) for batch in batches])
@@ -113,8 +119,8 @@ def test_a_loader_iterated_on_a_thread_is_that_threads_cost_and_the_block_on_its
     assert sample.batches == 8 and sample.thread_next_s == pytest.approx(watched.thread_next_ns / 1e9)
 
 
-def test_a_queue_get_inside_the_loaders_next_or_on_another_thread_is_not_counted_again(probe):
-    phases.install_patches(probe)
+def test_a_queue_get_inside_the_loaders_next_or_on_another_thread_is_not_counted_again(probe, patches):
+    patches.install()
     made = queue.Queue()
 
     class FromQueue(TensorDataset):

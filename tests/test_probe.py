@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, dataloader
 
-from traceml.probe import phases
+from traceml.probe.patches import Patches
+from traceml.probe.patches.first_call import FirstModelCall
 from traceml.probe.step import EndedWindow, StepProbe
 from traceml.records import StepRecord
 
@@ -43,14 +44,18 @@ class CompiledInPlace(SlowForward):
 
 
 @pytest.fixture
-def probe():
+def patches():
     originals = (torch.autograd.backward, dataloader._BaseDataLoaderIter.__next__, torch.Tensor.to)
-    sender = ListSender()
-    probe = StepProbe(sender)
-    phases.install_patches(probe)
-    yield probe
-    phases.remove_patches()
+    patches = Patches(StepProbe(ListSender()), FirstModelCall())
+    patches.install()
+    yield patches
+    patches.remove()
     assert (torch.autograd.backward, dataloader._BaseDataLoaderIter.__next__, torch.Tensor.to) == originals
+
+
+@pytest.fixture
+def probe(patches):
+    return patches.probe
 
 
 def records(probe):
@@ -66,9 +71,9 @@ def beside_ms(record, following):
     return (following.start_unix_s - record.start_unix_s) * 1e3 - record.step_ms
 
 
-def test_phases_land_where_the_time_went(probe):
+def test_phases_land_where_the_time_went(probe, patches):
     model = SlowForward(sleep_ms=20)
-    handles = phases.hook_model(probe, model)
+    handles = patches.hook_model(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = iter(DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=4))
     for _ in range(3):
@@ -129,9 +134,9 @@ def test_every_figure_of_a_closed_step_lands_in_its_own_field():
         optimizer_comm_wait_ms=1.0, cpu_wait_ms=None, on_cpu_ms=None)  # the sender stamps the thread's CPU
 
 
-def test_only_the_outermost_forward_is_timed_and_calls_are_counted(probe):
+def test_only_the_outermost_forward_is_timed_and_calls_are_counted(probe, patches):
     model = SlowForward()
-    phases.hook_model(probe, model)
+    patches.hook_model(model)
     with probe:
         for _ in range(4):  # four micro-batches in one step
             model(torch.randn(3, 4))
@@ -139,9 +144,9 @@ def test_only_the_outermost_forward_is_timed_and_calls_are_counted(probe):
     assert record.forward_calls == 4 and record.samples == 12
 
 
-def test_forward_outside_a_step_is_not_forward(probe):
+def test_forward_outside_a_step_is_not_forward(probe, patches):
     model = SlowForward(sleep_ms=10)
-    phases.hook_model(probe, model)
+    patches.hook_model(model)
     with probe:
         pass
     model(torch.randn(2, 4))  # an evaluation between steps
@@ -160,9 +165,9 @@ def test_a_nested_trace_step_is_one_step(probe):
     assert [r.step for r in records(probe)] == [0, 1]
 
 
-def test_a_failed_step_is_dropped_and_the_next_one_is_clean(probe):
+def test_a_failed_step_is_dropped_and_the_next_one_is_clean(probe, patches):
     model = SlowForward()
-    phases.hook_model(probe, model)
+    patches.hook_model(model)
     with pytest.raises(RuntimeError):
         with probe:
             model(torch.randn(2, 4))
@@ -173,7 +178,7 @@ def test_a_failed_step_is_dropped_and_the_next_one_is_clean(probe):
     assert record.step == 0 and record.forward_calls == 1 and record.samples == 5
 
 
-def test_copies_to_another_device_are_h2d_and_cpu_casts_are_not(probe):
+def test_copies_to_another_device_are_h2d_and_cpu_casts_are_not(probe, patches):
     host = torch.randn(256, 256)
 
     class MovesInside(SlowForward):
@@ -182,7 +187,7 @@ def test_copies_to_another_device_are_h2d_and_cpu_casts_are_not(probe):
             return super().forward(inputs)
 
     model = MovesInside()
-    phases.hook_model(probe, model)
+    patches.hook_model(model)
     with probe:
         host.to(torch.float64)  # stays on the CPU: not a copy to a device
     with probe:
@@ -206,7 +211,7 @@ def test_garbage_collector_pauses_are_counted(probe):
     del junk
 
 
-def test_a_traced_model_pickles_copies_and_saves_as_the_untraced_one(probe, tmp_path):
+def test_a_traced_model_pickles_copies_and_saves_as_the_untraced_one(probe, tmp_path, patches):
     torch.manual_seed(0)
     model = SlowForward()
     reference = pickle.dumps(model)
@@ -215,7 +220,7 @@ def test_a_traced_model_pickles_copies_and_saves_as_the_untraced_one(probe, tmp_
     torch.save(model, tmp_path / "before" / "model.pt")  # the archive is named after the file
     signature = inspect.signature(model.forward)
     keys = set(model.__dict__)
-    handles = phases.hook_model(probe, model)
+    handles = patches.hook_model(model)
     with probe:
         model(torch.ones(1, 4))
     assert type(model) is SlowForward and set(model.__dict__) == keys
@@ -230,9 +235,9 @@ def test_a_traced_model_pickles_copies_and_saves_as_the_untraced_one(probe, tmp_
         handle.remove()
 
 
-def test_only_the_traced_instance_is_timed_and_removal_restores_its_class(probe):
+def test_only_the_traced_instance_is_timed_and_removal_restores_its_class(probe, patches):
     model, twin = SlowForward(sleep_ms=5), SlowForward(sleep_ms=5)
-    (handle,) = phases.hook_model(probe, model)
+    (handle,) = patches.hook_model(model)
     assert "_call_impl" in SlowForward.__dict__ or "__call__" in SlowForward.__dict__
     with probe:
         twin(torch.randn(2, 4))  # same class, another object: an EMA copy, say
@@ -248,7 +253,7 @@ def test_only_the_traced_instance_is_timed_and_removal_restores_its_class(probe)
     assert removed.forward_calls == 0
 
 
-def test_deep_dive_leaves_no_hook_on_the_users_tensors(probe):
+def test_deep_dive_leaves_no_hook_on_the_users_tensors(probe, patches):
     from traceml.probe.layers import LayerProbe
 
     class LearnedQuery(nn.Module):  # a parameter handed to a submodule, as attention pooling does
@@ -262,7 +267,7 @@ def test_deep_dive_leaves_no_hook_on_the_users_tensors(probe):
 
     model = LearnedQuery()
     inputs = torch.randn(2, 4, requires_grad=True)  # the user's own leaf tensor
-    phases.hook_model(probe, model)
+    patches.hook_model(model)
     probe.layers = LayerProbe(probe, model, every_n_steps=1)
     for _ in range(3):  # sampled steps: layer hooks on, tensors of the graph watched
         with probe:
@@ -273,7 +278,7 @@ def test_deep_dive_leaves_no_hook_on_the_users_tensors(probe):
         assert not tensor._backward_hooks  # nothing left on them, nothing to travel with them
 
 
-def test_compiled_models_keep_their_graphs_and_the_forward_is_timed(probe):
+def test_compiled_models_keep_their_graphs_and_the_forward_is_timed(probe, patches):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -288,7 +293,7 @@ def test_compiled_models_keep_their_graphs_and_the_forward_is_timed(probe):
     torch._dynamo.reset()
     counters.clear()
     model = SlowForward()
-    phases.hook_model(probe, model)
+    patches.hook_model(model)
     compiled, parent = torch.compile(model, backend="eager"), torch.compile(Doubled(model), backend="eager")
     inputs = torch.randn(3, 4)
     for _ in range(2):
@@ -298,7 +303,7 @@ def test_compiled_models_keep_their_graphs_and_the_forward_is_timed(probe):
         parent(inputs)
     in_place = CompiledInPlace()
     in_place.compile(backend="eager")  # compiled before TraceML sees it: the instance's own call
-    phases.hook_model(probe, in_place)
+    patches.hook_model(in_place)
     with probe:
         in_place(inputs)
     assert counters["stats"]["unique_graphs"] == 3  # one each: TraceML added no graph break
@@ -312,7 +317,7 @@ def test_compiled_models_keep_their_graphs_and_the_forward_is_timed(probe):
     assert b"traceml" not in pickle.dumps(in_place)
 
 
-def test_a_model_timed_before_it_is_compiled_compiles_once(probe):
+def test_a_model_timed_before_it_is_compiled_compiles_once(probe, patches):
     """torch.compile inlines TraceML's call wrapper for a model it timed before: nothing read
     there may become a guard (a flag read did, and recompiled every call up to dynamo's limit)."""
     import torch._dynamo
@@ -321,13 +326,13 @@ def test_a_model_timed_before_it_is_compiled_compiles_once(probe):
     torch._dynamo.reset()
     counters.clear()
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    phases.hook_model(probe, model)
+    patches.hook_model(model)
     inputs = torch.randn(3, 4)
     for _ in range(2):
         with probe:
             model(inputs)
     compiled = torch.compile(model, backend="eager")  # torch.nn's own class: dynamo inlines its call
-    phases.hook_model(probe, compiled)  # as trace_step(compiled) does
+    patches.hook_model(compiled)  # as trace_step(compiled) does
     for _ in range(4):
         with probe:
             compiled(inputs)
@@ -335,9 +340,9 @@ def test_a_model_timed_before_it_is_compiled_compiles_once(probe):
     assert [record.forward_calls for record in records(probe)] == [1] * 6
 
 
-def test_evaluation_and_checkpoint_saves_are_counted_where_they_happen(probe, tmp_path):
+def test_evaluation_and_checkpoint_saves_are_counted_where_they_happen(probe, tmp_path, patches):
     model = SlowForward(sleep_ms=5)
-    phases.hook_model(probe, model)
+    patches.hook_model(model)
     loader = iter(DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2))
     with probe:
         model(torch.randn(2, 4))
@@ -373,11 +378,11 @@ class SlowBatches(torch.utils.data.Dataset):
         return torch.randn(4)
 
 
-def test_an_evaluation_with_a_region_each_batch_runs_from_its_eval_and_each_is_counted(probe):
+def test_an_evaluation_with_a_region_each_batch_runs_from_its_eval_and_each_is_counted(probe, patches):
     # run_clm_no_trainer's evaluation: model.eval(), then each batch fetched with gradients on
     # and its forward alone under no_grad; two after the last step, and two saves.
     model = SlowForward(sleep_ms=2)
-    phases.hook_model(probe, model)
+    patches.hook_model(model)
     probe.sender.close = lambda **goodbye: probe.sender.raw.append(goodbye)
 
     def evaluate():
@@ -424,12 +429,12 @@ class Sampler(nn.Module):
         return inputs
 
 
-def test_no_grad_regions_between_steps_are_evaluation_when_the_model_runs_in_them(probe):
+def test_no_grad_regions_between_steps_are_evaluation_when_the_model_runs_in_them(probe, patches):
     from torch.nn.modules import module as torch_module
 
     model = Sampler(sleep_ms=5)
     ema, foreign = copy.deepcopy(model.net).requires_grad_(False), nn.Linear(3, 5)
-    phases.hook_model(probe, model)
+    patches.hook_model(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     has_any_global_hook = torch_module._has_any_global_hook
     inputs = torch.randn(2, 4)
@@ -468,17 +473,17 @@ def test_no_grad_regions_between_steps_are_evaluation_when_the_model_runs_in_the
     assert last.eval_ms == 0.0
     assert hooks_seen == [0, 0, 0, 0, 0] and not torch_module._global_forward_pre_hooks
     assert torch_module._has_any_global_hook is has_any_global_hook
-    phases.remove_patches()
+    patches.remove()
     grad_modes = (torch.no_grad, torch.inference_mode, torch.set_grad_enabled)
     assert all("traceml" not in method.__code__.co_filename
                for manager in grad_modes for method in (manager.__enter__, manager.__exit__))
 
 
-def test_steps_traceml_slows_on_purpose_are_marked(probe):
+def test_steps_traceml_slows_on_purpose_are_marked(probe, patches):
     from traceml.probe.layers import LayerProbe
 
     model = SlowForward()
-    phases.hook_model(probe, model)
+    patches.hook_model(model)
     probe.layers = LayerProbe(probe, model, every_n_steps=4)
     for _ in range(9):
         with probe:
@@ -487,9 +492,9 @@ def test_steps_traceml_slows_on_purpose_are_marked(probe):
     assert marked == [4, 8]  # sampled every 4th step (not the first); the FLOPs come from those
 
 
-def test_an_evaluations_copy_to_the_device_starts_no_inferred_step(probe):
+def test_an_evaluations_copy_to_the_device_starts_no_inferred_step(probe, patches):
     model = SlowForward(sleep_ms=5)
-    phases.hook_model(probe, model)
+    patches.hook_model(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     probe.auto_steps = True  # steps inferred: a batch's copy to the device starts one
     probe._grad_enabled = torch.is_grad_enabled  # as process.py sets it
@@ -509,9 +514,9 @@ def test_an_evaluations_copy_to_the_device_starts_no_inferred_step(probe):
     assert second.forward_calls == 1 and second.eval_ms == 0
 
 
-def test_an_inferred_step_that_never_ends_leaves_the_step_before_as_it_was(probe):
+def test_an_inferred_step_that_never_ends_leaves_the_step_before_as_it_was(probe, patches):
     model = SlowForward()
-    phases.hook_model(probe, model)
+    patches.hook_model(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     probe.auto_steps = True  # steps inferred: each ends at optimizer.step()
     for _ in range(3):

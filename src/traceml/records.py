@@ -155,8 +155,8 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     tokens: int = 0  # token inputs (an integer 2-D first input or input_ids): positions trained, padding in
     real_tokens: Optional[int] = None  # of them, those trained: labels not -100, or mask kept (None: neither)
     # The user's planned work in the window, beside the step (out of outside_ms between steps,
-    # out of untraced_ms inside one): evaluation (probe/evaluation.py) and the DataLoader waits
-    # between steps with gradients off; time inside the saves (phases._patch_checkpoint_saves).
+    # out of untraced_ms inside one): evaluation (probe/patches/evaluation.py) and the DataLoader waits
+    # between steps with gradients off; time inside the saves (probe/patches/saves.py).
     eval_ms: float = 0.0
     checkpoint_ms: float = 0.0
     instrumented: bool = False  # TraceML slowed this step on purpose (a deep-dive sample)

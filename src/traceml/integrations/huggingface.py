@@ -21,7 +21,7 @@ from typing import Any, List, Optional
 from transformers import Trainer, TrainerCallback
 
 from traceml.probe import process, step
-from traceml.probe.phases import evaluation_wrapped
+from traceml.probe.patches.evaluation import evaluation_wrapped
 
 log = logging.getLogger("traceml")
 STEPS_FROM = "Hugging Face Trainer (optimizer updates)"

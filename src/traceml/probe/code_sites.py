@@ -89,9 +89,10 @@ class CodeSampler:
             part = "outside"
         else:
             return
-        from traceml.probe.phases import evaluating
+        from traceml.probe import process
 
-        if not probe.in_evaluation and not evaluating():
+        patches = process.patches
+        if not probe.in_evaluation and not (patches is not None and patches.evaluating()):
             self._take(part, sys._current_frames().get(self.thread_id), weight)
 
     def records(self, rank: int) -> List[CodeSample]:

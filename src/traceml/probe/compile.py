@@ -3,7 +3,7 @@
 breaks from torch's compilation metrics (read by the sender thread, only after a compilation).
 
 Nothing here is imported or runs until the script's torch imports `torch._dynamo.callback`
-(phases.when_imported): a run that never compiles pays nothing.
+(patches/imports.py): a run that never compiles pays nothing.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ import weakref
 from typing import Any, List, Optional, Tuple, cast
 
 from traceml.probe import step
-from traceml.probe.phases import (disarm_first_call, hook_model, install_patches, on_first_module_call, owner_of,
-                                  remove_patches, trainable)
+from traceml.probe.patches import Patches
+from traceml.probe.patches.first_call import FirstModelCall, owner_of, trainable
 from traceml.probe.step import StepProbe, _now_ns, rank_env
 from traceml.probe.syncs import HostSyncSampler
 from traceml.rendezvous import ENV_AUTO_CAPTURE, ENV_DEEP, ENV_DEEP_EVERY, ENV_TOKEN
@@ -37,6 +37,8 @@ class _NoTrace:
 
 _NO_TRACE = _NoTrace()
 _trace_step: Any = None
+first_call = FirstModelCall()  # the process's wait for a first module call (zero-code, inferred steps)
+patches: Optional[Patches] = None  # the probe's patches, while attached
 _hooked_models: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _disabled = False
@@ -98,14 +100,15 @@ def _note_explicit_steps() -> None:
 
 
 def _setup(model: Any) -> None:
-    global _trace_step
+    global _trace_step, patches
     setup_started_ns = first_call_ns or _now_ns()
     with _lock:
         if step._probe is None:
             step._probe = _create_probe(model)
             step._probe.setup_started_ns = setup_started_ns
         if _trace_step is None:  # first use, or after detach()
-            install_patches(step._probe)
+            patches = Patches(step._probe, first_call)
+            patches.install()
             _trace_step = step._probe
         if model is not None and model not in _hooked_models:
             _hook(model)
@@ -114,7 +117,9 @@ def _setup(model: Any) -> None:
 def _hook(model: Any) -> None:
     """Time this model's forward (and, under `traceml run --deep`, deep-dive on it)."""
     probe = step._probe
-    _hooked_models[model] = hook_model(probe, model)
+    if patches is None:  # detached meanwhile
+        return
+    _hooked_models[model] = patches.hook_model(model)
     ledger = getattr(probe.sender, "ledger", None)
     if ledger is not None:
         ledger.watch_model(model)
@@ -132,7 +137,7 @@ def _auto_capture() -> bool:
 
 
 def hook_inferred_model(model: Any) -> None:
-    """Steps inferred: time this model, found at its first call (phases.on_first_module_call)."""
+    """Steps inferred: time this model, found at its first call (patches.first_call)."""
     with _lock:
         if step._probe is not None and model not in _hooked_models:
             _hook(model)
@@ -149,7 +154,7 @@ def _time_the_model_of(optimizer: Any) -> bool:
             untraced.difference_update(id(parameter) for parameter in model.parameters())
         if not untraced:
             return False
-        on_first_module_call(hook_inferred_model, wanted=owner_of(untraced))
+        first_call.arm(hook_inferred_model, wanted=owner_of(untraced))
         return True
     except Exception:  # inside the user's optimizer.step(): a fault costs this model's forward only
         log.debug("traceml: the model of an optimizer is not timed", exc_info=True)
@@ -182,7 +187,7 @@ def infer_steps(web_port: Optional[int] = None, run_name: Optional[str] = None,
                 if not probe.auto_steps:
                     probe.auto_steps = True
                     if not _hooked_models:  # the model is the first one called with parameters to train
-                        on_first_module_call(hook_inferred_model, wanted=trainable)
+                        first_call.arm(hook_inferred_model, wanted=trainable)
         return probe
     except Exception:
         _disable("step inference setup")
@@ -213,7 +218,7 @@ def detach() -> None:
 
     The last step's window closes at its end. The next trace_step attaches everything again.
     """
-    global _trace_step, _ready_for
+    global _trace_step, _ready_for, patches
     _ready_for = None
 
     with _lock:
@@ -223,7 +228,9 @@ def detach() -> None:
             step._probe.finish()
             step._probe.reset_inferred_steps()
         finally:
-            remove_patches()
+            if patches is not None:
+                patches.remove()  # the first-call wait with them
+            patches = None
         for handles in _hooked_models.values():
             for handle in handles:
                 handle.remove()
@@ -235,7 +242,7 @@ def _create_probe(model: Any) -> StepProbe:
     import torch
 
     from traceml.probe.memory import DeviceMemory, HostRss
-    from traceml.probe.phases import _compiling
+    from traceml.probe.patches.dynamo import compiling
     from traceml.probe.sender import Sender
     from traceml.probe.thread_cpu import ThreadCpu
 
@@ -252,10 +259,10 @@ def _create_probe(model: Any) -> StepProbe:
 
     def probe_for(sender: Sender) -> StepProbe:
         """The step probe feeding this sender: made by the sender once it is built."""
-        syncs = None if timeline is None else HostSyncSampler(rank_env()[0], sender.push, is_compiling=_compiling())
+        syncs = None if timeline is None else HostSyncSampler(rank_env()[0], sender.push, is_compiling=compiling())
         return StepProbe(sender, timeline=timeline, device_memory=device_memory, host_rss=host_rss,
                          on_fault=_disable, time_the_model_of=_time_the_model_of,
-                         stop_awaiting_models=disarm_first_call, grad_enabled=torch.is_grad_enabled, syncs=syncs)
+                         stop_awaiting_models=first_call.disarm, grad_enabled=torch.is_grad_enabled, syncs=syncs)
 
     startup, startup_sites = _startup_so_far()
     # Made where the training runs: its thread is the one whose stack a stall reports.

@@ -89,9 +89,10 @@ class PulseWatch:
 
     def _phase(self) -> str:
         probe = self.probe
-        from traceml.probe import phases
+        from traceml.probe import process
 
-        if getattr(probe, "in_evaluation", False) or phases.evaluating():
+        patches = process.patches
+        if getattr(probe, "in_evaluation", False) or (patches is not None and patches.evaluating()):
             return Beside.EVALUATION
         if not getattr(probe, "in_step", 0):
             return Phase.OUTSIDE

@@ -198,7 +198,7 @@ def time_collectives(probe: StepProbe, model: Any, replace: Callable[[Any, str, 
     """A sharded model (FSDP, or a DeepSpeed engine): wrap torch.distributed's collectives (once, by `replace`, which
     remembers how to undo it) so that, on the CPU, their time inside a step's phases counts as
     the phase's collective wait, and the ledger (if any) gets the all-gathered peak.
-    compiling: the phases' is_compiling function, for code dynamo traces. True when the
+    compiling: patches.dynamo.compiling()'s function, for code dynamo traces. True when the
     model's collectives are timed."""
     engine = _deepspeed_engine_class(model)
     if not sharded_modules(model) and engine is None:

@@ -248,7 +248,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self.in_evaluation, self._evaluation_start_ns = False, 0
         # The thread that made the probe (the one whose steps it times), and how deep it is in
         # timed DataLoader __next__ calls: a queue's get inside one (the pin-memory thread's) is
-        # that wait already (phases._patch_queue_gets).
+        # that wait already (patches/input_wait.py).
         self.training_thread, self.fetching = threading.get_ident(), 0
         # User spans, summed by name where each call ends: name -> its SpanTotal for the latest
         # step it ran in; sent as one SpanRecord per name and step (span_done, span_record).
@@ -577,7 +577,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
                           tail_checkpoint_ms=(self.tail_checkpoint_ns + window[CHECKPOINT_BETWEEN_NS]) / 1e6,
                           tail_counts=counted[1:] if counted[0] is window and self.step_index else [0, 0])
 
-    # -- phases, called by the patches in probe.phases ----------------------------------------
+    # -- phases, called by the patches in probe/patches/ ----------------------------------------
     def phase_begin(self, phase: int) -> int:
         """Open a phase. Returns its start (ns) when this call is the outermost one and is
         timed, else 0 (inside another phase or outside the steps); only a caller given a start
@@ -746,7 +746,7 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
             largest_layers=largest))
 
     def note_gradients_done(self) -> None:
-        """DDP: backward has computed this rank's gradients (phases._when_gradients_done); from
+        """DDP: backward has computed this rank's gradients (patches/collectives.py); from
         now to backward's end the rank waits for the others' all-reduce."""
         if self.open_phase != BACKWARD:
             return

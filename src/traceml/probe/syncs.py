@@ -19,7 +19,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from traceml.probe.phases import _run_eagerly_under_dynamo
+from traceml.probe.patches.dynamo import run_eagerly_under_dynamo
+from traceml.probe.patches.patch import Patch
 from traceml.records import HostSyncSample, SyncSite
 
 log = logging.getLogger("traceml")
@@ -47,7 +48,7 @@ class HostSyncSampler:
         self._push = push
         # Whether a tensor lives on the device (the host waits to read it): tensor.is_cuda.
         self._on_device = on_device or (lambda tensor: tensor.is_cuda)
-        self._compiler = is_compiling  # a function, True while dynamo traces (probe.phases._compiling)
+        self._compiler = is_compiling  # a function, True while dynamo traces (patches.dynamo.compiling)
         # Frames in these files are not the user's: the site is the first frame outside them.
         self._not_user_code = tuple(os.path.dirname(module.__file__) + os.sep
                                     for module in (torch, sys.modules["traceml"]))
@@ -55,7 +56,7 @@ class HostSyncSampler:
         self._first_step: Optional[int] = None  # the sample in flight
         self._counts: Dict[Tuple[str, int, str], List[int]] = {}  # (file, line, call) -> [calls, wait ns]
         self._reading = False  # inside a timed read: the reads it makes itself are its own
-        self._undo: List[Callable[[], None]] = []
+        self._wrappers = Patch()  # the Tensor reads and synchronize, timed during a sample
 
     # -- called by the probe at a step's start --------------------------------------------
     def begin_step(self, step_index: int) -> float:
@@ -81,11 +82,11 @@ class HostSyncSampler:
         except Exception:
             log.debug("traceml: the last host-sync sample is lost", exc_info=True)
         finally:
-            self._remove()
+            self._wrappers.remove()
         return next_sample_start(step_index)
 
     def _end_sample(self, step_index: int) -> None:
-        self._remove()
+        self._wrappers.remove()
         first, self._first_step = self._first_step, None
         counts, self._counts = self._counts, {}
         if first is None or step_index <= first:
@@ -101,17 +102,8 @@ class HostSyncSampler:
         import torch
 
         for name in TENSOR_READS:
-            self._replace(torch.Tensor, name, self._timed_read(getattr(torch.Tensor, name), name))
-        self._replace(torch.cuda, "synchronize", self._timed_synchronize(torch.cuda.synchronize))
-
-    def _replace(self, owner: Any, name: str, replacement: Any) -> None:
-        own = owner.__dict__.get(name, _ABSENT)
-        setattr(owner, name, replacement)
-        self._undo.append(lambda: delattr(owner, name) if own is _ABSENT else setattr(owner, name, own))
-
-    def _remove(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+            self._wrappers.replace(torch.Tensor, name, self._timed_read(getattr(torch.Tensor, name), name))
+        self._wrappers.replace(torch.cuda, "synchronize", self._timed_synchronize(torch.cuda.synchronize))
 
     def _timed_read(self, original: Any, name: str) -> Any:
         sampler, on_device, compiler = self, self._on_device, self._compiler
@@ -133,7 +125,7 @@ class HostSyncSampler:
 
         timed.__wrapped__ = original  # type: ignore[attr-defined]
         timed.__name__, timed.__doc__ = name, original.__doc__
-        _run_eagerly_under_dynamo(timed, callees_too=True)
+        run_eagerly_under_dynamo(timed, callees_too=True)
         return timed
 
     def _timed_synchronize(self, original: Any) -> Any:
@@ -148,7 +140,7 @@ class HostSyncSampler:
 
         synchronize.__wrapped__ = original  # type: ignore[attr-defined]
         synchronize.__doc__ = original.__doc__
-        _run_eagerly_under_dynamo(synchronize, callees_too=True)
+        run_eagerly_under_dynamo(synchronize, callees_too=True)
         return synchronize
 
     def _note(self, call: str, wait_ns: int, frame: Any) -> None:
@@ -167,9 +159,6 @@ class HostSyncSampler:
                 counted[1] += wait_ns
         except Exception:  # never the user's problem
             log.debug("traceml: a host sync was not counted", exc_info=True)
-
-
-_ABSENT = object()
 
 
 def next_sample_start(step_index: int) -> int:

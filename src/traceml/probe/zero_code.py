@@ -6,7 +6,7 @@ imports traceml is still traced, with steps inferred from `optimizer.step()` (or
 Nothing is made until the script first calls a module with parameters to train: that module
 is the model, its device says CUDA events or the host clock, and the script may still call
 trace_step itself, which then decides the steps as usual. Until that call nn.Module's call
-method waits for it (phases.on_first_module_call), and that is all there is.
+method waits for it (patches/first_call.py), and that is all there is.
 """
 from __future__ import annotations
 
@@ -73,13 +73,14 @@ class _ImportTimer(_import_timer_base()):  # type: ignore[misc]
 
 
 def _start_at_first_module_call() -> None:
-    from traceml.probe import phases, process, step
+    from traceml.probe import process, step
+    from traceml.probe.patches.first_call import trainable
 
     def start(module: Any) -> None:
         if step._probe is None:  # else trace_step came first: the script traces itself
             process.infer_steps(device_of=module, model=module)
 
-    phases.on_first_module_call(start, wanted=phases.trainable)
+    process.first_call.arm(start, wanted=trainable)
 
 
 def main(argv: List[str]) -> None:

@@ -1,4 +1,5 @@
-"""Evaluation between steps: a stretch with gradients off in which the model runs.
+"""Evaluation between steps: a stretch with gradients off in which the model runs, seen from
+torch's grad-mode managers, Module.eval and Hugging Face Trainer's evaluate and predict.
 
 A region is a `with` block or a decorated function of torch.no_grad, torch.inference_mode or
 torch.set_grad_enabled(False), entered between steps on the training thread; the outermost
@@ -28,16 +29,17 @@ sets), both looked up by torch at each call; and, should neither be found, at ea
 start. A region whose first module is compiled code is evaluation only if a traced model is
 called in it.
 """
-from __future__ import annotations
-
 import functools
 import logging
 import os
 import sys
 import weakref
 from threading import get_ident
-from typing import Any, Callable, Iterable, List, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Tuple
 
+from traceml.probe.patches.dynamo import compiling
+from traceml.probe.patches.imports import WhenImported
+from traceml.probe.patches.patch import Patch
 from traceml.probe.step import CHECKPOINT_BETWEEN_NS, EVAL_NS, INPUT_WAIT_GAP_NS, StepProbe, _now_ns
 
 log = logging.getLogger("traceml")
@@ -60,15 +62,14 @@ def of_the_model(module: Any, model: Any) -> bool:
     return any(id(parameter) in held for parameter in own) or _shapes(own) in _shapes(model_parameters)
 
 
-class EvaluationRegions:
+class EvaluationRegions(Patch):
     """The region open between steps, if any, and whether the model has run in it."""
 
-    def __init__(self, probe: StepProbe, traced_models: Callable[[], List[Any]]):
-        import torch
-        from torch.nn.modules import module as torch_module
-
-        self.probe = probe
+    def __init__(self, probe: StepProbe, when_imported: WhenImported, traced_models: Callable[[], List[Any]]):
+        super().__init__(probe)
+        self.when_imported = when_imported
         self.traced_models = traced_models
+        self.active = False  # installed: a traced model's call between steps reports to it
         self.owner: Any = None  # the context manager (or the model call) whose region is open
         self.qualified = False  # the model ran in it: evaluation
         self._step = -1  # the step index it opened at: a step started since drops it
@@ -76,15 +77,50 @@ class EvaluationRegions:
         # Where a region closing in the same window extends the evaluation from: (the window,
         # its input wait, saves and evaluation then, when, whether a region closed then).
         self._last_closed: tuple = (None,)
-        self._register_hook = torch_module.register_module_forward_pre_hook
         self._hook: Any = None  # the global pre-hook's handle, while it waits for a first module
         self._swapped: List[Tuple[Any, str, Any, Any]] = []  # (module, name, torch's, ours) meanwhile
-        self._is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-        self._grad_enabled = torch.is_grad_enabled
         self._process = os.getpid()
         # module -> of the model's kind; made anew when the traced models change
         self._verdicts: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
         self._verdicts_for: tuple = ()
+
+    def install(self) -> None:
+        """Time no-grad regions between steps in which the model runs as evaluation: torch's
+        grad-mode context managers' enter and exit, on their classes, and Module.eval."""
+        import torch
+        from torch.autograd import grad_mode
+        from torch.nn.modules import module as torch_module
+
+        self._register_hook = torch_module.register_module_forward_pre_hook
+        self._is_compiling = compiling()
+        self._grad_enabled = torch.is_grad_enabled
+        for manager in (grad_mode.no_grad, grad_mode.inference_mode, grad_mode.set_grad_enabled):
+            self.replace(manager, "__enter__", self.entering(manager.__enter__))
+            self.replace(manager, "__exit__", self.leaving(manager.__exit__))
+        self.replace(torch.nn.Module, "eval", self.eval_called(torch.nn.Module.eval))
+        self.active = True
+        self.when_imported("torch._dynamo.callback", self._stop_watching_at_compilations)
+        self.on_remove(self.stop)
+        self.when_imported("transformers.trainer", self._not_training_in_trainer_evaluation)
+
+    def _stop_watching_at_compilations(self, callbacks: Any) -> None:
+        """What torch compiles is traced with no hook in place (see the module's text)."""
+        handler = callbacks.callback_handler
+        handler.register_start_callback(self.compilation_started)
+
+        def remove() -> None:
+            try:
+                handler.remove_start_callback(self.compilation_started)
+            except ValueError:  # torch._dynamo.reset() took it out already
+                pass
+
+        self.on_remove(remove)
+
+    def _not_training_in_trainer_evaluation(self, module: Any) -> None:
+        """Hugging Face Trainer's evaluation fetches its batches with gradients on: its DataLoader
+        waits are evaluation, not the training's input, with or without the integration."""
+        for name, wrapped in evaluation_wrapped(module.Trainer).items():
+            self.replace(module.Trainer, name, wrapped)
 
     # -- the context managers' __enter__ and __exit__ ------------------------------------------
     def entering(self, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -252,5 +288,32 @@ class EvaluationRegions:
 
     def stop(self) -> None:
         """TraceML is taken out: no region open, no hook left behind."""
-        self.owner, self._last_closed = None, (None,)
+        self.active, self.owner, self._last_closed = False, None, (None,)
         self._stop_watching()
+
+
+def evaluation_wrapped(trainer_class: Any) -> Dict[str, Callable[..., Any]]:
+    """Trainer's evaluation entry points (evaluate, predict) that are not wrapped yet, wrapped
+    (init() sets them for good; zero-code mode for as long as the run is traced)."""
+    return {name: not_training(getattr(trainer_class, name)) for name in ("evaluate", "predict")
+            if not getattr(getattr(trainer_class, name), "_traceml_not_training", False)}
+
+
+def not_training(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap an evaluation entry point: all of it is evaluation (the model's calls, the loader's
+    waits, Trainer's own work around them), none of it the training's input wait."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from traceml.probe import step
+
+        probe = step._probe
+        if probe is None or not probe.evaluation_begin():
+            return method(*args, **kwargs)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            probe.evaluation_end()
+
+    wrapper._traceml_not_training = True  # type: ignore[attr-defined]
+    return wrapper
