@@ -472,7 +472,9 @@ def test_under_ddp_the_rank_that_has_not_arrived_is_named_not_the_one_in_backwar
     finally:
         returncode = run.stop()
     assert returncode == 1  # torch.distributed.run's own under SIGTERM
-    assert re.search(r"on ranks 0, 1: rank 1 is in its own code at hang_loop\.py:\d+ load_shard "
+    # Rank 1 stops a moment after rank 0; on a loaded machine the line may come before rank 1
+    # is past its own allowance, and then lists rank 0 alone as stalled, rank 1 named all the same.
+    assert re.search(r"on (?:rank 0|ranks 0, 1): rank 1 is in its own code at hang_loop\.py:\d+ load_shard "
                      rf"\({phase}\); rank 0 waits in DDP's all_reduce from backward at hang_loop\.py:\d+ main "
                      r"for \d+ s; rank 1 has issued 1 collective fewer than rank 0", line), line
     summary = run.summary()
