@@ -22,7 +22,7 @@
 #     next, model call, backward, optimizer before/after, tensor.to; inferred steps, spans,
 #     log_scalar), BROKEN_STEP (bookkeeping faults), SPAN_TIMES (span, SpanTotal), IDLE_CALLS
 #     (the timers outside the steps), FAULT_IN_ENTER under `traceml run --deep` (zero-code,
-#     ImportTimer, a fault in __enter__ from the model's timer; the script runs in a fork of
+#     the import timer, a fault in __enter__ from the model's timer; the script runs in a fork of
 #     the launcher, so under valgrind too), SPAN_TOTALS_CHURN (SpanTotal's type references);
 #   - faults_plain, faults_run: train_loop.py as tests/test_faults.py runs it, plain python
 #     (rank 0 starts the collector) and under `traceml run`.
@@ -33,7 +33,7 @@
 #   A case fails on: any invalid read/write/free left after scripts/valgrind-python.supp,
 #   anywhere; any other error, or definitely-lost block, made by _fastpath (its stack, for a
 #   leak the allocation's, reaches a _fastpath frame before any Python frame: errors in Python
-#   code the extension merely called, such as the imports ImportTimer times, are not its own);
+#   code the extension merely called, such as a user's forward, are not its own);
 #   its process not exiting 0 or lacking its expected line.
 # Part 2, `python -X dev` with PYTHONMALLOC=debug (and PYTHONDEVMODE=1, so that the tests'
 #   subprocesses get both): tests/test_fastpath.py whole, and the tests of tests/test_faults.py

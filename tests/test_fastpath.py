@@ -473,7 +473,7 @@ with tracer.trace("churn"):
     made = type(step._probe.span_totals["load"]) is totals_type
 gc.collect()
 assert sys.getrefcount(totals_type) == before, (sys.getrefcount(totals_type), before)
-for name in ("ProbeState", "Timer", "TraceState", "SpanTotal", "ImportTimer"):
+for name in ("ProbeState", "Timer", "TraceState", "SpanTotal"):
     delattr(_fastpath, name)  # the module's own references go: each type keeps the ones it owns
 del totals_type
 gc.collect()

@@ -12,8 +12,7 @@
  *
  * Inferred steps (zero-code mode, the Trace API) end at the optimizer's step once its turn is
  * known, here too; and the Trace API's span and log_scalar of a float have their C short
- * paths in TraceState, the base class of tracer.Trace. ImportTimer times a script's module
- * loads for zero-code mode without a Python frame per load.
+ * paths in TraceState, the base class of tracer.Trace.
  *
  * Nothing here may fail the user's call: bookkeeping that fails is dropped (its error cleared),
  * and an exception from the wrapped call leaves exactly as it came.
@@ -22,11 +21,6 @@
 #include <Python.h>
 #include <structmember.h>
 #include <time.h>
-
-#if PY_VERSION_HEX < 0x030A0000  /* Python 3.9 */
-static inline PyObject *new_reference(PyObject *object) { Py_INCREF(object); return object; }
-#define Py_NewRef(object) new_reference((PyObject *)(object))
-#endif
 
 /* The slots of a step's and a window's lists (H2D .. FAILED_PHASE, GC_NS .. INPUT_WAIT_GAP_NS),
  * generated from layout.py by setup.py; the module says them back (LAYOUT) and step.py uses it
@@ -843,7 +837,6 @@ enum { NEXT, MODEL_CALL, BACKWARD_CALL, OPTIMIZER_BEFORE, OPTIMIZER_AFTER, TENSO
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
-    int kind;
     PyObject *original;      /* what the patch replaced */
     PyObject *general;       /* the Python patch: every call off the fast path */
     PyObject *probe;         /* a ProbeState (MODEL_CALL: None, the model's own is found per call) */
@@ -1162,7 +1155,6 @@ timer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (self == NULL)
         return NULL;
     self->vectorcall = timer_kinds[kind];
-    self->kind = kind;
     PyObject **fields[] = {&self->original, &self->general, &self->probe, &self->models, &self->grad_enabled,
                            &self->tensor_type, &self->batch_size};
     PyObject *values[] = {original, general, probe, models, grad_enabled, tensor_type, batch_size};
@@ -1528,107 +1520,6 @@ static PyTypeObject SpanType = {
     .tp_methods = span_methods,
 };
 
-/* ---- ImportTimer: importlib's _find_and_load while a script starts ------------------------ */
-
-/* Times one thread's outermost module loads (zero_code's _ImportTimer, in front of importlib's
- * _find_and_load: every import statement, importlib.import_module and __import__ that loads a
- * module goes through it). In C because a Python wrapper adds a frame to every load, nested ones
- * included: besides its own cost, that deepens the import machinery's frames, and CPython 3.11
- * maps and unmaps a frame stack chunk each time a call crosses a chunk's end (thousands of times
- * while torch imports: ~50 ms). */
-typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    PyObject *original;      /* the _find_and_load it stands in front of */
-    unsigned long thread;    /* the one thread timed (the script's main thread) */
-    int depth;
-    long long total_ns;
-    long long slowest_ns;
-    PyObject *slowest_name;  /* the module of the slowest load */
-} ImportTimer;
-
-static PyObject *
-import_timer_call(ImportTimer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
-{
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (self->depth || PyThread_get_thread_ident() != self->thread || nargs < 1)
-        return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
-    self->depth = 1;
-    long long start_ns = now_ns();
-    PyObject *result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
-    long long elapsed_ns = now_ns() - start_ns;
-    self->depth = 0;
-    self->total_ns += elapsed_ns;
-    if (elapsed_ns > self->slowest_ns) {
-        self->slowest_ns = elapsed_ns;
-        Py_XSETREF(self->slowest_name, Py_NewRef(args[0]));
-    }
-    return result;
-}
-
-static PyObject *
-import_timer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
-{
-    PyObject *original;
-    if (!PyArg_ParseTuple(args, "O", &original))
-        return NULL;
-    ImportTimer *self = (ImportTimer *)type->tp_alloc(type, 0);
-    if (self == NULL)
-        return NULL;
-    self->vectorcall = (vectorcallfunc)import_timer_call;
-    self->original = Py_NewRef(original);
-    self->thread = PyThread_get_thread_ident();
-    self->slowest_name = Py_NewRef(Py_None);
-    return (PyObject *)self;
-}
-
-static int
-import_timer_traverse(ImportTimer *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->original);
-    Py_VISIT(self->slowest_name);
-    return 0;
-}
-
-static int
-import_timer_clear(ImportTimer *self)
-{
-    Py_CLEAR(self->original);
-    Py_CLEAR(self->slowest_name);
-    return 0;
-}
-
-static void
-import_timer_dealloc(ImportTimer *self)
-{
-    PyObject_GC_UnTrack(self);
-    import_timer_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyMemberDef import_timer_members[] = {
-    {"original", T_OBJECT, offsetof(ImportTimer, original), READONLY, NULL},
-    {"total_ns", T_LONGLONG, offsetof(ImportTimer, total_ns), READONLY, NULL},
-    {"slowest_ns", T_LONGLONG, offsetof(ImportTimer, slowest_ns), READONLY, NULL},
-    {"slowest_name", T_OBJECT, offsetof(ImportTimer, slowest_name), READONLY, NULL},
-    {NULL},
-};
-
-static PyTypeObject ImportTimerType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "traceml.probe._fastpath.ImportTimer",
-    .tp_doc = "ImportTimer(original _find_and_load): times this thread's outermost module loads.",
-    .tp_basicsize = sizeof(ImportTimer),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_vectorcall_offset = offsetof(ImportTimer, vectorcall),
-    .tp_call = PyVectorcall_Call,
-    .tp_new = import_timer_new,
-    .tp_traverse = (traverseproc)import_timer_traverse,
-    .tp_clear = (inquiry)import_timer_clear,
-    .tp_dealloc = (destructor)import_timer_dealloc,
-    .tp_members = import_timer_members,
-};
-
 static PyObject *
 fast_now_ns(PyObject *module, PyObject *unused)
 {
@@ -1722,8 +1613,7 @@ PyInit__fastpath(void)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
             return NULL;
     if (PyType_Ready(&ProbeStateType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&TraceStateType) < 0
-            || PyType_Ready(&SpanType) < 0 || PyType_Ready(&SpanTotalType) < 0
-            || PyType_Ready(&ImportTimerType) < 0)
+            || PyType_Ready(&SpanType) < 0 || PyType_Ready(&SpanTotalType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&fastpath_module);
     if (module == NULL)
@@ -1740,13 +1630,11 @@ PyInit__fastpath(void)
     Py_INCREF(&ProbeStateType);
     Py_INCREF(&TimerType);
     Py_INCREF(&TraceStateType);
-    Py_INCREF(&ImportTimerType);
     Py_INCREF(&SpanTotalType);  /* AddObject steals one; static types are not immortal before 3.12 */
     if (PyModule_AddObject(module, "ProbeState", (PyObject *)&ProbeStateType) < 0
             || PyModule_AddObject(module, "Timer", (PyObject *)&TimerType) < 0
             || PyModule_AddObject(module, "TraceState", (PyObject *)&TraceStateType) < 0
             || PyModule_AddObject(module, "SpanTotal", (PyObject *)&SpanTotalType) < 0
-            || PyModule_AddObject(module, "ImportTimer", (PyObject *)&ImportTimerType) < 0
             || PyModule_AddIntConstant(module, "VERSION", LAYOUT_VERSION) < 0
             || PyModule_AddObject(module, "LAYOUT", layout_of()) < 0
             || PyModule_AddIntConstant(module, "NEXT", NEXT) < 0
