@@ -305,6 +305,98 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
     assert 20.0 - 15.0 <= (window_end_ns - start_ns) / 1e6 - fields["step_ms"] <= 18.0 + 19.0
 
 
+class _FullSender:
+    """A sender with no room: every span total goes through its own push_span, in Python."""
+
+    capacity, _buffer, _spans, ledger = 0, (), (), None
+
+    def __init__(self, on_push):
+        self.pushed, self.on_push = [], on_push
+
+    def push_span(self, ended):
+        self.pushed.append(ended)
+        self.on_push()
+
+
+def test_a_span_total_goes_to_the_probes_dict_as_it_is_after_a_full_buffers_push():
+    """A span's call in a later step hands the earlier total to the sender; with the buffer full
+    that is the sender's push_span, in Python, where another thread may swap the probe's dict
+    of totals (flush_spans at the run's end). The new total goes to the dict the probe holds
+    then (as span_done does), never to the one it let go of."""
+    from traceml.probe.step import StepProbe
+    from traceml.probe.tracer import Trace
+
+    sender = _FullSender(on_push=lambda: setattr(probe, "span_totals", {}))  # the old dict is freed here
+    probe = StepProbe(sender)
+    tracer = Trace()
+    tracer._probe = probe
+    with tracer.span("load"):
+        pass
+    probe.step_index = 2  # a later step: its first call hands step 1's total over
+    with tracer.span("load"):
+        pass
+    assert [(name, total.step, total.calls) for name, total in sender.pushed] == [("load", 0, 1)]
+    assert [(name, total.step, total.calls) for name, total in probe.span_totals.items()] == [("load", 1, 1)]
+    assert step.fast_path is None or step.fast_path.faults() == 0
+
+
+def test_a_probe_lets_its_sender_go():
+    """Once a probe and its sender are dropped nothing keeps the sender alive (its buffer,
+    its queues), whichever path pushed to it last: steps, a span's total and a scalar."""
+    import gc
+    import weakref
+
+    from test_records import hello
+
+    from traceml.probe.sender import Sender
+    from traceml.probe.step import StepProbe
+    from traceml.probe.tracer import Trace
+
+    sender = Sender(hello(), address="127.0.0.1:1", feed_of=StepProbe)
+    tracer = Trace()
+    tracer._probe = probe = sender.feed
+    for _ in range(3):
+        with probe:
+            with tracer.span("load"):
+                pass
+        tracer.log_scalar("loss", 1.5)
+    sender._take_ended_steps()
+    assert len(sender._buffer) >= 3 and len(sender._spans) == 2
+    gone = weakref.ref(sender)
+    del sender, probe, tracer
+    gc.collect()
+    assert gone() is None
+
+
+@compiled
+def test_the_models_call_runs_when_its_timer_has_no_memory_for_its_bookkeeping():
+    """The model's timer makes one object before it knows whether the model is traced (its key
+    in the traced models); without memory for it, the call still runs (through Python's patch)
+    and the fault costs the figure only."""
+    import _testcapi
+
+    from traceml.probe.step import fast_path
+
+    ran = []
+
+    def original(model, batch):  # the user's model's call
+        ran.append(batch)
+        return "output"
+
+    def general(model, *args, **kwargs):  # Python's patch: calls the original for an untraced model
+        return original(model, *args, **kwargs)
+
+    timer = fast_path.Timer(fast_path.MODEL_CALL, original, general, models={})
+    model, faults = object(), fast_path.faults()
+    _testcapi.set_nomemory(0, 1)  # the next allocation fails: the timer's key of the model
+    try:
+        output = timer(model, "batch")
+    finally:
+        _testcapi.remove_mem_hooks()
+    assert (output, ran) == ("output", ["batch"])
+    assert fast_path.faults() == faults + 1
+
+
 SPAN_TIMES = """
 import json, time, torch, traceml
 from torch import nn
