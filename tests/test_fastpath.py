@@ -248,10 +248,11 @@ def test_steps_ended_by_either_path_reach_the_sender_in_order_with_their_figures
     assert [record.start_unix_s for record in records] == [probe.unix_s(start) for start in starts_ns]
 
 
-def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
-    """The compiled end copies a step's figures out of its lists (then zeroed for the next
+def test_a_step_keeps_every_figure_on_its_way_to_the_sender(monkeypatch):
+    """The compiled end copies a plain step's figures out of its lists (then zeroed for the next
     step) and makes its StepRecord on the sender's thread by record_from's arithmetic: each
-    figure lands in its own field, as record_from puts it."""
+    figure lands in its own field, as record_from puts it. Where the compiled timers are used,
+    the step takes their path (record_from never runs); on the Python path, record_from's."""
     from types import SimpleNamespace
 
     from test_records import hello
@@ -263,13 +264,18 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
     sender = Sender(hello(), address="127.0.0.1:1", thread_cpu=ThreadCpu.of_this_thread(),
                     feed_of=lambda sender: StepProbe(sender, host_rss=SimpleNamespace(latest_bytes=123_456_789)))
     probe = sender.feed
-    probe.comm_timed = True
+    made_by_python = []
+    record_from = StepProbe.record_from
+    monkeypatch.setattr(StepProbe, "record_from", lambda self, ending: made_by_python.append(ending.closed.step)
+                        or record_from(self, ending))
+    probe.due_step = float("inf")  # no work due at the next start (the ledger's first reading)
     ms = 1_000_000
     with probe:
         start_ns = probe._step_start_ns
-        # h2d, forward, backward, optimizer, input wait inside, forward calls, samples, tokens, comm wait,
-        # of it in forward and in the optimizer
-        for index, value in enumerate([1 * ms, 2 * ms, 3 * ms, 4 * ms, 5 * ms, 6, 7, 8, 9 * ms, 2 * ms, 1 * ms]):
+        assert probe.plain  # no deep-dive, no collective wait timed: the step the compiled path ends
+        # h2d, forward, backward, optimizer, input wait inside, forward calls, samples, tokens (a plain
+        # step times no collective wait: those slots stay 0)
+        for index, value in enumerate([1 * ms, 2 * ms, 3 * ms, 4 * ms, 5 * ms, 6, 7, 8]):
             probe.sums[index] += value
         probe.sums[REAL_TOKENS] = 10
         time.sleep(0.02)  # the step outlasts its phases: the rest is untraced
@@ -282,6 +288,7 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
         assert probe.sums[:TOKEN_COPIES] == [0] * REAL_TOKENS + [None] and probe.window == [0] * len(probe.window)
     sender._take_ended_steps()
     (record,) = _step_records(probe, sender._buffer)
+    assert made_by_python == ([] if step.fast_path is not None else [0])  # the path this build takes
     fields = {name: getattr(record, name) for name in record.__struct_fields__}
     untraced_ms, outside_ms = fields.pop("untraced_ms"), fields.pop("outside_ms")
     # Stamped by the sender from this thread's counts (Linux), within the step.
@@ -294,10 +301,10 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
         input_wait_ms=(5 * ms + 1) / 1e6, h2d_ms=1.0, forward_ms=2.0, backward_ms=3.0, optimizer_ms=4.0,
         gc_ms=11.0, gc_collections=12, forward_calls=6, samples=7, device_timed=False, gpu_idle_ms=None,
         device_allocated_bytes=None, device_peak_bytes=None, device_reserved_bytes=None,
-        host_rss_bytes=123_456_789, comm_wait_ms=9.0, gc_max_pause_ms=13.0, gc_full_collections=14,
+        host_rss_bytes=123_456_789, comm_wait_ms=None, gc_max_pause_ms=13.0, gc_full_collections=14,
         gc_gen0_ms=15.0, gc_gen1_ms=16.0, gc_gen2_ms=17.0, tokens=8, real_tokens=10, eval_ms=18.0,
-        checkpoint_ms=19.0, instrumented=False, compile_ms=20.0, forward_comm_wait_ms=2.0,
-        optimizer_comm_wait_ms=1.0)
+        checkpoint_ms=19.0, instrumented=False, compile_ms=20.0, forward_comm_wait_ms=0.0,
+        optimizer_comm_wait_ms=0.0)
     # The step's end splits the rest: untraced inside the block, outside after it; the planned
     # work is beside the step, as much of it as the block's rest (the save) and the gap after it
     # (the evaluation) held: at least the 5 ms the block outlasted its phases.
