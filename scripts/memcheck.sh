@@ -17,8 +17,8 @@
 #   each case runs as `python SCRIPT` / `python -m MODULE` would, with its own cwd and run dir:
 #   - inprocess: the in-process tests of tests/test_fastpath.py, through pytest (ProbeState's
 #     __enter__/__exit__, the ring, drain_steps, _closed/_unconfirmed, a full buffer, a span's
-#     push to a full sender that swaps the probe's dict of totals, a sender let go of, the
-#     model's timer without memory);
+#     push to a full sender that swaps the probe's dict of totals, a drop while the steps are
+#     taken, a sender let go of, the model's timer without memory);
 #   - the scripts the subprocess tests of tests/test_fastpath.py run, read from the test module
 #     so they stay the tests' own: shapes_loop.py and inferred_shapes_loop.py (every Timer kind:
 #     next, model call, backward, optimizer before/after, tensor.to; inferred steps, spans,
@@ -108,11 +108,12 @@ def cases(work, root):
                   "test_steps_ended_by_either_path_reach_the_sender_in_order_with_their_figures",
                   "test_a_step_keeps_every_figure_on_its_way_to_the_sender",
                   "test_a_span_total_goes_to_the_probes_dict_as_it_is_after_a_full_buffers_push",
+                  "test_a_step_dropped_while_the_sender_takes_the_steps_is_counted",
                   "test_a_probe_lets_its_sender_go",
                   "test_the_models_call_runs_when_its_timer_has_no_memory_for_its_bookkeeping"]
     return {
         "inprocess": (["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-o", "timeout=0",
-                       *(f"{tests}::{test}" for test in in_process)], r" 7 passed"),
+                       *(f"{tests}::{test}" for test in in_process)], r" 8 passed"),
         "shapes": ([f"{scripts}/shapes_loop.py"], r'"compiled": true'),
         "inferred": ([f"{scripts}/inferred_shapes_loop.py"], r'"compiled": true'),
         "broken_step": ([f"{payloads}/BROKEN_STEP.py"], r'^\{"faults": 4, "grad": true\}$'),

@@ -1,6 +1,7 @@
 """The compiled timers (probe/_fastpath.c) against the Python patches they stand in for: built
 and used where a compiler is, the same figures on every shape of loop, and a fault in their
 bookkeeping costs a figure, never the user's call."""
+import collections
 import json
 import os
 import sqlite3
@@ -315,9 +316,10 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender(monkeypatch):
 class _FullSender:
     """A sender with no room: every span total goes through its own push_span, in Python."""
 
-    capacity, _buffer, _spans, ledger = 0, (), (), None
+    capacity, ledger = 0, None
 
     def __init__(self, on_push):
+        self._buffer, self._spans = collections.deque(), collections.deque()
         self.pushed, self.on_push = [], on_push
 
     def push_span(self, ended):
@@ -345,6 +347,37 @@ def test_a_span_total_goes_to_the_probes_dict_as_it_is_after_a_full_buffers_push
     assert [(name, total.step, total.calls) for name, total in sender.pushed] == [("load", 0, 1)]
     assert [(name, total.step, total.calls) for name, total in probe.span_totals.items()] == [("load", 1, 1)]
     assert step.fast_path is None or step.fast_path.faults() == 0
+
+
+def test_a_step_dropped_while_the_sender_takes_the_steps_is_counted():
+    """The sender's thread takes the ended steps and how many were dropped; making what it
+    returns can run the garbage collector, whose callbacks (or the training thread, meanwhile)
+    may drop another step on a full buffer. That drop is counted in this call or the next,
+    never lost. With a collection on nearly every allocation, each collection drops one."""
+    import gc
+
+    from traceml.probe.step import StepProbe
+
+    probe = StepProbe(_FullSender(on_push=lambda: None))
+    made = []
+
+    def drop_one(phase, info):
+        if phase == "start":
+            probe.publish_ended(None)  # the buffer is full: dropped and counted, never looked at
+            made.append(phase)
+
+    threshold, taken = gc.get_threshold(), []
+    gc.set_threshold(1)
+    gc.callbacks.append(drop_one)
+    try:
+        for _ in range(300):
+            taken.append(probe.drain_steps())  # kept: their tuples stay off the free list
+    finally:
+        gc.callbacks.remove(drop_one)
+        gc.set_threshold(*threshold)
+    taken.append(probe.drain_steps())
+    assert made and sum(dropped for steps, dropped in taken) == len(made)
+    assert not any(steps for steps, dropped in taken)
 
 
 def test_a_probe_lets_its_sender_go():
