@@ -1305,32 +1305,34 @@ add_span_call(ProbeState *state, PyObject *name, long long start_ns, long long e
             PyErr_SetString(PyExc_TypeError, "traceml: the probe has no span totals");
             return -1;
         }
-        PyObject *held = PyDict_GetItemWithError(totals, name);  /* borrowed: used before any Python runs */
-        if (held == NULL && PyErr_Occurred())
-            return -1;
-        if (held != NULL && Py_IS_TYPE(held, &SpanTotalType) && ((SpanTotal *)held)->step == step) {
+        Py_INCREF(totals);  /* held: a name's hash may run Python too */
+        PyObject *held = PyDict_GetItemWithError(totals, name), *ended = NULL;
+        int done = held == NULL && PyErr_Occurred() ? -1 : 1;  /* 1: not yet */
+        if (done == 1 && held != NULL && Py_IS_TYPE(held, &SpanTotalType) && ((SpanTotal *)held)->step == step) {
             ((SpanTotal *)held)->total_ns += end_ns - start_ns;
             ((SpanTotal *)held)->calls++;
-            return 0;
-        }
-        if (held == NULL || pushed) {
+            done = 0;
+        } else if (done == 1 && (held == NULL || pushed)) {
             SpanTotal *total = PyObject_New(SpanTotal, &SpanTotalType);
-            if (total == NULL)
-                return -1;
-            total->step = step;
-            total->start_ns = start_ns;
-            total->total_ns = end_ns - start_ns;
-            total->calls = 1;
-            int stored = PyDict_SetItem(totals, name, (PyObject *)total);
-            Py_DECREF(total);
-            return stored;
+            if (total != NULL) {
+                total->step = step;
+                total->start_ns = start_ns;
+                total->total_ns = end_ns - start_ns;
+                total->calls = 1;
+            }
+            done = total == NULL ? -1 : PyDict_SetItem(totals, name, (PyObject *)total);
+            Py_XDECREF(total);
+        } else if (done == 1) {
+            ended = PyTuple_Pack(2, name, held);
+            done = ended == NULL ? -1 : 1;
         }
-        PyObject *ended = PyTuple_Pack(2, name, held);
-        if (ended == NULL || push_to(state->sender ? state->sender : Py_None, str_spans, str_push_span, ended) < 0) {
-            Py_XDECREF(ended);
-            return -1;
-        }
+        Py_DECREF(totals);
+        if (done != 1)
+            return done;
+        done = push_to(state->sender ? state->sender : Py_None, str_spans, str_push_span, ended);
         Py_DECREF(ended);
+        if (done < 0)
+            return -1;
     }
 }
 
