@@ -16,13 +16,15 @@
 #   valgrind) and forks one child a case, MEMCHECK_JOBS at a time; valgrind follows forks, and
 #   each case runs as `python SCRIPT` / `python -m MODULE` would, with its own cwd and run dir:
 #   - inprocess: the in-process tests of tests/test_fastpath.py, through pytest (ProbeState's
-#     __enter__/__exit__, the ring, drain_steps, _closed/_unconfirmed, a full buffer);
+#     __enter__/__exit__, the ring, drain_steps, _closed/_unconfirmed, a full buffer, a span's
+#     push to a full sender that swaps the probe's dict of totals, a drop while the steps are
+#     taken, a sender let go of, the model's timer without memory);
 #   - the scripts the subprocess tests of tests/test_fastpath.py run, read from the test module
 #     so they stay the tests' own: shapes_loop.py and inferred_shapes_loop.py (every Timer kind:
 #     next, model call, backward, optimizer before/after, tensor.to; inferred steps, spans,
 #     log_scalar), BROKEN_STEP (bookkeeping faults), SPAN_TIMES (span, SpanTotal), IDLE_CALLS
 #     (the timers outside the steps), FAULT_IN_ENTER under `traceml run --deep` (zero-code,
-#     ImportTimer, a fault in __enter__ from the model's timer; the script runs in a fork of
+#     the import timer, a fault in __enter__ from the model's timer; the script runs in a fork of
 #     the launcher, so under valgrind too), SPAN_TOTALS_CHURN (SpanTotal's type references);
 #   - faults_plain, faults_run: train_loop.py as tests/test_faults.py runs it, plain python
 #     (rank 0 starts the collector) and under `traceml run`.
@@ -33,7 +35,7 @@
 #   A case fails on: any invalid read/write/free left after scripts/valgrind-python.supp,
 #   anywhere; any other error, or definitely-lost block, made by _fastpath (its stack, for a
 #   leak the allocation's, reaches a _fastpath frame before any Python frame: errors in Python
-#   code the extension merely called, such as the imports ImportTimer times, are not its own);
+#   code the extension merely called, such as a user's forward, are not its own);
 #   its process not exiting 0 or lacking its expected line.
 # Part 2, `python -X dev` with PYTHONMALLOC=debug (and PYTHONDEVMODE=1, so that the tests'
 #   subprocesses get both): tests/test_fastpath.py whole, and the tests of tests/test_faults.py
@@ -104,10 +106,14 @@ def cases(work, root):
     in_process = ["test_the_compiled_timers_are_built_and_used",
                   "test_a_full_buffer_drops_and_counts_each_new_record_and_each_sender_has_its_own",
                   "test_steps_ended_by_either_path_reach_the_sender_in_order_with_their_figures",
-                  "test_a_step_keeps_every_figure_on_its_way_to_the_sender"]
+                  "test_a_step_keeps_every_figure_on_its_way_to_the_sender",
+                  "test_a_span_total_goes_to_the_probes_dict_as_it_is_after_a_full_buffers_push",
+                  "test_a_step_dropped_while_the_sender_takes_the_steps_is_counted",
+                  "test_a_probe_lets_its_sender_go",
+                  "test_the_models_call_runs_when_its_timer_has_no_memory_for_its_bookkeeping"]
     return {
         "inprocess": (["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-o", "timeout=0",
-                       *(f"{tests}::{test}" for test in in_process)], r" 4 passed"),
+                       *(f"{tests}::{test}" for test in in_process)], r" 8 passed"),
         "shapes": ([f"{scripts}/shapes_loop.py"], r'"compiled": true'),
         "inferred": ([f"{scripts}/inferred_shapes_loop.py"], r'"compiled": true'),
         "broken_step": ([f"{payloads}/BROKEN_STEP.py"], r'^\{"faults": 4, "grad": true\}$'),

@@ -1,6 +1,7 @@
 """The compiled timers (probe/_fastpath.c) against the Python patches they stand in for: built
 and used where a compiler is, the same figures on every shape of loop, and a fault in their
 bookkeeping costs a figure, never the user's call."""
+import collections
 import json
 import os
 import sqlite3
@@ -248,10 +249,11 @@ def test_steps_ended_by_either_path_reach_the_sender_in_order_with_their_figures
     assert [record.start_unix_s for record in records] == [probe.unix_s(start) for start in starts_ns]
 
 
-def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
-    """The compiled end copies a step's figures out of its lists (then zeroed for the next
+def test_a_step_keeps_every_figure_on_its_way_to_the_sender(monkeypatch):
+    """The compiled end copies a plain step's figures out of its lists (then zeroed for the next
     step) and makes its StepRecord on the sender's thread by record_from's arithmetic: each
-    figure lands in its own field, as record_from puts it."""
+    figure lands in its own field, as record_from puts it. Where the compiled timers are used,
+    the step takes their path (record_from never runs); on the Python path, record_from's."""
     from types import SimpleNamespace
 
     from test_records import hello
@@ -263,13 +265,18 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
     sender = Sender(hello(), address="127.0.0.1:1", thread_cpu=ThreadCpu.of_this_thread(),
                     feed_of=lambda sender: StepProbe(sender, host_rss=SimpleNamespace(latest_bytes=123_456_789)))
     probe = sender.feed
-    probe.comm_timed = True
+    made_by_python = []
+    record_from = StepProbe.record_from
+    monkeypatch.setattr(StepProbe, "record_from", lambda self, ending: made_by_python.append(ending.closed.step)
+                        or record_from(self, ending))
+    probe.due_step = float("inf")  # no work due at the next start (the ledger's first reading)
     ms = 1_000_000
     with probe:
         start_ns = probe._step_start_ns
-        # h2d, forward, backward, optimizer, input wait inside, forward calls, samples, tokens, comm wait,
-        # of it in forward and in the optimizer
-        for index, value in enumerate([1 * ms, 2 * ms, 3 * ms, 4 * ms, 5 * ms, 6, 7, 8, 9 * ms, 2 * ms, 1 * ms]):
+        assert probe.plain  # no deep-dive, no collective wait timed: the step the compiled path ends
+        # h2d, forward, backward, optimizer, input wait inside, forward calls, samples, tokens (a plain
+        # step times no collective wait: those slots stay 0)
+        for index, value in enumerate([1 * ms, 2 * ms, 3 * ms, 4 * ms, 5 * ms, 6, 7, 8]):
             probe.sums[index] += value
         probe.sums[REAL_TOKENS] = 10
         time.sleep(0.02)  # the step outlasts its phases: the rest is untraced
@@ -282,6 +289,7 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
         assert probe.sums[:TOKEN_COPIES] == [0] * REAL_TOKENS + [None] and probe.window == [0] * len(probe.window)
     sender._take_ended_steps()
     (record,) = _step_records(probe, sender._buffer)
+    assert made_by_python == ([] if step.fast_path is not None else [0])  # the path this build takes
     fields = {name: getattr(record, name) for name in record.__struct_fields__}
     untraced_ms, outside_ms = fields.pop("untraced_ms"), fields.pop("outside_ms")
     # Stamped by the sender from this thread's counts (Linux), within the step.
@@ -294,15 +302,139 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender():
         input_wait_ms=(5 * ms + 1) / 1e6, h2d_ms=1.0, forward_ms=2.0, backward_ms=3.0, optimizer_ms=4.0,
         gc_ms=11.0, gc_collections=12, forward_calls=6, samples=7, device_timed=False, gpu_idle_ms=None,
         device_allocated_bytes=None, device_peak_bytes=None, device_reserved_bytes=None,
-        host_rss_bytes=123_456_789, comm_wait_ms=9.0, gc_max_pause_ms=13.0, gc_full_collections=14,
+        host_rss_bytes=123_456_789, comm_wait_ms=None, gc_max_pause_ms=13.0, gc_full_collections=14,
         gc_gen0_ms=15.0, gc_gen1_ms=16.0, gc_gen2_ms=17.0, tokens=8, real_tokens=10, eval_ms=18.0,
-        checkpoint_ms=19.0, instrumented=False, compile_ms=20.0, forward_comm_wait_ms=2.0,
-        optimizer_comm_wait_ms=1.0)
+        checkpoint_ms=19.0, instrumented=False, compile_ms=20.0, forward_comm_wait_ms=0.0,
+        optimizer_comm_wait_ms=0.0)
     # The step's end splits the rest: untraced inside the block, outside after it; the planned
     # work is beside the step, as much of it as the block's rest (the save) and the gap after it
     # (the evaluation) held: at least the 5 ms the block outlasted its phases.
     assert untraced_ms >= 0.0 and outside_ms >= 0.0
     assert 20.0 - 15.0 <= (window_end_ns - start_ns) / 1e6 - fields["step_ms"] <= 18.0 + 19.0
+
+
+class _FullSender:
+    """A sender with no room: every span total goes through its own push_span, in Python."""
+
+    capacity, ledger = 0, None
+
+    def __init__(self, on_push):
+        self._buffer, self._spans = collections.deque(), collections.deque()
+        self.pushed, self.on_push = [], on_push
+
+    def push_span(self, ended):
+        self.pushed.append(ended)
+        self.on_push()
+
+
+def test_a_span_total_goes_to_the_probes_dict_as_it_is_after_a_full_buffers_push():
+    """A span's call in a later step hands the earlier total to the sender; with the buffer full
+    that is the sender's push_span, in Python, where another thread may swap the probe's dict
+    of totals (flush_spans at the run's end). The new total goes to the dict the probe holds
+    then (as span_done does), never to the one it let go of."""
+    from traceml.probe.step import StepProbe
+    from traceml.probe.tracer import Trace
+
+    sender = _FullSender(on_push=lambda: setattr(probe, "span_totals", {}))  # the old dict is freed here
+    probe = StepProbe(sender)
+    tracer = Trace()
+    tracer._probe = probe
+    with tracer.span("load"):
+        pass
+    probe.step_index = 2  # a later step: its first call hands step 1's total over
+    with tracer.span("load"):
+        pass
+    assert [(name, total.step, total.calls) for name, total in sender.pushed] == [("load", 0, 1)]
+    assert [(name, total.step, total.calls) for name, total in probe.span_totals.items()] == [("load", 1, 1)]
+    assert step.fast_path is None or step.fast_path.faults() == 0
+
+
+def test_a_step_dropped_while_the_sender_takes_the_steps_is_counted():
+    """The sender's thread takes the ended steps and how many were dropped; making what it
+    returns can run the garbage collector, whose callbacks (or the training thread, meanwhile)
+    may drop another step on a full buffer. That drop is counted in this call or the next,
+    never lost. With a collection on nearly every allocation, each collection drops one."""
+    import gc
+
+    from traceml.probe.step import StepProbe
+
+    probe = StepProbe(_FullSender(on_push=lambda: None))
+    made = []
+
+    def drop_one(phase, info):
+        if phase == "start":
+            probe.publish_ended(None)  # the buffer is full: dropped and counted, never looked at
+            made.append(phase)
+
+    threshold, taken = gc.get_threshold(), []
+    gc.set_threshold(1)
+    gc.callbacks.append(drop_one)
+    try:
+        for _ in range(300):
+            taken.append(probe.drain_steps())  # kept: their tuples stay off the free list
+    finally:
+        gc.callbacks.remove(drop_one)
+        gc.set_threshold(*threshold)
+    taken.append(probe.drain_steps())
+    assert made and sum(dropped for steps, dropped in taken) == len(made)
+    assert not any(steps for steps, dropped in taken)
+
+
+def test_a_probe_lets_its_sender_go():
+    """Once a probe and its sender are dropped nothing keeps the sender alive (its buffer,
+    its queues), whichever path pushed to it last: steps, a span's total and a scalar."""
+    import gc
+    import weakref
+
+    from test_records import hello
+
+    from traceml.probe.sender import Sender
+    from traceml.probe.step import StepProbe
+    from traceml.probe.tracer import Trace
+
+    sender = Sender(hello(), address="127.0.0.1:1", feed_of=StepProbe)
+    tracer = Trace()
+    tracer._probe = probe = sender.feed
+    for _ in range(3):
+        with probe:
+            with tracer.span("load"):
+                pass
+        tracer.log_scalar("loss", 1.5)
+    sender._take_ended_steps()
+    assert len(sender._buffer) >= 3 and len(sender._spans) == 2
+    gone = weakref.ref(sender)
+    del sender, probe, tracer
+    gc.collect()
+    assert gone() is None
+
+
+@compiled
+def test_the_models_call_runs_when_its_timer_has_no_memory_for_its_bookkeeping():
+    """The model's timer makes one object before it knows whether the model is traced (its key
+    in the traced models); without memory for it, the call still runs (through Python's patch)
+    and the fault costs the figure only."""
+    import _testcapi
+
+    from traceml.probe.step import fast_path
+
+    ran = []
+
+    def original(model, batch):  # the user's model's call
+        ran.append(batch)
+        return "output"
+
+    def general(model, *args, **kwargs):  # Python's patch: calls the original for an untraced model
+        return original(model, *args, **kwargs)
+
+    timer = fast_path.Timer(fast_path.MODEL_CALL, original, general, models={})
+    model, faults = object(), fast_path.faults()
+    _testcapi.set_nomemory(0, 1)  # the next allocation fails: the timer's key of the model
+    try:
+        output = timer(model, "batch")
+    finally:
+        _testcapi.remove_mem_hooks()
+    assert (output, ran) == ("output", ["batch"])
+    assert fast_path.faults() == faults + 1
 
 
 SPAN_TIMES = """
@@ -473,7 +605,7 @@ with tracer.trace("churn"):
     made = type(step._probe.span_totals["load"]) is totals_type
 gc.collect()
 assert sys.getrefcount(totals_type) == before, (sys.getrefcount(totals_type), before)
-for name in ("ProbeState", "Timer", "TraceState", "SpanTotal", "ImportTimer"):
+for name in ("ProbeState", "Timer", "TraceState", "SpanTotal"):
     delattr(_fastpath, name)  # the module's own references go: each type keeps the ones it owns
 del totals_type
 gc.collect()

@@ -185,22 +185,17 @@ def test_slow_startup_names_the_line_and_the_modules_imported():
     assert evidence["imports_s"] == 19.0 and evidence["setup_s"] == 2.5
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_the_import_timer_counts_every_module_load_wherever_it_is_made(tmp_path, monkeypatch, compiled):
+def test_the_import_timer_counts_every_module_load_wherever_it_is_made(tmp_path, monkeypatch):
     import importlib
 
-    from traceml.probe import step, zero_code
+    from traceml.probe import zero_code
 
-    if compiled and step.fast_path is None:
-        pytest.skip("the compiled timers are not built")
-    base = step.fast_path.ImportTimer if compiled else zero_code._PythonImportTimer
-    timer_class = type("Timer", (base,), {"stop": zero_code._ImportTimer.stop})
     (tmp_path / "walked_pkg").mkdir()
     (tmp_path / "walked_pkg" / "__init__.py").write_text("")
     (tmp_path / "walked_pkg" / "slow.py").write_text("import time\ntime.sleep(0.05)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     bootstrap = zero_code._bootstrap
-    timer = bootstrap._find_and_load = timer_class(bootstrap._find_and_load)
+    timer = bootstrap._find_and_load = zero_code._ImportTimer(bootstrap._find_and_load)
     try:
         importlib.import_module("walked_pkg.slow")  # not an import statement: a registry's walk
     finally:

@@ -1,5 +1,5 @@
-/* The plain step's phase timers in C: what phases.py's patches do on the common call, without
- * a Python frame. Optional: where this is not built, phases.py's Python does the same.
+/* The plain step's phase timers in C: what probe/patches/ does on the common call, without
+ * a Python frame. Optional: where this is not built, the patches' Python does the same.
  *
  * A plain step (see StepProbe.plain: host clock, no deep-dive sample, no DDP) times each phase
  * with two clock reads and one addition into the step's list of sums. Each Timer here does that
@@ -12,8 +12,7 @@
  *
  * Inferred steps (zero-code mode, the Trace API) end at the optimizer's step once its turn is
  * known, here too; and the Trace API's span and log_scalar of a float have their C short
- * paths in TraceState, the base class of tracer.Trace. ImportTimer times a script's module
- * loads for zero-code mode without a Python frame per load.
+ * paths in TraceState, the base class of tracer.Trace.
  *
  * Nothing here may fail the user's call: bookkeeping that fails is dropped (its error cleared),
  * and an exception from the wrapped call leaves exactly as it came.
@@ -22,11 +21,6 @@
 #include <Python.h>
 #include <structmember.h>
 #include <time.h>
-
-#if PY_VERSION_HEX < 0x030A0000  /* Python 3.9 */
-static inline PyObject *new_reference(PyObject *object) { Py_INCREF(object); return object; }
-#define Py_NewRef(object) new_reference((PyObject *)(object))
-#endif
 
 /* The slots of a step's and a window's lists (H2D .. FAILED_PHASE, GC_NS .. INPUT_WAIT_GAP_NS),
  * generated from layout.py by setup.py; the module says them back (LAYOUT) and step.py uses it
@@ -237,78 +231,43 @@ is_none(PyObject *value)
     return value == NULL || value == Py_None;
 }
 
-/* The sender push_record and push_span last appended for: its buffer (Records) and its spans'
- * queue (the (name, total) pairs its thread makes SpanRecords of), their bound appends and its
- * capacity (all fixed once a Sender is made), looked up again only when another sender comes. */
-static PyObject *known_sender, *known_buffer, *known_append, *known_spans, *known_spans_append;
-static Py_ssize_t known_capacity;
-
-static int
-know_sender(PyObject *sender)
+/* The sender's queue a record goes to while it has room (its buffer; a span's total, its
+ * spans' queue), and how many its buffer (for a span, with that queue) and `waiting` hold
+ * against its capacity. Looked up on each push and never kept, so nothing here holds a sender
+ * its probe has let go of. NULL, no error set, when full or when the sender has no such queue:
+ * its own push (which drops and counts) decides then. */
+static PyObject *
+queue_with_room(PyObject *sender, PyObject *queue_name, Py_ssize_t waiting, Py_ssize_t *buffered, Py_ssize_t *room)
 {
     PyObject *buffer = PyObject_GetAttr(sender, str_buffer);
-    PyObject *append = buffer ? PyObject_GetAttr(buffer, str_append) : NULL;
-    PyObject *spans = append ? PyObject_GetAttr(sender, str_spans) : NULL;
-    PyObject *spans_append = spans ? PyObject_GetAttr(spans, str_append) : NULL;
-    PyObject *capacity = spans_append ? PyObject_GetAttr(sender, str_capacity) : NULL;
-    Py_ssize_t room = capacity ? PyLong_AsSsize_t(capacity) : -1;
+    PyObject *queue = buffer == NULL ? NULL : queue_name == str_buffer ? Py_NewRef(buffer)
+        : PyObject_GetAttr(sender, queue_name);
+    PyObject *capacity = queue ? PyObject_GetAttr(sender, str_capacity) : NULL;
+    Py_ssize_t in_buffer = capacity ? PyObject_Size(buffer) : -1;
+    Py_ssize_t in_queue = in_buffer < 0 ? -1 : queue == buffer ? 0 : PyObject_Size(queue);
+    *room = in_queue < 0 ? -1 : PyLong_AsSsize_t(capacity);
+    *buffered = in_buffer;
+    Py_XDECREF(buffer);
     Py_XDECREF(capacity);
-    if (room < 0) {
-        Py_XDECREF(buffer);
-        Py_XDECREF(append);
-        Py_XDECREF(spans);
-        Py_XDECREF(spans_append);
+    if (*room < 0 || in_buffer + in_queue + waiting >= *room) {
         PyErr_Clear();
-        return -1;
+        Py_CLEAR(queue);
     }
-    Py_XSETREF(known_sender, Py_NewRef(sender));
-    Py_XSETREF(known_buffer, buffer);
-    Py_XSETREF(known_append, append);
-    Py_XSETREF(known_spans, spans);
-    Py_XSETREF(known_spans_append, spans_append);
-    known_capacity = room;
-    return 0;
+    return queue;
 }
 
-/* sender.push(record) without its Python frame: appended to the sender's buffer while it has
- * room. A full buffer (where push drops the record and counts it), or a sender without a
- * buffer, goes to push itself. -1 with an error set when the record could not be pushed. */
+/* sender.push(record), or with `queue_name` _spans sender.push_span(ended), without its Python
+ * frame while the sender has room; else its own method. -1 with an error set when not pushed. */
 static int
-push_record(PyObject *sender, PyObject *record)
+push_to(PyObject *sender, PyObject *queue_name, PyObject *method_name, PyObject *item)
 {
-    Py_ssize_t held = (sender == known_sender || know_sender(sender) == 0) ? PyObject_Size(known_buffer) : -1;
-    PyObject *pushed;
-    if (held >= 0 && held < known_capacity) {
-        pushed = PyObject_CallOneArg(known_append, record);
-    } else {
-        PyErr_Clear();
-        pushed = PyObject_CallMethodOneArg(sender, str_push, record);
-    }
-    if (pushed == NULL)
-        return -1;
-    Py_DECREF(pushed);
-    return 0;
-}
-
-/* sender.push_span(ended) without its Python frame: a span's (name, total) appended to the
- * sender's spans queue while it and the buffer have room (its thread makes the SpanRecord, so
- * the buffer holds Records only). Full (where push_span drops it and counts it), or a sender
- * without them, goes to push_span itself. -1 with an error set when it could not be pushed. */
-static int
-push_span(PyObject *sender, PyObject *ended)
-{
-    Py_ssize_t held = -1;
-    if (sender == known_sender || know_sender(sender) == 0) {
-        Py_ssize_t buffered = PyObject_Size(known_buffer), waiting = PyObject_Size(known_spans);
-        held = buffered < 0 || waiting < 0 ? -1 : buffered + waiting;
-    }
-    PyObject *pushed;
-    if (held >= 0 && held < known_capacity) {
-        pushed = PyObject_CallOneArg(known_spans_append, ended);
-    } else {
-        PyErr_Clear();
-        pushed = PyObject_CallMethodOneArg(sender, str_push_span, ended);
-    }
+    Py_ssize_t buffered, room;
+    Py_INCREF(sender);  /* held: a lookup may run Python, which may let the probe's sender go */
+    PyObject *queue = queue_with_room(sender, queue_name, 0, &buffered, &room);
+    PyObject *pushed = queue ? PyObject_CallMethodOneArg(queue, str_append, item)
+        : PyObject_CallMethodOneArg(sender, method_name, item);
+    Py_XDECREF(queue);
+    Py_DECREF(sender);
     if (pushed == NULL)
         return -1;
     Py_DECREF(pushed);
@@ -326,19 +285,21 @@ static PyObject *ended_window_of(StepEntry *entry);
 static int
 publish(ProbeState *self, StepEntry *entry)
 {
-    Py_ssize_t buffered = -1;
-    if (self->sender == known_sender || know_sender(self->sender) == 0)
-        buffered = PyObject_Size(known_buffer);
-    if (buffered < 0) {  /* a sender without a buffer of its own: its push decides, as in Python */
-        PyErr_Clear();
+    Py_ssize_t buffered, capacity, waiting = self->ring_head - self->ring_tail;
+    PyObject *sender = Py_NewRef(self->sender ? self->sender : Py_None);
+    PyObject *queue = queue_with_room(sender, str_buffer, waiting, &buffered, &capacity);
+    Py_XDECREF(queue);
+    if (buffered < 0 || capacity < 0) {  /* a sender without a buffer of its own: its push decides, as in Python */
         PyObject *ended = ended_window_of(entry);
         entry_clear(entry);
-        PyObject *pushed = ended ? PyObject_CallMethodOneArg(self->sender, str_push, ended) : NULL;
+        PyObject *pushed = ended ? PyObject_CallMethodOneArg(sender, str_push, ended) : NULL;
         Py_XDECREF(ended);
         Py_XDECREF(pushed);
+        Py_DECREF(sender);
         return pushed ? 0 : -1;
     }
-    Py_ssize_t size = known_capacity > 0 ? known_capacity : 1;
+    Py_DECREF(sender);
+    Py_ssize_t size = capacity > 0 ? capacity : 1;
     if (self->ring == NULL || self->ring_size != size) {
         if (self->ring_head != self->ring_tail) {  /* another sender while steps wait: the old ones go */
             self->steps_dropped += self->ring_head - self->ring_tail;
@@ -358,7 +319,7 @@ publish(ProbeState *self, StepEntry *entry)
             return -1;
         }
     }
-    if (self->ring_head - self->ring_tail + buffered >= known_capacity) {
+    if (self->ring_head - self->ring_tail + buffered >= capacity) {
         entry_clear(entry);
         self->steps_dropped++;
         return 0;
@@ -603,25 +564,32 @@ state_drain_steps(ProbeState *self, PyObject *args)
     PyObject *steps = PyList_New(0);
     if (steps == NULL)
         return NULL;
-    for (; self->ring_tail < self->ring_head; self->ring_tail++) {
-        StepEntry *entry = &self->ring[self->ring_tail % self->ring_size];
-        int as_record = entry->ended == NULL && entry->token_copies == NULL;
-        PyObject *step = as_record ? step_record_of(self, entry, record_type, unix_at_zero_s) : ended_window_of(entry);
+    while (self->ring_tail < self->ring_head) {
+        /* Out of the ring before making its object, which may run Python (the garbage
+         * collector's callbacks) while the training thread queues more, or moves the ring. */
+        StepEntry entry = self->ring[self->ring_tail % self->ring_size];
+        self->ring_tail++;
+        int as_record = entry.ended == NULL && entry.token_copies == NULL;
+        PyObject *step = as_record ? step_record_of(self, &entry, record_type, unix_at_zero_s) : ended_window_of(&entry);
         if (step == NULL || PyList_Append(steps, step) < 0) {
             drop_bookkeeping_error();
             self->steps_dropped++;
         }
         Py_XDECREF(step);
-        entry_clear(entry);
+        entry_clear(&entry);
     }
     /* Emptied: the next steps go to its first entries again, a few KiB that stay in the caches
      * and in the process's RSS from the start, rather than on round all 2 MiB of it: each
      * step's entry in memory untouched for seconds, and calloc's pages counted in RSS only as
      * the ring first went round them, which the memory rules read as the user's creep. */
     self->ring_tail = self->ring_head = 0;
-    PyObject *drained = Py_BuildValue("(Nn)", steps, self->steps_dropped);
-    if (drained != NULL)
-        self->steps_dropped = 0;
+    /* Taken before the tuple is made, which may run Python: a drop counted then stays for the
+     * next call. */
+    Py_ssize_t dropped = self->steps_dropped;
+    self->steps_dropped = 0;
+    PyObject *drained = Py_BuildValue("(Nn)", steps, dropped);
+    if (drained == NULL)
+        self->steps_dropped += dropped;
     return drained;
 }
 
@@ -843,14 +811,13 @@ enum { NEXT, MODEL_CALL, BACKWARD_CALL, OPTIMIZER_BEFORE, OPTIMIZER_AFTER, TENSO
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
-    int kind;
     PyObject *original;      /* what the patch replaced */
     PyObject *general;       /* the Python patch: every call off the fast path */
     PyObject *probe;         /* a ProbeState (MODEL_CALL: None, the model's own is found per call) */
-    PyObject *models;        /* MODEL_CALL: phases._models, id(model) -> _TracedModel */
+    PyObject *models;        /* MODEL_CALL: ModelCalls._models, id(model) -> _TracedModel */
     PyObject *grad_enabled;  /* torch.is_grad_enabled */
     PyObject *tensor_type;   /* torch.Tensor */
-    PyObject *batch_size;    /* phases._batch_size(args, kwargs, tensor_type) */
+    PyObject *batch_size;    /* patches.tokens.batch_size(args, kwargs, tensor_type) */
 } Timer;
 
 static PyObject *str_probe, *str_token_inputs, *str_shape, *str_enter, *str_note_failure,
@@ -892,7 +859,7 @@ close_phase(ProbeState *state, PyObject *sums, int phase, long long start_ns)
 
 /* DataLoader __next__ (args[0]: the iterator) on the training thread: its wait is the step's
  * input wait, or between steps the training's input wait (gradients on) or evaluation's
- * (gradients off). Another thread's call (a prefetching thread's) is not that wait: phases'
+ * (gradients off). Another thread's call (a prefetching thread's) is not that wait: the patch's
  * Python measures it as that thread's cost of a batch. */
 static PyObject *
 time_next(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
@@ -925,7 +892,7 @@ time_next(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
     return result;
 }
 
-/* The samples of model(inputs, ...): inputs' first dimension, else phases._batch_size. */
+/* The samples of model(inputs, ...): inputs' first dimension, else patches.tokens.batch_size. */
 static long long
 samples_of(Timer *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
@@ -970,7 +937,7 @@ fail:
 }
 
 /* The model's call (args[0]: the module): the outermost call of a traced model in a plain
- * step is forward. torch.compile's tracing never gets here (phases' shim calls the original). */
+ * step is forward. torch.compile's tracing never gets here (the patches' shim calls the original). */
 static PyObject *
 time_model_call(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -978,8 +945,10 @@ time_model_call(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwn
     if (nargs < 1)
         return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
     PyObject *key = PyLong_FromVoidPtr(args[0]);
-    if (key == NULL)
-        return NULL;
+    if (key == NULL) {  /* no memory for the key: Python's patch has the call */
+        drop_bookkeeping_error();
+        return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+    }
     /* Owned, not borrowed: the probe's __enter__ below may take TraceML out on a fault, which
      * pops the model from `models` and would free its entry under us. */
     PyObject *traced = PyDict_GetItemWithError(self->models, key);
@@ -1124,7 +1093,7 @@ after_optimizer_step(Timer *self, PyObject *const *args, size_t nargsf, PyObject
 }
 
 /* Tensor.to (args[0]: the tensor): a copy to the device is timed only at the top of a step
- * (phases' Python does that); every other call, evaluation's and data prep's included, goes
+ * (the patches' Python does that); every other call, evaluation's and data prep's included, goes
  * straight to the original, so idle code pays no Python frame. */
 static PyObject *
 time_tensor_to(Timer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
@@ -1162,7 +1131,6 @@ timer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (self == NULL)
         return NULL;
     self->vectorcall = timer_kinds[kind];
-    self->kind = kind;
     PyObject **fields[] = {&self->original, &self->general, &self->probe, &self->models, &self->grad_enabled,
                            &self->tensor_type, &self->batch_size};
     PyObject *values[] = {original, general, probe, models, grad_enabled, tensor_type, batch_size};
@@ -1323,42 +1291,49 @@ static PyTypeObject SpanTotalType = {
 };
 
 /* One call of a user span, added to its name's total for its step (no object made); a call
- * in a later step hands the earlier total to the sender as (name, total) (push_span) and starts
- * anew. */
+ * in a later step hands the earlier total to the sender as (name, total) (sender.push_span) and
+ * starts anew, in the probe's dict of totals as it is after that push: the push may run Python
+ * (a full buffer), where another thread can swap the dict (flush_spans). The caller holds the
+ * probe. */
 static int
 add_span_call(ProbeState *state, PyObject *name, long long start_ns, long long end_ns)
 {
-    PyObject *totals = state->span_totals;
-    if (totals == NULL || !PyDict_CheckExact(totals)) {
-        PyErr_SetString(PyExc_TypeError, "traceml: the probe has no span totals");
-        return -1;
-    }
     long long step = current_step(state);
-    PyObject *held = PyDict_GetItemWithError(totals, name);  /* borrowed */
-    if (held == NULL && PyErr_Occurred())
-        return -1;
-    if (held != NULL && Py_IS_TYPE(held, &SpanTotalType) && ((SpanTotal *)held)->step == step) {
-        ((SpanTotal *)held)->total_ns += end_ns - start_ns;
-        ((SpanTotal *)held)->calls++;
-        return 0;
-    }
-    if (held != NULL) {
-        PyObject *ended = PyTuple_Pack(2, name, held);
-        int pushed = ended == NULL ? -1 : push_span(state->sender, ended);
-        Py_XDECREF(ended);
-        if (pushed < 0)
+    for (int pushed = 0;; pushed = 1) {
+        PyObject *totals = state->span_totals;
+        if (totals == NULL || !PyDict_CheckExact(totals)) {
+            PyErr_SetString(PyExc_TypeError, "traceml: the probe has no span totals");
+            return -1;
+        }
+        Py_INCREF(totals);  /* held: a name's hash may run Python too */
+        PyObject *held = PyDict_GetItemWithError(totals, name), *ended = NULL;
+        int done = held == NULL && PyErr_Occurred() ? -1 : 1;  /* 1: not yet */
+        if (done == 1 && held != NULL && Py_IS_TYPE(held, &SpanTotalType) && ((SpanTotal *)held)->step == step) {
+            ((SpanTotal *)held)->total_ns += end_ns - start_ns;
+            ((SpanTotal *)held)->calls++;
+            done = 0;
+        } else if (done == 1 && (held == NULL || pushed)) {
+            SpanTotal *total = PyObject_New(SpanTotal, &SpanTotalType);
+            if (total != NULL) {
+                total->step = step;
+                total->start_ns = start_ns;
+                total->total_ns = end_ns - start_ns;
+                total->calls = 1;
+            }
+            done = total == NULL ? -1 : PyDict_SetItem(totals, name, (PyObject *)total);
+            Py_XDECREF(total);
+        } else if (done == 1) {
+            ended = PyTuple_Pack(2, name, held);
+            done = ended == NULL ? -1 : 1;
+        }
+        Py_DECREF(totals);
+        if (done != 1)
+            return done;
+        done = push_to(state->sender ? state->sender : Py_None, str_spans, str_push_span, ended);
+        Py_DECREF(ended);
+        if (done < 0)
             return -1;
     }
-    SpanTotal *total = PyObject_New(SpanTotal, &SpanTotalType);
-    if (total == NULL)
-        return -1;
-    total->step = step;
-    total->start_ns = start_ns;
-    total->total_ns = end_ns - start_ns;
-    total->calls = 1;
-    int stored = PyDict_SetItem(totals, name, (PyObject *)total);
-    Py_DECREF(total);
-    return stored;
 }
 
 /* A number's ScalarRecord, for the probe's step: a fault costs that scalar, never the call. */
@@ -1376,7 +1351,7 @@ push_scalar(ProbeState *state, PyObject *name, double value)
     Py_XDECREF(rank);
     Py_XDECREF(step);
     Py_XDECREF(number);
-    if (record == NULL || push_record(state->sender, record) < 0)
+    if (record == NULL || push_to(state->sender ? state->sender : Py_None, str_buffer, str_push, record) < 0)
         drop_bookkeeping_error();
     Py_XDECREF(record);
     Py_RETURN_NONE;
@@ -1391,8 +1366,12 @@ trace_log_scalar(TraceState *self, PyObject *const *args, Py_ssize_t nargs, PyOb
     if (state != NULL && nargs == 2 && kwnames == NULL && scalar_record_type != NULL
             && (PyFloat_CheckExact(args[1]) || PyLong_CheckExact(args[1]))) {
         double value = PyFloat_AsDouble(args[1]);
-        if (!(value == -1.0 && PyErr_Occurred()))
-            return push_scalar(state, args[0], value);
+        if (!(value == -1.0 && PyErr_Occurred())) {
+            Py_INCREF(state);  /* held: the push may run Python, which may end the traced region */
+            PyObject *done = push_scalar(state, args[0], value);
+            Py_DECREF(state);
+            return done;
+        }
         PyErr_Clear();  /* an int too large for a float: Python's float() says so, below */
     }
     if (is_none(self->probe))
@@ -1481,8 +1460,12 @@ span_exit(Span *self, PyObject *const *args, Py_ssize_t nargs)
     long long end_ns = now_ns();
     PyObject *probe = ((TraceState *)self->tracer)->probe;
     ProbeState *state = is_none(probe) ? NULL : state_of(probe);
-    if (state != NULL && add_span_call(state, self->name, self->start_ns, end_ns) < 0)
+    if (state == NULL)
+        Py_RETURN_FALSE;
+    Py_INCREF(probe);  /* held: the push may run Python, which may end the traced region */
+    if (add_span_call(state, self->name, self->start_ns, end_ns) < 0)
         drop_bookkeeping_error();  /* costs this span's time only */
+    Py_DECREF(probe);
     Py_RETURN_FALSE;
 }
 
@@ -1526,107 +1509,6 @@ static PyTypeObject SpanType = {
     .tp_clear = (inquiry)span_clear,
     .tp_dealloc = (destructor)span_dealloc,
     .tp_methods = span_methods,
-};
-
-/* ---- ImportTimer: importlib's _find_and_load while a script starts ------------------------ */
-
-/* Times one thread's outermost module loads (zero_code's _ImportTimer, in front of importlib's
- * _find_and_load: every import statement, importlib.import_module and __import__ that loads a
- * module goes through it). In C because a Python wrapper adds a frame to every load, nested ones
- * included: besides its own cost, that deepens the import machinery's frames, and CPython 3.11
- * maps and unmaps a frame stack chunk each time a call crosses a chunk's end (thousands of times
- * while torch imports: ~50 ms). */
-typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    PyObject *original;      /* the _find_and_load it stands in front of */
-    unsigned long thread;    /* the one thread timed (the script's main thread) */
-    int depth;
-    long long total_ns;
-    long long slowest_ns;
-    PyObject *slowest_name;  /* the module of the slowest load */
-} ImportTimer;
-
-static PyObject *
-import_timer_call(ImportTimer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
-{
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (self->depth || PyThread_get_thread_ident() != self->thread || nargs < 1)
-        return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
-    self->depth = 1;
-    long long start_ns = now_ns();
-    PyObject *result = PyObject_Vectorcall(self->original, args, nargsf, kwnames);
-    long long elapsed_ns = now_ns() - start_ns;
-    self->depth = 0;
-    self->total_ns += elapsed_ns;
-    if (elapsed_ns > self->slowest_ns) {
-        self->slowest_ns = elapsed_ns;
-        Py_XSETREF(self->slowest_name, Py_NewRef(args[0]));
-    }
-    return result;
-}
-
-static PyObject *
-import_timer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
-{
-    PyObject *original;
-    if (!PyArg_ParseTuple(args, "O", &original))
-        return NULL;
-    ImportTimer *self = (ImportTimer *)type->tp_alloc(type, 0);
-    if (self == NULL)
-        return NULL;
-    self->vectorcall = (vectorcallfunc)import_timer_call;
-    self->original = Py_NewRef(original);
-    self->thread = PyThread_get_thread_ident();
-    self->slowest_name = Py_NewRef(Py_None);
-    return (PyObject *)self;
-}
-
-static int
-import_timer_traverse(ImportTimer *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->original);
-    Py_VISIT(self->slowest_name);
-    return 0;
-}
-
-static int
-import_timer_clear(ImportTimer *self)
-{
-    Py_CLEAR(self->original);
-    Py_CLEAR(self->slowest_name);
-    return 0;
-}
-
-static void
-import_timer_dealloc(ImportTimer *self)
-{
-    PyObject_GC_UnTrack(self);
-    import_timer_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyMemberDef import_timer_members[] = {
-    {"original", T_OBJECT, offsetof(ImportTimer, original), READONLY, NULL},
-    {"total_ns", T_LONGLONG, offsetof(ImportTimer, total_ns), READONLY, NULL},
-    {"slowest_ns", T_LONGLONG, offsetof(ImportTimer, slowest_ns), READONLY, NULL},
-    {"slowest_name", T_OBJECT, offsetof(ImportTimer, slowest_name), READONLY, NULL},
-    {NULL},
-};
-
-static PyTypeObject ImportTimerType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "traceml.probe._fastpath.ImportTimer",
-    .tp_doc = "ImportTimer(original _find_and_load): times this thread's outermost module loads.",
-    .tp_basicsize = sizeof(ImportTimer),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_vectorcall_offset = offsetof(ImportTimer, vectorcall),
-    .tp_call = PyVectorcall_Call,
-    .tp_new = import_timer_new,
-    .tp_traverse = (traverseproc)import_timer_traverse,
-    .tp_clear = (inquiry)import_timer_clear,
-    .tp_dealloc = (destructor)import_timer_dealloc,
-    .tp_members = import_timer_members,
 };
 
 static PyObject *
@@ -1722,8 +1604,7 @@ PyInit__fastpath(void)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
             return NULL;
     if (PyType_Ready(&ProbeStateType) < 0 || PyType_Ready(&TimerType) < 0 || PyType_Ready(&TraceStateType) < 0
-            || PyType_Ready(&SpanType) < 0 || PyType_Ready(&SpanTotalType) < 0
-            || PyType_Ready(&ImportTimerType) < 0)
+            || PyType_Ready(&SpanType) < 0 || PyType_Ready(&SpanTotalType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&fastpath_module);
     if (module == NULL)
@@ -1740,13 +1621,11 @@ PyInit__fastpath(void)
     Py_INCREF(&ProbeStateType);
     Py_INCREF(&TimerType);
     Py_INCREF(&TraceStateType);
-    Py_INCREF(&ImportTimerType);
     Py_INCREF(&SpanTotalType);  /* AddObject steals one; static types are not immortal before 3.12 */
     if (PyModule_AddObject(module, "ProbeState", (PyObject *)&ProbeStateType) < 0
             || PyModule_AddObject(module, "Timer", (PyObject *)&TimerType) < 0
             || PyModule_AddObject(module, "TraceState", (PyObject *)&TraceStateType) < 0
             || PyModule_AddObject(module, "SpanTotal", (PyObject *)&SpanTotalType) < 0
-            || PyModule_AddObject(module, "ImportTimer", (PyObject *)&ImportTimerType) < 0
             || PyModule_AddIntConstant(module, "VERSION", LAYOUT_VERSION) < 0
             || PyModule_AddObject(module, "LAYOUT", layout_of()) < 0
             || PyModule_AddIntConstant(module, "NEXT", NEXT) < 0

@@ -86,7 +86,7 @@ class Sender:
         self.timeline = timeline
         self.host_rss = host_rss  # refreshed here, each round, off the training thread
         self.thread_cpu = thread_cpu  # a probe.thread_cpu.ThreadCpu: read each round, stamped on the steps
-        self.capacity = capacity  # fixed once made: the compiled push keeps it (_fastpath.push_record)
+        self.capacity = capacity  # the compiled pushes read it, with _buffer and _spans, on each push
         self.records_sent = 0
         self.records_dropped = 0
         self._buffer: Deque[Record] = collections.deque()  # Records only

@@ -21,9 +21,15 @@ from typing import Any, List
 log = logging.getLogger("traceml")
 
 
-class _PythonImportTimer:
-    """Times the script's module loads (the outermost ones, on the main thread), where the
-    compiled module is not built; else _fastpath.ImportTimer, the same in C (see there why)."""
+# Every module load goes through it: import statements (builtins.__import__ calls it from C),
+# importlib.import_module (a lazy registry's walk) and __import__ alike.
+_bootstrap: Any = sys.modules["_frozen_importlib"]
+
+
+class _ImportTimer:
+    """importlib's _find_and_load from the script's start to its first step, for the startup
+    part of goodput: it times the outermost loads on the script's main thread, then steps
+    aside, so the training's imports cost nothing."""
 
     def __init__(self, original: Any) -> None:
         self.original = original
@@ -45,24 +51,6 @@ class _PythonImportTimer:
             self.total_ns += elapsed_ns
             if elapsed_ns > self.slowest_ns:
                 self.slowest_ns, self.slowest_name = elapsed_ns, name
-
-
-def _import_timer_base() -> Any:
-    try:
-        from traceml.probe.step import fast_path
-    except Exception:  # the probe cannot load: the script still runs (untraced), timed in Python
-        return _PythonImportTimer
-    return fast_path.ImportTimer if fast_path is not None else _PythonImportTimer
-
-
-# Every module load goes through it: import statements (builtins.__import__ calls it from C),
-# importlib.import_module (a lazy registry's walk) and __import__ alike.
-_bootstrap: Any = sys.modules["_frozen_importlib"]
-
-
-class _ImportTimer(_import_timer_base()):  # type: ignore[misc]
-    """importlib's _find_and_load from the script's start to its first step, for the startup
-    part of goodput; then it steps aside, so the training's imports cost nothing."""
 
     def stop(self) -> dict:
         """Step aside (the loader as it was) and say what was timed, as the hello's fields."""
