@@ -27,7 +27,7 @@ def ledger_rows(ledgers: Sequence[MemoryLedger], records: Iterable[StepRecord],
                 layers: Sequence[Dict[str, Any]] = (), first_step: Optional[int] = None) -> List[Dict[str, Any]]:
     """One row per rank that sent a reading, from its latest: see the module's docstring.
     records: the step records (any sample of them), for what the rank's memory held; layers:
-    the deep-dive's rows (analysis.summary.layer_rows), for the adapters' share of the time;
+    the deep-dive's rows (report.deep_dive.layer_rows), for the adapters' share of the time;
     first_step: where the measured steps start, for each part's growth since."""
     by_rank: Dict[int, List[MemoryLedger]] = {}
     for ledger in ledgers:

@@ -39,7 +39,7 @@ class Collector:
 
     The analysis that follows the records as they come is handed in by the run (lifecycle.py):
     `live`, the rollup across ranks (analysis.rollup.LiveRollup), `run_time`, the wall-time
-    tally (analysis.goodput.RunTime), and `hang_watch` (analysis.live.HangWatch), which looks at
+    tally (analysis.goodput.RunTime), and `hang_watch` (report.live.HangWatch), which looks at
     the ranks every HANG_CHECK_S. Without them the collector only stores.
     """
 
@@ -351,7 +351,7 @@ class Collector:
                     writer.transport.abort()
 
     async def _watch_hangs(self) -> None:
-        """Every HANG_CHECK_S: has a rank stopped ending steps (analysis.live.HangWatch)?"""
+        """Every HANG_CHECK_S: has a rank stopped ending steps (report.live.HangWatch)?"""
         while True:
             await asyncio.sleep(HANG_CHECK_S)
             try:
