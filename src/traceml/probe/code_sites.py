@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from traceml.probe.pulse import is_user_frame
 from traceml.probe.layout import NO_PHASE
@@ -39,10 +39,11 @@ _TIMED_ELSEWHERE = ("/torch/utils/data/", "/torch/serialization.py")
 
 class CodeSampler:
     """The tallies of one training thread (thread_id), part by part (CODE_PARTS).
-    script: the script's path, whose top-level line a startup sample keeps."""
+    script: the script's path, whose top-level line a startup sample keeps; evaluating: whether
+    the training thread is in an evaluation region the patches found (planned, not sampled)."""
 
-    def __init__(self, thread_id: int, script: str = ""):
-        self.thread_id, self.script = thread_id, script
+    def __init__(self, thread_id: int, script: str = "", evaluating: Callable[[], bool] = lambda: False):
+        self.thread_id, self.script, self._evaluating = thread_id, script, evaluating
         self.untraced_on = self.outside_on = False  # decided by note_steps
         self._recent = [0.0, 0.0, 0.0]  # step, untraced, outside (less planned work) ms
         # part -> {(file, function, first or top-level line, statement): [seconds, importing_s, {line: samples}]}
@@ -89,10 +90,7 @@ class CodeSampler:
             part = "outside"
         else:
             return
-        from traceml.probe import process
-
-        patches = process.patches
-        if not probe.in_evaluation and not (patches is not None and patches.evaluating()):
+        if not probe.in_evaluation and not self._evaluating():
             self._take(part, sys._current_frames().get(self.thread_id), weight)
 
     def records(self, rank: int) -> List[CodeSample]:

@@ -268,13 +268,19 @@ def _create_probe(model: Any) -> StepProbe:
     # Made where the training runs: its thread is the one whose stack a stall reports.
     sender = Sender(_hello(torch, device, device_memory, startup), timeline=timeline, host_rss=host_rss, thread_cpu=thread_cpu,
                     feed_of=probe_for, training_thread=threading.get_ident(), web_port=_create_options.get("web_port"),
-                    run_name=_create_options.get("run_name"))
+                    run_name=_create_options.get("run_name"), evaluating=_evaluating)
     probe = cast(StepProbe, sender.feed)  # what probe_for made
     for record in startup_sites:
         sender.push(record)
     sender.start()
     atexit.register(_at_exit)
     return probe
+
+
+def _evaluating() -> bool:
+    """Whether the training thread is in an evaluation region the patches found (read by the
+    sender thread's stall pulse and code sampler)."""
+    return patches is not None and patches.evaluating()
 
 
 def _model_device(torch: Any, model: Any) -> Any:

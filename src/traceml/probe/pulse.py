@@ -22,7 +22,9 @@ import sysconfig
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from traceml.probe.layout import NO_PHASE
 from traceml.records import PULSE_AFTER_S, PULSE_EVERY_S, TIMED_PHASES, Beside, Phase, RankPulse
+
 STACK_FRAMES = 12  # the user's innermost frames kept
 
 # Functions of torch.distributed a rank waits in for the others.
@@ -40,11 +42,13 @@ _LIBRARY_ROOTS = tuple({os.path.normcase(path) for path in (
 class PulseWatch:
     """Sends a RankPulse while the rank's training thread ends no step (see the docstring).
     probe: the StepProbe (its step count, open phase, evaluation flag); thread_id: the
-    training thread's ident."""
+    training thread's ident; evaluating: whether the training thread is in an evaluation region
+    the patches found."""
 
     def __init__(self, rank: int, probe: Any, thread_id: int, loaders: Any = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, evaluating: Callable[[], bool] = lambda: False):
         self.rank, self.probe, self.thread_id, self._clock = rank, probe, thread_id, clock
+        self._evaluating = evaluating
         self.loaders = loaders  # the sender's probe.loaders.LoaderWatch, for the worker a wait is on
         self._steps_seen = -1
         self._progress_at = clock()
@@ -89,16 +93,11 @@ class PulseWatch:
 
     def _phase(self) -> str:
         probe = self.probe
-        from traceml.probe import process
-
-        patches = process.patches
-        if getattr(probe, "in_evaluation", False) or (patches is not None and patches.evaluating()):
+        if getattr(probe, "in_evaluation", False) or self._evaluating():
             return Beside.EVALUATION
         if not getattr(probe, "in_step", 0):
             return Phase.OUTSIDE
-        from traceml.probe import step
-
-        open_phase = getattr(probe, "open_phase", step.NO_PHASE)
+        open_phase = getattr(probe, "open_phase", NO_PHASE)
         return TIMED_PHASES[open_phase] if 0 <= open_phase < len(TIMED_PHASES) else Beside.IN_STEP
 
 

@@ -81,7 +81,8 @@ class Sender:
     def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None, thread_cpu: Any = None,
                  capacity: int = BUFFER_CAPACITY, address: Optional[str] = None,
                  feed_of: Optional[Callable[["Sender"], StepFeed]] = None, training_thread: Optional[int] = None,
-                 web_port: Optional[int] = None, run_name: Optional[str] = None):
+                 web_port: Optional[int] = None, run_name: Optional[str] = None,
+                 evaluating: Callable[[], bool] = lambda: False):
         self.hello = hello
         self.timeline = timeline
         self.host_rss = host_rss  # refreshed here, each round, off the training thread
@@ -131,8 +132,9 @@ class Sender:
         # Where the training thread's time outside the timed phases goes, once it is large.
         self.code: Optional[CodeSampler] = None
         if self.feed is not None and training_thread is not None:
-            self.pulses = PulseWatch(self.feed.rank, self.feed, training_thread, loaders=self.loaders)
-            self.code = CodeSampler(training_thread)
+            self.pulses = PulseWatch(self.feed.rank, self.feed, training_thread, loaders=self.loaders,
+                                     evaluating=evaluating)
+            self.code = CodeSampler(training_thread, evaluating=evaluating)
 
     # -- training thread ------------------------------------------------------------------
     def push(self, record: Any) -> None:
