@@ -452,9 +452,12 @@ def test_the_ranks_panel_shows_the_straggler_at_a_glance(straggler, viewed):
 def test_a_warm_up_stall_neither_sets_the_colours_nor_flattens_the_steps(straggler, viewed):
     look = viewed[WIDTHS_PX[0]]
     heat = chart(look, "chart-rank-heatmap")["traces"][0]
-    first_cells = [row[0] for row in heat["z"]]  # the first bucket: steps 0 and 1
-    assert min(first_cells) > 0.4 * WARMUP_MS  # the stall is in the data...
-    assert heat["zmax"] < WARMUP_MS / 6  # ...and the colours stop well below it, and say so
+    # The first bucket holds step 0's stall among its steps (how many grows with the run, which
+    # goes on until the page has been looked at: longer on a loaded machine).
+    bucket_steps = heat["x"][1] - heat["x"][0]
+    first_cells = [row[0] for row in heat["z"]]
+    assert min(first_cells) > 0.4 * WARMUP_MS / bucket_steps  # the stall is in the data...
+    assert heat["zmax"] < min(WARMUP_MS / 6, min(first_cells))  # ...and the colours stop below it, and say so
     ticks = [w["text"] for w in chart(look, "chart-rank-heatmap")["words"] if w["kind"] == "tick"]
     assert any(text.startswith("≥") and text.endswith("(p99)") for text in ticks), ticks
     # The y axis stops at the settled steps' own times (tens of ms; up to 140 seen on a busy

@@ -1,7 +1,10 @@
 """A tiny loop whose time goes to code TraceML does not time: a helper after optimizer.step()
 inside the step (--helper-ms), work between steps (--between-ms), and a start that walks a
 registry of modules and builds something at module level (--modules, --build-ms). It writes its
-own timing of each to --timings: each step's start, and the time in the helper and between steps."""
+own timing of each to --timings: each step's start, and the time in the helper and between steps.
+With --until PATH it goes on past --steps until PATH holds an UNTRACED_WORK alert (written by the
+test's --on-alert command), for at most --until-s more seconds: a loaded machine's run lasts as long as
+the alert takes."""
 import argparse
 import importlib
 import json
@@ -17,6 +20,8 @@ parser.add_argument("--between-ms", type=float, default=0.0)
 parser.add_argument("--modules", type=int, default=0)
 parser.add_argument("--build-ms", type=float, default=0.0)
 parser.add_argument("--timings", required=True)
+parser.add_argument("--until", default=None)
+parser.add_argument("--until-s", type=float, default=60.0)
 args = parser.parse_args()
 timings = {"lines": {}}
 started = time.perf_counter()
@@ -78,7 +83,26 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 inputs, targets = torch.randn(32, 64), torch.randint(0, 10, (32,))
 weights = torch.eye(64) * 0.5
 helper_s, between_s, starts = [], [], []  # each step's, by the script's own clock
-for step in range(args.steps):
+
+
+def more_steps(step):
+    if step < args.steps:
+        return True
+    return args.until is not None and not alerted(args.until) and time.perf_counter() < until_deadline
+
+
+def alerted(path):
+    try:
+        with open(path) as alerts:
+            return '"UNTRACED_WORK"' in alerts.read()
+    except OSError:
+        return False
+
+
+until_deadline = time.perf_counter() + args.until_s
+step = 0
+while more_steps(step):
+    step += 1
     starts.append(time.perf_counter())
     with traceml.trace_step(model):
         loss = nn.functional.cross_entropy(model(inputs), targets)
