@@ -49,22 +49,108 @@ def test_the_compiled_timers_are_built_and_used():
 
 
 def test_the_step_layout_is_declared_once_and_the_build_says_it_back():
-    """layout.py declares the slots; setup.py writes the C header from it; the module says back
-    what it was built from, and the records it makes by position, and step.py checks each."""
+    """layout.py declares the slots and the probe's state; setup.py writes the C header from it;
+    the module says back what it was built from, and the objects it makes by position, and
+    step.py checks each. The Python state has the same fields as the C struct."""
     from pathlib import Path
 
     from traceml.probe import _fastpath, layout, step
-    from traceml.records import StepRecord
 
     probe_dir = Path(layout.__file__).parent
     assert (probe_dir / "_layout.h").read_text() == layout.c_header()  # the header is the table's
-    slots, window, closed, ended, record = _fastpath.LAYOUT
+    slots, window, closed, ended, state = _fastpath.LAYOUT
     assert slots == tuple(name for name, _ in layout.STEP_SLOTS) and window == layout.WINDOW_SLOTS
-    assert closed == step.ClosedStep.__struct_fields__ and ended == step.EndedWindow.__struct_fields__
-    assert record == StepRecord.__struct_fields__[:len(record)] and len(record) >= 33
+    assert closed == step.ClosedStep.__struct_fields__ == layout.CLOSED_STEP_FIELDS
+    assert ended == step.EndedWindow.__struct_fields__ == layout.ENDED_WINDOW_FIELDS
+    assert state == tuple(name for name, _ in layout.STATE_FIELDS)
+    assert set(state) <= set(step._PythonProbeState.__slots__)
+    assert set(state) <= set(dir(_fastpath.ProbeState))
     assert step._STEP_ZEROS[step.FAILED_PHASE] == layout.NO_PHASE == step.NO_PHASE
     assert [step.H2D, step.FORWARD, step.BACKWARD, step.OPTIMIZER] == [
         slots.index(phase) for phase in step.TIMED_PHASES]
+
+
+ADDED_SLOTS_STEPS = """
+import json, sys
+from traceml.probe import step
+from traceml.probe.sender import Sender
+from traceml.records import RankHello
+from traceml.probe.step import StepProbe
+
+python_ends = []
+python_exit = StepProbe.exit
+StepProbe.exit = lambda self, *args, **kwargs: python_ends.append(self.step_index) or python_exit(self, *args, **kwargs)
+hello = RankHello(rank=0, local_rank=0, world_size=1, node_rank=0, host="h", pid=1, device="cpu", device_name="cpu",
+                  device_capacity_bytes=None, torch_version="2.13.0", argv=["train.py"], started_at_unix_s=1.0)
+sender = Sender(hello, address="127.0.0.1:1", feed_of=StepProbe)  # never started: nothing drains
+probe = sender.feed
+probe.due_step = float("inf")  # no work due at a start: the compiled path's steps
+slot = step._step_slot
+for index in range(3):
+    probe.window[step._window_slot("added_window_ns")] += 100 + index
+    with probe:
+        probe.sums[step.FORWARD] += 1_000 + index
+        probe.sums[slot("added_in_the_middle")] += 10 + index
+        probe.sums[slot("added_object_in_the_middle")] = ["middle", index]
+        probe.sums[slot("added_at_the_end")] += 20 + index
+        probe.sums[slot("added_object_at_the_end")] = ("end", index)
+        probe.sums[step.TOKENS] += 30 + index
+with probe:
+    pass
+ended, dropped = probe._drain_ring()
+records = [probe.record_from(ending) for ending in ended]
+clock_fields = ("start_unix_s", "step_ms", "untraced_ms", "outside_ms", "cpu_wait_ms", "on_cpu_ms")
+print(json.dumps({
+    "compiled": step.fast_path is not None, "ended_in_python": python_ends, "dropped": dropped,
+    "sums": [list(ending.closed.sums) for ending in ended], "windows": [ending.window for ending in ended],
+    "records": [{name: getattr(record, name) for name in record.__struct_fields__ if name not in clock_fields}
+                for record in records]}, default=list))
+"""
+
+
+@compiled
+def test_slots_added_to_the_layout_reach_the_record_alike_by_the_compiled_and_python_paths(tmp_path):
+    """On a copy of the package, slots are added to layout.py (an int and an object in the middle
+    of the step's list and at its end, an int in the window's), the C is built from it, and
+    steps run through the compiled path and the Python path: the same lists and records."""
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    shutil.copytree(root / "src", tmp_path / "src", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(root / name, tmp_path)
+    layout_py = tmp_path / "src" / "traceml" / "probe" / "layout.py"
+    text = layout_py.read_text()
+    for old, new in (('    ("tokens", 0),\n', '    ("tokens", 0),\n    ("added_in_the_middle", 0),\n'
+                                                '    ("added_object_in_the_middle", None),\n'),
+                     ('    ("failed_phase", NO_PHASE),\n', '    ("failed_phase", NO_PHASE),\n'
+                                                          '    ("added_at_the_end", 0),\n'
+                                                          '    ("added_object_at_the_end", None),\n'),
+                     ('    "input_wait_gap_ns",\n)', '    "input_wait_gap_ns",\n    "added_window_ns",\n)')):
+        assert old in text
+        text = text.replace(old, new)
+    layout_py.write_text(text)
+    built = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0 and list((tmp_path / "src" / "traceml" / "probe").glob("_fastpath*")), built.stderr
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "src"))
+    outcomes = []
+    for switch in ("0", "1"):
+        result = subprocess.run([sys.executable, "-c", ADDED_SLOTS_STEPS], capture_output=True, text=True,
+                                timeout=120, cwd=tmp_path, env=dict(env, TRACEML_NO_FASTPATH=switch))
+        assert result.returncode == 0, result.stderr
+        outcomes.append(json.loads(result.stdout.splitlines()[-1]))
+    compiled, python = outcomes
+    assert compiled["compiled"] and compiled["ended_in_python"] == []  # the C built from the new layout ended them
+    assert not python["compiled"] and python["ended_in_python"] == [0, 1, 2, 3]
+    assert compiled["sums"] == python["sums"] and compiled["windows"] == python["windows"]
+    assert compiled["records"] == python["records"] and len(compiled["records"]) == 3
+    # after tokens (slot 7): the two added in the middle, then comm_wait_ns
+    assert [sums[8:11] for sums in compiled["sums"]] == [[10 + i, ["middle", i], 0] for i in range(3)]
+    assert [sums[-2:] for sums in compiled["sums"]] == [[20 + i, ["end", i]] for i in range(3)]
+    assert [window[-1] for window in compiled["windows"]] == [101, 102, 0]
+    assert [record["tokens"] for record in compiled["records"]] == [30, 31, 32]
 
 
 ANOTHER_LAYOUT = """
@@ -251,9 +337,9 @@ def test_steps_ended_by_either_path_reach_the_sender_in_order_with_their_figures
 
 def test_a_step_keeps_every_figure_on_its_way_to_the_sender(monkeypatch):
     """The compiled end copies a plain step's figures out of its lists (then zeroed for the next
-    step) and makes its StepRecord on the sender's thread by record_from's arithmetic: each
-    figure lands in its own field, as record_from puts it. Where the compiled timers are used,
-    the step takes their path (record_from never runs); on the Python path, record_from's."""
+    step) and the sender's thread makes its StepRecord by record_from: each figure lands in its
+    own field. Where the compiled timers are used, the step takes their path (StepProbe.exit,
+    Python's end, never runs); on the Python path, it does."""
     from types import SimpleNamespace
 
     from test_records import hello
@@ -265,10 +351,10 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender(monkeypatch):
     sender = Sender(hello(), address="127.0.0.1:1", thread_cpu=ThreadCpu.of_this_thread(),
                     feed_of=lambda sender: StepProbe(sender, host_rss=SimpleNamespace(latest_bytes=123_456_789)))
     probe = sender.feed
-    made_by_python = []
-    record_from = StepProbe.record_from
-    monkeypatch.setattr(StepProbe, "record_from", lambda self, ending: made_by_python.append(ending.closed.step)
-                        or record_from(self, ending))
+    ended_by_python = []
+    python_exit = StepProbe.exit
+    monkeypatch.setattr(StepProbe, "exit", lambda self, *args, **kwargs: ended_by_python.append(self.step_index)
+                        or python_exit(self, *args, **kwargs))
     probe.due_step = float("inf")  # no work due at the next start (the ledger's first reading)
     ms = 1_000_000
     with probe:
@@ -289,7 +375,7 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender(monkeypatch):
         assert probe.sums[:TOKEN_COPIES] == [0] * REAL_TOKENS + [None] and probe.window == [0] * len(probe.window)
     sender._take_ended_steps()
     (record,) = _step_records(probe, sender._buffer)
-    assert made_by_python == ([] if step.fast_path is not None else [0])  # the path this build takes
+    assert ended_by_python == ([] if step.fast_path is not None else [0, 1])  # the path this build takes
     fields = {name: getattr(record, name) for name in record.__struct_fields__}
     untraced_ms, outside_ms = fields.pop("untraced_ms"), fields.pop("outside_ms")
     # Stamped by the sender from this thread's counts (Linux), within the step.

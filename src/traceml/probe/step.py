@@ -124,11 +124,10 @@ def _load_fast_path() -> Any:
         from traceml.probe import _fastpath
     except ImportError:
         return None
+    # The C makes ClosedStep and EndedWindow by position from layout.py's fields: those must be theirs.
     built_from = (tuple(name for name, _ in layout.STEP_SLOTS), layout.WINDOW_SLOTS, ClosedStep.__struct_fields__,
-                  EndedWindow.__struct_fields__)
-    made = getattr(_fastpath, "LAYOUT", ())
-    if (getattr(_fastpath, "VERSION", None) != layout.VERSION or made[:4] != built_from
-            or StepRecord.__struct_fields__[:len(made[4])] != made[4]):
+                  EndedWindow.__struct_fields__, tuple(name for name, _ in layout.STATE_FIELDS))
+    if getattr(_fastpath, "VERSION", None) != layout.VERSION or getattr(_fastpath, "LAYOUT", ()) != built_from:
         log.debug("traceml: the compiled timers were built from another layout; using Python's")
         return None
     before_ns, fast_ns, after_ns = _now_ns(), _fastpath.now_ns(), _now_ns()
@@ -148,13 +147,9 @@ class _PythonProbeState:
     directly, whose __enter__ and __exit__ do the common step's start and end in C and hand
     every other to enter and exit."""
 
-    __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "in_evaluation", "layers_active",
-                 "comm_timed", "step_index", "_step_start_ns", "setup_started_ns", "due_step", "_closed",
-                 "_optimizer_timed", "_optimizer_start_ns", "_ended_steps", "_steps_dropped",
-                 "_unconfirmed", "timeline", "sender", "host_rss", "rank", "span_totals", "training_thread", "fetching",
-                 # inferred steps: what optimizer_stepped and backward_returned read on every call
-                 # (see reset_inferred_steps)
-                 "_settled_optimizer", "_optimizer_ends_steps")
+    # layout.py's fields (the C struct's), and what the compiled state keeps in C alone.
+    __slots__ = tuple(name for name, _ in layout.STATE_FIELDS) + ("_closed", "_unconfirmed", "_ended_steps",
+                                                                   "_steps_dropped")
 
     # -- step boundaries: `with trace_step(model):` enters and exits the probe itself ---------
     def __enter__(self) -> "StepProbe":
@@ -185,7 +180,7 @@ class _PythonProbeState:
         else:
             self._ended_steps.append(ending)
 
-    def _drain_ring(self, record_type: Any, unix_at_zero_s: float) -> Tuple[list, int]:
+    def _drain_ring(self) -> Tuple[list, int]:
         ended, steps = self._ended_steps, []
         while ended:  # one at a time: the training thread may append meanwhile
             steps.append(ended.popleft())
@@ -466,19 +461,11 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
 
     def drain_steps(self) -> Tuple[List[StepRecord], int]:
         """The sender's thread: the StepRecords of the steps ended since its last round, in
-        order, and how many a full ring dropped. The compiled path queues a step as numbers and
-        its StepRecord is made in C, by record_from's arithmetic (the capture rules see it as
-        record_from's own); a step ended in Python comes as its EndedWindow, made into its
-        StepRecord here by record_from."""
-        steps, dropped = self._drain_ring(StepRecord, self._unix_at_zero_s)
-        layers = self.layers
-        watch = layers.watch if layers is not None else None
-        for index, step in enumerate(steps):
-            if type(step) is not StepRecord:
-                steps[index] = self.record_from(step)  # which the watch observes itself
-            elif watch is not None:
-                watch.observe(step)
-        return steps, dropped
+        order, and how many a full ring dropped. Both paths queue a step's EndedWindow (the
+        compiled one as numbers, made into the object as it is taken); record_from makes each
+        StepRecord, the one place that arithmetic is written."""
+        ended, dropped = self._drain_ring()
+        return [self.record_from(ending) for ending in ended], dropped
 
     def record_from(self, ending: EndedWindow) -> StepRecord:
         """The StepRecord of a closed step whose window has ended (sender's thread)."""
