@@ -75,7 +75,7 @@ report_fault(PyObject *probe, const char *where)
 /* ---- ProbeState: the fields a step's timers read and write -------------------------------- */
 
 /* A step whose window has ended, as the training thread left it: plain numbers, so that a
- * step's end makes no Python object. The sender's thread makes its EndedWindow (drain_steps).
+ * step's end makes no Python object. The sender's thread makes its EndedWindow (take_ended).
  * A step ended in Python (its long path) is held as the EndedWindow it made (`ended`). */
 typedef struct {
     PyObject *ended;            /* an EndedWindow made in Python, else NULL (and the rest holds it) */
@@ -446,10 +446,10 @@ ended_window_of(StepEntry *entry)
 }
 
 /* The sender's thread: the steps ended since it last asked, in order, as EndedWindows (their
- * StepRecords are made in one place, StepProbe.record_from), and how many a full ring dropped
+ * StepRecords are made in one place, StepRecords.record_from), and how many a full ring dropped
  * meanwhile. A step that cannot be made is dropped and counted. */
 static PyObject *
-state_drain_steps(ProbeState *self, PyObject *unused)
+state_take_ended(ProbeState *self, PyObject *unused)
 {
     PyObject *steps = PyList_New(0);
     if (steps == NULL)
@@ -638,10 +638,10 @@ state_exit(ProbeState *self, PyObject *const *args, Py_ssize_t nargs)
 static PyMethodDef state_methods[] = {
     {"__enter__", (PyCFunction)state_enter, METH_NOARGS, "Start a step (see step.py)."},
     {"__exit__", (PyCFunction)(void (*)(void))state_exit, METH_FASTCALL, "End a step (see step.py)."},
-    {"_drain_ring", (PyCFunction)state_drain_steps, METH_NOARGS,
-     "_drain_ring(): ([EndedWindows of the steps ended since the last call], dropped)."},
+    {"take_ended", (PyCFunction)state_take_ended, METH_NOARGS,
+     "take_ended(): ([EndedWindows of the steps ended since the last call], dropped)."},
     {"publish_ended", (PyCFunction)state_publish_ended, METH_O,
-     "Queue an EndedWindow made in Python among the steps drain_steps returns."},
+     "Queue an EndedWindow made in Python among the steps take_ended returns."},
     {NULL},
 };
 

@@ -64,7 +64,7 @@ PHASE_SLOTS = ("h2d", "forward", "backward", "optimizer")
 
 # The probe's state that a step's timers read and write on every call: (the name Python reads,
 # its C type). Compiled, these are _fastpath.ProbeState's struct fields (the name without its
-# leading underscore) and member table; in Python, step._PythonProbeState's slots.
+# leading underscore) and member table; in Python, step.PythonProbeState's slots.
 STATE_FIELDS = (
     ("in_step", "int"),  # 0 between steps, else the depth of nested trace_step blocks
     ("open_phase", "int"),  # the phase being timed (its slot), or NO_PHASE

@@ -18,7 +18,7 @@ import time
 from typing import Any, Optional
 
 from traceml import rendezvous
-from traceml.probe.step import fast_path
+from traceml.probe.step_state import fast_path
 from traceml.records import ScalarRecord
 
 log = logging.getLogger("traceml")

@@ -40,7 +40,8 @@ from typing import Any, Callable, Dict, Iterable, List, Tuple
 from traceml.probe.patches.dynamo import compiling
 from traceml.probe.patches.imports import WhenImported
 from traceml.probe.patches.patch import Patch
-from traceml.probe.step import CHECKPOINT_BETWEEN_NS, EVAL_NS, INPUT_WAIT_GAP_NS, StepProbe, _now_ns
+from traceml.probe.step_state import CHECKPOINT_BETWEEN_NS, EVAL_NS, INPUT_WAIT_GAP_NS, _now_ns
+from traceml.probe.step import StepProbe
 
 log = logging.getLogger("traceml")
 

@@ -15,7 +15,8 @@ from typing import Any, Callable, List, Optional, Protocol
 from traceml.probe.patches import tokens
 from traceml.probe.patches.dynamo import call_attribute, compiling, run_eagerly_under_dynamo
 from traceml.probe.patches.patch import ABSENT
-from traceml.probe.step import FORWARD, FORWARD_CALLS, SAMPLES, StepProbe, fast_path
+from traceml.probe.step_state import FORWARD, FORWARD_CALLS, SAMPLES, fast_path
+from traceml.probe.step import StepProbe
 
 
 class Evaluation(Protocol):

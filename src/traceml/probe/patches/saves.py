@@ -5,7 +5,8 @@ from typing import Any, Callable
 
 from traceml.probe.patches.imports import WhenImported
 from traceml.probe.patches.patch import Patch
-from traceml.probe.step import CHECKPOINT_BETWEEN_NS, CHECKPOINT_NS, StepProbe, _now_ns
+from traceml.probe.step_state import CHECKPOINT_BETWEEN_NS, CHECKPOINT_NS, _now_ns
+from traceml.probe.step import StepProbe
 
 # Where each save lives: torch.save; torch.distributed.checkpoint's save (and async_save's
 # blocking part); safetensors' save_file and save_model; save_pretrained; Accelerate's

@@ -2,7 +2,8 @@
 tokens a step trains on."""
 from typing import Any
 
-from traceml.probe.step import REAL_TOKENS, TOKEN_COPIES, TOKENS, StepProbe
+from traceml.probe.step_state import REAL_TOKENS, TOKENS, TOKEN_COPIES
+from traceml.probe.step import StepProbe
 
 IGNORED_LABEL = -100  # the label torch's cross_entropy (and so Hugging Face's losses) leaves out
 
