@@ -347,6 +347,9 @@ def test_evaluation_and_checkpoint_saves_are_counted_where_they_happen(probe, tm
     model = SlowForward(sleep_ms=5)
     patches.hook_model(model)
     loader = iter(DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2))
+    # What the save inside the step writes, 64 MiB: tens of ms, far above what a busy machine's
+    # preemptions add to the rest of the step. Made before the steps, whose time it is not.
+    state = {"model": model.state_dict(), "buffers": torch.zeros(16 * 2**20)}
     with probe:
         model(torch.randn(2, 4))
     with torch.no_grad():  # evaluation between steps: the model's call and its batch
@@ -355,7 +358,7 @@ def test_evaluation_and_checkpoint_saves_are_counted_where_they_happen(probe, tm
     torch.save(model.state_dict(), tmp_path / "between.pt")
     with probe:
         model(torch.randn(2, 4))
-        torch.save(model.state_dict(), tmp_path / "inside.pt")  # a save inside the step
+        torch.save(state, tmp_path / "inside.pt")
     first, second = records(probe)
     assert first.eval_ms >= 5.0 and first.forward_calls == 1  # evaluation is not the step's forward
     assert first.checkpoint_ms > 0.0
