@@ -384,6 +384,16 @@ list_of_ints(const long long *values, Py_ssize_t ints, Py_ssize_t slots)
     return list;
 }
 
+/* type(*fields), by position (layout.py's field order): the fields left NULL are None. */
+static PyObject *
+made_by_position(PyObject *type, PyObject **fields, Py_ssize_t count)
+{
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (fields[i] == NULL)
+            fields[i] = Py_None;
+    return PyObject_Vectorcall(type, fields, count, NULL);
+}
+
 /* What Python sees of a closed step: step.py's ClosedStep, its list of sums made again. A
  * plain step has no device figures or events (None) and no deep-dive sample. */
 static PyObject *
@@ -397,16 +407,10 @@ closed_step_of(StepEntry *entry)
         goto done;
     for (int i = 0; i < STEP_OBJECTS; i++)
         PyList_SET_ITEM(sums, STEP_INTS + i, Py_NewRef(entry->objects[i] ? entry->objects[i] : Py_None));
-    PyObject *fields[CLOSED_STEP_FIELD_COUNT];
-    for (int i = 0; i < CLOSED_STEP_FIELD_COUNT; i++)
-        fields[i] = Py_None;
-    fields[CLOSED_STEP] = step;
-    fields[CLOSED_START_NS] = start;
-    fields[CLOSED_END_NS] = end;
-    fields[CLOSED_SUMS] = sums;
-    fields[CLOSED_HOST_RSS_BYTES] = rss;
-    fields[CLOSED_INSTRUMENTED] = Py_False;
-    closed = PyObject_Vectorcall(closed_step_type, fields, CLOSED_STEP_FIELD_COUNT, NULL);
+    PyObject *fields[CLOSED_STEP_FIELD_COUNT] = {
+        [CLOSED_STEP] = step, [CLOSED_START_NS] = start, [CLOSED_END_NS] = end, [CLOSED_SUMS] = sums,
+        [CLOSED_HOST_RSS_BYTES] = rss, [CLOSED_INSTRUMENTED] = Py_False};
+    closed = made_by_position(closed_step_type, fields, CLOSED_STEP_FIELD_COUNT);
 done:
     Py_XDECREF(sums);
     Py_XDECREF(step);
@@ -420,13 +424,9 @@ done:
 static PyObject *
 ended_window_made(PyObject *closed, PyObject *window_end_ns, PyObject *window)
 {
-    PyObject *fields[ENDED_WINDOW_FIELD_COUNT];
-    for (int i = 0; i < ENDED_WINDOW_FIELD_COUNT; i++)
-        fields[i] = Py_None;
-    fields[ENDED_CLOSED] = closed;
-    fields[ENDED_WINDOW_END_NS] = window_end_ns;
-    fields[ENDED_WINDOW] = window;
-    return PyObject_Vectorcall(ended_window_type, fields, ENDED_WINDOW_FIELD_COUNT, NULL);
+    PyObject *fields[ENDED_WINDOW_FIELD_COUNT] = {
+        [ENDED_CLOSED] = closed, [ENDED_WINDOW_END_NS] = window_end_ns, [ENDED_WINDOW] = window};
+    return made_by_position(ended_window_type, fields, ENDED_WINDOW_FIELD_COUNT);
 }
 
 /* What Python sees of a step whose window has ended: step.py's EndedWindow. */
