@@ -67,11 +67,9 @@ class Collector:
         self.lost_ranks: Set[int] = set()
         self.last_heard_unix_s: Dict[int, float] = {}  # each rank's latest frame
         self.hang_watch = hang_watch
-        self.records_ingested = 0
         self.connections_seen = 0
         self.connections_open = 0
         self.frames_rejected = 0
-        self.records_unstored = 0  # lost to a failing store (a full disk)
         self._said_store_failed = False
         self._deadlines: Dict[Any, list] = {}  # writer -> [monotonic deadline, what is owed]
         self._timed_out: Dict[Any, str] = {}
@@ -171,7 +169,7 @@ class Collector:
         if steps and self.live is not None:
             self.live.add(steps)
             if self.live.rolled_out:
-                self._store_rolled(self.live.take_rolled())
+                self._store(self.live.take_rolled())
 
     def wait_for_ranks(self, timeout_s: float, until: Optional[Callable[[], bool]] = None,
                        absent_grace_s: float = 5.0, ranks_exited: bool = False) -> bool:
@@ -270,13 +268,12 @@ class Collector:
                     self.last_heard_unix_s[rank] = time.time()
                 self._store(records)
                 self._observe(records)
-                self.records_ingested += len(records)
         except (FrameError, asyncio.IncompleteReadError, ConnectionError) as exc:
             reason = self._timed_out.pop(writer, None)
             if reason is None:  # a timeout was counted by the watchdog as it closed it
                 self.frames_rejected += 1
             log.warning("traceml: closed connection from %s: %s", peer, reason or exc)
-        except (ConnectionError, OSError) as exc:
+        except OSError as exc:
             log.debug("traceml: connection from %s ended: %s", peer, exc)
         except Exception as exc:  # anything else a peer provokes ends its connection, no more
             self.frames_rejected += 1
@@ -291,16 +288,9 @@ class Collector:
             self._count_connection(-1)
 
     def _store(self, records: List[Any]) -> None:
-        """Write records; a full disk loses them (counted, said once), never the run."""
+        """Write records; a full disk loses them (said once), never the run."""
         try:
             self.store.write(records)
-        except Exception as exc:
-            self.records_unstored += len(records)
-            self._store_failed(exc)
-
-    def _store_rolled(self, rolled: List[Any]) -> None:
-        try:
-            self.store.write(rolled)
         except Exception as exc:
             self._store_failed(exc)
 
