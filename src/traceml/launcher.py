@@ -320,11 +320,7 @@ def wait_for_launch(launch: Launch, child: Script, output_fd: Optional[int], col
     """Wait for the script (or torch.distributed.run) with the live dashboard when it writes to
     `output_fd`, forwarding signals; the node's exit code."""
     watch = AgentWatch(child) if launch.distributed else None
-    if output_fd is not None:
-        exit_code = _wait_with_dashboard(child, output_fd, collector, launch.script.name, watch)
-    else:
-        exit_code = wait(child, watch)
-    return _launch_ended(launch, watch, exit_code)
+    return _launch_ended(launch, watch, wait(child, watch, output_fd, collector, launch.script.name))
 
 
 def run_without_collector(launch: Launch, options: argparse.Namespace) -> int:
@@ -372,24 +368,6 @@ def _open_terminal() -> Tuple[int, int]:
     return main_fd, terminal_fd
 
 
-def _wait_with_dashboard(child: Script, output_fd: int, collector: Any, script: str,
-                         watch: Optional[AgentWatch]) -> int:
-    from traceml.views.terminal import Dashboard
-
-    restore = _forward_signals(child, watch)
-    try:
-        try:
-            Dashboard(collector, script).run(child, output_fd)
-        except Exception as exc:  # the dashboard is a view: if it fails, the run goes on
-            log.warning("traceml: live dashboard stopped (%s); the card comes at the end", exc)
-            _drain(output_fd, child)
-        returncode = child.wait()
-    finally:
-        restore()
-        os.close(output_fd)
-    return _exit_code(returncode)
-
-
 def _drain(output_fd: int, child: Script) -> None:
     """Copy the script's output to ours until it ends, as if no dashboard were there."""
     while True:
@@ -406,14 +384,26 @@ def _drain(output_fd: int, child: Script) -> None:
             return
 
 
-def wait(child: Script, watch: Optional[AgentWatch] = None) -> int:
+def wait(child: Script, watch: Optional[AgentWatch] = None, output_fd: Optional[int] = None,
+         collector: Any = None, script: str = "") -> int:
     """Wait for the script, forwarding signals (and telling the agent's watch, where there is
-    one, that they were); its exit code, 128+N if signal N killed it."""
+    one, that they were), with the live dashboard over its output when it writes to
+    `output_fd` (closed here); its exit code, 128+N if signal N killed it."""
     restore = _forward_signals(child, watch)
     try:
+        if output_fd is not None:
+            from traceml.views.terminal import Dashboard
+
+            try:
+                Dashboard(collector, script).run(child, output_fd)
+            except Exception as exc:  # the dashboard is a view: if it fails, the run goes on
+                log.warning("traceml: live dashboard stopped (%s); the card comes at the end", exc)
+                _drain(output_fd, child)
         returncode = child.wait()
     finally:
         restore()
+        if output_fd is not None:
+            os.close(output_fd)
     return _exit_code(returncode)
 
 

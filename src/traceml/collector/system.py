@@ -40,8 +40,7 @@ class SystemSampler:
         self._thread = threading.Thread(target=self._run, name="traceml-system", daemon=True)
 
     def start(self) -> None:
-        psutil = self._psutil
-        psutil.cpu_percent(None)  # the first reading only starts the interval
+        self._psutil.cpu_percent(None)  # the first reading only starts the interval
         self._nvml_handles = _open_nvml()
         self._thread.start()
 
@@ -72,18 +71,11 @@ class SystemSampler:
         psutil = self._psutil
         memory = psutil.virtual_memory()
         cpu, rss = self._training_usage()
-        cpu_wait = self._training_cpu_wait()
         return SystemSample(
-            unix_s=time.time(),
-            cpu_percent=float(psutil.cpu_percent(None)),
-            ram_used_bytes=int(memory.total - memory.available),
-            ram_total_bytes=int(memory.total),
-            training_cpu_percent=cpu,
-            training_rss_bytes=rss,
-            gpus=_read_gpus(self._nvml_handles or []),
-            cpu_count=psutil.cpu_count() or 0,
-            training_cpu_wait_percent=cpu_wait,
-        )
+            unix_s=time.time(), cpu_percent=float(psutil.cpu_percent(None)),
+            ram_used_bytes=int(memory.total - memory.available), ram_total_bytes=int(memory.total),
+            training_cpu_percent=cpu, training_rss_bytes=rss, gpus=_read_gpus(self._nvml_handles or []),
+            cpu_count=psutil.cpu_count() or 0, training_cpu_wait_percent=self._training_cpu_wait())
 
     def _training_usage(self) -> tuple:
         psutil = self._psutil
@@ -99,8 +91,7 @@ class SystemSampler:
             except psutil.Error:
                 continue
         self._processes, self._ranks = alive, ranks
-        cpu = 0.0
-        rss = 0
+        cpu, rss = 0.0, 0
         for process in alive.values():
             try:
                 # The first call on a new Process returns 0.0 and starts its interval.
@@ -109,7 +100,6 @@ class SystemSampler:
             except psutil.Error:
                 continue
         return cpu, rss
-
 
     def _training_cpu_wait(self) -> Optional[float]:
         """The training ranks' main threads' wait for a CPU since the last sample, in percent of
@@ -148,11 +138,11 @@ def _open_nvml() -> Optional[List[Any]]:
 
 
 def _read_gpus(handles: List[Any]) -> List[GpuSample]:
+    samples: List[GpuSample] = []
     if not handles:
-        return []
+        return samples
     import pynvml
 
-    samples = []
     for index, handle in enumerate(handles):
         try:
             utilization = pynvml.nvmlDeviceGetUtilizationRates(handle)

@@ -125,26 +125,14 @@ def fit_device_phases(host: StepRecord, device_ms: Dict[str, float],
     untraced = wall - input_wait - outside - sum(phases.values())
     if untraced < 0:
         hidden = -untraced
-        take = min(hidden, input_wait)
-        input_wait -= take
-        hidden -= take
-        take = min(hidden, outside)
-        outside -= take
-        hidden -= take
+        input_wait, hidden = max(0.0, input_wait - hidden), max(0.0, hidden - input_wait)
+        outside, hidden = max(0.0, outside - hidden), max(0.0, hidden - outside)
         untraced = 0.0
         if hidden > 0:
             device_total = sum(phases.values())
             scale = (device_total - hidden) / device_total if device_total > 0 else 0.0
             phases = {name: ms * scale for name, ms in phases.items()}
     return msgspec.structs.replace(
-        host,
-        input_wait_ms=input_wait,
-        outside_ms=outside,
-        h2d_ms=phases["h2d"],
-        forward_ms=phases["forward"],
-        backward_ms=phases["backward"],
-        optimizer_ms=phases["optimizer"],
-        untraced_ms=untraced,
-        device_timed=True,
-        gpu_idle_ms=gpu_idle_ms,
-    )
+        host, input_wait_ms=input_wait, outside_ms=outside, h2d_ms=phases["h2d"], forward_ms=phases["forward"],
+        backward_ms=phases["backward"], optimizer_ms=phases["optimizer"], untraced_ms=untraced, device_timed=True,
+        gpu_idle_ms=gpu_idle_ms)

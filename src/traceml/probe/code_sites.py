@@ -149,9 +149,7 @@ class CodeSampler:
         key = (code.co_filename, code.co_name, line if top_level else code.co_firstlineno, statement)
         self._samples[part] += 1
         self._seconds[part] += weight
-        tally = self._sites[part].get(key)
-        if tally is None:
-            tally = self._sites[part][key] = [0.0, 0.0, {}]
+        tally = self._sites[part].setdefault(key, [0.0, 0.0, {}])
         tally[0] += weight
         tally[1] += weight if importing else 0.0
         tally[2][line] = tally[2].get(line, 0) + 1

@@ -16,9 +16,9 @@ runs in functional code or custom autograd functions inside parents).
 
 The same hooks count a step's FLOPs from the shapes they see: the matrix products of Linear and
 convolution modules, forward, and the input and weight gradients backward will compute (see
-_count_flops). Nothing else runs inside the step to count them: torch's FlopCounterMode, which
-this ran one step under before, decomposes some backward ops (silu's) into others, which
-changed the low bits of gradients, and a checkpoint with them.
+_count_flops). Nothing else runs inside the step to count them: torch's FlopCounterMode
+decomposes some backward ops (silu's) into others, which changes the low bits of gradients,
+and a checkpoint with them.
 
 On CUDA the times come from pooled CUDA events, read later with query() when the next
 sampled step begins: never a synchronize.
@@ -113,7 +113,7 @@ class LayerProbe:
         call (probe.layers_due_step), so that the steps in between pay nothing for deep-dive."""
         self._begin_step(step_index)
         probe = self.probe
-        probe.layers_active = self.instrumenting
+        probe.layers_active = self.active  # a sampled step is slower by TraceML's doing: never a slow step
         probe.layers_due_step = self._next_due_step(step_index)
         # Written before the watch is read: a request the sender thread makes from now on
         # also wakes the probe (AnomalyWatch.wake), so none is missed between the two.
@@ -236,12 +236,6 @@ class LayerProbe:
         if self._capture is not None:
             self._send_capture(finishing=True)
         self.report()
-
-    @property
-    def instrumenting(self) -> bool:
-        """Whether this step runs with deep-dive hooks: slower by TraceML's doing, so never read
-        as a slow step of the user's."""
-        return self.active
 
     @property
     def flops_per_step(self) -> int:

@@ -280,7 +280,7 @@ def _create_probe(model: Any) -> StepProbe:
 def _evaluating() -> bool:
     """Whether the training thread is in an evaluation region the patches found (read by the
     sender thread's stall pulse and code sampler)."""
-    return patches is not None and patches.evaluating()
+    return patches is not None and patches.evaluation.evaluating()
 
 
 def _model_device(torch: Any, model: Any) -> Any:
@@ -297,22 +297,14 @@ def _model_device(torch: Any, model: Any) -> Any:
 def _hello(torch: Any, device: Any, device_memory: Any, startup: dict) -> RankHello:
     rank, local_rank, world_size, node_rank = rank_env()
     return RankHello(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        node_rank=node_rank,
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        device=str(device),
+        rank=rank, local_rank=local_rank, world_size=world_size, node_rank=node_rank, host=socket.gethostname(),
+        pid=os.getpid(), device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         device_capacity_bytes=device_memory.capacity_bytes if device_memory is not None else None,
         torch_version=str(torch.__version__),
         argv=[os.path.abspath(sys.argv[0])] + sys.argv[1:] if sys.argv and sys.argv[0] else list(sys.argv),
-        started_at_unix_s=_process_start_unix_s(),
-        token=os.environ.get(ENV_TOKEN, ""),
-        steps_from=_create_options.get("steps_from", STEPS_FROM_TRACE_STEP),
-        **startup,
-    )
+        started_at_unix_s=_process_start_unix_s(), token=os.environ.get(ENV_TOKEN, ""),
+        steps_from=_create_options.get("steps_from", STEPS_FROM_TRACE_STEP), **startup)
 
 
 import_timer: Any = None  # zero_code's timer of the script's imports, under `traceml run`

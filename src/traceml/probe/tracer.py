@@ -12,10 +12,11 @@ scalars; under plain `python train.py` its collector serves the web dashboard.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from traceml import rendezvous
 from traceml.probe.step import fast_path
@@ -50,7 +51,7 @@ class _PythonTraceState:
             if isinstance(value, (int, float)):
                 probe.sender.push(ScalarRecord(probe.rank, step, name, float(value)))
             elif getattr(value, "is_cuda", False):
-                _defer_device_scalar(probe, step, name, value)
+                probe.sender.defer(_DeviceScalar(probe.rank, step, name, value), limit=PENDING_SCALARS)
             else:  # a CPU tensor (or anything float() takes): reading it costs nothing to wait for
                 probe.sender.push(ScalarRecord(probe.rank, step, name, float(value.detach().reshape(-1)[0])
                                                if hasattr(value, "detach") else float(value)))
@@ -73,39 +74,21 @@ class Trace(fast_path.TraceState if fast_path is not None else _PythonTraceState
         self._probe: Any = None
 
     # -- the traced region -----------------------------------------------------------------
-    def trace(self, name: str = "training") -> "_TracedRegion":
+    @contextlib.contextmanager
+    def trace(self, name: str = "training") -> Iterator["Trace"]:
         """`with tracer.trace(name):` around the loop; name also names the run directory."""
-        return _TracedRegion(self, name)
-
-    def _start(self, name: str) -> None:
         from traceml.probe import process
 
         launched = bool(os.environ.get(rendezvous.ENV_COLLECTOR))  # under `traceml run`
         self._probe = process.infer_steps(web_port=None if launched else self.port, run_name=name,
-                                       profile_memory=self.profile_memory)
-
-    def _stop(self) -> None:
-        from traceml.probe import process
-
+                                          profile_memory=self.profile_memory)
         try:
-            process.detach()  # closes the last step, sends the spans, takes the patches out
-        except Exception:
-            log.warning("traceml: could not close the traced region", exc_info=True)
-
-
-class _TracedRegion:
-    __slots__ = ("tracer", "name")
-
-    def __init__(self, tracer: Trace, name: str):
-        self.tracer, self.name = tracer, name
-
-    def __enter__(self) -> Trace:
-        self.tracer._start(self.name)
-        return self.tracer
-
-    def __exit__(self, *exc: Any) -> bool:
-        self.tracer._stop()
-        return False
+            yield self
+        finally:
+            try:
+                process.detach()  # closes the last step, sends the spans, takes the patches out
+            except Exception:
+                log.warning("traceml: could not close the traced region", exc_info=True)
 
 
 class _Span:
@@ -149,10 +132,6 @@ class _DeviceScalar:
 
     def record(self) -> Any:
         return ScalarRecord(self.rank, self.step, self.name, float(self.host_copy[0]))
-
-
-def _defer_device_scalar(probe: Any, step: int, name: str, tensor: Any) -> None:
-    probe.sender.defer(_DeviceScalar(probe.rank, step, name, tensor), limit=PENDING_SCALARS)
 
 
 if fast_path is not None:
