@@ -7,6 +7,7 @@ to lifecycle.collect_main; view, compare and export to their views.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import textwrap
@@ -31,10 +32,8 @@ def entry() -> None:
     ~30 ms to every `traceml run`."""
     exit_code = main()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # a closed pipe: nothing more can be said
             stream.flush()
-        except Exception:  # a closed pipe: nothing more can be said
-            pass
     os._exit(exit_code if isinstance(exit_code, int) else 1)
 
 

@@ -6,6 +6,7 @@ other nodes do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -162,10 +163,8 @@ class AgentWatch:
             return
         _, alive = psutil.wait_procs(left, timeout=AGENT_STOP_GRACE_S)
         for process in alive:
-            try:
+            with contextlib.suppress(psutil.Error):
                 process.kill()
-            except psutil.Error:
-                pass
 
 
 def _is_rank(process) -> bool:
@@ -433,10 +432,8 @@ def _forward_signals(child: Script, watch: Optional[AgentWatch] = None) -> Calla
             return
         if watch is not None:
             watch.signalled.set()
-        try:
+        with contextlib.suppress(ProcessLookupError):
             child.send_signal(signum)
-        except ProcessLookupError:
-            pass
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 

@@ -7,6 +7,7 @@ live views, and the end-of-run files and card.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -434,8 +435,6 @@ def _write_files(run_dir: Path, files: List[Tuple[str, Callable[[], str]]]) -> i
             written += 1
         except OSError as exc:
             print(f"traceml: could not write {run_dir / name}: {exc.strerror or exc}", file=sys.stderr)
-            try:
+            with contextlib.suppress(OSError):
                 (run_dir / name).unlink()  # no half file
-            except OSError:
-                pass
     return written

@@ -1,6 +1,7 @@
 """The run's store: every record in one SQLite file (WAL), the single source every view reads."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
@@ -241,10 +242,8 @@ class Store:
             self._reserve = None
 
     def _checkpoint(self) -> None:
-        try:
+        with contextlib.suppress(sqlite3.Error):
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error:
-            pass
 
     def _insert_records(self, records: List[Any]) -> None:
         """Each record type's records in one statement, in the order they came (record_types.py

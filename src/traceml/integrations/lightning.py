@@ -10,6 +10,7 @@ from when the closure returns, so forward, backward and optimizer each get their
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 from typing import Any, Tuple
@@ -24,10 +25,8 @@ def _callback_bases() -> Tuple[type, ...]:
     """Lightning checks callbacks against its own Callback class: be both, where both exist."""
     bases = []
     for namespace in ("lightning.pytorch", "pytorch_lightning"):
-        try:
+        with contextlib.suppress(ImportError):
             bases.append(importlib.import_module(namespace).Callback)
-        except ImportError:
-            pass
     if not bases:
         raise ImportError("traceml.integrations.lightning needs lightning or pytorch_lightning")
     return tuple(bases)

@@ -28,6 +28,7 @@ TraceML saw the engine: its backend is pointed at the wrapped ones.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -92,10 +93,8 @@ def sharded_modules(model: Any) -> List[Any]:
                               ("torch.distributed.fsdp", "FSDPModule"),  # torch >= 2.6
                               ("torch.distributed._composable.fsdp", "FSDPModule")):  # torch 2.4 and 2.5
         if all(kind.__name__ != name for kind in kinds):
-            try:
+            with contextlib.suppress(ImportError, AttributeError):
                 kinds.append(getattr(importlib.import_module(module_name), name))
-            except (ImportError, AttributeError):
-                pass
     modules = getattr(model, "modules", None)
     if not kinds or modules is None:
         return []

@@ -29,6 +29,7 @@ sets), both looked up by torch at each call; and, should neither be found, at ea
 start. A region whose first module is compiled code is evaluation only if a traced model is
 called in it.
 """
+import contextlib
 import functools
 import logging
 import os
@@ -109,10 +110,8 @@ class EvaluationRegions(Patch):
         handler.register_start_callback(self.compilation_started)
 
         def remove() -> None:
-            try:
+            with contextlib.suppress(ValueError):  # torch._dynamo.reset() took it out already
                 handler.remove_start_callback(self.compilation_started)
-            except ValueError:  # torch._dynamo.reset() took it out already
-                pass
 
         self.on_remove(remove)
 

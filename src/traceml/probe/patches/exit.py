@@ -1,5 +1,6 @@
 """How the run ends: its exit code noted (under plain `python train.py` nobody else knows it), an
 uncaught error printed as it would be without TraceML, and SIGTERM's flush of what is buffered."""
+import contextlib
 import logging
 import os
 import signal
@@ -96,7 +97,5 @@ class SigtermFlush(Patch):
 def _set_sigterm(handler: Any) -> None:
     # A second SIGTERM arriving as the handler changes (the group's, then the one `traceml
     # run` forwards) makes Python raise "ignored due to race condition": never the user's.
-    try:
+    with contextlib.suppress(OSError, ValueError):
         signal.signal(signal.SIGTERM, handler)
-    except (OSError, ValueError):
-        pass
