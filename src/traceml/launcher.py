@@ -92,10 +92,6 @@ class Launch:
             launcher += ["--rdzv-endpoint", self.rendezvous_address]
         return [*launcher, "--module", *script]
 
-    @property
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
-
     def never_started_line(self, exit_code: int) -> str:
         return (f"traceml: no rank started on node {self.node_rank}: torch.distributed.run exited "
                 f"with code {exit_code} before its rendezvous at {self.rendezvous_address} gathered "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import hmac
 import logging
 import select
@@ -107,8 +108,7 @@ class Collector:
     def start(self, listening: Optional[socket.socket] = None) -> str:
         """Bind and serve on a background thread; raises OSError when the port cannot be bound.
         listening: a socket already bound and listening (rendezvous.listen), served as it is."""
-        started = threading.Event()
-        failure: List[BaseException] = []
+        started: "concurrent.futures.Future[None]" = concurrent.futures.Future()
 
         def run() -> None:
             loop = asyncio.new_event_loop()
@@ -123,11 +123,10 @@ class Collector:
                 if self.hang_watch is not None:
                     loop.create_task(self._watch_hangs())
             except BaseException as exc:
-                failure.append(exc)
-                started.set()
+                started.set_exception(exc)
                 loop.close()
                 return
-            started.set()
+            started.set_result(None)
             try:
                 loop.run_forever()
             finally:
@@ -139,9 +138,7 @@ class Collector:
 
         self._thread = threading.Thread(target=run, name="traceml-collector", daemon=True)
         self._thread.start()
-        started.wait()
-        if failure:
-            raise failure[0]
+        started.result()  # raises what the loop raised
         return self.address
 
     def ingest(self, records: List[Any]) -> None:

@@ -1,6 +1,7 @@
 """The node sampler: CPU, RAM and, through NVML when a GPU is present, GPU utilization and memory."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -48,24 +49,22 @@ class SystemSampler:
         """Stop sampling, with one last sample so a run shorter than interval_s still has one."""
         self._stop.set()
         self._thread.join(timeout=2)
-        try:
-            self._emit([self.sample()])
-        except Exception:
-            log.debug("traceml: last system sample failed", exc_info=True)
+        self._sample_once()
         if self._nvml_handles:
-            try:
+            with contextlib.suppress(Exception):
                 import pynvml
 
                 pynvml.nvmlShutdown()
-            except Exception:
-                pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                self._emit([self.sample()])
-            except Exception:
-                log.debug("traceml: system sample failed", exc_info=True)
+            self._sample_once()
+
+    def _sample_once(self) -> None:
+        try:
+            self._emit([self.sample()])
+        except Exception:  # a sample less, never the run
+            log.debug("traceml: system sample failed", exc_info=True)
 
     def sample(self) -> SystemSample:
         psutil = self._psutil

@@ -5,6 +5,7 @@ take TraceML out of the training after an internal fault.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -25,17 +26,7 @@ from traceml.records import STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, RankHel
 log = logging.getLogger("traceml")
 
 
-class _NoTrace:
-    """What trace_step returns once TraceML has disabled itself."""
-
-    def __enter__(self) -> "_NoTrace":
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        return False
-
-
-_NO_TRACE = _NoTrace()
+_NO_TRACE = contextlib.nullcontext()  # what trace_step returns once TraceML has disabled itself
 _trace_step: Any = None
 first_call = FirstModelCall()  # the process's wait for a first module call (zero-code, inferred steps)
 patches: Optional[Patches] = None  # the probe's patches, while attached
