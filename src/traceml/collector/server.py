@@ -118,10 +118,11 @@ class Collector:
                     asyncio.start_server(self._serve, sock=listening) if listening is not None
                     else asyncio.start_server(self._serve, self.host, self.port))
                 self.port = self._server.sockets[0].getsockname()[1]
-                loop.create_task(self._commit_periodically())
+                loop.create_task(self._every(COMMIT_INTERVAL_S, self.store.commit, self._store_failed))
                 loop.create_task(self._watch_deadlines())
-                if self.hang_watch is not None:
-                    loop.create_task(self._watch_hangs())
+                if self.hang_watch is not None:  # has a rank stopped ending steps (report.live.HangWatch)?
+                    loop.create_task(self._every(HANG_CHECK_S, lambda: self.hang_watch.check(self, time.time()),
+                                                 lambda exc: log.debug("traceml: the hang watch failed", exc_info=exc)))
             except BaseException as exc:
                 started.set_exception(exc)
                 loop.close()
@@ -337,19 +338,13 @@ class Collector:
                     self.frames_rejected += 1
                     writer.transport.abort()
 
-    async def _watch_hangs(self) -> None:
-        """Every HANG_CHECK_S: has a rank stopped ending steps (report.live.HangWatch)?"""
+    @staticmethod
+    async def _every(interval_s: float, action: Callable[[], None], failed: Callable[[Exception], None]) -> None:
+        """Run `action` every interval_s; one that fails (a full disk, the hang watch) is handed
+        to `failed`, and the next tries again: never the collector's end."""
         while True:
-            await asyncio.sleep(HANG_CHECK_S)
+            await asyncio.sleep(interval_s)
             try:
-                self.hang_watch.check(self, time.time())
-            except Exception:  # the watch failing is one finding less, never the collector
-                log.debug("traceml: the hang watch failed", exc_info=True)
-
-    async def _commit_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(COMMIT_INTERVAL_S)
-            try:
-                self.store.commit()
-            except Exception as exc:  # a full disk: said once, the next commits try again
-                self._store_failed(exc)
+                action()
+            except Exception as exc:
+                failed(exc)
