@@ -85,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="run the shell command CMD once for each new warn or crit finding (a hang, a "
                           "straggler, memory running out), with the finding as JSON on its standard "
                           "input; CMD gets 10 s")
-    _web_arguments(run)
+    _web_arguments(run).add_argument("--metrics-port", type=_port, default=None, metavar="P",
+                                     help="serve Prometheus /metrics on P while the run trains (any mode; "
+                                          "the dashboard serves /metrics too)")
     _distributed_arguments(run)
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -171,16 +173,13 @@ def _command(commands: "argparse._SubParsersAction", name: str, summary: str, de
                                formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def _web_arguments(parser: argparse.ArgumentParser) -> None:
+def _web_arguments(parser: argparse.ArgumentParser) -> "argparse._ArgumentGroup":
     web = parser.add_argument_group("web dashboard")
     web.add_argument("--port", type=_port, default=DEFAULT_WEB_PORT, metavar="P",
                      help=f"the dashboard's port; the next free one if taken (default {DEFAULT_WEB_PORT})")
     web.add_argument("--host", default="127.0.0.1", metavar="H",
                      help="the address to serve on (default 127.0.0.1: this machine only)")
-    if parser.prog.endswith(" run"):
-        web.add_argument("--metrics-port", type=_port, default=None, metavar="P",
-                         help="serve Prometheus /metrics on P while the run trains (any mode; "
-                              "the dashboard serves /metrics too)")
+    return web
 
 
 def _seconds(text: str) -> float:

@@ -236,15 +236,9 @@ def host_collector(script: str, parent_pid: int, host: str, port: int, ready_fd:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         host = rendezvous.bind_host(host)
-    except rendezvous.RendezvousError as exc:
-        os.write(ready_fd, f"error: {exc}\n".encode())
-        os.close(ready_fd)
-        return 2
-    run = Run(Path(os.environ.get(rendezvous.ENV_RUN_DIR) or rundir.default_run_dir(script)))
-    try:
-        address = run.start_collector(host, port=port)
-        os.write(ready_fd, f"{address}\n".encode())
-    except OSError as exc:
+        run = Run(Path(os.environ.get(rendezvous.ENV_RUN_DIR) or rundir.default_run_dir(script)))
+        os.write(ready_fd, f"{run.start_collector(host, port=port)}\n".encode())
+    except (rendezvous.RendezvousError, OSError) as exc:
         os.write(ready_fd, f"error: {exc}\n".encode())
         return 2
     finally:

@@ -8,7 +8,7 @@ injected, so the logic is tested on the CPU with a fake event.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import msgspec
 
@@ -18,19 +18,14 @@ DEVICE_PHASES = TIMED_PHASES
 MAX_PENDING_STEPS = 4096  # a device that stops completing work must not grow memory forever
 
 
-class PendingDeviceStep:
+class PendingDeviceStep(NamedTuple):
     """A finished step whose host figures are known and whose device figures are in flight."""
 
-    __slots__ = ("host", "start_event", "end_event", "next_start_event", "phase_events")
-
-    def __init__(self, host: Any, start_event: Any, end_event: Any,
-                 next_start_event: Optional[Any], phase_events: List[Tuple[str, Any, Any]]):
-        self.host = host  # the host-timed step: a StepRecord, or the probe's EndedWindow for one
-        self.start_event = start_event
-        self.end_event = end_event
-        # The first event of the next step; None when the run ended after this step.
-        self.next_start_event = next_start_event
-        self.phase_events = phase_events
+    host: Any  # the host-timed step: a StepRecord, or the probe's EndedWindow for one
+    start_event: Any
+    end_event: Any
+    next_start_event: Optional[Any]  # the first event of the next step; None when the run ended after this step
+    phase_events: List[Tuple[str, Any, Any]]
 
     def events(self) -> List[Any]:
         """Each event once (the comm-wait pair shares backward's end event)."""
