@@ -12,7 +12,7 @@ import os
 import sys
 import textwrap
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 from traceml import lifecycle, rundir
 from traceml.records import ALL_PHASES
@@ -182,11 +182,16 @@ def _web_arguments(parser: argparse.ArgumentParser) -> "argparse._ArgumentGroup"
     return web
 
 
-def _seconds(text: str) -> float:
+def _number(text: str, convert: Callable[[str], Any], what: str) -> Any:
+    """The argument as `convert` reads it; an argparse error naming `what` when it cannot."""
     try:
-        seconds = float(text)
+        return convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+
+
+def _seconds(text: str) -> float:
+    seconds = _number(text, float, "a number of seconds")
     if not seconds >= 1.0:
         raise argparse.ArgumentTypeError(f"{text} s is too short: at least 1")
     return seconds
@@ -194,20 +199,14 @@ def _seconds(text: str) -> float:
 
 def _percent(text: str) -> float:
     """A threshold in percent ("10", "10%", "2.5") as a fraction of the baseline."""
-    try:
-        percent = float(text.rstrip("%"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a percentage: {text!r}") from None
+    percent = _number(text, lambda raw: float(raw.rstrip("%")), "a percentage")
     if not 0.0 <= percent < 1000.0:
         raise argparse.ArgumentTypeError(f"{text}% is out of range (0 to 1000)")
     return percent / 100.0
 
 
 def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    port = _number(text, int, "a port number")
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port} is out of range (0-65535)")
     return port
