@@ -355,11 +355,9 @@ def _open_terminal() -> Tuple[int, int]:
     import termios
 
     main_fd, terminal_fd = pty.openpty()
-    try:
+    with contextlib.suppress(OSError):
         size = fcntl.ioctl(sys.stdout.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
         fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, size)
-    except OSError:
-        pass
     return main_fd, terminal_fd
 
 

@@ -149,11 +149,9 @@ def _read_gpus(handles: List[Any]) -> List[GpuSample]:
         except Exception:
             continue
         temperature = power = None
-        try:
+        with contextlib.suppress(Exception):
             temperature = float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
             power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
-        except Exception:
-            pass
         samples.append(GpuSample(index=index, utilization_percent=float(utilization.gpu),
                                  memory_used_bytes=int(memory.used), memory_total_bytes=int(memory.total),
                                  temperature_c=temperature, power_w=power))

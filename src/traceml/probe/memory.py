@@ -1,6 +1,7 @@
 """Memory readings for step records: device allocator figures per step, host RSS rate-limited."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Optional, Tuple
 
@@ -62,11 +63,9 @@ class HostRss:
             except (OSError, ValueError, IndexError):
                 self._statm_fd = None
         if reading is None:
-            try:
+            with contextlib.suppress(Exception):
                 import psutil  # other platforms: slower, still off the hot path
 
                 reading = int(psutil.Process().memory_info().rss)
-            except Exception:
-                pass
         self.latest_bytes = reading
         return reading

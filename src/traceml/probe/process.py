@@ -276,10 +276,8 @@ def _evaluating() -> bool:
 
 def _model_device(torch: Any, model: Any) -> Any:
     if model is not None:
-        try:
+        with contextlib.suppress(StopIteration, AttributeError, TypeError):
             return next(model.parameters()).device
-        except (StopIteration, AttributeError, TypeError):
-            pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -318,13 +316,11 @@ def _startup_so_far() -> Tuple[dict, List[Any]]:
 def _process_start_unix_s() -> float:
     """When this process started. On Linux from its age on the boot clock (to 10 ms): the
     start psutil gives adds the boot time, which /proc rounds to the second."""
-    try:
+    with contextlib.suppress(Exception):
         with open("/proc/self/stat", "rb") as stat, open("/proc/uptime", "rb") as uptime:
             started_ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])
             age_s = float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
         return time.time() - max(0.0, age_s)
-    except Exception:
-        pass
     try:
         import psutil
 

@@ -8,6 +8,7 @@ the two, and forwards the script's output above the live panel so the redraw nev
 from __future__ import annotations
 
 import codecs
+import contextlib
 import io
 import os
 import select
@@ -261,7 +262,7 @@ class Dashboard:
 
     def _pass_on_resize(self, terminal_fd: int) -> None:
         """Give the script's terminal our terminal's size when it changes (it gets SIGWINCH)."""
-        try:
+        with contextlib.suppress(OSError, ValueError, AttributeError, ImportError):
             import fcntl
             import termios
 
@@ -269,8 +270,6 @@ class Dashboard:
             if size != self._terminal_size:
                 self._terminal_size = size
                 fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, size)
-        except (OSError, ValueError, AttributeError, ImportError):
-            pass
 
     def _forward(self, live: Any, chunk: bytes) -> None:
         text = self._partial + self._decoder.decode(chunk)

@@ -76,12 +76,10 @@ class SigtermFlush(Patch):
         def on_sigterm(signum: int, frame: Any) -> None:
             # A second SIGTERM must not cut the flush short: ignored until it is done.
             _set_sigterm(signal.SIG_IGN)
-            try:
+            with contextlib.suppress(Exception):
                 probe.exit_code = 128 + signum
                 probe.finish()
                 probe.goodbye(exit_code=probe.exit_code, timeout_s=2.0)
-            except Exception:
-                pass
             _set_sigterm(signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 
