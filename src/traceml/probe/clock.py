@@ -14,7 +14,6 @@ import msgspec
 
 from traceml.records import TIMED_PHASES, StepRecord
 
-DEVICE_PHASES = TIMED_PHASES
 MAX_PENDING_STEPS = 4096  # a device that stops completing work must not grow memory forever
 
 
@@ -90,7 +89,7 @@ class DeviceTimeline:
 
 
 def _resolve(step: PendingDeviceStep, host: StepRecord) -> StepRecord:
-    device_ms: Dict[str, float] = {phase: 0.0 for phase in DEVICE_PHASES + ("comm_wait",)}
+    device_ms: Dict[str, float] = {phase: 0.0 for phase in TIMED_PHASES + ("comm_wait",)}
     for phase, begin, end in step.phase_events:
         device_ms[phase] += max(0.0, float(begin.elapsed_time(end)))
     gpu_idle_ms = None

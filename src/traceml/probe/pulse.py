@@ -35,8 +35,7 @@ _COLLECTIVE_WAITS = frozenset((
     "all_to_all", "all_to_all_single", "gather", "scatter", "send", "recv", "wait", "_all_gather_base",
     "_reduce_scatter_base", "all_gather_single", "reduce_scatter_single"))
 _LIBRARY_ROOTS = tuple({os.path.normcase(path) for path in (
-    sysconfig.get_paths().get("stdlib", ""), sysconfig.get_paths().get("platstdlib", ""),
-    sysconfig.get_paths().get("purelib", ""), sysconfig.get_paths().get("platlib", ""),
+    *(sysconfig.get_paths().get(key, "") for key in ("stdlib", "platstdlib", "purelib", "platlib")),
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) if path})
 
 

@@ -47,7 +47,7 @@ COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base"
                "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter",
                "all_reduce", "broadcast", "all_to_all_single")
 _GATHER_PHASES = {FORWARD: "forward", BACKWARD: "backward"}
-ALL_GATHERS = frozenset(("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather"))
+ALL_GATHERS = frozenset(name for name in COLLECTIVES if "all_gather" in name)
 
 
 class GatherWatch:
