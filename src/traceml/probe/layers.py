@@ -445,15 +445,16 @@ class LayerProbe:
         when sampling only to capture."""
         if not self.sampled_steps or not self.every_n_steps:
             return
-        root = self.stats[self.root]
-        leaf_forward = sum(self.stats[name][FORWARD_NS] for name in self.leaves if name != self.root)
-        leaf_backward = sum(self.stats[name][BACKWARD_NS] for name in self.leaves if name != self.root)
-        layers = self._layer_stats(self.stats, self.alive)
+        def coverage(slot: int) -> float:
+            """The share of the model's time its leaves account for."""
+            root = self.stats[self.root][slot]
+            leaves = sum(self.stats[name][slot] for name in self.leaves if name != self.root)
+            return min(1.0, leaves / root) if root else 0.0
+
         self.probe.sender.push(LayerReport(
             rank=self.probe.rank, sampled_steps=self.sampled_steps, every_n_steps=self.every_n_steps,
-            forward_coverage=min(1.0, leaf_forward / root[FORWARD_NS]) if root[FORWARD_NS] else 0.0,
-            backward_coverage=min(1.0, leaf_backward / root[BACKWARD_NS]) if root[BACKWARD_NS] else 0.0,
-            layers=layers, flops_per_step=self.flops_per_step or None))
+            forward_coverage=coverage(FORWARD_NS), backward_coverage=coverage(BACKWARD_NS),
+            layers=self._layer_stats(self.stats, self.alive), flops_per_step=self.flops_per_step or None))
 
 
 def _matmul_modules(model: Any, nn: Any) -> Dict[int, Tuple[int, bool]]:
@@ -479,13 +480,9 @@ def _unpack(tensor: Any) -> Any:
 
 
 def _tensors(value: Any, tensor_type: type) -> List[Any]:
-    if isinstance(value, tensor_type):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if isinstance(v, tensor_type)]
-    if isinstance(value, dict):
-        return [v for v in value.values() if isinstance(v, tensor_type)]
-    return []
+    """The tensors a module returned: itself, or those in its list, tuple or dict."""
+    values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if isinstance(v, tensor_type)]
 
 
 class _Capture:
