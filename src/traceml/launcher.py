@@ -44,9 +44,7 @@ class Launch:
         self.nnodes, self.node_rank = args.nnodes, args.node_rank
         self.distributed = args.nproc_per_node is not None or args.nnodes > 1
         self.nproc_per_node = args.nproc_per_node or 1
-        self.rdzv_backend = args.rdzv_backend
-        self.rdzv_conf = args.rdzv_conf
-        self.rdzv_timeout_s = args.rdzv_timeout
+        self.rdzv_backend, self.rdzv_conf, self.rdzv_timeout_s = args.rdzv_backend, args.rdzv_conf, args.rdzv_timeout
         if args.rdzv_endpoint:
             self.master_addr, _, port = args.rdzv_endpoint.rpartition(":")
             if not self.master_addr or not port.isdigit():

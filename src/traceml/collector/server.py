@@ -48,11 +48,9 @@ class Collector:
                  hello_timeout_s: float = HELLO_TIMEOUT_S, frame_timeout_s: float = FRAME_TIMEOUT_S,
                  idle_timeout_s: float = IDLE_TIMEOUT_S, live: Any = None, run_time: Any = None,
                  hang_watch: Any = None):
-        self.store = store
+        self.store, self.host, self.port = store, host, port
         self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
         self.idle_timeout_s = idle_timeout_s
-        self.host = host
-        self.port = port
         self._token = token  # when set, a connection's hello must carry it
         self.training_pids: Set[int] = set()
         self.ranks_seen: Set[int] = set()
