@@ -98,8 +98,7 @@ class Store:
     """
 
     def __init__(self, path: str, readonly: bool = False):
-        self.path = path
-        self.readonly = readonly
+        self.path, self.readonly = path, readonly
         self._lock = threading.Lock()
         self._pending: List[Tuple[Callable[[list], None], list]] = []
         self._replay_needed = False

@@ -69,8 +69,7 @@ class Trace(fast_path.TraceState if fast_path is not None else _PythonTraceState
     """
 
     def __init__(self, port: Optional[int] = None, profile_memory: bool = True):
-        self.port = port
-        self.profile_memory = profile_memory
+        self.port, self.profile_memory = port, profile_memory
         self._probe: Any = None
 
     # -- the traced region -----------------------------------------------------------------

@@ -221,8 +221,7 @@ class Dashboard:
     def __init__(self, collector: Any, script: str, console: Any = None):
         from rich.console import Console
 
-        self.collector = collector
-        self.script = script
+        self.collector, self.script = collector, script
         self.console = console or Console(highlight=False)
         self.alerts: List[Tuple[float, Finding]] = []
         self._started = time.monotonic()

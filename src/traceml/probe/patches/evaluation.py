@@ -68,8 +68,7 @@ class EvaluationRegions(Patch):
 
     def __init__(self, probe: StepProbe, when_imported: WhenImported, traced_models: Callable[[], List[Any]]):
         super().__init__(probe)
-        self.when_imported = when_imported
-        self.traced_models = traced_models
+        self.when_imported, self.traced_models = when_imported, traced_models
         self.active = False  # installed: a traced model's call between steps reports to it
         self.owner: Any = None  # the context manager (or the model call) whose region is open
         self.qualified = False  # the model ran in it: evaluation
