@@ -66,6 +66,7 @@ class Collector:
         self.lost_ranks: Set[int] = set()
         self.last_heard_unix_s: Dict[int, float] = {}  # each rank's latest frame
         self.hang_watch = hang_watch
+        self.records_ingested = 0  # from the ranks (benchmarks/collector_scale.py reads it)
         self.connections_seen = 0
         self.connections_open = 0
         self.frames_rejected = 0
@@ -264,6 +265,7 @@ class Collector:
                     self.last_heard_unix_s[rank] = time.time()
                 self._store(records)
                 self._observe(records)
+                self.records_ingested += len(records)
         except (FrameError, asyncio.IncompleteReadError, ConnectionError) as exc:
             reason = self._timed_out.pop(writer, None)
             if reason is None:  # a timeout was counted by the watchdog as it closed it
