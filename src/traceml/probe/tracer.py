@@ -12,11 +12,10 @@ scalars; under plain `python train.py` its collector serves the web dashboard.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from traceml import rendezvous
 from traceml.probe.step import fast_path
@@ -73,21 +72,40 @@ class Trace(fast_path.TraceState if fast_path is not None else _PythonTraceState
         self._probe: Any = None
 
     # -- the traced region -----------------------------------------------------------------
-    @contextlib.contextmanager
-    def trace(self, name: str = "training") -> Iterator["Trace"]:
-        """`with tracer.trace(name):` around the loop; name also names the run directory."""
+    def trace(self, name: str = "training") -> "_TracedRegion":
+        """`with tracer.trace(name):` around the loop; name also names the run directory. Not
+        a generator's context manager: one entered and dropped (a benchmark's) keeps tracing."""
+        return _TracedRegion(self, name)
+
+    def _start(self, name: str) -> None:
         from traceml.probe import process
 
         launched = bool(os.environ.get(rendezvous.ENV_COLLECTOR))  # under `traceml run`
         self._probe = process.infer_steps(web_port=None if launched else self.port, run_name=name,
                                           profile_memory=self.profile_memory)
+
+    def _stop(self) -> None:
+        from traceml.probe import process
+
         try:
-            yield self
-        finally:
-            try:
-                process.detach()  # closes the last step, sends the spans, takes the patches out
-            except Exception:
-                log.warning("traceml: could not close the traced region", exc_info=True)
+            process.detach()  # closes the last step, sends the spans, takes the patches out
+        except Exception:
+            log.warning("traceml: could not close the traced region", exc_info=True)
+
+
+class _TracedRegion:
+    __slots__ = ("tracer", "name")
+
+    def __init__(self, tracer: Trace, name: str):
+        self.tracer, self.name = tracer, name
+
+    def __enter__(self) -> Trace:
+        self.tracer._start(self.name)
+        return self.tracer
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.tracer._stop()
+        return False
 
 
 class _Span:
