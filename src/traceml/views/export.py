@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any, Dict, List, Optional, Tuple
 
 from traceml.records import TIMELINE_ORDER
+from traceml.report.queries import MEMORY_COLUMNS
 from traceml.report.stored_records import STEP_FIELDS, StoredRecords
 
 FORMATS = ("chrome", "jsonl", "csv")
@@ -118,9 +119,7 @@ def chrome_events(records: StoredRecords, first: int, last: int) -> Tuple[List[D
                            "args": {"ms": step["gc_ms"], "collections": step["gc_collections"],
                                     "longest_pause_ms": step["gc_max_pause_ms"],
                                     "note": "summed over the step; their positions are not recorded"}})
-        counters = {name: step[name] / 2 ** 20 for name in ("device_allocated_bytes", "device_peak_bytes",
-                                                             "device_reserved_bytes", "host_rss_bytes")
-                    if step[name] is not None}
+        counters = {name: step[name] / 2 ** 20 for name in MEMORY_COLUMNS if step[name] is not None}
         if counters:
             events.append({"name": "memory MiB", "ph": "C", "pid": rank, "ts": start_us,
                            "args": {name.replace("_bytes", ""): round(value, 3)

@@ -11,9 +11,9 @@ from traceml.analysis.hardware import device_peak_tflops
 from traceml.analysis.ledger import part_bytes
 from traceml.analysis.rollup import Window, percentile
 from traceml.records import ALL_PHASES, LayerReport, RankHello, StepRecord
+from traceml.report.queries import MEMORY_COLUMNS
 
 QUANTILES = (0.5, 0.9, 0.99)
-MEMORY_FIELDS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes", "host_rss_bytes")
 
 
 class LiveMetrics:
@@ -53,7 +53,7 @@ class LiveMetrics:
             latest = records[-1]
             if latest.comm_wait_ms is not None:
                 comm_wait.add_metric([label], window.comm_wait.share)
-            for name in MEMORY_FIELDS:
+            for name in MEMORY_COLUMNS:
                 value = getattr(latest, name)
                 if value is not None:
                     memory.add_metric([label, name[:-len("_bytes")]], value)
