@@ -7,11 +7,12 @@ to lifecycle.collect_main; view, compare and export to their views.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import textwrap
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 from traceml import lifecycle, rundir
 from traceml.records import ALL_PHASES
@@ -31,10 +32,8 @@ def entry() -> None:
     ~30 ms to every `traceml run`."""
     exit_code = main()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # a closed pipe: nothing more can be said
             stream.flush()
-        except Exception:  # a closed pipe: nothing more can be said
-            pass
     os._exit(exit_code if isinstance(exit_code, int) else 1)
 
 
@@ -86,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="run the shell command CMD once for each new warn or crit finding (a hang, a "
                           "straggler, memory running out), with the finding as JSON on its standard "
                           "input; CMD gets 10 s")
-    _web_arguments(run)
+    _web_arguments(run).add_argument("--metrics-port", type=_port, default=None, metavar="P",
+                                     help="serve Prometheus /metrics on P while the run trains (any mode; "
+                                          "the dashboard serves /metrics too)")
     _distributed_arguments(run)
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -172,23 +173,25 @@ def _command(commands: "argparse._SubParsersAction", name: str, summary: str, de
                                formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def _web_arguments(parser: argparse.ArgumentParser) -> None:
+def _web_arguments(parser: argparse.ArgumentParser) -> "argparse._ArgumentGroup":
     web = parser.add_argument_group("web dashboard")
     web.add_argument("--port", type=_port, default=DEFAULT_WEB_PORT, metavar="P",
                      help=f"the dashboard's port; the next free one if taken (default {DEFAULT_WEB_PORT})")
     web.add_argument("--host", default="127.0.0.1", metavar="H",
                      help="the address to serve on (default 127.0.0.1: this machine only)")
-    if parser.prog.endswith(" run"):
-        web.add_argument("--metrics-port", type=_port, default=None, metavar="P",
-                         help="serve Prometheus /metrics on P while the run trains (any mode; "
-                              "the dashboard serves /metrics too)")
+    return web
+
+
+def _number(text: str, convert: Callable[[str], Any], what: str) -> Any:
+    """The argument as `convert` reads it; an argparse error naming `what` when it cannot."""
+    try:
+        return convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
 
 
 def _seconds(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    seconds = _number(text, float, "a number of seconds")
     if not seconds >= 1.0:
         raise argparse.ArgumentTypeError(f"{text} s is too short: at least 1")
     return seconds
@@ -196,20 +199,14 @@ def _seconds(text: str) -> float:
 
 def _percent(text: str) -> float:
     """A threshold in percent ("10", "10%", "2.5") as a fraction of the baseline."""
-    try:
-        percent = float(text.rstrip("%"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a percentage: {text!r}") from None
+    percent = _number(text, lambda raw: float(raw.rstrip("%")), "a percentage")
     if not 0.0 <= percent < 1000.0:
         raise argparse.ArgumentTypeError(f"{text}% is out of range (0 to 1000)")
     return percent / 100.0
 
 
 def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    port = _number(text, int, "a port number")
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port} is out of range (0-65535)")
     return port

@@ -6,6 +6,7 @@ other nodes do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -43,9 +44,7 @@ class Launch:
         self.nnodes, self.node_rank = args.nnodes, args.node_rank
         self.distributed = args.nproc_per_node is not None or args.nnodes > 1
         self.nproc_per_node = args.nproc_per_node or 1
-        self.rdzv_backend = args.rdzv_backend
-        self.rdzv_conf = args.rdzv_conf
-        self.rdzv_timeout_s = args.rdzv_timeout
+        self.rdzv_backend, self.rdzv_conf, self.rdzv_timeout_s = args.rdzv_backend, args.rdzv_conf, args.rdzv_timeout
         if args.rdzv_endpoint:
             self.master_addr, _, port = args.rdzv_endpoint.rpartition(":")
             if not self.master_addr or not port.isdigit():
@@ -90,10 +89,6 @@ class Launch:
         else:
             launcher += ["--rdzv-endpoint", self.rendezvous_address]
         return [*launcher, "--module", *script]
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
 
     def never_started_line(self, exit_code: int) -> str:
         return (f"traceml: no rank started on node {self.node_rank}: torch.distributed.run exited "
@@ -162,10 +157,8 @@ class AgentWatch:
             return
         _, alive = psutil.wait_procs(left, timeout=AGENT_STOP_GRACE_S)
         for process in alive:
-            try:
+            with contextlib.suppress(psutil.Error):
                 process.kill()
-            except psutil.Error:
-                pass
 
 
 def _is_rank(process) -> bool:
@@ -320,11 +313,7 @@ def wait_for_launch(launch: Launch, child: Script, output_fd: Optional[int], col
     """Wait for the script (or torch.distributed.run) with the live dashboard when it writes to
     `output_fd`, forwarding signals; the node's exit code."""
     watch = AgentWatch(child) if launch.distributed else None
-    if output_fd is not None:
-        exit_code = _wait_with_dashboard(child, output_fd, collector, launch.script.name, watch)
-    else:
-        exit_code = wait(child, watch)
-    return _launch_ended(launch, watch, exit_code)
+    return _launch_ended(launch, watch, wait(child, watch, output_fd, collector, launch.script.name))
 
 
 def run_without_collector(launch: Launch, options: argparse.Namespace) -> int:
@@ -364,30 +353,10 @@ def _open_terminal() -> Tuple[int, int]:
     import termios
 
     main_fd, terminal_fd = pty.openpty()
-    try:
+    with contextlib.suppress(OSError):
         size = fcntl.ioctl(sys.stdout.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
         fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, size)
-    except OSError:
-        pass
     return main_fd, terminal_fd
-
-
-def _wait_with_dashboard(child: Script, output_fd: int, collector: Any, script: str,
-                         watch: Optional[AgentWatch]) -> int:
-    from traceml.views.terminal import Dashboard
-
-    restore = _forward_signals(child, watch)
-    try:
-        try:
-            Dashboard(collector, script).run(child, output_fd)
-        except Exception as exc:  # the dashboard is a view: if it fails, the run goes on
-            log.warning("traceml: live dashboard stopped (%s); the card comes at the end", exc)
-            _drain(output_fd, child)
-        returncode = child.wait()
-    finally:
-        restore()
-        os.close(output_fd)
-    return _exit_code(returncode)
 
 
 def _drain(output_fd: int, child: Script) -> None:
@@ -406,14 +375,26 @@ def _drain(output_fd: int, child: Script) -> None:
             return
 
 
-def wait(child: Script, watch: Optional[AgentWatch] = None) -> int:
+def wait(child: Script, watch: Optional[AgentWatch] = None, output_fd: Optional[int] = None,
+         collector: Any = None, script: str = "") -> int:
     """Wait for the script, forwarding signals (and telling the agent's watch, where there is
-    one, that they were); its exit code, 128+N if signal N killed it."""
+    one, that they were), with the live dashboard over its output when it writes to
+    `output_fd` (closed here); its exit code, 128+N if signal N killed it."""
     restore = _forward_signals(child, watch)
     try:
+        if output_fd is not None:
+            from traceml.views.terminal import Dashboard
+
+            try:
+                Dashboard(collector, script).run(child, output_fd)
+            except Exception as exc:  # the dashboard is a view: if it fails, the run goes on
+                log.warning("traceml: live dashboard stopped (%s); the card comes at the end", exc)
+                _drain(output_fd, child)
         returncode = child.wait()
     finally:
         restore()
+        if output_fd is not None:
+            os.close(output_fd)
     return _exit_code(returncode)
 
 
@@ -443,10 +424,8 @@ def _forward_signals(child: Script, watch: Optional[AgentWatch] = None) -> Calla
             return
         if watch is not None:
             watch.signalled.set()
-        try:
+        with contextlib.suppress(ProcessLookupError):
             child.send_signal(signum)
-        except ProcessLookupError:
-            pass
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 

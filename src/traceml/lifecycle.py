@@ -7,6 +7,7 @@ live views, and the end-of-run files and card.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -235,15 +236,9 @@ def host_collector(script: str, parent_pid: int, host: str, port: int, ready_fd:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         host = rendezvous.bind_host(host)
-    except rendezvous.RendezvousError as exc:
-        os.write(ready_fd, f"error: {exc}\n".encode())
-        os.close(ready_fd)
-        return 2
-    run = Run(Path(os.environ.get(rendezvous.ENV_RUN_DIR) or rundir.default_run_dir(script)))
-    try:
-        address = run.start_collector(host, port=port)
-        os.write(ready_fd, f"{address}\n".encode())
-    except OSError as exc:
+        run = Run(Path(os.environ.get(rendezvous.ENV_RUN_DIR) or rundir.default_run_dir(script)))
+        os.write(ready_fd, f"{run.start_collector(host, port=port)}\n".encode())
+    except (rendezvous.RendezvousError, OSError) as exc:
         os.write(ready_fd, f"error: {exc}\n".encode())
         return 2
     finally:
@@ -303,44 +298,35 @@ class LiveViews:
 
             self.alerts = AlertCommand(options.on_alert, self._source(run, script).live_state, script)
             self.alerts.start()
-        if options.metrics_port is not None:
+        if options.metrics_port is not None:  # prometheus-client's own HTTP server, on a thread
+            from prometheus_client import start_http_server
+
+            from traceml.views.metrics import registry_for
+
+            host, port = options.host, options.metrics_port
             try:
-                self._serve_metrics(run, script, options.host, options.metrics_port)
+                source = self._source(run, script)
+                self.metrics_server, _ = start_http_server(port, addr=host, registry=registry_for(
+                    source.collector, source.live_state))
             except OSError as exc:
                 self.stop()
-                raise OSError(f"cannot serve /metrics on {options.host}:{options.metrics_port}: "
-                              f"{exc.strerror or exc}") from None
+                raise OSError(f"cannot serve /metrics on {host}:{port}: {exc.strerror or exc}") from None
+            say(f"traceml: Prometheus metrics at http://{host}:{self.metrics_server.server_port}/metrics")
 
     def start_dashboard(self, host: str, port: int, run: Run, script: str) -> None:
-        from traceml.report.run_source import RunSource
-        from traceml.views.web.app import PortInUse, serve_run
+        from traceml.views.web.app import serve_run
 
         try:
-            self.web = serve_run(RunSource.of_live_run(run.run_dir, run.store, run.collector, script,
-                                                       run.started_unix_s), host, port, say)
-        except (PortInUse, OSError) as exc:
+            self.web = serve_run(_live_source(run, script), host, port, say)
+        except OSError as exc:  # PortInUse among them
             raise OSError(f"cannot serve the dashboard: {exc}") from None
-
-    def _serve_metrics(self, run: Run, script: str, host: str, port: int) -> None:
-        """prometheus-client's own HTTP server for /metrics, on a thread; raises OSError."""
-        from prometheus_client import start_http_server
-
-        from traceml.views.metrics import registry_for
-
-        source = self._source(run, script)
-        server, _ = start_http_server(port, addr=host, registry=registry_for(source.collector, source.live_state))
-        say(f"traceml: Prometheus metrics at http://{host}:{server.server_port}/metrics")
-        self.metrics_server = server
 
     def _source(self, run: Run, script: str) -> Any:
         """The dashboard's live source, or one of this object's own without a dashboard."""
         if self.web is not None:
             return self.web.source
         if self._own_source is None:
-            from traceml.report.run_source import RunSource
-
-            self._own_source = RunSource.of_live_run(run.run_dir, run.store, run.collector, script,
-                                                     run.started_unix_s)
+            self._own_source = _live_source(run, script)
         return self._own_source
 
     def stop(self) -> None:
@@ -375,6 +361,13 @@ class LiveViews:
             except Exception as exc:
                 log.debug("could not fold the store's log back: %s", exc)
             say(f"traceml: reopen the dashboard with: traceml view {run_dir}")
+
+
+def _live_source(run: Run, script: str) -> Any:
+    """What the live views read: report.run_source.RunSource over the run's store and collector."""
+    from traceml.report.run_source import RunSource
+
+    return RunSource.of_live_run(run.run_dir, run.store, run.collector, script, run.started_unix_s)
 
 
 # -- the end of every run -------------------------------------------------------------------------
@@ -434,8 +427,6 @@ def _write_files(run_dir: Path, files: List[Tuple[str, Callable[[], str]]]) -> i
             written += 1
         except OSError as exc:
             print(f"traceml: could not write {run_dir / name}: {exc.strerror or exc}", file=sys.stderr)
-            try:
+            with contextlib.suppress(OSError):
                 (run_dir / name).unlink()  # no half file
-            except OSError:
-                pass
     return written

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import hmac
 import logging
 import select
@@ -47,11 +48,9 @@ class Collector:
                  hello_timeout_s: float = HELLO_TIMEOUT_S, frame_timeout_s: float = FRAME_TIMEOUT_S,
                  idle_timeout_s: float = IDLE_TIMEOUT_S, live: Any = None, run_time: Any = None,
                  hang_watch: Any = None):
-        self.store = store
+        self.store, self.host, self.port = store, host, port
         self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
         self.idle_timeout_s = idle_timeout_s
-        self.host = host
-        self.port = port
         self._token = token  # when set, a connection's hello must carry it
         self.training_pids: Set[int] = set()
         self.ranks_seen: Set[int] = set()
@@ -67,11 +66,10 @@ class Collector:
         self.lost_ranks: Set[int] = set()
         self.last_heard_unix_s: Dict[int, float] = {}  # each rank's latest frame
         self.hang_watch = hang_watch
-        self.records_ingested = 0
+        self.records_ingested = 0  # from the ranks (benchmarks/collector_scale.py reads it)
         self.connections_seen = 0
         self.connections_open = 0
         self.frames_rejected = 0
-        self.records_unstored = 0  # lost to a failing store (a full disk)
         self._said_store_failed = False
         self._deadlines: Dict[Any, list] = {}  # writer -> [monotonic deadline, what is owed]
         self._timed_out: Dict[Any, str] = {}
@@ -109,8 +107,7 @@ class Collector:
     def start(self, listening: Optional[socket.socket] = None) -> str:
         """Bind and serve on a background thread; raises OSError when the port cannot be bound.
         listening: a socket already bound and listening (rendezvous.listen), served as it is."""
-        started = threading.Event()
-        failure: List[BaseException] = []
+        started: "concurrent.futures.Future[None]" = concurrent.futures.Future()
 
         def run() -> None:
             loop = asyncio.new_event_loop()
@@ -120,16 +117,16 @@ class Collector:
                     asyncio.start_server(self._serve, sock=listening) if listening is not None
                     else asyncio.start_server(self._serve, self.host, self.port))
                 self.port = self._server.sockets[0].getsockname()[1]
-                loop.create_task(self._commit_periodically())
+                loop.create_task(self._every(COMMIT_INTERVAL_S, self.store.commit, self._store_failed))
                 loop.create_task(self._watch_deadlines())
-                if self.hang_watch is not None:
-                    loop.create_task(self._watch_hangs())
+                if self.hang_watch is not None:  # has a rank stopped ending steps (report.live.HangWatch)?
+                    loop.create_task(self._every(HANG_CHECK_S, lambda: self.hang_watch.check(self, time.time()),
+                                                 lambda exc: log.debug("traceml: the hang watch failed", exc_info=exc)))
             except BaseException as exc:
-                failure.append(exc)
-                started.set()
+                started.set_exception(exc)
                 loop.close()
                 return
-            started.set()
+            started.set_result(None)
             try:
                 loop.run_forever()
             finally:
@@ -141,9 +138,7 @@ class Collector:
 
         self._thread = threading.Thread(target=run, name="traceml-collector", daemon=True)
         self._thread.start()
-        started.wait()
-        if failure:
-            raise failure[0]
+        started.result()  # raises what the loop raised
         return self.address
 
     def ingest(self, records: List[Any]) -> None:
@@ -171,7 +166,7 @@ class Collector:
         if steps and self.live is not None:
             self.live.add(steps)
             if self.live.rolled_out:
-                self._store_rolled(self.live.take_rolled())
+                self._store(self.live.take_rolled())
 
     def wait_for_ranks(self, timeout_s: float, until: Optional[Callable[[], bool]] = None,
                        absent_grace_s: float = 5.0, ranks_exited: bool = False) -> bool:
@@ -276,7 +271,7 @@ class Collector:
             if reason is None:  # a timeout was counted by the watchdog as it closed it
                 self.frames_rejected += 1
             log.warning("traceml: closed connection from %s: %s", peer, reason or exc)
-        except (ConnectionError, OSError) as exc:
+        except OSError as exc:
             log.debug("traceml: connection from %s ended: %s", peer, exc)
         except Exception as exc:  # anything else a peer provokes ends its connection, no more
             self.frames_rejected += 1
@@ -291,16 +286,9 @@ class Collector:
             self._count_connection(-1)
 
     def _store(self, records: List[Any]) -> None:
-        """Write records; a full disk loses them (counted, said once), never the run."""
+        """Write records; a full disk loses them (said once), never the run."""
         try:
             self.store.write(records)
-        except Exception as exc:
-            self.records_unstored += len(records)
-            self._store_failed(exc)
-
-    def _store_rolled(self, rolled: List[Any]) -> None:
-        try:
-            self.store.write(rolled)
         except Exception as exc:
             self._store_failed(exc)
 
@@ -350,19 +338,13 @@ class Collector:
                     self.frames_rejected += 1
                     writer.transport.abort()
 
-    async def _watch_hangs(self) -> None:
-        """Every HANG_CHECK_S: has a rank stopped ending steps (report.live.HangWatch)?"""
+    @staticmethod
+    async def _every(interval_s: float, action: Callable[[], None], failed: Callable[[Exception], None]) -> None:
+        """Run `action` every interval_s; one that fails (a full disk, the hang watch) is handed
+        to `failed`, and the next tries again: never the collector's end."""
         while True:
-            await asyncio.sleep(HANG_CHECK_S)
+            await asyncio.sleep(interval_s)
             try:
-                self.hang_watch.check(self, time.time())
-            except Exception:  # the watch failing is one finding less, never the collector
-                log.debug("traceml: the hang watch failed", exc_info=True)
-
-    async def _commit_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(COMMIT_INTERVAL_S)
-            try:
-                self.store.commit()
-            except Exception as exc:  # a full disk: said once, the next commits try again
-                self._store_failed(exc)
+                action()
+            except Exception as exc:
+                failed(exc)

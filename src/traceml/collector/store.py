@@ -1,6 +1,7 @@
 """The run's store: every record in one SQLite file (WAL), the single source every view reads."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
@@ -97,8 +98,7 @@ class Store:
     """
 
     def __init__(self, path: str, readonly: bool = False):
-        self.path = path
-        self.readonly = readonly
+        self.path, self.readonly = path, readonly
         self._lock = threading.Lock()
         self._pending: List[Tuple[Callable[[list], None], list]] = []
         self._replay_needed = False
@@ -241,10 +241,8 @@ class Store:
             self._reserve = None
 
     def _checkpoint(self) -> None:
-        try:
+        with contextlib.suppress(sqlite3.Error):
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error:
-            pass
 
     def _insert_records(self, records: List[Any]) -> None:
         """Each record type's records in one statement, in the order they came (record_types.py
@@ -323,10 +321,10 @@ class Store:
     def step_fields(self, rank: int, since_step: int, fields: Sequence[str]) -> List[tuple]:
         """(step, *fields) of one rank's records from since_step on, in step order; fields are
         StepRecord's field names."""
-        unknown = set(fields) - set(self._columns["steps"])
+        read_as = self._columns["steps"]
+        unknown = set(fields) - set(read_as)
         if unknown:
             raise ValueError(f"not step fields: {sorted(unknown)}")
-        read_as = self._columns["steps"]
         return self._rows(f"SELECT step, {', '.join(read_as[name] for name in fields)} FROM steps WHERE rank = ? AND step >= ? "
                           f"ORDER BY step", (rank, since_step))
 
@@ -336,9 +334,8 @@ class Store:
 
     def step_count(self, rank: Optional[int] = None, since_step: int = 0) -> int:
         """How many step records (of one rank, if given) from since_step on."""
-        if rank is None:
-            return self._rows("SELECT COUNT(*) FROM steps WHERE step >= ?", (since_step,))[0][0]
-        return self._rows("SELECT COUNT(*) FROM steps WHERE rank = ? AND step >= ?", (rank, since_step))[0][0]
+        of_rank, params = ("rank = ? AND", (rank, since_step)) if rank is not None else ("", (since_step,))
+        return self._rows(f"SELECT COUNT(*) FROM steps WHERE {of_rank} step >= ?", params)[0][0]
 
     def series_keys(self, table: str) -> List[Any]:
         """The series a table's rows belong to (see SERIES): the steps' ranks, the spans' and
@@ -437,10 +434,7 @@ class Store:
         return (low, high) if low is not None else (0, -1)
 
     def meta(self) -> Dict[str, Any]:
-        with self._lock:
-            rows = self._db.execute("SELECT key, value FROM meta").fetchall()
-        return {key: json.loads(value) for key, value in rows}
-
+        return {key: json.loads(value) for key, value in self._rows("SELECT key, value FROM meta")}
 
 
 def _sql_literal(field: Any) -> str:

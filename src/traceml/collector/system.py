@@ -1,6 +1,7 @@
 """The node sampler: CPU, RAM and, through NVML when a GPU is present, GPU utilization and memory."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -40,8 +41,7 @@ class SystemSampler:
         self._thread = threading.Thread(target=self._run, name="traceml-system", daemon=True)
 
     def start(self) -> None:
-        psutil = self._psutil
-        psutil.cpu_percent(None)  # the first reading only starts the interval
+        self._psutil.cpu_percent(None)  # the first reading only starts the interval
         self._nvml_handles = _open_nvml()
         self._thread.start()
 
@@ -49,41 +49,32 @@ class SystemSampler:
         """Stop sampling, with one last sample so a run shorter than interval_s still has one."""
         self._stop.set()
         self._thread.join(timeout=2)
-        try:
-            self._emit([self.sample()])
-        except Exception:
-            log.debug("traceml: last system sample failed", exc_info=True)
+        self._sample_once()
         if self._nvml_handles:
-            try:
+            with contextlib.suppress(Exception):
                 import pynvml
 
                 pynvml.nvmlShutdown()
-            except Exception:
-                pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                self._emit([self.sample()])
-            except Exception:
-                log.debug("traceml: system sample failed", exc_info=True)
+            self._sample_once()
+
+    def _sample_once(self) -> None:
+        try:
+            self._emit([self.sample()])
+        except Exception:  # a sample less, never the run
+            log.debug("traceml: system sample failed", exc_info=True)
 
     def sample(self) -> SystemSample:
         psutil = self._psutil
         memory = psutil.virtual_memory()
         cpu, rss = self._training_usage()
-        cpu_wait = self._training_cpu_wait()
         return SystemSample(
-            unix_s=time.time(),
-            cpu_percent=float(psutil.cpu_percent(None)),
-            ram_used_bytes=int(memory.total - memory.available),
-            ram_total_bytes=int(memory.total),
-            training_cpu_percent=cpu,
-            training_rss_bytes=rss,
-            gpus=_read_gpus(self._nvml_handles or []),
-            cpu_count=psutil.cpu_count() or 0,
-            training_cpu_wait_percent=cpu_wait,
-        )
+            unix_s=time.time(), cpu_percent=float(psutil.cpu_percent(None)),
+            ram_used_bytes=int(memory.total - memory.available), ram_total_bytes=int(memory.total),
+            training_cpu_percent=cpu, training_rss_bytes=rss, gpus=_read_gpus(self._nvml_handles or []),
+            cpu_count=psutil.cpu_count() or 0, training_cpu_wait_percent=self._training_cpu_wait())
 
     def _training_usage(self) -> tuple:
         psutil = self._psutil
@@ -99,8 +90,7 @@ class SystemSampler:
             except psutil.Error:
                 continue
         self._processes, self._ranks = alive, ranks
-        cpu = 0.0
-        rss = 0
+        cpu, rss = 0.0, 0
         for process in alive.values():
             try:
                 # The first call on a new Process returns 0.0 and starts its interval.
@@ -109,7 +99,6 @@ class SystemSampler:
             except psutil.Error:
                 continue
         return cpu, rss
-
 
     def _training_cpu_wait(self) -> Optional[float]:
         """The training ranks' main threads' wait for a CPU since the last sample, in percent of
@@ -148,11 +137,11 @@ def _open_nvml() -> Optional[List[Any]]:
 
 
 def _read_gpus(handles: List[Any]) -> List[GpuSample]:
+    samples: List[GpuSample] = []
     if not handles:
-        return []
+        return samples
     import pynvml
 
-    samples = []
     for index, handle in enumerate(handles):
         try:
             utilization = pynvml.nvmlDeviceGetUtilizationRates(handle)
@@ -160,11 +149,9 @@ def _read_gpus(handles: List[Any]) -> List[GpuSample]:
         except Exception:
             continue
         temperature = power = None
-        try:
+        with contextlib.suppress(Exception):
             temperature = float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
             power = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
-        except Exception:
-            pass
         samples.append(GpuSample(index=index, utilization_percent=float(utilization.gpu),
                                  memory_used_bytes=int(memory.used), memory_total_bytes=int(memory.total),
                                  temperature_c=temperature, power_w=power))

@@ -10,6 +10,8 @@ from when the closure returns, so forward, backward and optimizer each get their
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 from typing import Any, Tuple
 
@@ -22,18 +24,9 @@ STEPS_FROM = "Lightning (optimizer steps)"
 def _callback_bases() -> Tuple[type, ...]:
     """Lightning checks callbacks against its own Callback class: be both, where both exist."""
     bases = []
-    try:
-        from lightning.pytorch import Callback as LightningCallback
-
-        bases.append(LightningCallback)
-    except ImportError:
-        pass
-    try:
-        from pytorch_lightning import Callback as PytorchLightningCallback
-
-        bases.append(PytorchLightningCallback)
-    except ImportError:
-        pass
+    for namespace in ("lightning.pytorch", "pytorch_lightning"):
+        with contextlib.suppress(ImportError):
+            bases.append(importlib.import_module(namespace).Callback)
     if not bases:
         raise ImportError("traceml.integrations.lightning needs lightning or pytorch_lightning")
     return tuple(bases)
@@ -59,26 +52,16 @@ class TraceMLCallback(*_callback_bases()):  # type: ignore[misc]
     # Validation (and the sanity check before training) is evaluation, timed whole; its loader
     # waits are not the training's input.
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        _evaluating(True)
+        probe = step._probe
+        if probe is not None:
+            probe.evaluation_begin()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        _evaluating(False)
+        probe = step._probe
+        if probe is not None:
+            probe.evaluation_end()
 
-    def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
-        _evaluating(True)
-
-    def on_sanity_check_end(self, trainer: Any, pl_module: Any) -> None:
-        _evaluating(False)
-
-
-def _evaluating(starts: bool) -> None:
-    probe = step._probe
-    if probe is None:
-        return
-    if starts:
-        probe.evaluation_begin()
-    else:
-        probe.evaluation_end()
+    on_sanity_check_start, on_sanity_check_end = on_validation_start, on_validation_end
 
 
 __all__ = ["init", "TraceMLCallback"]

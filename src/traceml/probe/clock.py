@@ -8,29 +8,23 @@ injected, so the logic is tested on the CPU with a fake event.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import msgspec
 
 from traceml.records import TIMED_PHASES, StepRecord
 
-DEVICE_PHASES = TIMED_PHASES
 MAX_PENDING_STEPS = 4096  # a device that stops completing work must not grow memory forever
 
 
-class PendingDeviceStep:
+class PendingDeviceStep(NamedTuple):
     """A finished step whose host figures are known and whose device figures are in flight."""
 
-    __slots__ = ("host", "start_event", "end_event", "next_start_event", "phase_events")
-
-    def __init__(self, host: Any, start_event: Any, end_event: Any,
-                 next_start_event: Optional[Any], phase_events: List[Tuple[str, Any, Any]]):
-        self.host = host  # the host-timed step: a StepRecord, or the probe's EndedWindow for one
-        self.start_event = start_event
-        self.end_event = end_event
-        # The first event of the next step; None when the run ended after this step.
-        self.next_start_event = next_start_event
-        self.phase_events = phase_events
+    host: Any  # the host-timed step: a StepRecord, or the probe's EndedWindow for one
+    start_event: Any
+    end_event: Any
+    next_start_event: Optional[Any]  # the first event of the next step; None when the run ended after this step
+    phase_events: List[Tuple[str, Any, Any]]
 
     def events(self) -> List[Any]:
         """Each event once (the comm-wait pair shares backward's end event)."""
@@ -95,7 +89,7 @@ class DeviceTimeline:
 
 
 def _resolve(step: PendingDeviceStep, host: StepRecord) -> StepRecord:
-    device_ms: Dict[str, float] = {phase: 0.0 for phase in DEVICE_PHASES + ("comm_wait",)}
+    device_ms: Dict[str, float] = {phase: 0.0 for phase in TIMED_PHASES + ("comm_wait",)}
     for phase, begin, end in step.phase_events:
         device_ms[phase] += max(0.0, float(begin.elapsed_time(end)))
     gpu_idle_ms = None
@@ -125,26 +119,14 @@ def fit_device_phases(host: StepRecord, device_ms: Dict[str, float],
     untraced = wall - input_wait - outside - sum(phases.values())
     if untraced < 0:
         hidden = -untraced
-        take = min(hidden, input_wait)
-        input_wait -= take
-        hidden -= take
-        take = min(hidden, outside)
-        outside -= take
-        hidden -= take
+        input_wait, hidden = max(0.0, input_wait - hidden), max(0.0, hidden - input_wait)
+        outside, hidden = max(0.0, outside - hidden), max(0.0, hidden - outside)
         untraced = 0.0
         if hidden > 0:
             device_total = sum(phases.values())
             scale = (device_total - hidden) / device_total if device_total > 0 else 0.0
             phases = {name: ms * scale for name, ms in phases.items()}
     return msgspec.structs.replace(
-        host,
-        input_wait_ms=input_wait,
-        outside_ms=outside,
-        h2d_ms=phases["h2d"],
-        forward_ms=phases["forward"],
-        backward_ms=phases["backward"],
-        optimizer_ms=phases["optimizer"],
-        untraced_ms=untraced,
-        device_timed=True,
-        gpu_idle_ms=gpu_idle_ms,
-    )
+        host, input_wait_ms=input_wait, outside_ms=outside, h2d_ms=phases["h2d"], forward_ms=phases["forward"],
+        backward_ms=phases["backward"], optimizer_ms=phases["optimizer"], untraced_ms=untraced, device_timed=True,
+        gpu_idle_ms=gpu_idle_ms)

@@ -9,6 +9,7 @@ first step (zero_code.py), keeping the script's top-level line each sample ran u
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -106,13 +107,11 @@ class CodeSampler:
     # -- startup ----------------------------------------------------------------------------
     def sample_startup(self, stop: threading.Event) -> None:
         """Sample the script's start every SAMPLE_INTERVAL_S until `stop` is set (a thread's target)."""
-        try:
+        with contextlib.suppress(Exception):  # frames it cannot read: startup goes unnamed, the script runs on
             while not stop.wait(SAMPLE_INTERVAL_S):
                 now = time.monotonic()
                 weight, self._round_at = min(now - self._round_at, MAX_WEIGHT_S), now
                 self._take("startup", sys._current_frames().get(self.thread_id), weight)
-        except Exception:  # frames it cannot read: startup goes unnamed, the script runs on
-            pass
 
     # -- the tallies -------------------------------------------------------------------------
     def _take(self, part: str, frame: Any, weight: float) -> None:
@@ -149,9 +148,7 @@ class CodeSampler:
         key = (code.co_filename, code.co_name, line if top_level else code.co_firstlineno, statement)
         self._samples[part] += 1
         self._seconds[part] += weight
-        tally = self._sites[part].get(key)
-        if tally is None:
-            tally = self._sites[part][key] = [0.0, 0.0, {}]
+        tally = self._sites[part].setdefault(key, [0.0, 0.0, {}])
         tally[0] += weight
         tally[1] += weight if importing else 0.0
         tally[2][line] = tally[2].get(line, 0) + 1

@@ -8,6 +8,7 @@ Nothing here is imported or runs until the script's torch imports `torch._dynamo
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
 import threading
@@ -113,10 +114,8 @@ def install(probe: Any, callback_module: Any) -> Optional[Any]:
     def remove() -> None:
         for name, callback in (("remove_start_callback", watch.on_start),
                                ("remove_end_callback", watch.on_end)):
-            try:
+            with contextlib.suppress(Exception):
                 getattr(handler, name)(callback)
-            except Exception:
-                pass
 
     return remove
 

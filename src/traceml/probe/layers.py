@@ -16,9 +16,9 @@ runs in functional code or custom autograd functions inside parents).
 
 The same hooks count a step's FLOPs from the shapes they see: the matrix products of Linear and
 convolution modules, forward, and the input and weight gradients backward will compute (see
-_count_flops). Nothing else runs inside the step to count them: torch's FlopCounterMode, which
-this ran one step under before, decomposes some backward ops (silu's) into others, which
-changed the low bits of gradients, and a checkpoint with them.
+_count_flops). Nothing else runs inside the step to count them: torch's FlopCounterMode
+decomposes some backward ops (silu's) into others, which changes the low bits of gradients,
+and a checkpoint with them.
 
 On CUDA the times come from pooled CUDA events, read later with query() when the next
 sampled step begins: never a synchronize.
@@ -113,7 +113,7 @@ class LayerProbe:
         call (probe.layers_due_step), so that the steps in between pay nothing for deep-dive."""
         self._begin_step(step_index)
         probe = self.probe
-        probe.layers_active = self.instrumenting
+        probe.layers_active = self.active  # a sampled step is slower by TraceML's doing: never a slow step
         probe.layers_due_step = self._next_due_step(step_index)
         # Written before the watch is read: a request the sender thread makes from now on
         # also wakes the probe (AnomalyWatch.wake), so none is missed between the two.
@@ -236,12 +236,6 @@ class LayerProbe:
         if self._capture is not None:
             self._send_capture(finishing=True)
         self.report()
-
-    @property
-    def instrumenting(self) -> bool:
-        """Whether this step runs with deep-dive hooks: slower by TraceML's doing, so never read
-        as a slow step of the user's."""
-        return self.active
 
     @property
     def flops_per_step(self) -> int:
@@ -451,15 +445,16 @@ class LayerProbe:
         when sampling only to capture."""
         if not self.sampled_steps or not self.every_n_steps:
             return
-        root = self.stats[self.root]
-        leaf_forward = sum(self.stats[name][FORWARD_NS] for name in self.leaves if name != self.root)
-        leaf_backward = sum(self.stats[name][BACKWARD_NS] for name in self.leaves if name != self.root)
-        layers = self._layer_stats(self.stats, self.alive)
+        def coverage(slot: int) -> float:
+            """The share of the model's time its leaves account for."""
+            root = self.stats[self.root][slot]
+            leaves = sum(self.stats[name][slot] for name in self.leaves if name != self.root)
+            return min(1.0, leaves / root) if root else 0.0
+
         self.probe.sender.push(LayerReport(
             rank=self.probe.rank, sampled_steps=self.sampled_steps, every_n_steps=self.every_n_steps,
-            forward_coverage=min(1.0, leaf_forward / root[FORWARD_NS]) if root[FORWARD_NS] else 0.0,
-            backward_coverage=min(1.0, leaf_backward / root[BACKWARD_NS]) if root[BACKWARD_NS] else 0.0,
-            layers=layers, flops_per_step=self.flops_per_step or None))
+            forward_coverage=coverage(FORWARD_NS), backward_coverage=coverage(BACKWARD_NS),
+            layers=self._layer_stats(self.stats, self.alive), flops_per_step=self.flops_per_step or None))
 
 
 def _matmul_modules(model: Any, nn: Any) -> Dict[int, Tuple[int, bool]]:
@@ -485,13 +480,9 @@ def _unpack(tensor: Any) -> Any:
 
 
 def _tensors(value: Any, tensor_type: type) -> List[Any]:
-    if isinstance(value, tensor_type):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if isinstance(v, tensor_type)]
-    if isinstance(value, dict):
-        return [v for v in value.values() if isinstance(v, tensor_type)]
-    return []
+    """The tensors a module returned: itself, or those in its list, tuple or dict."""
+    values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if isinstance(v, tensor_type)]
 
 
 class _Capture:

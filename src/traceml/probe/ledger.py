@@ -3,8 +3,7 @@ optimizer state, activations saved for backward), read now and then and sent whe
 
 Readings are taken on the training thread, between steps, never on the sender's: autograd
 replaces a parameter's .grad, and an optimizer its state, in C++ without holding the GIL, so a
-tensor read from another thread meanwhile can be freed under it (that thread's readings crashed
-the process). A reading costs a walk over the parameters and the optimizers' state (attributes
+tensor read from another thread meanwhile can be freed under it (and the process crash). A reading costs a walk over the parameters and the optimizers' state (attributes
 and dict reads: an optimizer's state is read with .items(), never `state[p]`, which would add an
 entry to the user's defaultdict), so it is taken at step starts at most every READING_INTERVAL_S
 (the steps between pay nothing: probe.step's due-step check), at the end of each sampled step,
@@ -124,8 +123,7 @@ class LedgerWatch:
             if not alive or (final and self._last_sent is not None and alive < self._watched):
                 return None
             ledger = self._read(step)
-            last = self._last_sent
-            if last is not None and _same_figures(last, ledger):
+            if self._last_sent is not None and _figures(self._last_sent) == _figures(ledger):
                 return None
             self._last_sent = ledger
             return ledger
@@ -348,13 +346,8 @@ def _optimizer_name(optimizer: Any, taken: Dict[str, int]) -> str:
     return name
 
 
-def _same_figures(a: MemoryLedger, b: MemoryLedger) -> bool:
-    """Whether two readings hold the same figures (their step and time aside)."""
-    return _figures(a) == _figures(b)
-
-
 def _figures(ledger: MemoryLedger) -> Tuple[Any, ...]:
-    """The figures a reading is sent for when one of them moves."""
+    """The figures a reading is sent for when one of them moves (its step and time aside)."""
     return (ledger.trainable_bytes, ledger.frozen_bytes, ledger.gradient_bytes, ledger.optimizer_state_bytes,
             ledger.activation_bytes, ledger.adapter_parameter_bytes, ledger.adapter_gradient_bytes,
             ledger.adapter_optimizer_bytes, ledger.unsharded_parameter_bytes, ledger.gathered_forward_peak_bytes,

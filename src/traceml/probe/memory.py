@@ -1,6 +1,7 @@
 """Memory readings for step records: device allocator figures per step, host RSS rate-limited."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Optional, Tuple
 
@@ -50,8 +51,8 @@ class HostRss:
             self._statm_fd: Optional[int] = os.open(f"/proc/{os.getpid()}/statm", os.O_RDONLY)
         except OSError:
             self._statm_fd = None
-        # A first reading now: on a busy machine the sender's first round came after the first
-        # steps had ended, and they recorded no RSS at all.
+        # A first reading now: on a busy machine the sender's first round can come after the
+        # first steps have ended, which would then record no RSS at all.
         self.refresh()
 
     def refresh(self) -> Optional[int]:
@@ -62,18 +63,9 @@ class HostRss:
             except (OSError, ValueError, IndexError):
                 self._statm_fd = None
         if reading is None:
-            reading = read_rss_bytes(None)
+            with contextlib.suppress(Exception):
+                import psutil  # other platforms: slower, still off the hot path
+
+                reading = int(psutil.Process().memory_info().rss)
         self.latest_bytes = reading
         return reading
-
-
-def read_rss_bytes(statm_path: Optional[str] = "/proc/self/statm") -> Optional[int]:
-    try:
-        if statm_path:
-            with open(statm_path, "rb") as statm:
-                return int(statm.read().split()[1]) * _PAGE_BYTES
-        import psutil  # other platforms: slower, still off the hot path
-
-        return int(psutil.Process().memory_info().rss)
-    except Exception:
-        return None

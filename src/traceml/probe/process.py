@@ -5,6 +5,7 @@ take TraceML out of the training after an internal fault.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -26,17 +27,7 @@ from traceml.records import STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, RankHel
 log = logging.getLogger("traceml")
 
 
-class _NoTrace:
-    """What trace_step returns once TraceML has disabled itself."""
-
-    def __enter__(self) -> "_NoTrace":
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        return False
-
-
-_NO_TRACE = _NoTrace()
+_NO_TRACE = contextlib.nullcontext()  # what trace_step returns once TraceML has disabled itself
 _trace_step: Any = None
 first_call = FirstModelCall()  # the process's wait for a first module call (zero-code, inferred steps)
 patches: Optional[Patches] = None  # the probe's patches, while attached
@@ -281,15 +272,13 @@ def _create_probe(model: Any) -> StepProbe:
 def _evaluating() -> bool:
     """Whether the training thread is in an evaluation region the patches found (read by the
     sender thread's stall pulse and code sampler)."""
-    return patches is not None and patches.evaluating()
+    return patches is not None and patches.evaluation.evaluating()
 
 
 def _model_device(torch: Any, model: Any) -> Any:
     if model is not None:
-        try:
+        with contextlib.suppress(StopIteration, AttributeError, TypeError):
             return next(model.parameters()).device
-        except (StopIteration, AttributeError, TypeError):
-            pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -298,22 +287,14 @@ def _model_device(torch: Any, model: Any) -> Any:
 def _hello(torch: Any, device: Any, device_memory: Any, startup: dict) -> RankHello:
     rank, local_rank, world_size, node_rank = rank_env()
     return RankHello(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        node_rank=node_rank,
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        device=str(device),
+        rank=rank, local_rank=local_rank, world_size=world_size, node_rank=node_rank, host=socket.gethostname(),
+        pid=os.getpid(), device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         device_capacity_bytes=device_memory.capacity_bytes if device_memory is not None else None,
         torch_version=str(torch.__version__),
         argv=[os.path.abspath(sys.argv[0])] + sys.argv[1:] if sys.argv and sys.argv[0] else list(sys.argv),
-        started_at_unix_s=_process_start_unix_s(),
-        token=os.environ.get(ENV_TOKEN, ""),
-        steps_from=_create_options.get("steps_from", STEPS_FROM_TRACE_STEP),
-        **startup,
-    )
+        started_at_unix_s=_process_start_unix_s(), token=os.environ.get(ENV_TOKEN, ""),
+        steps_from=_create_options.get("steps_from", STEPS_FROM_TRACE_STEP), **startup)
 
 
 import_timer: Any = None  # zero_code's timer of the script's imports, under `traceml run`
@@ -336,13 +317,11 @@ def _startup_so_far() -> Tuple[dict, List[Any]]:
 def _process_start_unix_s() -> float:
     """When this process started. On Linux from its age on the boot clock (to 10 ms): the
     start psutil gives adds the boot time, which /proc rounds to the second."""
-    try:
+    with contextlib.suppress(Exception):
         with open("/proc/self/stat", "rb") as stat, open("/proc/uptime", "rb") as uptime:
             started_ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])
             age_s = float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
         return time.time() - max(0.0, age_s)
-    except Exception:
-        pass
     try:
         import psutil
 

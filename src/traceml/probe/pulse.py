@@ -16,6 +16,7 @@ the batch and its state (probe/loaders.py).
 """
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import sysconfig
@@ -34,8 +35,7 @@ _COLLECTIVE_WAITS = frozenset((
     "all_to_all", "all_to_all_single", "gather", "scatter", "send", "recv", "wait", "_all_gather_base",
     "_reduce_scatter_base", "all_gather_single", "reduce_scatter_single"))
 _LIBRARY_ROOTS = tuple({os.path.normcase(path) for path in (
-    sysconfig.get_paths().get("stdlib", ""), sysconfig.get_paths().get("platstdlib", ""),
-    sysconfig.get_paths().get("purelib", ""), sysconfig.get_paths().get("platlib", ""),
+    *(sysconfig.get_paths().get(key, "") for key in ("stdlib", "platstdlib", "purelib", "platlib")),
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) if path})
 
 
@@ -109,10 +109,8 @@ def collectives_issued() -> Tuple[int, Dict[str, int]]:
         world, labels = _groups()
         if world is None:
             return -1, {}
-        subgroups = {}
-        for group, label in labels.items():
-            if group is not world:
-                subgroups[label] = int(group._get_sequence_number_for_group())
+        subgroups = {label: int(group._get_sequence_number_for_group())
+                     for group, label in labels.items() if group is not world}
         return int(world._get_sequence_number_for_group()), subgroups
     except Exception:  # a backend without the counter, or a group being torn down
         return -1, {}
@@ -130,9 +128,7 @@ def _groups() -> Tuple[Any, Dict[Any, str]]:
     names = dict(c10d._world.pg_names)
     labels = {group: "world" if group is world else ranks_label(dist.get_process_group_ranks(group))
               for group in names}
-    seen: Dict[str, int] = {}
-    for label in labels.values():
-        seen[label] = seen.get(label, 0) + 1
+    seen = collections.Counter(labels.values())
     return world, {group: label if seen[label] == 1 else f"{label} (group {names[group]})"
                    for group, label in labels.items()}
 

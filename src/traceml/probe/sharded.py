@@ -28,7 +28,9 @@ TraceML saw the engine: its backend is pointed at the wrapped ones.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import inspect
 import logging
 import weakref
@@ -46,7 +48,7 @@ COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base"
                "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter",
                "all_reduce", "broadcast", "all_to_all_single")
 _GATHER_PHASES = {FORWARD: "forward", BACKWARD: "backward"}
-ALL_GATHERS = frozenset(("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather"))
+ALL_GATHERS = frozenset(name for name in COLLECTIVES if "all_gather" in name)
 
 
 class GatherWatch:
@@ -87,26 +89,17 @@ class GatherWatch:
 def sharded_modules(model: Any) -> List[Any]:
     """The model's FSDP units (FSDP2's FSDPModule, FSDP1's FullyShardedDataParallel), outermost
     first; empty when it is not sharded (or torch has no FSDP)."""
-    kinds = []
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        kinds.append(FullyShardedDataParallel)
-    except ImportError:
-        pass
-    try:
-        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
-        kinds.append(FSDPModule)
-    except ImportError:
-        try:
-            from torch.distributed._composable.fsdp import FSDPModule  # torch 2.4 and 2.5
-            kinds.append(FSDPModule)
-        except ImportError:
-            pass
+    kinds: List[type] = []
+    for module_name, name in (("torch.distributed.fsdp", "FullyShardedDataParallel"),
+                              ("torch.distributed.fsdp", "FSDPModule"),  # torch >= 2.6
+                              ("torch.distributed._composable.fsdp", "FSDPModule")):  # torch 2.4 and 2.5
+        if all(kind.__name__ != name for kind in kinds):
+            with contextlib.suppress(ImportError, AttributeError):
+                kinds.append(getattr(importlib.import_module(module_name), name))
     modules = getattr(model, "modules", None)
     if not kinds or modules is None:
         return []
-    kinds_tuple = tuple(kinds)
-    return [module for module in modules() if isinstance(module, kinds_tuple)]
+    return [module for module in modules() if isinstance(module, tuple(kinds))]
 
 
 def sharded_by(model: Any) -> str:

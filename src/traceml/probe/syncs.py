@@ -150,13 +150,9 @@ class HostSyncSampler:
                 frame = frame.f_back  # a read inside torch (GradScaler's found_inf.item()) is the caller's
             if frame is None:
                 return
-            key = (frame.f_code.co_filename, frame.f_lineno, call)
-            counted = self._counts.get(key)
-            if counted is None:
-                self._counts[key] = [1, wait_ns]
-            else:
-                counted[0] += 1
-                counted[1] += wait_ns
+            counted = self._counts.setdefault((frame.f_code.co_filename, frame.f_lineno, call), [0, 0])
+            counted[0] += 1
+            counted[1] += wait_ns
         except Exception:  # never the user's problem
             log.debug("traceml: a host sync was not counted", exc_info=True)
 

@@ -17,6 +17,7 @@ is not there (not Linux), steps carry None.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import threading
 import time
@@ -110,8 +111,6 @@ class ThreadCpu:
 
     def _close(self) -> None:
         if self._fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self._fd)
-            except OSError:
-                pass
             self._fd = None

@@ -50,7 +50,7 @@ class _PythonTraceState:
             if isinstance(value, (int, float)):
                 probe.sender.push(ScalarRecord(probe.rank, step, name, float(value)))
             elif getattr(value, "is_cuda", False):
-                _defer_device_scalar(probe, step, name, value)
+                probe.sender.defer(_DeviceScalar(probe.rank, step, name, value), limit=PENDING_SCALARS)
             else:  # a CPU tensor (or anything float() takes): reading it costs nothing to wait for
                 probe.sender.push(ScalarRecord(probe.rank, step, name, float(value.detach().reshape(-1)[0])
                                                if hasattr(value, "detach") else float(value)))
@@ -68,13 +68,13 @@ class Trace(fast_path.TraceState if fast_path is not None else _PythonTraceState
     """
 
     def __init__(self, port: Optional[int] = None, profile_memory: bool = True):
-        self.port = port
-        self.profile_memory = profile_memory
+        self.port, self.profile_memory = port, profile_memory
         self._probe: Any = None
 
     # -- the traced region -----------------------------------------------------------------
     def trace(self, name: str = "training") -> "_TracedRegion":
-        """`with tracer.trace(name):` around the loop; name also names the run directory."""
+        """`with tracer.trace(name):` around the loop; name also names the run directory. Not
+        a generator's context manager: one entered and dropped (a benchmark's) keeps tracing."""
         return _TracedRegion(self, name)
 
     def _start(self, name: str) -> None:
@@ -82,7 +82,7 @@ class Trace(fast_path.TraceState if fast_path is not None else _PythonTraceState
 
         launched = bool(os.environ.get(rendezvous.ENV_COLLECTOR))  # under `traceml run`
         self._probe = process.infer_steps(web_port=None if launched else self.port, run_name=name,
-                                       profile_memory=self.profile_memory)
+                                          profile_memory=self.profile_memory)
 
     def _stop(self) -> None:
         from traceml.probe import process
@@ -149,10 +149,6 @@ class _DeviceScalar:
 
     def record(self) -> Any:
         return ScalarRecord(self.rank, self.step, self.name, float(self.host_copy[0]))
-
-
-def _defer_device_scalar(probe: Any, step: int, name: str, tensor: Any) -> None:
-    probe.sender.defer(_DeviceScalar(probe.rank, step, name, tensor), limit=PENDING_SCALARS)
 
 
 if fast_path is not None:

@@ -9,6 +9,7 @@ its time, and none outlives `traceml run`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -102,11 +103,7 @@ class AlertCommand:
 
 
 def _kill_group(process: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.killpg(process.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass

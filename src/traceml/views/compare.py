@@ -149,10 +149,9 @@ def _environment(rows: List[Dict[str, Any]]) -> Any:
 
     lines = []
     for row in rows:
-        style = "bold yellow" if row["differs"] else ""
         if row["differs"]:
-            lines += [(row["field"], Text.assemble(("A  ", "bold"), (str(row["a"]), style))),
-                      ("", Text.assemble(("B  ", "bold"), (str(row["b"]), style)))]
+            lines += [(row["field"], Text.assemble(("A  ", "bold"), (str(row["a"]), "bold yellow"))),
+                      ("", Text.assemble(("B  ", "bold"), (str(row["b"]), "bold yellow")))]
         else:
             lines.append((row["field"], Text(str(row["a"]))))
     return _grid(lines, title="environment")

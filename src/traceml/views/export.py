@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any, Dict, List, Optional, Tuple
 
 from traceml.records import TIMELINE_ORDER
+from traceml.report.queries import MEMORY_COLUMNS
 from traceml.report.stored_records import STEP_FIELDS, StoredRecords
 
 FORMATS = ("chrome", "jsonl", "csv")
@@ -60,19 +61,16 @@ def export_run(run_dir: Path, fmt: str, steps: Optional[str], out: Optional[str]
 
 def export(records: StoredRecords, fmt: str, first: int, last: int, out: IO[str]) -> int:
     """Write the run's records between steps first and last; returns how many steps went out."""
+    count = 0
     if fmt == "csv":
         writer = csv.writer(out)
         writer.writerow(STEP_FIELDS)
-        count = 0
-        for step in records.steps(first, last):
+        for count, step in enumerate(records.steps(first, last), 1):
             writer.writerow([step[name] for name in STEP_FIELDS])
-            count += 1
         return count
     if fmt == "jsonl":
-        count = 0
-        for step in records.steps(first, last):
+        for count, step in enumerate(records.steps(first, last), 1):
             out.write(json.dumps({"type": "step", **step}) + "\n")
-            count += 1
         for span in records.spans(first, last):
             out.write(json.dumps({"type": "span", **span}) + "\n")
         for scalar in records.scalars(first, last):
@@ -121,9 +119,7 @@ def chrome_events(records: StoredRecords, first: int, last: int) -> Tuple[List[D
                            "args": {"ms": step["gc_ms"], "collections": step["gc_collections"],
                                     "longest_pause_ms": step["gc_max_pause_ms"],
                                     "note": "summed over the step; their positions are not recorded"}})
-        counters = {name: step[name] / 2 ** 20 for name in ("device_allocated_bytes", "device_peak_bytes",
-                                                             "device_reserved_bytes", "host_rss_bytes")
-                    if step[name] is not None}
+        counters = {name: step[name] / 2 ** 20 for name in MEMORY_COLUMNS if step[name] is not None}
         if counters:
             events.append({"name": "memory MiB", "ph": "C", "pid": rank, "ts": start_us,
                            "args": {name.replace("_bytes", ""): round(value, 3)
@@ -144,13 +140,12 @@ def chrome_events(records: StoredRecords, first: int, last: int) -> Tuple[List[D
                        "args": {"step": span["step"], "calls": span["count"],
                                 "note": "calls summed, from the first call's start"}})
     for rank in sorted(ranks):
-        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
-        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": STEPS_TID, "args": {"name": "steps"}})
-        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": GC_TID, "args": {"name": "gc"}})
-    for (rank, name), tid in span_tids.items():
-        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
-                       "args": {"name": f"span: {name}"}})
+        events += [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
+                   {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}},
+                   {"name": "thread_name", "ph": "M", "pid": rank, "tid": STEPS_TID, "args": {"name": "steps"}},
+                   {"name": "thread_name", "ph": "M", "pid": rank, "tid": GC_TID, "args": {"name": "gc"}}]
+    events += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": f"span: {name}"}}
+               for (rank, name), tid in span_tids.items()]
     if origin is not None:  # relative times read better than microseconds since 1970
         for event in events:
             if "ts" in event:

@@ -11,9 +11,9 @@ from traceml.analysis.hardware import device_peak_tflops
 from traceml.analysis.ledger import part_bytes
 from traceml.analysis.rollup import Window, percentile
 from traceml.records import ALL_PHASES, LayerReport, RankHello, StepRecord
+from traceml.report.queries import MEMORY_COLUMNS
 
 QUANTILES = (0.5, 0.9, 0.99)
-MEMORY_FIELDS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes", "host_rss_bytes")
 
 
 class LiveMetrics:
@@ -24,29 +24,20 @@ class LiveMetrics:
         self.live_state = live_state  # the shared, rate-limited live snapshot (its findings)
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily
 
-        step_time = GaugeMetricFamily("traceml_step_time_ms", "Step time over the recent steps, by quantile",
-                                      labels=["rank", "quantile"])
-        phase_share = GaugeMetricFamily("traceml_phase_share", "Share of the recent steps' time in each phase",
-                                        labels=["rank", "phase"])
-        memory = GaugeMetricFamily("traceml_memory_bytes", "Memory at the latest step",
-                                   labels=["rank", "kind"])
-        steps_per_s = GaugeMetricFamily("traceml_steps_per_second", "Steps a second over the recent steps",
-                                        labels=["rank"])
-        samples_per_s = GaugeMetricFamily("traceml_samples_per_second", "Samples a second over the recent steps",
-                                          labels=["rank"])
-        tokens_per_s = GaugeMetricFamily("traceml_tokens_per_second",
-                                         "Real tokens (attention_mask) a second over the recent steps",
-                                         labels=["rank"])
-        mfu = GaugeMetricFamily("traceml_mfu", "Model FLOPs utilization (deep-dive FLOPs a step, "
-                                "known device peak)", labels=["rank"])
-        comm_wait = GaugeMetricFamily("traceml_comm_wait_share", "Share of the recent steps' time spent "
-                                      "waiting in collectives, inside forward and backward (DDP, FSDP)",
-                                      labels=["rank"])
+        step_time = _gauge("step_time_ms", "Step time over the recent steps, by quantile", "rank", "quantile")
+        phase_share = _gauge("phase_share", "Share of the recent steps' time in each phase", "rank", "phase")
+        memory = _gauge("memory_bytes", "Memory at the latest step", "rank", "kind")
+        steps_per_s = _gauge("steps_per_second", "Steps a second over the recent steps", "rank")
+        samples_per_s = _gauge("samples_per_second", "Samples a second over the recent steps", "rank")
+        tokens_per_s = _gauge("tokens_per_second", "Real tokens (attention_mask) a second over the recent steps",
+                              "rank")
+        mfu = _gauge("mfu", "Model FLOPs utilization (deep-dive FLOPs a step, known device peak)", "rank")
+        comm_wait = _gauge("comm_wait_share", "Share of the recent steps' time spent waiting in collectives, "
+                           "inside forward and backward (DDP, FSDP)", "rank")
         steps_total = CounterMetricFamily("traceml_steps", "Steps recorded", labels=["rank"])
-        findings = GaugeMetricFamily("traceml_finding_active", "A live finding (1 while it holds)",
-                                     labels=["kind", "severity", "rank"])
+        findings = _gauge("finding_active", "A live finding (1 while it holds)", "kind", "severity", "rank")
         state = self.live_state()
         hellos = self.collector.latest(RankHello)
         for rank, records in self.collector.kept_by(StepRecord).items():
@@ -62,7 +53,7 @@ class LiveMetrics:
             latest = records[-1]
             if latest.comm_wait_ms is not None:
                 comm_wait.add_metric([label], window.comm_wait.share)
-            for name in MEMORY_FIELDS:
+            for name in MEMORY_COLUMNS:
                 value = getattr(latest, name)
                 if value is not None:
                     memory.add_metric([label, name[:-len("_bytes")]], value)
@@ -77,22 +68,21 @@ class LiveMetrics:
         for finding in state.findings:
             findings.add_metric([finding.kind, finding.severity,
                                  "" if finding.rank is None else str(finding.rank)], 1.0)
-        goodput_share = GaugeMetricFamily("traceml_goodput_share", "Share of the run's wall time so far "
-                                          "in each part (training is the goodput)", labels=["part"])
-        goodput_seconds = GaugeMetricFamily("traceml_goodput_seconds", "The run's wall time so far in "
-                                            "each part, seconds (mean over ranks)", labels=["part"])
-        if state.goodput is not None:
-            for part, figures in state.goodput.parts.items():
-                goodput_share.add_metric([part], figures["share"])
-                goodput_seconds.add_metric([part], figures["seconds"])
-        ledger = GaugeMetricFamily("traceml_memory_ledger_bytes", "What holds each rank's memory, by part: "
-                                   "parameters (frozen, trainable), gradients, optimizer state, activations "
-                                   "saved for backward, the rest, the allocator's cache", labels=["rank", "part"])
+        goodput_share = _gauge("goodput_share", "Share of the run's wall time so far in each part (training is "
+                               "the goodput)", "part")
+        goodput_seconds = _gauge("goodput_seconds", "The run's wall time so far in each part, seconds (mean over "
+                                 "ranks)", "part")
+        for part, figures in (state.goodput.parts.items() if state.goodput is not None else ()):
+            goodput_share.add_metric([part], figures["share"])
+            goodput_seconds.add_metric([part], figures["seconds"])
+        ledger = _gauge("memory_ledger_bytes", "What holds each rank's memory, by part: parameters (frozen, "
+                        "trainable), gradients, optimizer state, activations saved for backward, the rest, the "
+                        "allocator's cache", "rank", "part")
         for row in state.ledger:
             for part, value in part_bytes(row).items():
                 ledger.add_metric([str(row["rank"]), part], value)
-        stalled = GaugeMetricFamily("traceml_stalled", "1 while the rank has ended no step for longer than "
-                                    "its steps allow (the HANG finding), else 0", labels=["rank"])
+        stalled = _gauge("stalled", "1 while the rank has ended no step for longer than its steps allow (the HANG "
+                         "finding), else 0", "rank")
         hang = getattr(getattr(self.collector, "hang_watch", None), "hang", None)
         stalled_ranks = set(hang.stalled_ranks) if hang is not None else set()
         for rank in hellos:
@@ -103,26 +93,24 @@ class LiveMetrics:
 
     def _system(self) -> Iterator[Any]:
         """The node's latest sample: CPU and RAM, and each GPU as NVML reads it."""
-        from prometheus_client.core import GaugeMetricFamily
-
         sample = self.collector.latest_system
         if sample is None:
             return
-        cpu = GaugeMetricFamily("traceml_cpu_percent", "CPU in use: the whole machine (100 = every core) "
-                                "and the training processes (100 = one core)", labels=["scope"])
+        cpu = _gauge("cpu_percent", "CPU in use: the whole machine (100 = every core) and the training "
+                     "processes (100 = one core)", "scope")
         cpu.add_metric(["machine"], sample.cpu_percent)
         cpu.add_metric(["training"], sample.training_cpu_percent)
-        ram = GaugeMetricFamily("traceml_ram_bytes", "Host RAM: used and total on the machine, resident in "
-                                "the training processes", labels=["kind"])
+        ram = _gauge("ram_bytes", "Host RAM: used and total on the machine, resident in the training processes",
+                     "kind")
         for kind, value in (("used", sample.ram_used_bytes), ("total", sample.ram_total_bytes),
                             ("training_rss", sample.training_rss_bytes)):
             ram.add_metric([kind], value)
-        gpu_util = GaugeMetricFamily("traceml_gpu_utilization_percent", "GPU utilisation as NVML reports it "
-                                     "(100 = the device busy all the time)", labels=["gpu"])
-        gpu_memory = GaugeMetricFamily("traceml_gpu_memory_bytes", "GPU memory, used and total, as NVML "
-                                       "reports it (every process on the device)", labels=["gpu", "kind"])
-        gpu_temperature = GaugeMetricFamily("traceml_gpu_temperature_celsius", "GPU temperature", labels=["gpu"])
-        gpu_power = GaugeMetricFamily("traceml_gpu_power_watts", "GPU power draw", labels=["gpu"])
+        gpu_util = _gauge("gpu_utilization_percent", "GPU utilisation as NVML reports it (100 = the device busy "
+                          "all the time)", "gpu")
+        gpu_memory = _gauge("gpu_memory_bytes", "GPU memory, used and total, as NVML reports it (every process "
+                            "on the device)", "gpu", "kind")
+        gpu_temperature = _gauge("gpu_temperature_celsius", "GPU temperature", "gpu")
+        gpu_power = _gauge("gpu_power_watts", "GPU power draw", "gpu")
         for gpu in sample.gpus:
             label = str(gpu.index)
             gpu_util.add_metric([label], gpu.utilization_percent)
@@ -133,6 +121,13 @@ class LiveMetrics:
             if gpu.power_w is not None:
                 gpu_power.add_metric([label], gpu.power_w)
         yield from (cpu, ram, gpu_util, gpu_memory, gpu_temperature, gpu_power)
+
+
+def _gauge(name: str, help_text: str, *labels: str) -> Any:
+    """A gauge traceml_<name>, labelled as given."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    return GaugeMetricFamily(f"traceml_{name}", help_text, labels=list(labels))
 
 
 def _mfu(report: Optional[LayerReport], hello: Optional[RankHello], steps_per_s: float) -> Optional[float]:

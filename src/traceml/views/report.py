@@ -159,12 +159,12 @@ def _line_chart(chart_id: str, series: Dict[str, List[Tuple[float, float]]], uni
 
 def _memory_chart(summary: Dict[str, Any], steps: Sequence[RolledStep]) -> str:
     memory, mib = summary["memory"], 2 ** 20
-    device = {"device allocated": [(s.step, s.device_allocated_bytes / mib) for s in steps
-                                   if s.device_allocated_bytes is not None],
-              "device peak": [(s.step, s.device_peak_bytes / mib) for s in steps if s.device_peak_bytes is not None],
-              "device reserved": [(s.step, s.device_reserved_bytes / mib) for s in steps
-                                  if s.device_reserved_bytes is not None]}
-    host = {"host RSS": [(s.step, s.host_rss_bytes / mib) for s in steps if s.host_rss_bytes is not None]}
+
+    def series(field: str) -> List[Tuple[float, float]]:
+        return [(s.step, getattr(s, field) / mib) for s in steps if getattr(s, field) is not None]
+
+    device = {f"device {kind}": series(f"device_{kind}_bytes") for kind in ("allocated", "peak", "reserved")}
+    host = {"host RSS": series("host_rss_bytes")}
     parts = []
     if any(device.values()):
         capacity = memory["device_capacity_bytes"]

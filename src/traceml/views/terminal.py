@@ -8,6 +8,8 @@ the two, and forwards the script's output above the live panel so the redraw nev
 from __future__ import annotations
 
 import codecs
+import contextlib
+import io
 import os
 import select
 import statistics
@@ -43,54 +45,54 @@ def render(state: LiveState, width: int, height: int) -> Any:
     from rich.console import Console, Group
     from rich.table import Table
 
-    measure = Console(width=width, height=height, file=_NullFile(), color_system=None)
-
+    measure = Console(width=width, height=height, file=io.StringIO(), color_system=None)
     header = _header(state)
-    panels = [("steps", _step_panel(state, width)), ("phases", _phase_panel(state)),
-              ("memory", _memory_panel(state, width)), ("system", _system_panel(state))]
+    panels = {"steps": _step_panel(state, width), "phases": _phase_panel(state),
+              "memory": _memory_panel(state, width), "system": _system_panel(state)}
     if state.world_size > 1 and state.ranks:
-        panels.append(("ranks", _rank_panel(state)))
+        panels["ranks"] = _rank_panel(state)
     if state.layers is not None and state.layers.layers:
-        panels.append(("layers", _layer_panel(state)))
-    panels.append(("alerts", _alert_panel(state)))
-
-    wide = width >= WIDE_COLUMNS
-    drop_order = ["layers", "system", "ranks", "memory", "alerts", "steps"]
+        panels["layers"] = _layer_panel(state)
+    panels["alerts"] = _alert_panel(state)
+    drop_order = [name for name in ("layers", "system", "ranks", "memory", "alerts", "steps") if name in panels]
+    per_row = 2 if width >= WIDE_COLUMNS else 1
     while True:
+        shown = list(panels.values())
         body = []
-        renderables = [p[1] for p in panels]
-        for row in ([[r] for r in renderables] if not wide else
-                    [renderables[i:i + 2] for i in range(0, len(renderables), 2)]):
+        for row in (shown[i:i + per_row] for i in range(0, len(shown), per_row)):
             if len(row) == 1:
                 body.append(row[0])
-            else:
-                grid = Table.grid(expand=True, padding=(0, 1))
-                grid.add_column(ratio=1)
-                grid.add_column(ratio=1)
-                grid.add_row(*row)
-                body.append(grid)
+                continue
+            grid = Table.grid(expand=True, padding=(0, 1))
+            grid.add_column(ratio=1)
+            grid.add_column(ratio=1)
+            grid.add_row(*row)
+            body.append(grid)
         dashboard = Group(header, *body)
         # Measured, not estimated: a panel taller than the terminal would scroll the redraw.
-        if len(measure.render_lines(dashboard, pad=False)) <= height or len(panels) <= 1:
+        if len(measure.render_lines(dashboard, pad=False)) <= height or not drop_order:
             return dashboard
-        name = next((n for n in drop_order if any(p[0] == n for p in panels)), None)
-        if name is None:
-            return dashboard
-        panels = [p for p in panels if p[0] != name]
+        del panels[drop_order.pop(0)]
 
 
-class _NullFile:
-    def write(self, text: str) -> int:
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-
-def _panel(title: str, body: Any, lines: int) -> Any:
+def _panel(title: str, body: Any) -> Any:
     from rich.panel import Panel
 
     return Panel(body, title=title, title_align="left", padding=(0, 1))
+
+
+def _four_columns() -> Any:
+    from rich.table import Table
+
+    table = Table.grid(padding=(0, 1))
+    for _ in range(4):
+        table.add_column()
+    return table
+
+
+def _spark_width(width: int) -> int:
+    """A panel's sparkline: its panel's width (half the terminal when panels sit two by two)."""
+    return max(10, (width // 2 if width >= WIDE_COLUMNS else width) - 8)
 
 
 def _header(state: LiveState) -> Any:
@@ -102,7 +104,7 @@ def _header(state: LiveState) -> Any:
                          f" · {window.steps_per_s:,.1f} steps/s")
     if window.samples_per_s:
         text.append(f" · {window.samples_per_s:,.0f} samples/s")
-    primary = next((f for f in state.findings), None)
+    primary = next(iter(state.findings), None)
     if primary is not None:
         text.append("  ")
         text.append(f" {primary.kind} ", style=SEVERITY_STYLE[primary.severity])
@@ -114,28 +116,24 @@ def _step_panel(state: LiveState, width: int) -> Any:
 
     window = state.window
     times = [s.step_ms for s in window.steps]
-    spark_width = max(10, (width // 2 if width >= WIDE_COLUMNS else width) - 8)
     body = Text(f"median {window.step_median_ms:.1f} ms   p90 {window.step_p90_ms:.1f} ms")
     if state.goodput is not None:  # the run's wall time so far: how much of it was training
         body.append(f"   goodput {goodput_text(state.goodput.parts)}")
     body.append("\n")
-    body.append(sparkline(times, spark_width), style="cyan")
-    return _panel(f"step time (last {counted(len(window), 'step')})", body, 2)
+    body.append(sparkline(times, _spark_width(width)), style="cyan")
+    return _panel(f"step time (last {counted(len(window), 'step')})", body)
 
 
 def _phase_panel(state: LiveState) -> Any:
-    from rich.table import Table
     from rich.text import Text
 
-    table = Table.grid(padding=(0, 1))
-    for _ in range(4):
-        table.add_column()
+    table = _four_columns()
     for name in ALL_PHASES:
         stats = state.window.phases[name]
         bar = "█" * int(round(stats.share * 20)) if name in STEP_PHASES else ""
         table.add_row(PHASE_LABELS[name], Text(f"{stats.median_ms:8.2f} ms", justify="right"),
                       Text(f"{stats.share:6.1%}", justify="right"), Text(bar, style="cyan"))
-    return _panel("phases (median, % of step)", table, len(ALL_PHASES))
+    return _panel("phases (median, % of step)", table)
 
 
 def _memory_panel(state: LiveState, width: int) -> Any:
@@ -153,10 +151,9 @@ def _memory_panel(state: LiveState, width: int) -> Any:
     if last is not None and last.host_rss_bytes:
         lines.append(f"host RSS {last.host_rss_bytes / 2 ** 20:,.0f} MiB\n")
     trend = state.window.memory_trend
-    spark_width = max(10, (width // 2 if width >= WIDE_COLUMNS else width) - 8)
     lines.append(f"trend {trend.bytes_per_step / 1024:+,.1f} KiB/step  ")
-    lines.append(sparkline([float(v) for v in trend.held_bytes], spark_width - 28), style="magenta")
-    return _panel("memory", lines, 3)
+    lines.append(sparkline([float(v) for v in trend.held_bytes], _spark_width(width) - 28), style="magenta")
+    return _panel("memory", lines)
 
 
 def _system_panel(state: LiveState) -> Any:
@@ -164,7 +161,7 @@ def _system_panel(state: LiveState) -> Any:
 
     system = state.system
     if system is None:
-        return _panel("system", Text("waiting for the first sample"), 1)
+        return _panel("system", Text("waiting for the first sample"))
     lines = Text(f"CPU {system.cpu_percent:.0f}%  training {system.training_cpu_percent:.0f}%  RAM "
                  f"{system.ram_used_bytes / GIB:.1f} of {system.ram_total_bytes / GIB:.1f} GiB")
     for gpu in system.gpus:
@@ -174,17 +171,13 @@ def _system_panel(state: LiveState) -> Any:
             lines.append(f"  {gpu.temperature_c:.0f}°C")
         if gpu.power_w is not None:
             lines.append(f"  {gpu.power_w:.0f} W")
-    return _panel("system", lines, 1 + len(system.gpus))
+    return _panel("system", lines)
 
 
 def _rank_panel(state: LiveState) -> Any:
-    from rich.table import Table
-
     straggler = straggler_rank(state.findings)
     ranks = state.ranks
-    table = Table.grid(padding=(0, 1))
-    for _ in range(4):
-        table.add_column()
+    table = _four_columns()
     for name in ("step", "input_wait", "forward", "comm_wait"):
         key = f"{name}_median_ms"
         values = [(r[key], r["rank"]) for r in ranks if r[key] is not None]
@@ -194,27 +187,23 @@ def _rank_panel(state: LiveState) -> Any:
         median = statistics.median(v for v, _ in values)
         who = f"[bold red]rank {worst_rank}[/]" if worst_rank == straggler else f"rank {worst_rank}"
         table.add_row(PHASE_LABELS[name], f"median {median:.2f} ms", f"worst {worst:.2f} ms", who)
-    return _panel(f"ranks ({len(ranks)})", table, 4)
+    return _panel(f"ranks ({len(ranks)})", table)
 
 
 def _layer_panel(state: LiveState) -> Any:
-    from rich.table import Table
-
     leaves = [row for row in layer_rows(state.layers) if row["leaf"]][:5]  # the slowest first
-    table = Table.grid(padding=(0, 1))
-    for _ in range(4):
-        table.add_column()
+    table = _four_columns()
     for row in leaves:
         table.add_row(row["name"][:30], f"fwd {row['forward_ms']:.2f} ms", f"bwd {row['backward_ms']:.2f} ms",
                       f"saved {row['memory_bytes'] / 2 ** 20:.1f} MiB")
-    return _panel("top layers (deep-dive)", table, max(1, len(leaves)))
+    return _panel("top layers (deep-dive)", table)
 
 
 def _alert_panel(state: LiveState) -> Any:
     from rich.text import Text
 
     if not state.alerts:
-        return _panel("alerts", Text("none so far"), 1)
+        return _panel("alerts", Text("none so far"))
     lines = Text()
     for index, (at_s, finding) in enumerate(state.alerts[-4:]):
         if index:
@@ -222,7 +211,7 @@ def _alert_panel(state: LiveState) -> Any:
         lines.append(f"{time.strftime('%H:%M:%S', time.gmtime(at_s))} ")
         lines.append(finding.kind, style=SEVERITY_STYLE[finding.severity])
         lines.append(f" {finding.summary}")
-    return _panel("alerts", lines, min(4, len(state.alerts)) * 2)
+    return _panel("alerts", lines)
 
 
 # -- running it ---------------------------------------------------------------------------------
@@ -232,8 +221,7 @@ class Dashboard:
     def __init__(self, collector: Any, script: str, console: Any = None):
         from rich.console import Console
 
-        self.collector = collector
-        self.script = script
+        self.collector, self.script = collector, script
         self.console = console or Console(highlight=False)
         self.alerts: List[Tuple[float, Finding]] = []
         self._started = time.monotonic()
@@ -273,7 +261,7 @@ class Dashboard:
 
     def _pass_on_resize(self, terminal_fd: int) -> None:
         """Give the script's terminal our terminal's size when it changes (it gets SIGWINCH)."""
-        try:
+        with contextlib.suppress(OSError, ValueError, AttributeError, ImportError):
             import fcntl
             import termios
 
@@ -281,8 +269,6 @@ class Dashboard:
             if size != self._terminal_size:
                 self._terminal_size = size
                 fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, size)
-        except (OSError, ValueError, AttributeError, ImportError):
-            pass
 
     def _forward(self, live: Any, chunk: bytes) -> None:
         text = self._partial + self._decoder.decode(chunk)

@@ -60,11 +60,6 @@ class Patches(Patch):
         """Time this model's outermost call as forward; returns handles whose remove() stops it."""
         return self.models.hook(model)
 
-    def evaluating(self) -> bool:
-        """Whether the training thread is in an evaluation region between steps now (read by
-        the sender thread's stall pulse and code sampler)."""
-        return self.evaluation.evaluating()
-
     def _watch_compilations(self, callbacks: Any) -> None:
         from traceml.probe import compile as compile_watch
 

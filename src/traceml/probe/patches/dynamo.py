@@ -22,7 +22,7 @@ def compiling() -> Callable[[], bool]:
     It is torch.compiler.is_compiling, called, never its flag read as an attribute: dynamo
     answers the call with a constant while it traces, but a flag read in a wrapper it inlines
     (a model TraceML timed before the user compiled it) becomes a guard that is never true at
-    run time, and every call then recompiled until dynamo's limit sent the model back to eager.
+    run time, and every call would recompile until dynamo's limit sends the model back to eager.
     """
     import torch
 

@@ -29,6 +29,7 @@ sets), both looked up by torch at each call; and, should neither be found, at ea
 start. A region whose first module is compiled code is evaluation only if a traced model is
 called in it.
 """
+import contextlib
 import functools
 import logging
 import os
@@ -68,8 +69,7 @@ class EvaluationRegions(Patch):
 
     def __init__(self, probe: StepProbe, when_imported: WhenImported, traced_models: Callable[[], List[Any]]):
         super().__init__(probe)
-        self.when_imported = when_imported
-        self.traced_models = traced_models
+        self.when_imported, self.traced_models = when_imported, traced_models
         self.active = False  # installed: a traced model's call between steps reports to it
         self.owner: Any = None  # the context manager (or the model call) whose region is open
         self.qualified = False  # the model ran in it: evaluation
@@ -110,10 +110,8 @@ class EvaluationRegions(Patch):
         handler.register_start_callback(self.compilation_started)
 
         def remove() -> None:
-            try:
+            with contextlib.suppress(ValueError):  # torch._dynamo.reset() took it out already
                 handler.remove_start_callback(self.compilation_started)
-            except ValueError:  # torch._dynamo.reset() took it out already
-                pass
 
         self.on_remove(remove)
 

@@ -1,5 +1,6 @@
 """How the run ends: its exit code noted (under plain `python train.py` nobody else knows it), an
 uncaught error printed as it would be without TraceML, and SIGTERM's flush of what is buffered."""
+import contextlib
 import logging
 import os
 import signal
@@ -75,12 +76,10 @@ class SigtermFlush(Patch):
         def on_sigterm(signum: int, frame: Any) -> None:
             # A second SIGTERM must not cut the flush short: ignored until it is done.
             _set_sigterm(signal.SIG_IGN)
-            try:
+            with contextlib.suppress(Exception):
                 probe.exit_code = 128 + signum
                 probe.finish()
                 probe.goodbye(exit_code=probe.exit_code, timeout_s=2.0)
-            except Exception:
-                pass
             _set_sigterm(signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -96,7 +95,5 @@ class SigtermFlush(Patch):
 def _set_sigterm(handler: Any) -> None:
     # A second SIGTERM arriving as the handler changes (the group's, then the one `traceml
     # run` forwards) makes Python raise "ignored due to race condition": never the user's.
-    try:
+    with contextlib.suppress(OSError, ValueError):
         signal.signal(signal.SIGTERM, handler)
-    except (OSError, ValueError):
-        pass

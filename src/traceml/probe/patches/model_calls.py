@@ -56,9 +56,7 @@ class ModelCalls:
     class gets its own call method back when no traced model of it is left (_ModelHandle)."""
 
     def __init__(self, probe: StepProbe, evaluation: Evaluation, collectives: ModelCollectives):
-        self.probe = probe
-        self.evaluation = evaluation
-        self.collectives = collectives
+        self.probe, self.evaluation, self.collectives = probe, evaluation, collectives
         self._models: dict = {}  # id(model) -> _TracedModel, read by the compiled timer too
         # class -> [its own attribute before (or ABSENT), models traced, the call set on it]
         self._patched_classes: dict = {}

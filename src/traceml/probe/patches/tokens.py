@@ -75,8 +75,7 @@ def add_real_tokens(sums: list, count: Any, on_cpu: bool) -> None:
     if sums[TOKEN_COPIES] is None:
         sums[TOKEN_COPIES] = []
     sums[TOKEN_COPIES].append(count.to("cpu", non_blocking=True))
-    if sums[REAL_TOKENS] is None:
-        sums[REAL_TOKENS] = 0
+    sums[REAL_TOKENS] = sums[REAL_TOKENS] or 0
 
 
 def labels_mirror_inputs(model: Any, ids: Any, labels: Any) -> bool:

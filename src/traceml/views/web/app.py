@@ -189,9 +189,7 @@ class WebServer:
     """uvicorn serving the dashboard app on a background thread."""
 
     def __init__(self, source: RunSource, host: str = "127.0.0.1", port: int = 0):
-        self.source = source
-        self.host = host
-        self.port = port
+        self.source, self.host, self.port = source, host, port
         self._server: Any = None
         self._thread: Optional[threading.Thread] = None
 
