@@ -96,7 +96,7 @@ def main() -> None:
         peak_rss = max(peak_rss, me.memory_info().rss)
         source.close()
         total = args.ranks * args.steps
-        stored = store.query("SELECT COUNT(*) FROM steps")[0][0]
+        stored = store.step_count()
         # The end of the run as `traceml run` does it: the collector stops (rolling what was
         # left), then the summary, the card, final_summary.json and report.html.
         began = time.perf_counter()
