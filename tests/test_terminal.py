@@ -155,3 +155,51 @@ def test_live_dashboard_in_a_real_terminal(tmp_path):
     assert "trained 200 steps" in final  # the script's own output, intact
     assert "Verdict" in final and "INPUT_BOUND" in final  # the card at the end
     assert (tmp_path / "run" / "final_summary.json").is_file()
+
+
+NO_COLLECTOR = """
+import sys
+from traceml import cli, lifecycle
+
+def refuse(self, *args, **kwargs):
+    raise OSError("cannot start the collector: refused by the test")
+
+lifecycle.Run.start_collector = refuse
+sys.exit(cli.main(["run", "--mode", "cli", "--run-dir", sys.argv[1], sys.argv[2]]))
+"""
+LOUD_SCRIPT = """
+for line in range(4000):
+    print("x" * 100, line)  # 400 KB: far more than a terminal's buffer holds unread
+print("all written")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_collector_that_cannot_start_leaves_the_script_running_with_its_output(tmp_path):
+    """Under the live dashboard the script writes into a terminal of the launcher's: when the
+    collector cannot start after the script has, that output is still read and passed on, or a
+    script that writes more than the terminal holds would block for ever."""
+    script = tmp_path / "loud.py"
+    script.write_text(LOUD_SCRIPT)
+    main_fd, terminal_fd = pty.openpty()
+    process = subprocess.Popen([sys.executable, "-c", NO_COLLECTOR, str(tmp_path / "run"), str(script)],
+                               stdin=terminal_fd, stdout=terminal_fd, stderr=terminal_fd, cwd=tmp_path,
+                               env=dict(_env(), TERM="xterm-256color"), start_new_session=True)
+    os.close(terminal_fd)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and process.poll() is None:
+            if select.select([main_fd], [], [], 0.2)[0]:
+                try:
+                    seen += os.read(main_fd, 65536)
+                except OSError:
+                    break
+        process.wait(timeout=10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        os.close(main_fd)
+    text = seen.decode("utf-8", "replace")
+    assert process.returncode == 0, text[-2000:]
+    assert "the script runs untraced" in text and "all written" in text

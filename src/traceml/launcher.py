@@ -379,10 +379,13 @@ def wait(child: Script, watch: Optional[AgentWatch] = None, output_fd: Optional[
          collector: Any = None, script: str = "") -> int:
     """Wait for the script, forwarding signals (and telling the agent's watch, where there is
     one, that they were), with the live dashboard over its output when it writes to
-    `output_fd` (closed here); its exit code, 128+N if signal N killed it."""
+    `output_fd` (closed here; without a collector, its output is passed on as it comes); its
+    exit code, 128+N if signal N killed it."""
     restore = _forward_signals(child, watch)
     try:
-        if output_fd is not None:
+        if output_fd is not None and collector is None:
+            _drain(output_fd, child)
+        elif output_fd is not None:
             from traceml.views.terminal import Dashboard
 
             try:

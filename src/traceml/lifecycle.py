@@ -142,7 +142,7 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
         except OSError as exc:  # the script runs on untraced: its probe finds no collector
             listening.close()
             print(f"traceml: {exc}; the script runs untraced", file=sys.stderr)
-            return launcher.wait(child)
+            return launcher.wait(child, output_fd=output_fd)  # its terminal's output still read
     argv = launch.script_argv
     run.start_sampling(lambda: {child.pid}, {
         "script": os.fspath(launch.script), "argv": argv,
