@@ -13,10 +13,11 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple, Type
+from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Set, Tuple, Type
 
 import msgspec
 
+from traceml.collector.protocols import HangCheck, StepRollup, WallTimeTally
 from traceml.collector.store import Store
 from traceml.record_types import RECORD_TYPES, R
 from traceml.records import RankEnd, RankHello, StepRecord, SystemSample
@@ -45,8 +46,8 @@ class Collector:
 
     def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, token: str = "",
                  hello_timeout_s: float = HELLO_TIMEOUT_S, frame_timeout_s: float = FRAME_TIMEOUT_S,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, live: Any = None, run_time: Any = None,
-                 hang_watch: Any = None):
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, live: Optional[StepRollup] = None,
+                 run_time: Optional[WallTimeTally] = None, hang_watch: Optional[HangCheck] = None):
         self.store = store
         self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -89,7 +90,7 @@ class Collector:
     def latest_system(self) -> Optional[SystemSample]:
         return self.latest(SystemSample).get(())
 
-    def kept_by(self, record_type: Type[R]) -> Dict[Any, List[R]]:
+    def kept_by(self, record_type: Type[R]) -> Dict[Hashable, List[R]]:
         """The recent records of one type, by the values of its `per` fields (record_types.py:
         a rank, a rank and a part, () for all), the keys in order, each's records as they came."""
         by_key = self._kept[record_type][0]
@@ -98,7 +99,7 @@ class Collector:
     def kept(self, record_type: Type[R]) -> List[R]:
         return [record for records in self.kept_by(record_type).values() for record in records]
 
-    def latest(self, record_type: Type[R]) -> Dict[Any, R]:
+    def latest(self, record_type: Type[R]) -> Dict[Hashable, R]:
         """Each key's latest record of one type (a rank's hello, goodbye or pulse)."""
         return {key: records[-1] for key, records in self.kept_by(record_type).items() if records}
 
@@ -355,7 +356,7 @@ class Collector:
         while True:
             await asyncio.sleep(HANG_CHECK_S)
             try:
-                self.hang_watch.check(self, time.time())
+                self.hang_watch.check(self, time.time())  # type: ignore[union-attr]  # started only with one
             except Exception:  # the watch failing is one finding less, never the collector
                 log.debug("traceml: the hang watch failed", exc_info=True)
 

@@ -78,8 +78,6 @@ def diagnosis_input(run: RunRecords) -> DiagnosisInput:
 def steps_found_by(hellos: Sequence[RankHello], ends: Sequence[RankEnd]) -> Optional[str]:
     """How rank 0 found its steps: its goodbye knows best (an explicit trace_step may have
     replaced inference late); a rank that died, or is still training, said so in its hello."""
-    for records in (ends, hellos):
-        said = [r.steps_from for r in sorted(records, key=lambda r: r.rank) if r.steps_from]
-        if said:
-            return said[0]
-    return None
+    said = [r.steps_from for r in sorted(ends, key=lambda r: r.rank) if r.steps_from] or \
+        [r.steps_from for r in sorted(hellos, key=lambda r: r.rank) if r.steps_from]
+    return said[0] if said else None
