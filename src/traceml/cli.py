@@ -260,7 +260,7 @@ def compare_command(args: argparse.Namespace) -> int:
         runs = [ComparedRun.load(path) for path in (args.run_a, args.run_b)]
     except (OSError, ValueError, KeyError) as exc:
         return _fail(f"cannot compare: {exc}")
-    result = compare(*runs)
+    result = compare(*runs)  # type: ignore[arg-type]  # two runs: run_a and run_b
     if args.fail_on:
         result["gate"] = gate(result, args.phase, args.threshold, args.inconclusive_ok)
     if args.json:

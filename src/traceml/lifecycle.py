@@ -14,9 +14,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from traceml import agent, rendezvous, rundir
+
+if TYPE_CHECKING:
+    from traceml.collector.store import Store
+    from traceml.report.summary import FinalSummary, RunFacts
 
 log = logging.getLogger("traceml")
 
@@ -74,7 +78,7 @@ class Run:
                                               "started_at": rundir.iso_time(self.started_unix_s), **run_json})
         self.sampler.start()
 
-    def record_rank_exits(self, exits: Dict[int, Dict[str, int]]) -> None:
+    def record_rank_exits(self, exits: Mapping[int, Mapping[str, Optional[int]]]) -> None:
         """How the ranks that failed ended (their exit status, negative for a signal), for the
         summary: a rank that died without a goodbye is named with it."""
         failed = {str(rank): status for rank, status in exits.items() if status.get("exit_code")}
@@ -84,7 +88,7 @@ class Run:
             except Exception as exc:  # a full disk: the summary names the rank without its status
                 log.debug("could not keep the ranks' exit status: %s", exc)
 
-    def finish(self, facts_of: Callable[[Any], Any]) -> Optional[dict]:
+    def finish(self, facts_of: Callable[[Store], RunFacts]) -> Optional[FinalSummary]:
         """Stop sampling and collecting, then summarize the store, print the card and write the
         run directory; the summary (None when it failed). `facts_of(store)`: the RunFacts, whose
         end run.json gives."""
@@ -150,7 +154,7 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
     exit_code = launcher.wait_for_launch(launch, child, output_fd, run.collector)
     ended = time.time()
     run.record_rank_exits(agent.read_exits(exits_file) if exits_file is not None
-                          else {0: {"exit_code": child.returncode, "pid": child.pid}})
+                          else {0: {"exit_code": child.returncode, "pid": child.pid}})  # type: ignore[dict-item]  # it has ended
 
     _hear_the_last_ranks(run, launch.nnodes)
     from traceml.report.summary import RunFacts
@@ -358,7 +362,7 @@ class LiveViews:
             self.web.stop()
             self.web = None
 
-    def close(self, summary: Optional[dict], run_dir: Optional[Path]) -> None:
+    def close(self, summary: Optional[FinalSummary], run_dir: Optional[Path]) -> None:
         """The run is over: the page shows the final verdict, then the servers go with the run."""
         web = self.web
         if web is not None and summary is not None:
@@ -378,7 +382,7 @@ class LiveViews:
 
 
 # -- the end of every run -------------------------------------------------------------------------
-def finish_run(store: Any, run_dir: Optional[Path], facts: Any) -> Optional[dict]:
+def finish_run(store: Store, run_dir: Optional[Path], facts: RunFacts) -> Optional[FinalSummary]:
     """Summarize the store, write the run directory, print the card. Never raises."""
     import json
 

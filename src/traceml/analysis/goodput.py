@@ -93,6 +93,11 @@ class RankTime(msgspec.Struct):
                 "checkpoint": checkpoint, "other": other}
 
 
+class PartTime(TypedDict):
+    seconds: float  # the mean over ranks
+    share: float  # of all ranks' time
+
+
 class _StartupParts(TypedDict):
     imports_s: Optional[float]  # None: no rank timed its imports
     first_compilation_s: float
@@ -112,7 +117,7 @@ class Goodput(msgspec.Struct):
     time), and what startup was made of."""
 
     wall_s: float
-    parts: Dict[str, Dict[str, float]]  # part -> {seconds, share}
+    parts: Dict[str, PartTime]
     startup: Startup
     # Of evaluation and checkpoint, what came after the last step (a final evaluation or save,
     # which no step's window holds): ms (the mean over ranks) and how many (the most of a rank).
@@ -182,7 +187,7 @@ class RunTime:
             return None
         total_ms = sum(sum(parts.values()) for _, parts in split)
         count = len(split)
-        parts = {part: {"seconds": sum(p[part] for _, p in split) / count / 1e3,
+        parts: Dict[str, PartTime] = {part: {"seconds": sum(p[part] for _, p in split) / count / 1e3,
                         "share": sum(p[part] for _, p in split) / total_ms if total_ms else 0.0}
                  for part in PARTS}
         tallies = [tally for tally, _ in split]

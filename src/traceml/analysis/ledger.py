@@ -10,7 +10,7 @@ parts (the interpreter, torch's own libraries, the DataLoader's buffers are in i
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, TypedDict
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, TypedDict, Union
 
 from traceml.records import MemoryLedger, StepRecord, adapter_target
 
@@ -43,9 +43,9 @@ class Adapters(TypedDict):
     r: Optional[int]
     count: int
     parameters: int  # bytes
-    gradients: Optional[int]
-    optimizer_state: Optional[int]
-    targets: Dict[str, int]  # adapted module name -> how many
+    gradients: int
+    optimizer_state: int
+    targets: Dict[str, int]  # adapted module name -> bytes
     share_of_parameters: Optional[float]
     share_of_parameter_bytes: Optional[float]
     forward_share: Optional[float]  # of their layers' time, under deep-dive
@@ -86,7 +86,7 @@ class LedgerRow(TypedDict):
 
 class DeviceMesh(TypedDict):
     dims: Dict[str, int]  # name -> size, outer first
-    coordinates: Dict[int, Dict[str, int]]  # rank -> name -> index (JSON: the rank as text)
+    coordinates: Dict[Union[int, str], Dict[str, int]]  # rank -> name -> index (read from JSON: the rank as text)
 
 
 class _Held(TypedDict, total=False):
@@ -157,8 +157,9 @@ def device_mesh(rows: Sequence[LedgerRow], ledgers: Sequence[MemoryLedger]) -> O
     dims = next((dict(ledger.mesh_dims) for ledger in reversed(ledgers) if ledger.mesh_dims), None)
     if dims is None:
         return None
-    coordinates = {row["rank"]: sharding["mesh_coordinate"] for row in rows
-                   for sharding in [row["sharding"]] if sharding and sharding["mesh_coordinate"]}
+    coordinates: Dict[Union[int, str], Dict[str, int]] = {
+        row["rank"]: sharding["mesh_coordinate"] for row in rows
+        for sharding in [row["sharding"]] if sharding and sharding["mesh_coordinate"]}
     return {"dims": dims, "coordinates": coordinates}
 
 

@@ -18,8 +18,11 @@ class StepRollup(Protocol):
 
     world_size: int
     newest_step: int
-    recent: Collection[RolledStep]  # the latest rolled steps, oldest first
     rolled_out: List[RolledStep]  # rolled since the collector last took them, for the store
+
+    @property
+    def recent(self) -> Collection[RolledStep]:
+        """The latest rolled steps, oldest first."""
 
     def add(self, records: Iterable[StepRecord]) -> None: ...
 

@@ -151,9 +151,7 @@ def settled_step(store: Store) -> Optional[int]:
     return min(known)
 
 
-class StepSeries(TypedDict):
-    """The steps over the run, per bucket (the web page's step chart)."""
-
+class _StepSeries(TypedDict):
     first_step: Optional[int]
     last_step: Optional[int]
     bucket_steps: int
@@ -163,6 +161,12 @@ class StepSeries(TypedDict):
     phases: Dict[str, List[float]]
     memory: Dict[str, List[Optional[float]]]  # the bucket's maximum
     capacity: Dict[str, Optional[int]]
+
+
+class StepSeries(_StepSeries, total=False):
+    """The steps over the run, per bucket (the web page's step chart)."""
+
+    warmup_steps: int  # the whole run's series: the first steps the summary leaves out
 
 
 def step_series(buckets: Buckets, capacity: Dict[str, Optional[int]]) -> StepSeries:
