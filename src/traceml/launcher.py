@@ -205,7 +205,7 @@ def start_script(launch: Launch, env: Dict[str, str], with_terminal: bool,
     try:
         child = subprocess.Popen(launch.command(), env=env, stdout=terminal_fd, stderr=terminal_fd)
     except OSError:
-        os.close(output_fd)
+        os.close(output_fd)  # type: ignore[arg-type]  # set with terminal_fd
         raise
     finally:
         os.close(terminal_fd)
@@ -270,7 +270,7 @@ class ScriptFork:
                 os.dup2(terminal_fd, 1)
                 os.dup2(terminal_fd, 2)
                 os.close(terminal_fd)
-                os.close(output_fd)
+                os.close(output_fd)  # type: ignore[arg-type]  # set with terminal_fd
             # Through their objects, not their fd numbers: an object closing its fd again when
             # the launcher's frames unwind at the script's end would close whatever the
             # script opened under that number since.
@@ -319,7 +319,7 @@ Script = Union[subprocess.Popen, ScriptFork]  # what runs the script: a new proc
 def wait_for_launch(launch: Launch, child: Script, output_fd: Optional[int], collector: Any) -> int:
     """Wait for the script (or torch.distributed.run) with the live dashboard when it writes to
     `output_fd`, forwarding signals; the node's exit code."""
-    watch = AgentWatch(child) if launch.distributed else None
+    watch = AgentWatch(child) if launch.distributed else None  # type: ignore[arg-type]  # distributed: a Popen of torch.distributed.run
     if output_fd is not None:
         exit_code = _wait_with_dashboard(child, output_fd, collector, launch.script.name, watch)
     else:

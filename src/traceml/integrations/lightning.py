@@ -31,7 +31,7 @@ def _callback_bases() -> Tuple[type, ...]:
     try:
         from pytorch_lightning import Callback as PytorchLightningCallback
 
-        bases.append(PytorchLightningCallback)
+        bases.append(PytorchLightningCallback)  # type: ignore[arg-type]  # either package's Callback
     except ImportError:
         pass
     if not bases:

@@ -204,8 +204,8 @@ class LayerProbe:
     def _start_capture(self) -> None:
         """A rule fired: sample the next steps into figures of their own, beside the ones so
         far (the sample before)."""
-        reason, detail, step = self.watch.request
-        self.watch.request = None
+        reason, detail, step = self.watch.request  # type: ignore[union-attr, misc]  # called when the watch asked
+        self.watch.request = None  # type: ignore[union-attr]  # called when the watch asked
         if self.captures_taken >= MAX_CAPTURES or not self.sampled_steps or not _capturable():
             return
         self.captures_taken += 1
@@ -221,12 +221,12 @@ class LayerProbe:
         if not finishing and any(id(span[0]) in rows for span in self._device_spans):
             return
         self._capture = None
-        captured, self.stats = self.stats, capture.stats_before
-        sampled = CAPTURE_STEPS - capture.steps_left
+        captured, self.stats = self.stats, capture.stats_before  # type: ignore[union-attr]  # called while a capture runs
+        sampled = CAPTURE_STEPS - capture.steps_left  # type: ignore[union-attr]  # called while a capture runs
         if sampled:
             self.probe.sender.push(LayerCapture(
-                rank=self.probe.rank, step=capture.step, reason=capture.reason, detail=capture.detail,
-                before_steps=capture.before_steps, after_steps=sampled, before=capture.before,
+                rank=self.probe.rank, step=capture.step, reason=capture.reason, detail=capture.detail,  # type: ignore[union-attr]  # called while a capture runs
+                before_steps=capture.before_steps, after_steps=sampled, before=capture.before,  # type: ignore[union-attr]  # called while a capture runs
                 after=self._layer_stats(captured, {})))
 
     def finish(self) -> None:
@@ -261,7 +261,7 @@ class LayerProbe:
         name = self.names.get(id(module))
         if name is None:
             return
-        first_node = (self._marker * 1.0).grad_fn._sequence_nr() + 1 if self._torch.is_grad_enabled() else None
+        first_node = (self._marker * 1.0).grad_fn._sequence_nr() + 1 if self._torch.is_grad_enabled() else None  # type: ignore[union-attr]  # a grad-enabled product has a grad_fn
         timeline = self.probe.timeline
         allocated = self.probe.device_memory.read()[0] if self.probe.device_memory is not None else None
         start: Any = timeline.record() if timeline is not None else _now_ns()
@@ -307,7 +307,7 @@ class LayerProbe:
         first = args[0] if args and isinstance(args[0], self._torch.Tensor) else None
         if of_input and first is None:
             return
-        forward = per_element * (first.numel() if of_input else output.numel())
+        forward = per_element * (first.numel() if of_input else output.numel())  # type: ignore[union-attr]  # an input or an output is there to count
         products = 1
         if grad_enabled and self._graph_task_id() == -1:
             weight = getattr(module, "weight", None)

@@ -178,7 +178,7 @@ class LedgerWatch:
             unsharded_gradient_bytes=unsharded_gradients if sharded else None,
             unsharded_optimizer_bytes=unsharded_optimizers if sharded else None,
             gathered_forward_peak_bytes=peaks.get("forward"), gathered_backward_peak_bytes=peaks.get("backward"),
-            sharded_by=self._sharded_by, **(_mesh(parameters) if sharded else {}))
+            sharded_by=self._sharded_by, **(_mesh(parameters) if sharded else {}))  # type: ignore[arg-type]  # the mesh fields, by name
 
     def _read_parameters(self, parameters: List[Tuple[str, Any]], counted: Set[Any],
                          adapter: "_Adapters") -> Dict[str, Any]:

@@ -108,7 +108,7 @@ class LoaderWatch:
             if (now_s - watched.sent_at < SAMPLE_EVERY_S and not final) or not self._read(watched):
                 continue
             watched.sent_at = now_s
-            out.append(LoaderSample(
+            out.append(LoaderSample(  # type: ignore[arg-type]  # None only for a loader not read
                 rank=self.rank, loader=watched.index, unix_s=now_s, **watched.config,
                 usable_cores=self.cores, batches=watched.batches,
                 worker_cpu_s=sum(cpu_s for cpu_s, _ in watched.times_by_worker.values()),

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, List, Optional, Tuple, cast
+from typing import Any, List, Literal, Optional, Tuple, cast
 
 from traceml.probe import step
 from traceml.probe.patches import Patches
@@ -31,7 +31,7 @@ class _NoTrace:
     def __enter__(self) -> "_NoTrace":
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         return False
 
 
@@ -105,7 +105,7 @@ def _setup(model: Any) -> None:
     with _lock:
         if step._probe is None:
             step._probe = _create_probe(model)
-            step._probe.setup_started_ns = setup_started_ns
+            step._probe.setup_started_ns = setup_started_ns  # type: ignore[misc]  # probe.step: typed when the StepProbe split lands
         if _trace_step is None:  # first use, or after detach()
             patches = Patches(step._probe, first_call)
             patches.install()
@@ -120,16 +120,16 @@ def _hook(model: Any) -> None:
     if patches is None:  # detached meanwhile
         return
     _hooked_models[model] = patches.hook_model(model)
-    ledger = getattr(probe.sender, "ledger", None)
+    ledger = getattr(probe.sender, "ledger", None)  # type: ignore[union-attr]  # probe.step: typed when the StepProbe split lands
     if ledger is not None:
         ledger.watch_model(model)
-    if probe.layers is None and (os.environ.get(ENV_DEEP) or _auto_capture()):
+    if probe.layers is None and (os.environ.get(ENV_DEEP) or _auto_capture()):  # type: ignore[union-attr]  # probe.step: typed when the StepProbe split lands
         from traceml.probe.layers import DEFAULT_EVERY_N_STEPS, LayerProbe
 
         # traceml run --deep samples every Nth step; otherwise steps are sampled only to
         # capture what grew when a rule fires.
         every = int(os.environ.get(ENV_DEEP_EVERY) or DEFAULT_EVERY_N_STEPS) if os.environ.get(ENV_DEEP) else 0
-        probe.layers = LayerProbe(probe, model, every_n_steps=every, auto_capture=_auto_capture())
+        probe.layers = LayerProbe(probe, model, every_n_steps=every, auto_capture=_auto_capture())  # type: ignore[union-attr]  # probe.step: typed when the StepProbe split lands
 
 
 def _auto_capture() -> bool:
@@ -185,7 +185,7 @@ def infer_steps(web_port: Optional[int] = None, run_name: Optional[str] = None,
             if probe is not None and not _explicit_steps_seen:
                 probe.set_steps_from(steps_from)
                 if not probe.auto_steps:
-                    probe.auto_steps = True
+                    probe.auto_steps = True  # type: ignore[misc]  # probe.step: typed when the StepProbe split lands
                     if not _hooked_models:  # the model is the first one called with parameters to train
                         first_call.arm(hook_inferred_model, wanted=trainable)
         return probe

@@ -168,7 +168,7 @@ def _waited_group(frame: Any, waiting_in: str) -> str:
 
 def _frames(frame: Any) -> List[Tuple[str, int, str]]:
     """(file, line, function) from the innermost frame outwards."""
-    frames = []
+    frames: List[Tuple[str, int, str]] = []
     while frame is not None and len(frames) < 200:
         code = frame.f_code
         frames.append((code.co_filename, frame.f_lineno or 0, code.co_name))

@@ -396,8 +396,8 @@ class Sender:
                         steps.append(record)
                     else:
                         if kind is RankEnd:  # the goodbye carries the final counts
-                            record.records_sent = self.records_sent + len(steps) + len(others)
-                            record.records_dropped = self.records_dropped + (
+                            record.records_sent = self.records_sent + len(steps) + len(others)  # type: ignore[attr-defined]  # a RankEnd (kind is RankEnd)
+                            record.records_dropped = self.records_dropped + (  # type: ignore[attr-defined]  # a RankEnd (kind is RankEnd)
                                 self.timeline.dropped_steps if self.timeline is not None else 0)
                         others.append(record)
             finally:  # whatever happened, the list becomes its frame (or goes, when empty)

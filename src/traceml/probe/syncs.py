@@ -50,7 +50,7 @@ class HostSyncSampler:
         self._on_device = on_device or (lambda tensor: tensor.is_cuda)
         self._compiler = is_compiling  # a function, True while dynamo traces (patches.dynamo.compiling)
         # Frames in these files are not the user's: the site is the first frame outside them.
-        self._not_user_code = tuple(os.path.dirname(module.__file__) + os.sep
+        self._not_user_code = tuple(os.path.dirname(module.__file__) + os.sep  # type: ignore[type-var, operator]  # packages with a __file__
                                     for module in (torch, sys.modules["traceml"]))
         self.first_sample_step = next_sample_start(-1)
         self._first_step: Optional[int] = None  # the sample in flight

@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from traceml import rendezvous
-from traceml.probe.step import fast_path
+from traceml.probe.step import StepProbe, fast_path
 from traceml.records import ScalarRecord
 
 log = logging.getLogger("traceml")
@@ -32,6 +32,7 @@ class _PythonTraceState:
     clock readings) and hands every other scalar to log_scalar here."""
 
     __slots__ = ("_probe",)
+    _probe: Optional[StepProbe]
 
     # -- user spans and scalars --------------------------------------------------------------
     def span(self, name: str) -> "_Span":
@@ -70,7 +71,7 @@ class Trace(fast_path.TraceState if fast_path is not None else _PythonTraceState
     def __init__(self, port: Optional[int] = None, profile_memory: bool = True):
         self.port = port
         self.profile_memory = profile_memory
-        self._probe: Any = None
+        self._probe: Optional[StepProbe] = None
 
     # -- the traced region -----------------------------------------------------------------
     def trace(self, name: str = "training") -> "_TracedRegion":
@@ -103,7 +104,7 @@ class _TracedRegion:
         self.tracer._start(self.name)
         return self.tracer
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.tracer._stop()
         return False
 
@@ -120,7 +121,7 @@ class _Span:
         self.start_ns = _now_ns()
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         probe = self.tracer._probe
         if probe is not None:
             try:

@@ -49,6 +49,7 @@ class LiveMetrics:
                                      labels=["kind", "severity", "rank"])
         state = self.live_state()
         hellos = self.collector.latest(RankHello)
+        name: str  # a phase's, then a memory field's
         for rank, records in self.collector.kept_by(StepRecord).items():
             if not records:
                 continue

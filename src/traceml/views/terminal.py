@@ -43,7 +43,7 @@ def render(state: LiveState, width: int, height: int) -> Any:
     from rich.console import Console, Group
     from rich.table import Table
 
-    measure = Console(width=width, height=height, file=_NullFile(), color_system=None)
+    measure = Console(width=width, height=height, file=_NullFile(), color_system=None)  # type: ignore[arg-type]  # a sink: write and flush are all rich calls
 
     header = _header(state)
     panels = [("steps", _step_panel(state, width)), ("phases", _phase_panel(state)),
@@ -187,7 +187,7 @@ def _rank_panel(state: LiveState) -> Any:
         table.add_column()
     for name in ("step", "input_wait", "forward", "comm_wait"):
         key = f"{name}_median_ms"
-        values = [(r[key], r["rank"]) for r in ranks if r[key] is not None]
+        values = [(r[key], r["rank"]) for r in ranks if r[key] is not None]  # type: ignore[literal-required]  # the phase medians, by name
         if not values:
             continue
         worst, worst_rank = max(values)
@@ -200,7 +200,7 @@ def _rank_panel(state: LiveState) -> Any:
 def _layer_panel(state: LiveState) -> Any:
     from rich.table import Table
 
-    leaves = [row for row in layer_rows(state.layers) if row["leaf"]][:5]  # the slowest first
+    leaves = [row for row in layer_rows(state.layers) if row["leaf"]][:5]  # type: ignore[arg-type]  # shown with a deep-dive; the slowest first
     table = Table.grid(padding=(0, 1))
     for _ in range(4):
         table.add_column()

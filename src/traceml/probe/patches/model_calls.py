@@ -162,8 +162,8 @@ def _call_timed_in_general(original: Callable[..., Any], traced: _TracedModel, m
     start_ns = probe.phase_begin(FORWARD)
     first_token_call = False  # how many tokens it trains is read once its output is known
     if start_ns:
-        probe.sums[FORWARD_CALLS] += 1
-        probe.sums[SAMPLES] += tokens.batch_size(args, kwargs, tensor_type)
+        probe.sums[FORWARD_CALLS] += 1  # type: ignore[operator]  # probe.step: typed when the StepProbe split lands
+        probe.sums[SAMPLES] += tokens.batch_size(args, kwargs, tensor_type)  # type: ignore[operator]  # probe.step: typed when the StepProbe split lands
         if traced.token_inputs is None:
             traced.token_inputs = first_token_call = tokens.token_ids(args, kwargs, tensor_type) is not None
         elif traced.token_inputs:

@@ -35,7 +35,7 @@ class CheckpointSaves(Patch):
 
         self._patch_methods(torch, ("save",))
         for module_name, owner_in, names in _SAVES_ON_IMPORT:
-            self.when_imported(module_name, lambda module, owner_in=owner_in, names=names:
+            self.when_imported(module_name, lambda module, owner_in=owner_in, names=names:  # type: ignore[misc]  # the lambda binds its loop values
                                self._patch_methods(owner_in(module), names))
 
     def _patch_methods(self, owner: Any, names: tuple) -> None:
