@@ -16,9 +16,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 from traceml import rendezvous
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from traceml.collector.server import Collector
 
 log = logging.getLogger("traceml")
 
@@ -186,8 +191,14 @@ def probe_env(options: argparse.Namespace) -> Dict[str, str]:
     return env
 
 
+class Closable(Protocol):
+    """What of the launcher's the script must not hold open: a socket, a file."""
+
+    def close(self) -> None: ...
+
+
 def start_script(launch: Launch, env: Dict[str, str], with_terminal: bool,
-                 not_for_script: Sequence[Any] = ()) -> Tuple[Script, Optional[int]]:
+                 not_for_script: Sequence[Closable] = ()) -> Tuple[Script, Optional[int]]:
     """Start the launch's script; (its process, the fd its output comes from when it writes to
     a terminal of its own for the live dashboard, else None). OSError when it cannot start.
     `not_for_script`: what of this process's the script must not hold open (the collector's
@@ -237,7 +248,7 @@ class ScriptFork:
 
     @classmethod
     def start(cls, launch: Launch, env: Dict[str, str], output_fd: Optional[int], terminal_fd: Optional[int],
-              not_for_script: Sequence[Any]) -> "ScriptFork":
+              not_for_script: Sequence[Closable]) -> "ScriptFork":
         """Fork and run the script in the fork, its output to `terminal_fd` when given (the
         launcher keeps `output_fd`, the terminal's other side); the fork, here."""
         for stream in (sys.stdout, sys.stderr):  # else what they hold would be written twice
@@ -264,7 +275,7 @@ class ScriptFork:
 
     @staticmethod
     def _run_script(launch: Launch, env: Dict[str, str], output_fd: Optional[int], terminal_fd: Optional[int],
-                    not_for_script: Sequence[Any]) -> None:
+                    not_for_script: Sequence[Closable]) -> None:
         try:
             if terminal_fd is not None:
                 os.dup2(terminal_fd, 1)
@@ -316,7 +327,7 @@ class ScriptFork:
 Script = Union[subprocess.Popen, ScriptFork]  # what runs the script: a new process, or a fork
 
 
-def wait_for_launch(launch: Launch, child: Script, output_fd: Optional[int], collector: Any) -> int:
+def wait_for_launch(launch: Launch, child: Script, output_fd: Optional[int], collector: Collector) -> int:
     """Wait for the script (or torch.distributed.run) with the live dashboard when it writes to
     `output_fd`, forwarding signals; the node's exit code."""
     watch = AgentWatch(child) if launch.distributed else None  # type: ignore[arg-type]  # distributed: a Popen of torch.distributed.run
@@ -372,7 +383,7 @@ def _open_terminal() -> Tuple[int, int]:
     return main_fd, terminal_fd
 
 
-def _wait_with_dashboard(child: Script, output_fd: int, collector: Any, script: str,
+def _wait_with_dashboard(child: Script, output_fd: int, collector: Collector, script: str,
                          watch: Optional[AgentWatch]) -> int:
     from traceml.views.terminal import Dashboard
 
@@ -436,7 +447,7 @@ def _forward_signals(child: Script, watch: Optional[AgentWatch] = None) -> Calla
         except (OSError, ValueError, AttributeError):
             return False
 
-    def on_signal(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Optional[FrameType]) -> None:
         if child.poll() is not None:
             return
         if signum == signal.SIGINT and from_terminal():

@@ -20,7 +20,7 @@ import msgspec
 from traceml.collector.protocols import HangCheck, StepRollup, WallTimeTally
 from traceml.collector.store import Store
 from traceml.record_types import RECORD_TYPES, R
-from traceml.records import RankEnd, RankHello, StepRecord, SystemSample
+from traceml.records import RankEnd, RankHello, RolledStep, StepRecord, SystemSample
 from traceml.wire import HEADER_BYTES, FrameError, decode_payload, parse_header
 
 log = logging.getLogger("traceml")
@@ -59,7 +59,7 @@ class Collector:
         self.world_size = 1  # the largest a rank's hello announced
         # What the live views read (they never touch the sockets or the store's writer): the
         # recent records of each type, as many as record_types.py says, by its `per` fields' values.
-        self._kept: Dict[Any, Tuple[Dict[Any, Deque[Any]], Tuple[str, ...], Optional[int]]] = {
+        self._kept: Dict[Type[msgspec.Struct], Tuple[Dict[Any, Deque[Any]], Tuple[str, ...], Optional[int]]] = {
             record: ({}, kind.per, kind.recent) for record, kind in RECORD_TYPES.items() if kind.recent != 0}
         self.live = live  # recent steps across ranks
         self.run_time = run_time  # every rank's wall time so far, for goodput
@@ -74,8 +74,8 @@ class Collector:
         self.frames_rejected = 0
         self.records_unstored = 0  # lost to a failing store (a full disk)
         self._said_store_failed = False
-        self._deadlines: Dict[Any, list] = {}  # writer -> [monotonic deadline, what is owed]
-        self._timed_out: Dict[Any, str] = {}
+        self._deadlines: Dict[asyncio.StreamWriter, list] = {}  # writer -> [monotonic deadline, what is owed]
+        self._timed_out: Dict[asyncio.StreamWriter, str] = {}
         self._last_change = time.monotonic()  # of connections opening or closing
         self._changed = threading.Condition()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -103,7 +103,7 @@ class Collector:
         """Each key's latest record of one type (a rank's hello, goodbye or pulse)."""
         return {key: records[-1] for key, records in self.kept_by(record_type).items() if records}
 
-    def everything_kept(self) -> Dict[Any, List[Any]]:
+    def everything_kept(self) -> Dict[Type[msgspec.Struct], List[msgspec.Struct]]:
         """Every type's recent records, by type: what the rules read live."""
         return {record_type: self.kept(record_type) for record_type in self._kept}
 
@@ -147,7 +147,7 @@ class Collector:
             raise failure[0]
         return self.address
 
-    def ingest(self, records: List[Any]) -> None:
+    def ingest(self, records: List[msgspec.Struct]) -> None:
         """Add records produced outside the sockets (the system sampler); the store locks."""
         self._store(records)
         self._observe(records)
@@ -291,7 +291,7 @@ class Collector:
                     self.lost_ranks.add(rank)
             self._count_connection(-1)
 
-    def _store(self, records: List[Any]) -> None:
+    def _store(self, records: List[msgspec.Struct]) -> None:
         """Write records; a full disk loses them (counted, said once), never the run."""
         try:
             self.store.write(records)
@@ -299,7 +299,7 @@ class Collector:
             self.records_unstored += len(records)
             self._store_failed(exc)
 
-    def _store_rolled(self, rolled: List[Any]) -> None:
+    def _store_rolled(self, rolled: List[RolledStep]) -> None:
         try:
             self.store.write(rolled)
         except Exception as exc:

@@ -34,13 +34,13 @@ class CompileWatch:
         self._graph_breaks_seen: Dict[str, int] = {}
 
     # -- training thread: torch calls these around each compilation ------------------------
-    def on_start(self, *args: Any) -> None:
+    def on_start(self, *args: object) -> None:
         if threading.get_ident() != self.probe.training_thread:
             return
         compile_id, trigger = _describe(args)
         self._started = (compile_id, trigger, time.perf_counter_ns())
 
-    def on_end(self, *args: Any) -> None:
+    def on_end(self, *args: object) -> None:
         started, self._started = self._started, None
         if started is None or threading.get_ident() != self.probe.training_thread:
             return

@@ -137,7 +137,7 @@ def _engine_phase(probe: StepProbe, original: Callable[..., Any], phase: int) ->
     boundary, once its collectives are done, not from the inner optimizer's."""
 
     @functools.wraps(original)
-    def engine_method(engine: Any, *args: Any, **kwargs: Any) -> Any:
+    def engine_method(engine: Any, *args: object, **kwargs: object) -> Any:
         if not probe.in_step and not probe.auto_steps:
             return original(engine, *args, **kwargs)
         boundary = False
@@ -238,7 +238,7 @@ def _wrapped(probe: StepProbe, original: Callable[..., Any], compiling: Any, gat
     wrapping = _wrapping
 
     @functools.wraps(original)
-    def collective(*args: Any, **kwargs: Any) -> Any:
+    def collective(*args: object, **kwargs: object) -> Any:
         if compiling():  # dynamo traces the original: it knows collectives by their functions
             return original(*args, **kwargs)
         phase = probe.open_phase

@@ -109,7 +109,7 @@ class HostSyncSampler:
         sampler, on_device, compiler = self, self._on_device, self._compiler
         call, copies = "Tensor." + name, name in _COPIES
 
-        def timed(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        def timed(tensor: Any, *args: object, **kwargs: object) -> Any:
             if (sampler._reading or (compiler is not None and compiler())
                     or not on_device(tensor)):
                 return original(tensor, *args, **kwargs)
@@ -131,7 +131,7 @@ class HostSyncSampler:
     def _timed_synchronize(self, original: Any) -> Any:
         sampler = self
 
-        def synchronize(*args: Any, **kwargs: Any) -> Any:
+        def synchronize(*args: object, **kwargs: object) -> Any:
             start_ns = _now_ns()
             try:
                 return original(*args, **kwargs)

@@ -38,7 +38,7 @@ class _ImportTimer:
         self.total_ns = self.slowest_ns = 0
         self.slowest_name: Any = None
 
-    def __call__(self, name: str, *args: Any) -> Any:
+    def __call__(self, name: str, *args: object) -> Any:
         if self.depth or threading.get_ident() != self.thread:
             return self.original(name, *args)
         self.depth = 1

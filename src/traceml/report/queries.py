@@ -13,17 +13,14 @@ import msgspec
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, TypedDict, Union
 
 from traceml.analysis.rollup import max_present
-from traceml.collector.store import BUCKET_FIGURES, Store
+from traceml.collector.store import BUCKET_FIGURES, Row, SeriesKey, Store
 from traceml.records import ALL_PHASES, TIMELINE_ORDER, RankHello
 
 MAX_POINTS = 2000
 MAX_TIMELINE_STEPS = 200
 MEMORY_COLUMNS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes",
                   "host_rss_bytes")
-# A bucket's figures as SQLite sums them: its row's values, numbers or NULL (None), each column
-# its own type.
-Figures = Tuple[Any, ...]
-SeriesKey = Union[int, str]  # a rank (the steps), a span's or scalar's name
+Figures = Row  # a bucket's figures as SQLite sums them: numbers, or NULL (None)
 Merge = Callable[[Iterable[float]], Optional[float]]
 # How two buckets' figures merge into one (the store's BUCKET_FIGURES say which each takes).
 MERGES: Dict[str, Merge] = {"sum": sum, "max": max_present, "min": min}

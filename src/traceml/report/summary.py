@@ -25,7 +25,7 @@ from traceml.diagnose.untimed import CodeSummary, untimed_summary
 from traceml.records import (CompileRecord, Evidence, Finding, LayerCapture, MemoryLedger, RankEnd, RankHello, RolledStep,
                              StepRecord, SystemSample, GpuSample, warmup_steps)
 from traceml.report.deep_dive import DeepDive, LayerRow, deep_dive_figures
-from traceml.report.diagnosis import RunRecords, diagnosis_input, stored_records
+from traceml.report.diagnosis import RunRecords, diagnosis_input, records_of, stored_records
 
 SCHEMA_VERSION = 1
 RANK_SAMPLE_STEPS = 10_000  # beyond this many steps, per-rank figures read every k-th step
@@ -219,10 +219,10 @@ class RunData:
             self.rolled = roll_up(self.records)
         self.warmup = warmup_steps(len(self.rolled))
         self.stored = stored_records(store)
-        self.hellos: List[RankHello] = self.stored[RankHello]
-        self.ends: List[RankEnd] = self.stored[RankEnd]
-        self.samples: List[SystemSample] = self.stored[SystemSample]
-        self.compiles: List[CompileRecord] = self.stored[CompileRecord]
+        self.hellos: List[RankHello] = records_of(self.stored, RankHello)
+        self.ends: List[RankEnd] = records_of(self.stored, RankEnd)
+        self.samples: List[SystemSample] = records_of(self.stored, SystemSample)
+        self.compiles: List[CompileRecord] = records_of(self.stored, CompileRecord)
         self.run_time = self._run_time(store, meta)
         self.goodput = self.run_time.goodput(now_unix_s=None)
         # What the rules read, built as the live views build it (report.diagnosis).
@@ -371,7 +371,7 @@ def build_summary(data: RunData, facts: RunFacts) -> FinalSummary:
         "memory": _memory(data),
         "system": _system(data.samples),
         "ranks": data.ranks,
-        "mesh": device_mesh(data.ledger, data.stored[MemoryLedger]),
+        "mesh": device_mesh(data.ledger, records_of(data.stored, MemoryLedger)),
         "hang": _told_hang(data.hang) if data.hang else None,
         "rank_spread": rank_spread(data.records, skip_steps=data.warmup),
         "missing_ranks": data.missing_ranks,
@@ -506,7 +506,7 @@ def _memory(data: RunData) -> MemoryPart:
         "creep_bytes_per_step": round(trend.bytes_per_step, 1),
         "creep_measured_on": trend.measured_on,
         "ledger": data.ledger,
-        "ledger_history": ledger_history(data.stored[MemoryLedger]),
+        "ledger_history": ledger_history(records_of(data.stored, MemoryLedger)),
     }
 
 

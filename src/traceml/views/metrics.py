@@ -5,12 +5,19 @@ Prometheus and Grafana pick a run up: scrape `/metrics` on the dashboard's port,
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional, TypedDict
 
 from traceml.analysis.hardware import device_peak_tflops
 from traceml.analysis.ledger import part_bytes
 from traceml.analysis.rollup import Window, percentile
 from traceml.records import ALL_PHASES, LayerReport, RankHello, StepRecord
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
+
+    from traceml.collector.server import Collector
+    from traceml.report.live import LiveState
 
 QUANTILES = (0.5, 0.9, 0.99)
 MEMORY_FIELDS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes", "host_rss_bytes")
@@ -19,11 +26,11 @@ MEMORY_FIELDS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved
 class LiveMetrics:
     """A prometheus-client collector over the run's collector: each scrape reads its state."""
 
-    def __init__(self, collector: Any, live_state: Callable[[], Any]):
+    def __init__(self, collector: Collector, live_state: Callable[[], LiveState]):
         self.collector = collector
         self.live_state = live_state  # the shared, rate-limited live snapshot (its findings)
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         step_time = GaugeMetricFamily("traceml_step_time_ms", "Step time over the recent steps, by quantile",
@@ -102,7 +109,7 @@ class LiveMetrics:
                     steps_total, findings, goodput_share, goodput_seconds, ledger, stalled)
         yield from self._system()
 
-    def _system(self) -> Iterator[Any]:
+    def _system(self) -> Iterator[Metric]:
         """The node's latest sample: CPU and RAM, and each GPU as NVML reads it."""
         from prometheus_client.core import GaugeMetricFamily
 
@@ -144,7 +151,7 @@ def _mfu(report: Optional[LayerReport], hello: Optional[RankHello], steps_per_s:
     return report.flops_per_step * steps_per_s / (peak * 1e12) if peak else None
 
 
-def registry_for(collector: Any, live_state: Callable[[], Any]) -> Any:
+def registry_for(collector: Collector, live_state: Callable[[], LiveState]) -> CollectorRegistry:
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry(auto_describe=False)
@@ -152,7 +159,12 @@ def registry_for(collector: Any, live_state: Callable[[], Any]) -> Any:
     return registry
 
 
-def exposition(registry: Any) -> Dict[str, Any]:
+class Scrape(TypedDict):
+    content: bytes
+    media_type: str
+
+
+def exposition(registry: CollectorRegistry) -> Scrape:
     """The body and content type of one scrape."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 

@@ -12,7 +12,7 @@ import os
 import select
 import statistics
 import time
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from traceml.diagnose.stragglers import straggler_rank
 from traceml.records import ALL_PHASES, STEP_PHASES, Finding
@@ -20,6 +20,15 @@ from traceml.report.live import LiveState, snapshot
 from traceml.report.deep_dive import layer_rows
 from traceml.views.summary import PHASE_LABELS, SEVERITY_STYLE, goodput_text
 from traceml.words import counted
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+    from rich.live import Live
+    from rich.panel import Panel
+    from rich.text import Text
+
+    from traceml.collector.server import Collector
+    from traceml.launcher import Script
 
 REFRESH_S = 0.5
 WIDE_COLUMNS = 100  # at this width and above, panels sit two by two
@@ -37,7 +46,7 @@ def sparkline(values: List[float], width: int) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int((v - low) / span * (len(SPARK) - 1)))] for v in values)
 
 
-def render(state: LiveState, width: int, height: int) -> Any:
+def render(state: LiveState, width: int, height: int) -> RenderableType:
     """The dashboard for a terminal of this size: panels that do not fit are dropped, not
     wrapped, in the order least needed first."""
     from rich.console import Console, Group
@@ -87,13 +96,13 @@ class _NullFile:
         pass
 
 
-def _panel(title: str, body: Any, lines: int) -> Any:
+def _panel(title: str, body: RenderableType, lines: int) -> Panel:
     from rich.panel import Panel
 
     return Panel(body, title=title, title_align="left", padding=(0, 1))
 
 
-def _header(state: LiveState) -> Any:
+def _header(state: LiveState) -> RenderableType:
     from rich.text import Text
 
     window = state.window
@@ -109,7 +118,7 @@ def _header(state: LiveState) -> Any:
     return text
 
 
-def _step_panel(state: LiveState, width: int) -> Any:
+def _step_panel(state: LiveState, width: int) -> RenderableType:
     from rich.text import Text
 
     window = state.window
@@ -123,7 +132,7 @@ def _step_panel(state: LiveState, width: int) -> Any:
     return _panel(f"step time (last {counted(len(window), 'step')})", body, 2)
 
 
-def _phase_panel(state: LiveState) -> Any:
+def _phase_panel(state: LiveState) -> RenderableType:
     from rich.table import Table
     from rich.text import Text
 
@@ -138,7 +147,7 @@ def _phase_panel(state: LiveState) -> Any:
     return _panel("phases (median, % of step)", table, len(ALL_PHASES))
 
 
-def _memory_panel(state: LiveState, width: int) -> Any:
+def _memory_panel(state: LiveState, width: int) -> RenderableType:
     from rich.text import Text
 
     steps = state.window.steps
@@ -159,7 +168,7 @@ def _memory_panel(state: LiveState, width: int) -> Any:
     return _panel("memory", lines, 3)
 
 
-def _system_panel(state: LiveState) -> Any:
+def _system_panel(state: LiveState) -> RenderableType:
     from rich.text import Text
 
     system = state.system
@@ -177,7 +186,7 @@ def _system_panel(state: LiveState) -> Any:
     return _panel("system", lines, 1 + len(system.gpus))
 
 
-def _rank_panel(state: LiveState) -> Any:
+def _rank_panel(state: LiveState) -> RenderableType:
     from rich.table import Table
 
     straggler = straggler_rank(state.findings)
@@ -197,7 +206,7 @@ def _rank_panel(state: LiveState) -> Any:
     return _panel(f"ranks ({len(ranks)})", table, 4)
 
 
-def _layer_panel(state: LiveState) -> Any:
+def _layer_panel(state: LiveState) -> RenderableType:
     from rich.table import Table
 
     leaves = [row for row in layer_rows(state.layers) if row["leaf"]][:5]  # type: ignore[arg-type]  # shown with a deep-dive; the slowest first
@@ -210,7 +219,7 @@ def _layer_panel(state: LiveState) -> Any:
     return _panel("top layers (deep-dive)", table, max(1, len(leaves)))
 
 
-def _alert_panel(state: LiveState) -> Any:
+def _alert_panel(state: LiveState) -> RenderableType:
     from rich.text import Text
 
     if not state.alerts:
@@ -229,7 +238,7 @@ def _alert_panel(state: LiveState) -> Any:
 class Dashboard:
     """Runs the live view while the script runs, its output passing above the panel."""
 
-    def __init__(self, collector: Any, script: str, console: Any = None):
+    def __init__(self, collector: Collector, script: str, console: Optional[Console] = None):
         from rich.console import Console
 
         self.collector = collector
@@ -241,7 +250,7 @@ class Dashboard:
         self._partial = ""
         self._terminal_size = b""
 
-    def run(self, child: Any, output_fd: int) -> None:
+    def run(self, child: Script, output_fd: int) -> None:
         """Until the script exits and its output is drained."""
         from rich.live import Live
 
@@ -284,14 +293,14 @@ class Dashboard:
         except (OSError, ValueError, AttributeError, ImportError):
             pass
 
-    def _forward(self, live: Any, chunk: bytes) -> None:
+    def _forward(self, live: Live, chunk: bytes) -> None:
         text = self._partial + self._decoder.decode(chunk)
         *lines, self._partial = text.split("\n")
         for line in lines:
             # A progress bar redraws its line with \r: show what it says last.
             live.console.print(_from_ansi(line.rstrip("\r").rsplit("\r", 1)[-1]))
 
-    def _render(self) -> Any:
+    def _render(self) -> RenderableType:
         state = snapshot(self.collector, self.script, time.monotonic() - self._started, self.alerts)
         try:  # the terminal's size now: a resize takes effect at the next redraw
             columns, lines = os.get_terminal_size(self.console.file.fileno())
@@ -303,7 +312,7 @@ class Dashboard:
         return render(state, self.console.width, max(8, lines - 2))
 
 
-def _from_ansi(line: str) -> Any:
+def _from_ansi(line: str) -> Text:
     from rich.text import Text
 
     return Text.from_ansi(line, end="")

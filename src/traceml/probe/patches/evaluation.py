@@ -267,13 +267,13 @@ class EvaluationRegions(Patch):
                 self._swapped.append((module, name, theirs, ours))
 
     def _stopping_first(self, theirs: Callable[..., Any]) -> Callable[..., Any]:
-        def before_compiled_code(*args: Any, **kwargs: Any) -> Any:
+        def before_compiled_code(*args: object, **kwargs: object) -> Any:
             self._stop_watching()
             return theirs(*args, **kwargs)
 
         return before_compiled_code
 
-    def compilation_started(self, *args: Any) -> None:
+    def compilation_started(self, *args: object) -> None:
         """torch's compile-start callback: what compiles now is traced without the hook."""
         self._stop_watching()
 
@@ -304,7 +304,7 @@ def not_training(method: Callable[..., Any]) -> Callable[..., Any]:
     waits, Trainer's own work around them), none of it the training's input wait."""
 
     @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: object, **kwargs: object) -> Any:
         from traceml.probe import step
 
         probe = step._probe

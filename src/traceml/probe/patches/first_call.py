@@ -34,7 +34,7 @@ class FirstModelCall:
         process = os.getpid()
         passed: dict = {}  # id -> weakref of each module `wanted` turned down: asked once, not per call
 
-        def first_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def first_call(self: Any, *args: object, **kwargs: object) -> Any:
             if is_compiling() or Module.__dict__.get(attribute) is not first_call:
                 return original(self, *args, **kwargs)
             known = passed.get(id(self))

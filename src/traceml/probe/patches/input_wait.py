@@ -114,7 +114,7 @@ class InputWait(Patch):
         self.replace(iterator_class, "__next__", first_next)
         original_init = iterator_class.__init__
 
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        def __init__(self: Any, *args: object, **kwargs: object) -> None:
             original_init(self, *args, **kwargs)
             if training():  # an evaluation's iterator is not the training's input
                 _note_iterator(watch, self)

@@ -125,7 +125,7 @@ class ModelCalls:
 
         grad_enabled, models, evaluation = torch.is_grad_enabled, self._models, self.evaluation
 
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def call(self: Any, *args: object, **kwargs: object) -> Any:
             traced = models.get(id(self))
             if traced is None or compiling():
                 return original(self, *args, **kwargs)
@@ -142,7 +142,7 @@ class ModelCalls:
         timer = fast_path.Timer(fast_path.MODEL_CALL, original, call, models=models, grad_enabled=grad_enabled,
                                 tensor_type=tensor_type, batch_size=tokens.batch_size)
 
-        def timed_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def timed_call(self: Any, *args: object, **kwargs: object) -> Any:
             if compiling():
                 return original(self, *args, **kwargs)
             return timer(self, *args, **kwargs)

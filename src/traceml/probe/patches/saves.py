@@ -47,7 +47,7 @@ class CheckpointSaves(Patch):
         probe = self.probe
 
         @functools.wraps(original)
-        def save(*args: Any, **kwargs: Any) -> Any:
+        def save(*args: object, **kwargs: object) -> Any:
             # Another thread's save (an asynchronous checkpoint's writer) does not stall training.
             if self._saving or get_ident() != probe.training_thread:
                 return original(*args, **kwargs)
