@@ -30,10 +30,18 @@ import math
 import statistics
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Type
 
 from traceml.records import (CAPTURE_MEMORY, CAPTURE_REGRESSION, CAPTURE_SPIKE, MAX_WARMUP_STEPS, LayerCapture,
                              LayerReport, LayerStat, StepRecord)
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from torch import Tensor
+    from torch.autograd.graph import saved_tensors_hooks
+    from torch.nn import Module
+    from torch.utils.hooks import RemovableHandle
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
@@ -51,7 +59,7 @@ BASELINE_STEPS = 2
 class LayerProbe:
     """Deep-dive state for one model in one training process."""
 
-    def __init__(self, probe: Any, model: Any, every_n_steps: int = DEFAULT_EVERY_N_STEPS,
+    def __init__(self, probe: Any, model: Module, every_n_steps: int = DEFAULT_EVERY_N_STEPS,
                  auto_capture: bool = True):
         """every_n_steps: sample every Nth step; 0 samples only to capture (auto_capture: when
         the probe sees a step go wrong, the next CAPTURE_STEPS steps are sampled, against a
@@ -84,7 +92,7 @@ class LayerProbe:
         # Multiplying it makes one autograd node, whose sequence number says where a module's
         # forward begins (torch numbers nodes as it makes them, per thread).
         self._marker = torch.zeros((), requires_grad=True)
-        self._handles: List[Any] = []
+        self._handles: List[RemovableHandle] = []
         self._watched: List[Tuple[str, Any, int]] = []  # weakrefs to outputs and saved tensors
         self._watched_step = 0  # the sampled step they come from
         # Activations for the memory ledger: bytes saved for backward since the last backward
@@ -248,7 +256,7 @@ class LayerProbe:
         """The regular samples' mean FLOPs a step (0 before the first)."""
         return self._sampled_flops // self.sampled_steps if self.sampled_steps else 0
 
-    def saved_tensors_context(self) -> Any:
+    def saved_tensors_context(self) -> saved_tensors_hooks:
         """The context the model's forward runs in on a sampled step (see TimedForward)."""
         return self._torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
@@ -256,7 +264,7 @@ class LayerProbe:
         return self._stack[-1][0] if self._stack else None
 
     # -- forward ------------------------------------------------------------------------------
-    def _before_forward(self, module: Any, args: tuple) -> None:
+    def _before_forward(self, module: Module, args: Tuple[object, ...]) -> None:
         entered_ns = _now_ns()
         name = self.names.get(id(module))
         if name is None:
@@ -270,7 +278,7 @@ class LayerProbe:
         # [module, first node, start, storages saved, allocated, TraceML's own ns inside it]
         self._stack.append([name, first_node, start, set(), allocated, 0])
 
-    def _after_forward(self, module: Any, args: tuple, output: Any) -> None:
+    def _after_forward(self, module: Module, args: Tuple[object, ...], output: object) -> None:
         ended_ns = _now_ns()
         name = self.names.get(id(module))
         if name is None or not self._stack or self._stack[-1][0] != name:
@@ -298,7 +306,7 @@ class LayerProbe:
         if timeline is None:
             self._charge(_now_ns() - ended_ns)
 
-    def _count_flops(self, module: Any, args: tuple, output: Any, flops: Tuple[int, bool],
+    def _count_flops(self, module: Module, args: Tuple[object, ...], output: Tensor, flops: Tuple[int, bool],
                      grad_enabled: bool) -> None:
         """A Linear's or convolution's call: its product forward, and the ones backward will
         compute for the gradients that need one (its input's, its weight's). A forward run
@@ -349,7 +357,7 @@ class LayerProbe:
         for node in set(heads):
             node.register_prehook(lambda grad_outputs, span=span: self._backward_start(span))
 
-    def _pack(self, tensor: Any) -> Any:
+    def _pack(self, tensor: Tensor) -> Tensor:
         """Every tensor saved for backward counts for each module in flight, once per call."""
         entered_ns = _now_ns()
         try:
@@ -370,7 +378,7 @@ class LayerProbe:
         self._charge(_now_ns() - entered_ns)
         return tensor
 
-    def _watch(self, name: str, tensor: Any, size: int) -> None:
+    def _watch(self, name: str, tensor: Tensor, size: int) -> None:
         """Keep a weak reference: if the tensor outlives its step, something leaks it."""
         try:
             self._watched.append((name, weakref.ref(tensor), size))
@@ -462,7 +470,7 @@ class LayerProbe:
             layers=layers, flops_per_step=self.flops_per_step or None))
 
 
-def _matmul_modules(model: Any, nn: Any) -> Dict[int, Tuple[int, bool]]:
+def _matmul_modules(model: Module, nn: ModuleType) -> Dict[int, Tuple[int, bool]]:
     """id(module) -> (FLOPs a forward element, whether of its input) for each Linear and
     convolution in the model: 2 a multiply-add of the product, the bias add not counted (as
     torch.utils.flop_counter counts them). A Linear's output element takes in_features of them;
@@ -480,11 +488,11 @@ def _matmul_modules(model: Any, nn: Any) -> Dict[int, Tuple[int, bool]]:
     return found
 
 
-def _unpack(tensor: Any) -> Any:
+def _unpack(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def _tensors(value: Any, tensor_type: type) -> List[Any]:
+def _tensors(value: object, tensor_type: Type[Tensor]) -> List[Tensor]:
     if isinstance(value, tensor_type):
         return [value]
     if isinstance(value, (list, tuple)):
