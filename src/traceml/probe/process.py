@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, List, Literal, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, List, Literal, Optional, Tuple, TypedDict, cast
 
 from traceml.probe import step
 from traceml.probe.patches import Patches
@@ -20,7 +20,19 @@ from traceml.probe.patches.first_call import FirstModelCall, owner_of, trainable
 from traceml.probe.step import StepProbe, _now_ns, rank_env
 from traceml.probe.syncs import HostSyncSampler
 from traceml.rendezvous import ENV_AUTO_CAPTURE, ENV_DEEP, ENV_DEEP_EVERY, ENV_TOKEN
-from traceml.records import STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, RankHello
+from traceml.records import STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, CodeSample, RankHello
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from torch import device
+    from torch.nn import Module
+    from torch.optim import Optimizer
+    from torch.utils.hooks import RemovableHandle
+
+    from traceml.probe.code_sites import StartupSampler
+    from traceml.probe.memory import DeviceMemory
+    from traceml.probe.zero_code import _ImportTimer
 
 log = logging.getLogger("traceml")
 
@@ -39,7 +51,7 @@ _NO_TRACE = _NoTrace()
 _trace_step: Any = None
 first_call = FirstModelCall()  # the process's wait for a first module call (zero-code, inferred steps)
 patches: Optional[Patches] = None  # the probe's patches, while attached
-_hooked_models: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
+_hooked_models: "weakref.WeakKeyDictionary[Module, List[RemovableHandle]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _disabled = False
 # The model trace_step was last called with, once set up (a weakref, or _no_model): the same
@@ -99,7 +111,7 @@ def _note_explicit_steps() -> None:
         probe.stop_inferring_steps()
 
 
-def _setup(model: Any) -> None:
+def _setup(model: Optional[Module]) -> None:
     global _trace_step, patches
     setup_started_ns = first_call_ns or _now_ns()
     with _lock:
@@ -114,7 +126,7 @@ def _setup(model: Any) -> None:
             _hook(model)
 
 
-def _hook(model: Any) -> None:
+def _hook(model: Module) -> None:
     """Time this model's forward (and, under `traceml run --deep`, deep-dive on it)."""
     probe = step._probe
     if patches is None:  # detached meanwhile
@@ -136,14 +148,14 @@ def _auto_capture() -> bool:
     return os.environ.get(ENV_AUTO_CAPTURE, "1") != "0"
 
 
-def hook_inferred_model(model: Any) -> None:
+def hook_inferred_model(model: Module) -> None:
     """Steps inferred: time this model, found at its first call (patches.first_call)."""
     with _lock:
         if step._probe is not None and model not in _hooked_models:
             _hook(model)
 
 
-def _time_the_model_of(optimizer: Any) -> bool:
+def _time_the_model_of(optimizer: Optimizer) -> bool:
     """At an optimizer's first step: when traced models do not hold all its parameters (the
     first module called was another one: a GAN's discriminator, say, for the generator's
     optimizer, or an encoder beside its decoder), the next module called that holds the others
@@ -283,7 +295,7 @@ def _evaluating() -> bool:
     return patches is not None and patches.evaluating()
 
 
-def _model_device(torch: Any, model: Any) -> Any:
+def _model_device(torch: ModuleType, model: Optional[Module]) -> device:
     if model is not None:
         try:
             return next(model.parameters()).device
@@ -294,7 +306,7 @@ def _model_device(torch: Any, model: Any) -> Any:
     return torch.device("cpu")
 
 
-def _hello(torch: Any, device: Any, device_memory: Any, startup: dict) -> RankHello:
+def _hello(torch: ModuleType, device: device, device_memory: Optional[DeviceMemory], startup: StartupFields) -> RankHello:
     rank, local_rank, world_size, node_rank = rank_env()
     return RankHello(
         rank=rank,
@@ -315,18 +327,26 @@ def _hello(torch: Any, device: Any, device_memory: Any, startup: dict) -> RankHe
     )
 
 
-import_timer: Any = None  # zero_code's timer of the script's imports, under `traceml run`
-startup_sampler: Any = None  # and its sampler of the script's start (probe/code_sites.py)
+import_timer: Optional[_ImportTimer] = None  # zero_code's timer of the script's imports, under `traceml run`
+startup_sampler: Optional[StartupSampler] = None  # and its sampler of the script's start (probe/code_sites.py)
 
 
-def _startup_so_far() -> Tuple[dict, List[Any]]:
+class StartupFields(TypedDict, total=False):
+    """The hello's fields on the script's start, where `traceml run` measured them."""
+
+    imports_ms: Optional[float]
+    slowest_import: str
+    modules_imported: int
+
+
+def _startup_so_far() -> Tuple[StartupFields, List[CodeSample]]:
     """The script's import time and modules loaded until now, as the hello's fields, and where
     its start was sampled, as CodeSamples, when `traceml run` measured them (both then stop)."""
     global import_timer, startup_sampler
     timer, import_timer = import_timer, None
     sampler, startup_sampler = startup_sampler, None
-    fields = timer.stop() if timer is not None else {}
-    sites: List[Any] = []
+    fields: StartupFields = timer.stop() if timer is not None else {}
+    sites: List[CodeSample] = []
     if sampler is not None:
         sites, fields["modules_imported"] = sampler.stop(rank_env()[0])
     return fields, sites

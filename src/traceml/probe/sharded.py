@@ -32,12 +32,21 @@ import functools
 import inspect
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, List, Optional, Set
 
 from traceml.probe.ledger import tensor_storage
 from traceml.probe.step import BACKWARD, FORWARD, NO_PHASE, OPTIMIZER, StepProbe, _now_ns
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from torch.nn import Module
+
+    from traceml.probe.ledger import LedgerWatch
+
 log = logging.getLogger("traceml")
+# Sets an attribute to a wrapper, remembering how to undo it: (owner, name, wrapper).
+Replace = Callable[[object, str, object], None]
 
 # The collectives FSDP1 and FSDP2 call (torch 2.0 to 2.13 spell some of them differently), and
 # the ones a sharded loop's own code calls inside a step (a clipped norm's all_reduce).
@@ -53,7 +62,7 @@ class GatherWatch:
     backward, on the steps watched (the ledger sets `step` at each reading; see the module's
     docstring)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Module) -> None:
         self._model = weakref.ref(model)
         # The parameters FSDP manages, by name: a DTensor shard now, a plain tensor while unsharded.
         self._sharded_names: Set[str] = {name for name, parameter in model.named_parameters()
@@ -61,7 +70,7 @@ class GatherWatch:
         self.step = -1
         self.peak_bytes: Dict[str, Optional[int]] = {"forward": None, "backward": None}
 
-    def gathered(self, phase: int, output: Any) -> None:
+    def gathered(self, phase: int, output: object) -> None:
         """An all-gather into `output` (a tensor, or a list of them) has returned in `phase`."""
         phase_name = _GATHER_PHASES.get(phase)
         if phase_name is None:
@@ -71,7 +80,7 @@ class GatherWatch:
             return
         outputs = output if isinstance(output, (list, tuple)) else [output]
         held = sum(tensor.numel() * tensor.element_size() for tensor in outputs if hasattr(tensor, "numel"))
-        seen: Set[Any] = set()
+        seen: Set[Hashable] = set()
         for name, parameter in model.named_parameters():
             if name in self._sharded_names and getattr(parameter, "_local_tensor", None) is None:
                 key, size = tensor_storage(parameter)
@@ -83,7 +92,7 @@ class GatherWatch:
             self.peak_bytes[phase_name] = held
 
 
-def sharded_modules(model: Any) -> List[Any]:
+def sharded_modules(model: object) -> List[object]:
     """The model's FSDP units (FSDP2's FSDPModule, FSDP1's FullyShardedDataParallel), outermost
     first; empty when it is not sharded (or torch has no FSDP)."""
     kinds: List[type] = []
@@ -121,7 +130,7 @@ def sharded_by(model: Any) -> str:
     return ""
 
 
-def _deepspeed_engine_class(model: Any) -> Optional[type]:
+def _deepspeed_engine_class(model: object) -> Optional[type]:
     """DeepSpeed's DeepSpeedEngine class when the model is one (found by name: importing
     deepspeed costs seconds, and a model that is none needs no answer from it)."""
     for cls in type(model).__mro__:
@@ -159,7 +168,7 @@ def _engine_phase(probe: StepProbe, original: Callable[..., Any], phase: int) ->
     return engine_method
 
 
-def _wrap_deepspeed_lookups(dist: Any, replace: Callable[[Any, str, Any], None]) -> None:
+def _wrap_deepspeed_lookups(dist: ModuleType, replace: Replace) -> None:
     """DeepSpeed's communication backend keeps the all-gather and reduce-scatter functions it
     found in torch.distributed when it started: point it at their wrapped twins."""
     import sys
@@ -174,7 +183,7 @@ def _wrap_deepspeed_lookups(dist: Any, replace: Callable[[Any, str, Any], None])
                 break
 
 
-def on_host(model: Any) -> bool:
+def on_host(model: Module) -> bool:
     """Its parameters live on the CPU: its collectives block the host while they run."""
     for parameter in model.parameters():
         return parameter.device.type == "cpu"
@@ -193,8 +202,8 @@ class _Wrapping:
 _wrapping = _Wrapping()
 
 
-def time_collectives(probe: StepProbe, model: Any, replace: Callable[[Any, str, Any], None],
-                     compiling: Any, ledger: Any = None) -> bool:
+def time_collectives(probe: StepProbe, model: Module, replace: Replace,
+                     compiling: Callable[[], bool], ledger: Optional[LedgerWatch] = None) -> bool:
     """A sharded model (FSDP, or a DeepSpeed engine): wrap torch.distributed's collectives (once, by `replace`, which
     remembers how to undo it) so that, on the CPU, their time inside a step's phases counts as
     the phase's collective wait, and the ledger (if any) gets the all-gathered peak.
@@ -232,7 +241,8 @@ def _async_position(function: Callable[..., Any]) -> int:
         return -1
 
 
-def _wrapped(probe: StepProbe, original: Callable[..., Any], compiling: Any, gathers: bool) -> Callable[..., Any]:
+def _wrapped(probe: StepProbe, original: Callable[..., Any], compiling: Callable[[], bool],
+             gathers: bool) -> Callable[..., Any]:
     async_at = _async_position(original)
     inside = [False]  # a collective made of others (all_gather of a list) counts once
     wrapping = _wrapping

@@ -16,7 +16,10 @@ import runpy
 import sys
 import threading
 import time
-from typing import Any, List
+from typing import TYPE_CHECKING, Any, List
+
+if TYPE_CHECKING:
+    from traceml.probe.process import StartupFields
 
 log = logging.getLogger("traceml")
 
@@ -52,7 +55,7 @@ class _ImportTimer:
             if elapsed_ns > self.slowest_ns:
                 self.slowest_ns, self.slowest_name = elapsed_ns, name
 
-    def stop(self) -> dict:
+    def stop(self) -> StartupFields:
         """Step aside (the loader as it was) and say what was timed, as the hello's fields."""
         if _bootstrap._find_and_load is self:
             _bootstrap._find_and_load = self.original
