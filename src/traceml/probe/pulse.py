@@ -20,9 +20,13 @@ import os
 import sys
 import sysconfig
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from traceml.probe.layout import NO_PHASE
+
+if TYPE_CHECKING:
+    from traceml.probe.loaders import LoaderWatch
+    from traceml.probe.sender import StepFeed
 from traceml.records import PULSE_AFTER_S, PULSE_EVERY_S, TIMED_PHASES, Beside, Phase, RankPulse
 
 STACK_FRAMES = 12  # the user's innermost frames kept
@@ -45,7 +49,7 @@ class PulseWatch:
     training thread's ident; evaluating: whether the training thread is in an evaluation region
     the patches found."""
 
-    def __init__(self, rank: int, probe: Any, thread_id: int, loaders: Any = None,
+    def __init__(self, rank: int, probe: StepFeed, thread_id: int, loaders: Optional[LoaderWatch] = None,
                  clock: Callable[[], float] = time.monotonic, evaluating: Callable[[], bool] = lambda: False):
         self.rank, self.probe, self.thread_id, self._clock = rank, probe, thread_id, clock
         self._evaluating = evaluating

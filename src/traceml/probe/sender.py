@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Deque, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, List, Optional, Protocol, Sequence, Tuple
 
 from traceml import rendezvous
 from traceml.probe.code_sites import CodeSampler
@@ -28,6 +28,13 @@ from traceml.probe.loaders import LoaderWatch
 from traceml.probe.pulse import PulseWatch
 from traceml.records import RankEnd, RankHello, StepRecord
 from traceml.wire import HEADER_BYTES, Record, decode_payload, encode_frame
+
+if TYPE_CHECKING:
+    from traceml.probe.clock import DeviceTimeline
+    from traceml.probe.compile import CompileWatch
+    from traceml.probe.memory import HostRss
+    from traceml.probe.step import EndedWindow
+    from traceml.probe.thread_cpu import ThreadCpu
 
 log = logging.getLogger("traceml")
 
@@ -53,15 +60,19 @@ QUIET_CONNECT_S = 15.0  # other ranks may start before rank 0's collector: no wa
 
 
 class StepFeed(Protocol):
-    """What the sender takes from the probe that feeds it (a probe.step.StepProbe), on its thread."""
+    """What the sender takes from the probe that feeds it (a probe.step.StepProbe), on its thread,
+    and what its pulse watch reads of it (probe/pulse.py)."""
 
     rank: int
     step_index: int  # the steps ended so far
+    in_step: int  # trace_step blocks open (nested integrations count each)
+    open_phase: int  # the timed phase open, probe.layout's index; NO_PHASE when none
+    in_evaluation: bool
 
     def drain_steps(self) -> Tuple[List[StepRecord], int]:
         """The steps ended since the last call, as StepRecords, in order; and how many were dropped."""
 
-    def record_from(self, ending: Any) -> StepRecord:
+    def record_from(self, ending: EndedWindow) -> StepRecord:
         """The StepRecord of a step the DeviceTimeline held until its events were done."""
 
     def span_record(self, ended: tuple) -> Record:
@@ -78,7 +89,8 @@ class Sender:
     for the collector rank 0 starts under the Trace API (its web page, its run directory's name).
     """
 
-    def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None, thread_cpu: Any = None,
+    def __init__(self, hello: RankHello, timeline: Optional[DeviceTimeline] = None, host_rss: Optional[HostRss] = None,
+                 thread_cpu: Optional[ThreadCpu] = None,
                  capacity: int = BUFFER_CAPACITY, address: Optional[str] = None,
                  feed_of: Optional[Callable[["Sender"], StepFeed]] = None, training_thread: Optional[int] = None,
                  web_port: Optional[int] = None, run_name: Optional[str] = None,
@@ -118,7 +130,7 @@ class Sender:
         self._collector_process: Optional[subprocess.Popen] = None
         self.web_port, self.run_name = web_port, run_name
         self.steps_from = hello.steps_from  # the probe updates it; the goodbye carries it
-        self.compile_watch: Any = None  # a probe.compile.CompileWatch once torch compiles
+        self.compile_watch: Optional[CompileWatch] = None  # once torch compiles
         # The training's DataLoader iterators: the patches note them, this thread reads them.
         self.loaders: Optional[LoaderWatch] = LoaderWatch(hello.rank)
         # What holds the memory: the training thread reads it (see probe/ledger.py), close() last.
@@ -137,7 +149,7 @@ class Sender:
             self.code = CodeSampler(training_thread, evaluating=evaluating)
 
     # -- training thread ------------------------------------------------------------------
-    def push(self, record: Any) -> None:
+    def push(self, record: Record) -> None:
         if len(self._buffer) >= self.capacity:
             self.records_dropped += 1
             return
@@ -364,6 +376,7 @@ class Sender:
         scalars whose copies are (in order: one stream finishes its work in order)."""
         while self._deferred and self._deferred[0].ready():
             self.push(self._deferred.popleft().record())
+        record: Record  # a compilation's, then a step's
         if self.compile_watch is not None and self.compile_watch.ended:
             for record in self.compile_watch.records(final=self._stop.is_set()):
                 self.push(record)
