@@ -17,11 +17,16 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from traceml.probe.patches.dynamo import run_eagerly_under_dynamo
 from traceml.probe.patches.patch import Patch
 from traceml.records import HostSyncSample, SyncSite
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from torch import Tensor
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
@@ -40,8 +45,9 @@ class HostSyncSampler:
     """Samples the host syncs of a few steps at a time; the probe calls begin_step at each step
     it returns (sync_due_step) and finish at the end of the run."""
 
-    def __init__(self, rank: int, push: Callable[[Any], None],
-                 on_device: Optional[Callable[[Any], bool]] = None, is_compiling: Any = None):
+    def __init__(self, rank: int, push: Callable[[HostSyncSample], None],
+                 on_device: Optional[Callable[[Tensor], bool]] = None,
+                 is_compiling: Optional[Callable[[], bool]] = None):
         import torch
 
         self.rank = rank
@@ -105,11 +111,11 @@ class HostSyncSampler:
             self._wrappers.replace(torch.Tensor, name, self._timed_read(getattr(torch.Tensor, name), name))
         self._wrappers.replace(torch.cuda, "synchronize", self._timed_synchronize(torch.cuda.synchronize))
 
-    def _timed_read(self, original: Any, name: str) -> Any:
+    def _timed_read(self, original: Callable[..., Any], name: str) -> Callable[..., Any]:
         sampler, on_device, compiler = self, self._on_device, self._compiler
         call, copies = "Tensor." + name, name in _COPIES
 
-        def timed(tensor: Any, *args: object, **kwargs: object) -> Any:
+        def timed(tensor: Tensor, *args: object, **kwargs: object) -> Any:
             if (sampler._reading or (compiler is not None and compiler())
                     or not on_device(tensor)):
                 return original(tensor, *args, **kwargs)
@@ -128,7 +134,7 @@ class HostSyncSampler:
         run_eagerly_under_dynamo(timed, callees_too=True)
         return timed
 
-    def _timed_synchronize(self, original: Any) -> Any:
+    def _timed_synchronize(self, original: Callable[..., Any]) -> Callable[..., Any]:
         sampler = self
 
         def synchronize(*args: object, **kwargs: object) -> Any:
@@ -143,7 +149,7 @@ class HostSyncSampler:
         run_eagerly_under_dynamo(synchronize, callees_too=True)
         return synchronize
 
-    def _note(self, call: str, wait_ns: int, frame: Any) -> None:
+    def _note(self, call: str, wait_ns: int, frame: Optional[FrameType]) -> None:
         try:
             not_user_code = self._not_user_code
             while frame is not None and frame.f_code.co_filename.startswith(not_user_code):
