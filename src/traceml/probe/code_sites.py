@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from types import CodeType, FrameType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from traceml.probe.pulse import is_user_frame
@@ -115,8 +116,8 @@ class CodeSampler:
             pass
 
     # -- the tallies -------------------------------------------------------------------------
-    def _take(self, part: str, frame: Any, weight: float) -> None:
-        innermost: Optional[Tuple[Any, int]] = None
+    def _take(self, part: str, frame: Optional[FrameType], weight: float) -> None:
+        innermost: Optional[Tuple[CodeType, int]] = None
         statement = importing = 0
         while frame is not None:
             code = frame.f_code

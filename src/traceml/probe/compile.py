@@ -12,7 +12,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from types import ModuleType
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from traceml.probe.step import COMPILE_NS
 from traceml.records import CompileRecord
@@ -100,7 +101,7 @@ class CompileWatch:
         return new
 
 
-def install(probe: Any, callback_module: Any) -> Optional[Any]:
+def install(probe: Any, callback_module: ModuleType) -> Optional[Callable[[], None]]:
     """Register a CompileWatch with torch's compile callbacks; returns how to take it back."""
     handler = getattr(callback_module, "callback_handler", None)
     if handler is None or not hasattr(handler, "register_start_callback"):

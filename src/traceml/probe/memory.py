@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Tuple
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Optional, Tuple
+
+if TYPE_CHECKING:
+    from torch import device
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -10,7 +14,7 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 class DeviceMemory:
     """The CUDA caching allocator's counters for one device: host-side reads, never a sync."""
 
-    def __init__(self, torch: Any, device: Any, counting: bool = True):
+    def __init__(self, torch: ModuleType, device: device, counting: bool = True):
         self._cuda = torch.cuda
         self._device = device
         self._index = device.index if device.index is not None else torch.cuda.current_device()

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Deque, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from traceml import rendezvous
 from traceml.probe.code_sites import CodeSampler
@@ -485,7 +485,7 @@ class Sender:
             folder = self.run_dir or Path(rundir.RUNS_ROOT)
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"rank{self.hello.rank}-local-summary.json"
-            summary = {"rank": self.hello.rank, "exit_code": exit_code, "argv": self.hello.argv,
+            summary: Dict[str, object] = {"rank": self.hello.rank, "exit_code": exit_code, "argv": self.hello.argv,
                        "reason": "the collector was lost during the run",
                        "records_sent": self.records_sent, "records_dropped": self.records_dropped}
             if probe.summarize_steps is not None:

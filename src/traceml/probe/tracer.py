@@ -15,11 +15,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from traceml import rendezvous
 from traceml.probe.step import StepProbe, fast_path
 from traceml.records import ScalarRecord
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
@@ -137,7 +140,7 @@ class _DeviceScalar:
 
     __slots__ = ("rank", "step", "name", "host_copy", "copied")
 
-    def __init__(self, rank: int, step: int, name: str, tensor: Any):
+    def __init__(self, rank: int, step: int, name: str, tensor: Tensor):
         import torch
 
         self.rank, self.step, self.name = rank, step, name
@@ -148,11 +151,11 @@ class _DeviceScalar:
     def ready(self) -> bool:
         return bool(self.copied.query())
 
-    def record(self) -> Any:
+    def record(self) -> ScalarRecord:
         return ScalarRecord(self.rank, self.step, self.name, float(self.host_copy[0]))
 
 
-def _defer_device_scalar(probe: Any, step: int, name: str, tensor: Any) -> None:
+def _defer_device_scalar(probe: StepProbe, step: int, name: str, tensor: Tensor) -> None:
     probe.sender.defer(_DeviceScalar(probe.rank, step, name, tensor), limit=PENDING_SCALARS)
 
 
