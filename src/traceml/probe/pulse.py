@@ -20,6 +20,7 @@ import os
 import sys
 import sysconfig
 import time
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from traceml.probe.layout import NO_PHASE
@@ -154,7 +155,7 @@ def ranks_label(ranks: List[int]) -> str:
     return f"ranks {ranks[0]}, {ranks[1]}, ..., {ranks[-1]} ({len(ranks)}, uneven)"
 
 
-def _waited_group(frame: Any, waiting_in: str) -> str:
+def _waited_group(frame: Optional[FrameType], waiting_in: str) -> str:
     """The label of the group the collective `waiting_in` was issued on, read from its frame's
     arguments (`group=None` is the default group); "" when no frame of it says."""
     while frame is not None:
@@ -170,7 +171,7 @@ def _waited_group(frame: Any, waiting_in: str) -> str:
     return ""
 
 
-def _frames(frame: Any) -> List[Tuple[str, int, str]]:
+def _frames(frame: Optional[FrameType]) -> List[Tuple[str, int, str]]:
     """(file, line, function) from the innermost frame outwards."""
     frames: List[Tuple[str, int, str]] = []
     while frame is not None and len(frames) < 200:

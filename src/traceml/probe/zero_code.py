@@ -16,7 +16,8 @@ import runpy
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, List
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, List, Optional
 
 if TYPE_CHECKING:
     from traceml.probe.process import StartupFields
@@ -110,7 +111,7 @@ def main(argv: List[str]) -> None:
             sampler.stop(0)
 
 
-def _from_frame_of(script: str, traceback: Any) -> Any:
+def _from_frame_of(script: str, traceback: Optional[TracebackType]) -> Optional[TracebackType]:
     """The traceback from the first frame running the script's code (all of it if none does)."""
     frame = traceback
     while frame is not None and frame.tb_frame.f_code.co_filename != script:

@@ -112,7 +112,7 @@ class EvaluationRegions(Patch):
         self.on_remove(self.stop)
         self.when_imported("transformers.trainer", self._not_training_in_trainer_evaluation)
 
-    def _stop_watching_at_compilations(self, callbacks: Any) -> None:
+    def _stop_watching_at_compilations(self, callbacks: ModuleType) -> None:
         """What torch compiles is traced with no hook in place (see the module's text)."""
         handler = callbacks.callback_handler
         handler.register_start_callback(self.compilation_started)
@@ -125,7 +125,7 @@ class EvaluationRegions(Patch):
 
         self.on_remove(remove)
 
-    def _not_training_in_trainer_evaluation(self, module: Module) -> None:
+    def _not_training_in_trainer_evaluation(self, module: ModuleType) -> None:
         """Hugging Face Trainer's evaluation fetches its batches with gradients on: its DataLoader
         waits are evaluation, not the training's input, with or without the integration."""
         for name, wrapped in evaluation_wrapped(module.Trainer).items():

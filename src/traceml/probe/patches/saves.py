@@ -1,7 +1,7 @@
 """Checkpoint saves on the training thread: the user's planned work, named as such, not a stall."""
 import functools
 from threading import get_ident
-from typing import Any, Callable
+from typing import Any, Callable, Tuple
 
 from traceml.probe.patches.imports import WhenImported
 from traceml.probe.patches.patch import Patch
@@ -38,7 +38,7 @@ class CheckpointSaves(Patch):
             self.when_imported(module_name, lambda module, owner_in=owner_in, names=names:  # type: ignore[misc]  # the lambda binds its loop values
                                self._patch_methods(owner_in(module), names))
 
-    def _patch_methods(self, owner: Any, names: tuple) -> None:
+    def _patch_methods(self, owner: object, names: Tuple[str, ...]) -> None:
         for name in names:
             if hasattr(owner, name):
                 self.replace(owner, name, self._timed(getattr(owner, name)))
