@@ -10,12 +10,10 @@ parts (the interpreter, torch's own libraries, the DataLoader's buffers are in i
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, TypedDict, Union
+from typing import Dict, Iterable, List, Optional, Sequence, TypedDict, Union
 
+from traceml.analysis.layer_rows import LayerRow
 from traceml.records import MemoryLedger, StepRecord, adapter_target
-
-if TYPE_CHECKING:  # report.deep_dive reads the analysis; its rows' shape only is needed here
-    from traceml.report.deep_dive import LayerRow
 
 # The parts a rank's memory is split into, in the order a stacked bar draws them (also the
 # `part` label of traceml_memory_ledger_bytes).

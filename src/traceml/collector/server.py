@@ -13,11 +13,10 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Set, Tuple, Type
+from typing import Any, Callable, Collection, Deque, Dict, Hashable, Iterable, List, Optional, Protocol, Set, Tuple, Type
 
 import msgspec
 
-from traceml.collector.protocols import HangCheck, StepRollup, WallTimeTally
 from traceml.collector.store import Store
 from traceml.record_types import RECORD_TYPES, R
 from traceml.records import RankEnd, RankHello, RolledStep, StepRecord, SystemSample
@@ -33,6 +32,47 @@ FRAME_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 120.0
 EXITED_GRACE_S = 0.5  # after the ranks' processes ended: for the collector's thread to accept what they sent
 HANG_CHECK_S = 1.0  # how often the hang watch looks at the ranks
+
+
+# -- what the collector asks of the analysis the run hands it (see Collector): typed object where
+# it hands back the analysis' own figures, which the collector only passes on (report.live reads them)
+class StepRollup(Protocol):
+    """Rolls each step up across ranks as its records come (analysis.rollup.LiveRollup)."""
+
+    world_size: int
+    newest_step: int
+    rolled_out: List[RolledStep]  # rolled since the collector last took them, for the store
+
+    @property
+    def recent(self) -> Collection[RolledStep]:
+        """The latest rolled steps, oldest first."""
+
+    def add(self, records: Iterable[StepRecord]) -> None: ...
+
+    def take_rolled(self) -> List[RolledStep]: ...
+
+    def finish(self, steps_at: Callable[[List[int]], List[StepRecord]]) -> List[RolledStep]: ...
+
+
+class WallTimeTally(Protocol):
+    """Every rank's wall time by part, from each record (analysis.goodput.RunTime)."""
+
+    def add(self, record: object) -> None: ...
+
+    def goodput(self, now_unix_s: Optional[float]) -> Optional[object]:
+        """The run's goodput so far (an analysis.goodput.Goodput), None before any hello."""
+
+    def to_builtins(self) -> List[Dict[str, object]]: ...
+
+
+class HangCheck(Protocol):
+    """Looks at the ranks every HANG_CHECK_S (report.live.HangWatch), given the collector."""
+
+    @property
+    def hang(self) -> Optional[object]:
+        """The hang that holds now (a diagnose.hangs.Hang), or None."""
+
+    def check(self, collector: Collector, now_unix_s: float) -> None: ...
 
 
 class Collector:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from traceml.analysis.goodput import Goodput
+from traceml.analysis.layer_rows import AliveLayer
 from traceml.analysis.ledger import LedgerRow
 from traceml.analysis.loaders import LoaderFigures
 from traceml.analysis.rollup import RankRow, Window
@@ -34,7 +35,6 @@ from traceml.diagnose.step_time import (MIN_STEPS, compute_bound, gc_pressure, h
 from traceml.diagnose.stragglers import comm_bound, cores_taken_by_others, straggler
 from traceml.records import (CodeSample, CompileRecord, Finding, FindingKind, HostSyncSample, LayerCapture, OomRecord,
                              Severity, SystemSample, window_end_unix_s)
-from traceml.report.deep_dive import AliveLayer
 
 SEVERITY_ORDER: Dict[str, int] = {Severity.CRIT: 0, Severity.WARN: 1, Severity.INFO: 2}
 MEMORY_KINDS = (FindingKind.MEMORY_CREEP, FindingKind.MEMORY_PRESSURE)

@@ -8,10 +8,10 @@ from typing import Iterable, List, Optional, Tuple
 
 import msgspec
 
+from traceml.analysis.layer_rows import AliveLayer
 from traceml.analysis.ledger import PART_WORDS, LedgerRow, part_bytes
 from traceml.analysis.rollup import Window
 from traceml.records import Evidence, Finding, FindingKind, OomRecord, RankHello, Severity, SystemSample
-from traceml.report.deep_dive import AliveLayer
 from traceml.words import counted
 
 MIN_POINTS = 20  # steps of memory readings before a trend can be called

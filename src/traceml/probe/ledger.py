@@ -26,7 +26,7 @@ import math
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Callable, Dict, Hashable, Iterator, List, Optional, Set, Tuple, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Callable, Dict, Hashable, Iterator, List, Optional, Protocol, Set, Tuple, TypedDict, TypeVar
 
 from traceml.records import MemoryLedger, adapter_target
 
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from torch.nn import Module
     from torch.optim import Optimizer
 
-    from traceml.probe.sharded import GatherWatch
-
 T = TypeVar("T")
 StorageKey = Hashable  # the same for tensors that share storage (tensor_storage)
 
@@ -44,6 +42,13 @@ log = logging.getLogger("traceml")
 
 READING_INTERVAL_S = 2.0  # between readings at step starts, at most as often as this
 FIRST_READING_STEPS = (1, 2)  # after the first update (an optimizer's state is made then), and once more
+
+
+class GatherPeaks(Protocol):
+    """The most a sharded model held all-gathered at once, by phase (probe/sharded.GatherWatch)."""
+
+    step: int  # the step the ledger reads at
+    peak_bytes: Dict[str, Optional[int]]
 
 
 class ParameterFigures(TypedDict):
@@ -83,7 +88,7 @@ class LedgerWatch:
         self._watched = 0  # models and optimizers handed over so far, freed ones included
         self._paced_from: Optional[Tuple[int, float]] = None  # (step, time) of the last reading at a step start
         self._reading = threading.Lock()  # the last reading is compared and replaced in one go
-        self._gathers: Optional[GatherWatch] = None  # a sharded model's (probe/sharded.py)
+        self._gathers: Optional[GatherPeaks] = None  # a sharded model's (probe/sharded.GatherWatch)
         self._sharded_by = ""
 
     # -- the training thread hands these over ------------------------------------------------
@@ -101,7 +106,7 @@ class LedgerWatch:
         inner = getattr(optimizer, "optimizer", None)
         self._watch(self._optimizers, inner if inner is not None and hasattr(inner, "state") else optimizer)
 
-    def watch_sharding(self, watch: GatherWatch, sharded_by: str) -> None:
+    def watch_sharding(self, watch: GatherPeaks, sharded_by: str) -> None:
         """A sharded model (by FSDP2, FSDP1, DeepSpeed ZeRO: `sharded_by`) and its all-gathers:
         each step a reading starts is watched for their peak."""
         self._gathers, self._sharded_by = watch, sharded_by

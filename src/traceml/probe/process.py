@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, List, Literal, Optional, Tuple, TypedDict, cast
+from typing import TYPE_CHECKING, Any, List, Literal, Optional, Protocol, Tuple, TypedDict, cast
 
 from traceml.probe import step
 from traceml.probe.patches import Patches
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
     from traceml.probe.code_sites import StartupSampler
     from traceml.probe.memory import DeviceMemory
-    from traceml.probe.zero_code import _ImportTimer
 
 log = logging.getLogger("traceml")
 
@@ -327,7 +326,13 @@ def _hello(torch: ModuleType, device: device, device_memory: Optional[DeviceMemo
     )
 
 
-import_timer: Optional[_ImportTimer] = None  # zero_code's timer of the script's imports, under `traceml run`
+class ImportTimer(Protocol):
+    """zero_code's timer of the script's imports: stop() says what it timed, as the hello's fields."""
+
+    def stop(self) -> StartupFields: ...
+
+
+import_timer: Optional[ImportTimer] = None  # zero_code's, of the script's imports, under `traceml run`
 startup_sampler: Optional[StartupSampler] = None  # and its sampler of the script's start (probe/code_sites.py)
 
 

@@ -21,13 +21,12 @@ import sys
 import sysconfig
 import time
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from traceml.probe.layout import NO_PHASE
 
 if TYPE_CHECKING:
     from traceml.probe.loaders import LoaderWatch
-    from traceml.probe.sender import StepFeed
 from traceml.records import PULSE_AFTER_S, PULSE_EVERY_S, TIMED_PHASES, Beside, Phase, RankPulse
 
 STACK_FRAMES = 12  # the user's innermost frames kept
@@ -44,13 +43,23 @@ _LIBRARY_ROOTS = tuple({os.path.normcase(path) for path in (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) if path})
 
 
+class PulsedProbe(Protocol):
+    """What a pulse reads of the probe (a probe.step.StepProbe): its step count, its open phase,
+    whether it is in evaluation."""
+
+    step_index: int  # the steps ended so far
+    in_step: int  # trace_step blocks open (nested integrations count each)
+    open_phase: int  # the timed phase open, probe.layout's index; NO_PHASE when none
+    in_evaluation: bool
+
+
 class PulseWatch:
     """Sends a RankPulse while the rank's training thread ends no step (see the docstring).
     probe: the StepProbe (its step count, open phase, evaluation flag); thread_id: the
     training thread's ident; evaluating: whether the training thread is in an evaluation region
     the patches found."""
 
-    def __init__(self, rank: int, probe: StepFeed, thread_id: int, loaders: Optional[LoaderWatch] = None,
+    def __init__(self, rank: int, probe: PulsedProbe, thread_id: int, loaders: Optional[LoaderWatch] = None,
                  clock: Callable[[], float] = time.monotonic, evaluating: Callable[[], bool] = lambda: False):
         self.rank, self.probe, self.thread_id, self._clock = rank, probe, thread_id, clock
         self._evaluating = evaluating

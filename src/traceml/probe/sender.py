@@ -25,7 +25,7 @@ from traceml import rendezvous
 from traceml.probe.code_sites import CodeSampler
 from traceml.probe.ledger import LedgerWatch
 from traceml.probe.loaders import LoaderWatch
-from traceml.probe.pulse import PulseWatch
+from traceml.probe.pulse import PulsedProbe, PulseWatch
 from traceml.records import RankEnd, RankHello, StepRecord
 from traceml.wire import HEADER_BYTES, Record, decode_payload, encode_frame
 
@@ -59,15 +59,11 @@ HEARTBEAT_S = 20.0  # an empty frame when nothing else went out: the collector d
 QUIET_CONNECT_S = 15.0  # other ranks may start before rank 0's collector: no warning before this
 
 
-class StepFeed(Protocol):
+class StepFeed(PulsedProbe, Protocol):
     """What the sender takes from the probe that feeds it (a probe.step.StepProbe), on its thread,
-    and what its pulse watch reads of it (probe/pulse.py)."""
+    and what its pulse watch reads of it (probe/pulse.PulsedProbe)."""
 
     rank: int
-    step_index: int  # the steps ended so far
-    in_step: int  # trace_step blocks open (nested integrations count each)
-    open_phase: int  # the timed phase open, probe.layout's index; NO_PHASE when none
-    in_evaluation: bool
 
     def drain_steps(self) -> Tuple[List[StepRecord], int]:
         """The steps ended since the last call, as StepRecords, in order; and how many were dropped."""

@@ -2,46 +2,12 @@
 read them: per step, from the sums the probe sent over its sampled steps."""
 from __future__ import annotations
 
-from typing import List, Optional, TypedDict
+from typing import List, Optional
 
+from traceml.analysis.layer_rows import AliveLayer, DeepDiveFigures, LayerRow
 from traceml.records import LayerReport
 
 LOW_COVERAGE = 0.6  # leaf modules holding less of the model's time than this: the card says why
-
-
-class LayerRow(TypedDict):
-    """One module's deep-dive figures a step (the summary's layers)."""
-
-    name: str
-    type: str
-    leaf: bool
-    calls_per_step: float
-    forward_ms: float
-    backward_ms: float
-    memory_bytes: int  # saved for backward
-    output_bytes: int
-    allocated_delta_bytes: Optional[int]
-    alive_bytes: int  # of its outputs and saved tensors, still alive after the step
-
-
-class DeepDive(TypedDict):
-    """How the deep-dive sampled, and how much of the model's time its leaf modules hold."""
-
-    sampled_steps: int
-    every_n_steps: int
-    forward_coverage: float
-    backward_coverage: float
-    coverage_note: Optional[str]
-
-
-class DeepDiveFigures(TypedDict):
-    layers: List[LayerRow]
-    deep_dive: Optional[DeepDive]
-
-
-class AliveLayer(TypedDict):
-    name: str
-    alive_bytes: int
 
 
 def deep_dive_figures(report: Optional[LayerReport]) -> DeepDiveFigures:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional, Set, TextIO, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Set, TextIO, Tuple, cast
 
 from traceml.analysis.goodput import Goodput
 from traceml.analysis.ledger import LedgerRow
@@ -18,8 +18,8 @@ from traceml.records import (ALERT_SEVERITIES, Finding, FindingKind, LayerReport
                              SystemSample, warmup_steps, window_end_unix_s)
 from traceml.report.diagnosis import RunRecords, diagnosis_input
 
-if TYPE_CHECKING:
-    from traceml.collector.server import Collector
+if TYPE_CHECKING:  # re-exported: the views name the collector they are handed, through the report
+    from traceml.collector.server import Collector as Collector
 
 RECENT_WINDOW = 200  # steps the live figures are computed over
 
@@ -51,13 +51,15 @@ def snapshot(collector: Collector, script: str, elapsed_s: float,
         raise ValueError("a live snapshot needs the collector's rollup and wall-time tally")
     rolled = list(collector.live.recent)
     steps_seen = collector.live.newest_step + 1
-    run = RunRecords(rolled=rolled, kept=collector.everything_kept(),
-                     goodput=collector.run_time.goodput(now_unix_s=time.time()), steps_seen=steps_seen,
+    # The run hands the collector an analysis.goodput.RunTime and a HangWatch (lifecycle.py); the
+    # collector, which imports no analysis, types what they return as object.
+    goodput = cast(Optional[Goodput], collector.run_time.goodput(now_unix_s=time.time()))
+    run = RunRecords(rolled=rolled, kept=collector.everything_kept(), goodput=goodput, steps_seen=steps_seen,
                      recent_steps=RECENT_WINDOW)
     records = run.of(StepRecord)
     inputs = diagnosis_input(run)
     findings = diagnose(inputs) if rolled else []
-    hang = collector.hang_watch.hang if collector.hang_watch is not None else None
+    hang = cast(Optional[Hang], collector.hang_watch.hang) if collector.hang_watch is not None else None
     if hang is not None:
         findings.insert(0, hang.finding)
     seen = {finding.kind for _, finding in alerts}
@@ -139,8 +141,8 @@ def live_progress(collector: Collector, now_unix_s: float) -> List[RankProgress]
     """Each rank's RankProgress from the collector's recent state."""
     progress = []
     steps, pulses, ends = collector.kept_by(StepRecord), collector.latest(RankPulse), collector.latest(RankEnd)
-    for hello in collector.latest(RankHello).values():
-        rank = hello.rank
+    for key, hello in collector.latest(RankHello).items():
+        rank = cast(int, key)  # hellos are kept by rank (record_types.py)
         recent = steps.get(rank, [])
         steps_ended = recent[-1].step + 1 if recent else 0
         last = window_end_unix_s(recent[-1]) if recent else hello.started_at_unix_s

@@ -19,7 +19,8 @@ from traceml.diagnose.untimed import CodeSummary, code_lines
 from traceml.records import ALL_PHASES, Finding, MemoryLedger, RankHello, warmup_steps
 from traceml.report import queries
 from traceml.report.live import LiveState, snapshot
-from traceml.report.deep_dive import DeepDiveFigures, deep_dive_figures
+from traceml.analysis.layer_rows import DeepDiveFigures
+from traceml.report.deep_dive import deep_dive_figures
 from traceml.report.summary import (FinalSummary, FindingDict, PhaseFigures, RunData, RunFacts, RunPart, build_summary,
                                     device_names)
 

@@ -24,7 +24,8 @@ from traceml.diagnose.spikes import WarmupTransient
 from traceml.diagnose.untimed import CodeSummary, untimed_summary
 from traceml.records import (CompileRecord, Evidence, Finding, LayerCapture, MemoryLedger, RankEnd, RankHello, RolledStep,
                              StepRecord, SystemSample, GpuSample, warmup_steps)
-from traceml.report.deep_dive import DeepDive, LayerRow, deep_dive_figures
+from traceml.analysis.layer_rows import DeepDive, LayerRow
+from traceml.report.deep_dive import deep_dive_figures
 from traceml.report.diagnosis import RunRecords, diagnosis_input, records_of, stored_records
 
 SCHEMA_VERSION = 1

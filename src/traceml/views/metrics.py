@@ -16,8 +16,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import Metric
 
-    from traceml.collector.server import Collector
-    from traceml.report.live import LiveState
+    from traceml.report.live import Collector, LiveState
 
 QUANTILES = (0.5, 0.9, 0.99)
 MEMORY_FIELDS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes", "host_rss_bytes")

@@ -12,7 +12,7 @@ import os
 import select
 import statistics
 import time
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Protocol, Tuple
 
 from traceml.diagnose.stragglers import straggler_rank
 from traceml.records import ALL_PHASES, STEP_PHASES, Finding
@@ -27,8 +27,7 @@ if TYPE_CHECKING:
     from rich.panel import Panel
     from rich.text import Text
 
-    from traceml.collector.server import Collector
-    from traceml.launcher import Script
+    from traceml.report.live import Collector
 
 REFRESH_S = 0.5
 WIDE_COLUMNS = 100  # at this width and above, panels sit two by two
@@ -235,6 +234,12 @@ def _alert_panel(state: LiveState) -> RenderableType:
 
 
 # -- running it ---------------------------------------------------------------------------------
+class _Script(Protocol):
+    """What runs the script (launcher.Script): a process, or a fork, that may have exited."""
+
+    def poll(self) -> Optional[int]: ...
+
+
 class Dashboard:
     """Runs the live view while the script runs, its output passing above the panel."""
 
@@ -250,7 +255,7 @@ class Dashboard:
         self._partial = ""
         self._terminal_size = b""
 
-    def run(self, child: Script, output_fd: int) -> None:
+    def run(self, child: _Script, output_fd: int) -> None:
         """Until the script exits and its output is drained."""
         from rich.live import Live
 
