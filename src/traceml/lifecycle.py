@@ -19,8 +19,14 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 from traceml import agent, rendezvous, rundir
 
 if TYPE_CHECKING:
+    import socket
+
     from traceml.collector.store import Store
+    from traceml.launcher import Launch
+    from traceml.report.run_source import RunSource
     from traceml.report.summary import FinalSummary, RunFacts
+    from traceml.views.alerts import AlertCommand
+    from traceml.views.web.app import WebServer
 
 log = logging.getLogger("traceml")
 
@@ -47,7 +53,7 @@ class Run:
         self.sampler: Any = None
         self.started_unix_s = time.time()
 
-    def start_collector(self, host: str, listening: Any = None, port: int = 0) -> str:
+    def start_collector(self, host: str, listening: Optional[socket.socket] = None, port: int = 0) -> str:
         """Open the store and serve the collector (on `listening`, a socket rendezvous.listen
         bound, or on host:port); its address. OSError with the one line to say otherwise."""
         from traceml.analysis.goodput import RunTime
@@ -104,7 +110,7 @@ class Run:
 
 
 # -- traceml run, on the node that hosts the collector -------------------------------------------
-def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
+def run_script(launch: Launch, options: argparse.Namespace, run_dir: Path) -> int:
     """Run the launch's script under a collector, with the live view `options.mode` asks for,
     and finish the run; the script's exit code."""
     from traceml import launcher
@@ -172,7 +178,7 @@ def _hear_the_last_ranks(run: Run, nnodes: int) -> None:
     run.collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S * (1 if one_node else 6), ranks_exited=one_node)
 
 
-def _script_env(launch: Any, options: argparse.Namespace, collector_address: str,
+def _script_env(launch: Launch, options: argparse.Namespace, collector_address: str,
                 run_dir: Path) -> Tuple[Dict[str, str], Optional[str]]:
     """The script's environment (the probe's options, where to send, where the run's files go),
     and, for torch.distributed.run, the temporary file where traceml.agent will write the
@@ -291,10 +297,10 @@ class LiveViews:
     """The web dashboard and the /metrics server over a run while it goes on, and their close."""
 
     def __init__(self) -> None:
-        self.web: Any = None
+        self.web: Optional[WebServer] = None
         self.metrics_server: Any = None
-        self.alerts: Any = None  # views.alerts.AlertCommand under --on-alert
-        self._own_source: Any = None  # the live state /metrics and the alerts read without the dashboard
+        self.alerts: Optional[AlertCommand] = None  # under --on-alert
+        self._own_source: Optional[RunSource] = None  # the live state /metrics and the alerts read without the dashboard
 
     def start(self, options: argparse.Namespace, mode: str, run: Run, script: str) -> None:
         """The web dashboard (--mode dashboard), /metrics (--metrics-port) and the alert command
@@ -332,11 +338,11 @@ class LiveViews:
         from traceml.views.metrics import registry_for
 
         source = self._source(run, script)
-        server, _ = start_http_server(port, addr=host, registry=registry_for(source.collector, source.live_state))
+        server, _ = start_http_server(port, addr=host, registry=registry_for(source.collector, source.live_state))  # type: ignore[arg-type]  # live
         say(f"traceml: Prometheus metrics at http://{host}:{server.server_port}/metrics")
         self.metrics_server = server
 
-    def _source(self, run: Run, script: str) -> Any:
+    def _source(self, run: Run, script: str) -> RunSource:
         """The dashboard's live source, or one of this object's own without a dashboard."""
         if self.web is not None:
             return self.web.source

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 from traceml import rendezvous
 from traceml.probe.code_sites import CodeSampler
@@ -75,6 +75,17 @@ class StepFeed(PulsedProbe, Protocol):
         """The SpanRecord of a user span's (name, total), handed over by push_span."""
 
 
+T = TypeVar("T")
+
+
+class PendingRecord(Protocol):
+    """A record whose value the device has yet to copy (probe.tracer's device scalars)."""
+
+    def ready(self) -> bool: ...
+
+    def record(self) -> Record: ...
+
+
 class Sender:
     """Buffer plus background shipping for one training process.
 
@@ -111,8 +122,8 @@ class Sender:
         # on the training thread at any moment of a round, and sees each step in one place.
         self._sent_steps: Deque[Any] = collections.deque()
         self._sent_steps_kept = 0
-        # Values still on the device (Trace.log_scalar): each has ready() and record().
-        self._deferred: Deque[Any] = collections.deque()
+        # Values still on the device (Trace.log_scalar).
+        self._deferred: Deque[PendingRecord] = collections.deque()
         self._address = address if address is not None else os.environ.get(rendezvous.ENV_COLLECTOR)
         self._first_connect_at: Optional[float] = None
         self._socket: Optional[socket.socket] = None
@@ -159,7 +170,7 @@ class Sender:
             return
         self._spans.append(ended)
 
-    def defer(self, pending: Any, limit: int) -> None:
+    def defer(self, pending: PendingRecord, limit: int) -> None:
         """Hold a record whose value the device has not copied yet; the sender sends it when
         pending.ready(). Dropped and counted when `limit` are already waiting."""
         if len(self._deferred) >= limit:
@@ -520,7 +531,7 @@ class Sender:
             return None
 
 
-def _drain_count(buffer: Deque[Any]) -> int:
+def _drain_count(buffer: Deque[T]) -> int:
     count = len(buffer)
     buffer.clear()
     return count
