@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, List, Literal, Optional, Protocol, Tuple, TypedDict, cast
+from typing import TYPE_CHECKING, Any, List, Literal, Optional, Protocol, Tuple, TypedDict, TypeVar, cast
 
 from traceml.probe import step
 from traceml.probe.patches import Patches
@@ -47,6 +47,7 @@ class _NoTrace:
 
 
 _NO_TRACE = _NoTrace()
+M = TypeVar("M", bound="Module")  # a model handed in, and handed back
 _trace_step: Any = None
 first_call = FirstModelCall()  # the process's wait for a first module call (zero-code, inferred steps)
 patches: Optional[Patches] = None  # the probe's patches, while attached
@@ -174,7 +175,7 @@ def _time_the_model_of(optimizer: Optimizer) -> bool:
 
 def infer_steps(web_port: Optional[int] = None, run_name: Optional[str] = None,
                 profile_memory: bool = True, steps_from: str = STEPS_FROM_OPTIMIZER,
-                device_of: Any = None, model: Any = None) -> Optional[StepProbe]:
+                device_of: Optional[Module] = None, model: Optional[Module] = None) -> Optional[StepProbe]:
     """Trace without trace_step: each step ends at optimizer.step() (the Trace API, zero-code
     mode, the trainer integrations; steps_from says which, for the card).
 
@@ -205,7 +206,7 @@ def infer_steps(web_port: Optional[int] = None, run_name: Optional[str] = None,
         return None
 
 
-def trace_model_instance(model: Any, every_n_steps: Optional[int] = None) -> Any:
+def trace_model_instance(model: M, every_n_steps: Optional[int] = None) -> M:
     """Deep-dive on this model: per-module forward and backward time and memory, measured on
     every Nth step traced by trace_step (every_n_steps, default 10). Returns the model."""
     if _disabled:
@@ -249,7 +250,7 @@ def detach() -> None:
         _trace_step = None
 
 
-def _create_probe(model: Any) -> StepProbe:
+def _create_probe(model: Optional[Module]) -> StepProbe:
     import torch
 
     from traceml.probe.memory import DeviceMemory, HostRss
