@@ -37,7 +37,7 @@ import os
 import sys
 import weakref
 from threading import get_ident
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, ParamSpec, Tuple, Type, TypeVar
 
 from traceml.probe.patches.dynamo import compiling
 from traceml.probe.patches.imports import WhenImported
@@ -52,6 +52,8 @@ if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
 log = logging.getLogger("traceml")
+P = ParamSpec("P")  # a wrapped function's parameters ...
+R = TypeVar("R")  # ... and what it returns, passed through
 
 # Where torch looks up, at each call, what runs before compiled code (see the module's text).
 BEFORE_COMPILED_CODE = (("torch.nn.modules.module", "_has_any_global_hook"),
@@ -276,8 +278,8 @@ class EvaluationRegions(Patch):
                 setattr(module, name, ours)
                 self._swapped.append((module, name, theirs, ours))
 
-    def _stopping_first(self, theirs: Callable[..., Any]) -> Callable[..., Any]:
-        def before_compiled_code(*args: object, **kwargs: object) -> Any:
+    def _stopping_first(self, theirs: Callable[P, R]) -> Callable[P, R]:
+        def before_compiled_code(*args: P.args, **kwargs: P.kwargs) -> R:
             self._stop_watching()
             return theirs(*args, **kwargs)
 
@@ -309,12 +311,12 @@ def evaluation_wrapped(trainer_class: Any) -> Dict[str, Callable[..., Any]]:
             if not getattr(getattr(trainer_class, name), "_traceml_not_training", False)}
 
 
-def not_training(method: Callable[..., Any]) -> Callable[..., Any]:
+def not_training(method: Callable[P, R]) -> Callable[P, R]:
     """Wrap an evaluation entry point: all of it is evaluation (the model's calls, the loader's
     waits, Trainer's own work around them), none of it the training's input wait."""
 
     @functools.wraps(method)
-    def wrapper(*args: object, **kwargs: object) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         from traceml.probe import step
 
         probe = step._probe
