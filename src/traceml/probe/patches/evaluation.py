@@ -220,7 +220,7 @@ class EvaluationRegions(Patch):
 
         return eval
 
-    def model_called(self, call: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
+    def model_called(self, call: Callable[..., Any], model: Module, args: tuple, kwargs: dict) -> Any:
         """A traced model called between steps with gradients off: the open region is
         evaluation, or the call is a region of its own."""
         if self.owner is not None and self._step == self.probe.step_index:

@@ -157,7 +157,7 @@ class ModelCalls:
         return timed_call
 
 
-def _call_timed_in_general(original: Callable[..., Any], traced: _TracedModel, model: Any, args: tuple,
+def _call_timed_in_general(original: Callable[..., Any], traced: _TracedModel, model: Module, args: tuple,
                            kwargs: dict, tensor_type: type, grad_enabled: Callable[[], bool],
                            evaluation: Evaluation) -> Any:
     """The timed call: every call of a traced model in Python, and, where the compiled timer
