@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, ParamSpec, Tuple, TypeVar
 
 from traceml.probe.patches.dynamo import run_eagerly_under_dynamo
 from traceml.probe.patches.patch import Patch
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 log = logging.getLogger("traceml")
+P = ParamSpec("P")  # torch.cuda.synchronize's parameters ...
+R = TypeVar("R")  # ... and what it returns, passed through
 _now_ns = time.perf_counter_ns
 
 SAMPLE_STEPS = 10
@@ -134,10 +136,10 @@ class HostSyncSampler:
         run_eagerly_under_dynamo(timed, callees_too=True)
         return timed
 
-    def _timed_synchronize(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed_synchronize(self, original: Callable[P, R]) -> Callable[P, R]:
         sampler = self
 
-        def synchronize(*args: object, **kwargs: object) -> Any:
+        def synchronize(*args: P.args, **kwargs: P.kwargs) -> R:
             start_ns = _now_ns()
             try:
                 return original(*args, **kwargs)
