@@ -20,6 +20,7 @@ from traceml import agent, rendezvous, rundir
 
 if TYPE_CHECKING:
     import socket
+    from wsgiref.simple_server import WSGIServer
 
     from traceml.collector.store import Store
     from traceml.launcher import Launch
@@ -298,7 +299,7 @@ class LiveViews:
 
     def __init__(self) -> None:
         self.web: Optional[WebServer] = None
-        self.metrics_server: Any = None
+        self.metrics_server: Optional[WSGIServer] = None
         self.alerts: Optional[AlertCommand] = None  # under --on-alert
         self._own_source: Optional[RunSource] = None  # the live state /metrics and the alerts read without the dashboard
 
