@@ -16,7 +16,9 @@ import sys
 
 CHILD = r"""
 import collections, json, sys, time, types
-from traceml.probe.step import StepProbe, fast_path
+from traceml.probe.step_state import fast_path
+from traceml.probe.step import StepProbe
+from traceml.probe.step_records import StepRecords
 from traceml.probe.tracer import Trace
 
 calls = int(sys.argv[1])
@@ -24,6 +26,7 @@ buffer, spans = collections.deque(maxlen=1000), collections.deque(maxlen=1000)  
 sender = types.SimpleNamespace(_buffer=buffer, _spans=spans, capacity=10_000, push=buffer.append,
                                push_span=spans.append, ledger=None)
 probe = StepProbe(sender)
+records = StepRecords(probe)  # the sender's side, on this thread here
 probe.due_step = float("inf")  # no work due at a start: each step takes the short path
 tracer = Trace()
 tracer._probe = probe
@@ -60,7 +63,7 @@ for _ in range(9):
         with probe:
             pass
     start = clock()
-    made, dropped = probe.drain_steps()
+    made, dropped = records.drain_steps()
     assert len(made) >= steps - 1 and not dropped, (len(made), dropped)  # each start ends the step before
     figures["drain_steps, a step"].append((clock() - start) / len(made) / 1e3)
 loop_us = min(figures.pop("loop"))  # the loop's own call, taken off the span's and the scalar's

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from traceml.probe import layout
 from traceml.probe import sharded
-from traceml.probe.step import FORWARD, StepProbe
+from traceml.probe.step_state import FORWARD
+from traceml.probe.step import StepProbe
 
 
 def per_call_us(collective, tensor, calls: int) -> float:

@@ -101,10 +101,10 @@ def test_a_gpt_script_under_deep_dive_ranks_its_linears_and_explains_its_coverag
     summary = run.summary()
     leaves = [row for row in summary["layers"] if row["leaf"]]
     by_time = sorted(leaves, key=lambda row: -(row["forward_ms"] + row["backward_ms"]))
-    # The slowest are Linears. One place in four is left to the machine: on a busy one, a
-    # preemption of a few milliseconds inside a 0.2 ms GELU in one of its seven calls is what a
-    # wall clock sees there, and lifts it among layers a few tenths of a millisecond apart.
-    assert by_time[0]["type"] == "Linear", by_time[:4]
+    # The slowest are Linears. One place in four is left to the machine, the first included: on
+    # a busy one, a preemption of a few milliseconds inside a 0.2 ms GELU in one of its seven
+    # calls is what a wall clock sees there, and lifts it among layers a few tenths of a
+    # millisecond apart.
     assert sum(row["type"] == "Linear" for row in by_time[:4]) >= 3, by_time[:4]
     for dropout in (row for row in leaves if row["type"] == "Dropout"):
         assert dropout["backward_ms"] == 0.0  # its output is its input: no backward of its own

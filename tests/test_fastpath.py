@@ -12,14 +12,14 @@ import time
 import pytest
 from conftest import SCRIPTS
 
-from traceml.probe import step
+from traceml.probe import step_state
 
 # The tests of the compiled timers themselves; the rest here hold for whichever path runs, and
 # run again with TRACEML_NO_FASTPATH=1 in CI's Python pass (see the README's test command).
-compiled = pytest.mark.skipif(sys.platform != "linux" or step.python_timers_asked(),
+compiled = pytest.mark.skipif(sys.platform != "linux" or step_state.python_timers_asked(),
                               reason="the compiled timers are built on Linux and macOS, and not turned off")
 # Tests that choose the path of each process they start: the Python pass would repeat them.
-chooses_its_paths = pytest.mark.skipif(step.python_timers_asked(),
+chooses_its_paths = pytest.mark.skipif(step_state.python_timers_asked(),
                                        reason="chooses each run's timers itself: run once, in the main pass")
 
 
@@ -35,36 +35,123 @@ def shapes_loop(tmp_path, script="shapes_loop.py", **env):
 @compiled
 @pytest.mark.parametrize("value, compiled_used", [("0", True), ("", True), ("1", False), ("yes", False)])
 def test_the_switch_turns_the_compiled_timers_off_only_when_set(value, compiled_used):
-    probe = subprocess.run([sys.executable, "-c", "from traceml.probe import step; print(step.fast_path is not None)"],
+    probe = subprocess.run([sys.executable, "-c", "from traceml.probe import step_state; print(step_state.fast_path is not None)"],
                            capture_output=True, text=True, timeout=60, env=dict(os.environ, TRACEML_NO_FASTPATH=value))
     assert probe.stdout.split() == [str(compiled_used)], probe.stderr
 
 
 @compiled
 def test_the_compiled_timers_are_built_and_used():
-    from traceml.probe import step
+    from traceml.probe import step, step_state
 
-    assert step.fast_path is not None, "the C fast path did not build or load (see setup.py)"
-    assert step.StepProbe.__mro__[1] is step.fast_path.ProbeState
+    assert step_state.fast_path is not None, "the C fast path did not build or load (see setup.py)"
+    assert step.StepProbe.__mro__[1] is step_state.fast_path.ProbeState
 
 
 def test_the_step_layout_is_declared_once_and_the_build_says_it_back():
-    """layout.py declares the slots; setup.py writes the C header from it; the module says back
-    what it was built from, and the records it makes by position, and step.py checks each."""
+    """layout.py declares the slots and the probe's state; setup.py writes the C header from it;
+    the module says back what it was built from, and the objects it makes by position, and
+    step.py checks each. The Python state has the same fields as the C struct."""
     from pathlib import Path
 
-    from traceml.probe import _fastpath, layout, step
-    from traceml.records import StepRecord
+    from traceml.probe import _fastpath, layout, step_state
+    from traceml.records import TIMED_PHASES
 
     probe_dir = Path(layout.__file__).parent
     assert (probe_dir / "_layout.h").read_text() == layout.c_header()  # the header is the table's
-    slots, window, closed, ended, record = _fastpath.LAYOUT
+    slots, window, closed, ended, state = _fastpath.LAYOUT
     assert slots == tuple(name for name, _ in layout.STEP_SLOTS) and window == layout.WINDOW_SLOTS
-    assert closed == step.ClosedStep.__struct_fields__ and ended == step.EndedWindow.__struct_fields__
-    assert record == StepRecord.__struct_fields__[:len(record)] and len(record) >= 33
-    assert step._STEP_ZEROS[step.FAILED_PHASE] == layout.NO_PHASE == step.NO_PHASE
-    assert [step.H2D, step.FORWARD, step.BACKWARD, step.OPTIMIZER] == [
-        slots.index(phase) for phase in step.TIMED_PHASES]
+    assert closed == step_state.ClosedStep.__struct_fields__ == layout.CLOSED_STEP_FIELDS
+    assert ended == step_state.EndedWindow.__struct_fields__ == layout.ENDED_WINDOW_FIELDS
+    assert state == tuple(name for name, _ in layout.STATE_FIELDS)
+    assert set(state) <= set(step_state.PythonProbeState.__slots__)
+    assert set(state) <= set(dir(_fastpath.ProbeState))
+    assert step_state.STEP_ZEROS[step_state.FAILED_PHASE] == layout.NO_PHASE == step_state.NO_PHASE
+    assert [step_state.H2D, step_state.FORWARD, step_state.BACKWARD, step_state.OPTIMIZER] == [
+        slots.index(phase) for phase in TIMED_PHASES]
+
+
+ADDED_SLOTS_STEPS = """
+import json, sys
+from traceml.probe import step, step_state
+from traceml.probe.sender import Sender
+from traceml.records import RankHello
+from traceml.probe.step import StepProbe
+
+python_ends = []
+python_exit = StepProbe.exit
+StepProbe.exit = lambda self, *args, **kwargs: python_ends.append(self.step_index) or python_exit(self, *args, **kwargs)
+hello = RankHello(rank=0, local_rank=0, world_size=1, node_rank=0, host="h", pid=1, device="cpu", device_name="cpu",
+                  device_capacity_bytes=None, torch_version="2.13.0", argv=["train.py"], started_at_unix_s=1.0)
+sender = Sender(hello, address="127.0.0.1:1", feed_of=StepProbe)  # never started: nothing drains
+probe = sender.feed
+probe.due_step = float("inf")  # no work due at a start: the compiled path's steps
+slot = step_state.step_slot
+for index in range(3):
+    probe.window[step_state.window_slot("added_window_ns")] += 100 + index
+    with probe:
+        probe.sums[step_state.FORWARD] += 1_000 + index
+        probe.sums[slot("added_in_the_middle")] += 10 + index
+        probe.sums[slot("added_object_in_the_middle")] = ["middle", index]
+        probe.sums[slot("added_at_the_end")] += 20 + index
+        probe.sums[slot("added_object_at_the_end")] = ("end", index)
+        probe.sums[step_state.TOKENS] += 30 + index
+with probe:
+    pass
+ended, dropped = probe.take_ended()
+records = [sender.steps.record_from(ending) for ending in ended]
+clock_fields = ("start_unix_s", "step_ms", "untraced_ms", "outside_ms", "cpu_wait_ms", "on_cpu_ms")
+print(json.dumps({
+    "compiled": step_state.fast_path is not None, "ended_in_python": python_ends, "dropped": dropped,
+    "sums": [list(ending.closed.sums) for ending in ended], "windows": [ending.window for ending in ended],
+    "records": [{name: getattr(record, name) for name in record.__struct_fields__ if name not in clock_fields}
+                for record in records]}, default=list))
+"""
+
+
+@compiled
+def test_slots_added_to_the_layout_reach_the_record_alike_by_the_compiled_and_python_paths(tmp_path):
+    """On a copy of the package, slots are added to layout.py (an int and an object in the middle
+    of the step's list and at its end, an int in the window's), the C is built from it, and
+    steps run through the compiled path and the Python path: the same lists and records."""
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    shutil.copytree(root / "src", tmp_path / "src", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(root / name, tmp_path)
+    layout_py = tmp_path / "src" / "traceml" / "probe" / "layout.py"
+    text = layout_py.read_text()
+    for old, new in (('    ("tokens", 0),\n', '    ("tokens", 0),\n    ("added_in_the_middle", 0),\n'
+                                                '    ("added_object_in_the_middle", None),\n'),
+                     ('    ("failed_phase", NO_PHASE),\n', '    ("failed_phase", NO_PHASE),\n'
+                                                          '    ("added_at_the_end", 0),\n'
+                                                          '    ("added_object_at_the_end", None),\n'),
+                     ('    "input_wait_gap_ns",\n)', '    "input_wait_gap_ns",\n    "added_window_ns",\n)')):
+        assert old in text
+        text = text.replace(old, new)
+    layout_py.write_text(text)
+    built = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0 and list((tmp_path / "src" / "traceml" / "probe").glob("_fastpath*")), built.stderr
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "src"))
+    outcomes = []
+    for switch in ("0", "1"):
+        result = subprocess.run([sys.executable, "-c", ADDED_SLOTS_STEPS], capture_output=True, text=True,
+                                timeout=120, cwd=tmp_path, env=dict(env, TRACEML_NO_FASTPATH=switch))
+        assert result.returncode == 0, result.stderr
+        outcomes.append(json.loads(result.stdout.splitlines()[-1]))
+    compiled, python = outcomes
+    assert compiled["compiled"] and compiled["ended_in_python"] == []  # the C built from the new layout ended them
+    assert not python["compiled"] and python["ended_in_python"] == [0, 1, 2, 3]
+    assert compiled["sums"] == python["sums"] and compiled["windows"] == python["windows"]
+    assert compiled["records"] == python["records"] and len(compiled["records"]) == 3
+    # after tokens (slot 7): the two added in the middle, then comm_wait_ns
+    assert [sums[8:11] for sums in compiled["sums"]] == [[10 + i, ["middle", i], 0] for i in range(3)]
+    assert [sums[-2:] for sums in compiled["sums"]] == [[20 + i, ["end", i]] for i in range(3)]
+    assert [window[-1] for window in compiled["windows"]] == [101, 102, 0]
+    assert [record["tokens"] for record in compiled["records"]] == [30, 31, 32]
 
 
 ANOTHER_LAYOUT = """
@@ -73,8 +160,8 @@ from traceml.probe import layout
 window = list(layout.WINDOW_SLOTS)
 window[7], window[8] = window[8], window[7]  # eval and checkpoint swapped since the build
 layout.WINDOW_SLOTS = tuple(window)
-from traceml.probe import step
-print("compiled", step.fast_path is not None, "eval slot", step.EVAL_NS)
+from traceml.probe import step, step_state
+print("compiled", step_state.fast_path is not None, "eval slot", step_state.EVAL_NS)
 """
 
 
@@ -140,19 +227,19 @@ def test_compiled_and_python_agree_on_inferred_steps_spans_and_scalars(tmp_path)
 BROKEN_STEP = """
 import json, torch, traceml
 from torch import nn
-from traceml.probe import step
+from traceml.probe import step, step_state
 model = nn.Linear(4, 2)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 for broken in (False, True):
     with traceml.trace_step(model):
         if broken:  # the step's sums are no list of ints: every timer's addition fails
             step._probe.sums = None
-            faults_before = step.fast_path.faults()
+            faults_before = step_state.fast_path.faults()
         loss = model(torch.ones(3, 4)).sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-print(json.dumps({"faults": step.fast_path.faults() - faults_before, "grad": model.weight.grad is not None}))
+print(json.dumps({"faults": step_state.fast_path.faults() - faults_before, "grad": model.weight.grad is not None}))
 """
 
 
@@ -171,10 +258,12 @@ def test_a_fault_in_the_bookkeeping_costs_the_figure_not_the_call(tmp_path):
 def _step_records(probe, items):
     """The step records among what reached the sender: made from the ring by the compiled path,
     or by record_from from the EndedWindows of Python's path."""
-    from traceml.probe.step import EndedWindow
+    from traceml.probe.step_state import EndedWindow
     from traceml.records import StepRecord
 
-    return [item if type(item) is StepRecord else probe.record_from(item) for item in items
+    from traceml.probe.step_records import StepRecords
+
+    return [item if type(item) is StepRecord else StepRecords(probe).record_from(item) for item in items
             if type(item) in (StepRecord, EndedWindow)]
 
 
@@ -213,7 +302,8 @@ def test_steps_ended_by_either_path_reach_the_sender_in_order_with_their_figures
     from test_records import hello
 
     from traceml.probe.sender import Sender
-    from traceml.probe.step import EVAL_NS, FORWARD, StepProbe
+    from traceml.probe.step_state import EVAL_NS, FORWARD
+    from traceml.probe.step import StepProbe
 
     sender = Sender(hello(), address="127.0.0.1:1", feed_of=StepProbe)
     probe = sender.feed
@@ -251,24 +341,25 @@ def test_steps_ended_by_either_path_reach_the_sender_in_order_with_their_figures
 
 def test_a_step_keeps_every_figure_on_its_way_to_the_sender(monkeypatch):
     """The compiled end copies a plain step's figures out of its lists (then zeroed for the next
-    step) and makes its StepRecord on the sender's thread by record_from's arithmetic: each
-    figure lands in its own field, as record_from puts it. Where the compiled timers are used,
-    the step takes their path (record_from never runs); on the Python path, record_from's."""
+    step) and the sender's thread makes its StepRecord by record_from: each figure lands in its
+    own field. Where the compiled timers are used, the step takes their path (StepProbe.exit,
+    Python's end, never runs); on the Python path, it does."""
     from types import SimpleNamespace
 
     from test_records import hello
 
     from traceml.probe.sender import Sender
-    from traceml.probe.step import REAL_TOKENS, TOKEN_COPIES, StepProbe
+    from traceml.probe.step_state import REAL_TOKENS, TOKEN_COPIES
+    from traceml.probe.step import StepProbe
     from traceml.probe.thread_cpu import ThreadCpu
 
     sender = Sender(hello(), address="127.0.0.1:1", thread_cpu=ThreadCpu.of_this_thread(),
                     feed_of=lambda sender: StepProbe(sender, host_rss=SimpleNamespace(latest_bytes=123_456_789)))
     probe = sender.feed
-    made_by_python = []
-    record_from = StepProbe.record_from
-    monkeypatch.setattr(StepProbe, "record_from", lambda self, ending: made_by_python.append(ending.closed.step)
-                        or record_from(self, ending))
+    ended_by_python = []
+    python_exit = StepProbe.exit
+    monkeypatch.setattr(StepProbe, "exit", lambda self, *args, **kwargs: ended_by_python.append(self.step_index)
+                        or python_exit(self, *args, **kwargs))
     probe.due_step = float("inf")  # no work due at the next start (the ledger's first reading)
     ms = 1_000_000
     with probe:
@@ -289,7 +380,7 @@ def test_a_step_keeps_every_figure_on_its_way_to_the_sender(monkeypatch):
         assert probe.sums[:TOKEN_COPIES] == [0] * REAL_TOKENS + [None] and probe.window == [0] * len(probe.window)
     sender._take_ended_steps()
     (record,) = _step_records(probe, sender._buffer)
-    assert made_by_python == ([] if step.fast_path is not None else [0])  # the path this build takes
+    assert ended_by_python == ([] if step_state.fast_path is not None else [0, 1])  # the path this build takes
     fields = {name: getattr(record, name) for name in record.__struct_fields__}
     untraced_ms, outside_ms = fields.pop("untraced_ms"), fields.pop("outside_ms")
     # Stamped by the sender from this thread's counts (Linux), within the step.
@@ -346,7 +437,7 @@ def test_a_span_total_goes_to_the_probes_dict_as_it_is_after_a_full_buffers_push
         pass
     assert [(name, total.step, total.calls) for name, total in sender.pushed] == [("load", 0, 1)]
     assert [(name, total.step, total.calls) for name, total in probe.span_totals.items()] == [("load", 1, 1)]
-    assert step.fast_path is None or step.fast_path.faults() == 0
+    assert step_state.fast_path is None or step_state.fast_path.faults() == 0
 
 
 def test_a_step_dropped_while_the_sender_takes_the_steps_is_counted():
@@ -371,11 +462,11 @@ def test_a_step_dropped_while_the_sender_takes_the_steps_is_counted():
     gc.callbacks.append(drop_one)
     try:
         for _ in range(300):
-            taken.append(probe.drain_steps())  # kept: their tuples stay off the free list
+            taken.append(probe.take_ended())  # kept: their tuples stay off the free list
     finally:
         gc.callbacks.remove(drop_one)
         gc.set_threshold(*threshold)
-    taken.append(probe.drain_steps())
+    taken.append(probe.take_ended())
     assert made and sum(dropped for steps, dropped in taken) == len(made)
     assert not any(steps for steps, dropped in taken)
 
@@ -415,7 +506,7 @@ def test_the_models_call_runs_when_its_timer_has_no_memory_for_its_bookkeeping()
     and the fault costs the figure only."""
     import _testcapi
 
-    from traceml.probe.step import fast_path
+    from traceml.probe.step_state import fast_path
 
     ran = []
 
@@ -440,7 +531,7 @@ def test_the_models_call_runs_when_its_timer_has_no_memory_for_its_bookkeeping()
 SPAN_TIMES = """
 import json, time, torch, traceml
 from torch import nn
-from traceml.probe import step
+from traceml.probe import step, step_state
 model = nn.Linear(4, 2)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 tracer = traceml.Trace()
@@ -460,7 +551,7 @@ with tracer.trace("spans"):
         optimizer.zero_grad()
     with tracer.span("a"):  # after the last update: the last step's window, sent at the end
         time.sleep(0.002)
-print(json.dumps({"compiled": step.fast_path is not None, "own": own}))
+print(json.dumps({"compiled": step_state.fast_path is not None, "own": own}))
 """
 
 
@@ -474,7 +565,7 @@ def test_span_totals_match_the_scripts_own_clock(tmp_path, pure_python):
                             cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr
     outcome = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
-    python_asked = pure_python or step.python_timers_asked()
+    python_asked = pure_python or step_state.python_timers_asked()
     assert outcome["compiled"] is (not python_asked and sys.platform in ("linux", "darwin"))
     with sqlite3.connect(tmp_path / "run" / "telemetry.sqlite") as db:
         stored = {f"{step} {name}": (start_s, ms, count) for step, name, start_s, ms, count in db.execute(
@@ -499,7 +590,7 @@ def test_span_totals_match_the_scripts_own_clock(tmp_path, pure_python):
 IDLE_CALLS = """
 import gc, json, sys, torch, traceml
 from torch import nn
-from traceml.probe import step
+from traceml.probe import step, step_state
 class Net(nn.Module):  # the user's model, of its own class: the class whose call is timed
     def __init__(self):
         super().__init__()
@@ -524,7 +615,7 @@ for _ in range(3):  # between steps: a second model's training, data prep
     other_optimizer.zero_grad()
     torch.ones(3).to(torch.float64)
 sys.setprofile(None)
-print(json.dumps({"compiled": step.fast_path is not None, "ran": ran}))
+print(json.dumps({"compiled": step_state.fast_path is not None, "ran": ran}))
 """
 
 
@@ -626,7 +717,7 @@ FREE_THREADED = """
 import sys
 sys._is_gil_enabled = lambda: False  # what a free-threaded Python (3.13t) says with the GIL off
 import torch, traceml
-from traceml.probe import step
+from traceml.probe import step, step_state
 model = torch.nn.Linear(4, 1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 for _ in range(4):
@@ -636,7 +727,7 @@ for _ in range(4):
         loss.backward()
         optimizer.step()
 assert "traceml.probe._fastpath" not in sys.modules  # never imported, so the GIL stays off
-assert step.fast_path is None and step.StepProbe.__mro__[1] is step._PythonProbeState
+assert step_state.fast_path is None and step.StepProbe.__mro__[1] is step_state.PythonProbeState
 print("steps", step._probe.step_index)
 """
 

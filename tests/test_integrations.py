@@ -65,7 +65,11 @@ def test_hf_trainer_makes_one_step_per_update_and_sees_a_slow_collate(hf_callbac
     # count for that update.
     assert all(s["input_wait_ms"] >= 78.0 for s in steps[1:])
     summary = run.summary()
-    assert summary["primary_diagnosis"]["kind"] == "INPUT_BOUND"
+    # On a loaded machine the imports alone can take most of a run past a minute: then its
+    # start is the larger cost, and the slow collate is the next finding.
+    kinds = [finding["kind"] for finding in summary["findings"]]
+    primary = summary["primary_diagnosis"]["kind"]
+    assert primary == "INPUT_BOUND" or (primary == "SLOW_STARTUP" and "INPUT_BOUND" in kinds), kinds
     assert summary["steps"]["found_by"].startswith("Hugging Face Trainer")
     assert "found by Hugging Face Trainer" in run.stdout
 

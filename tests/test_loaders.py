@@ -18,7 +18,8 @@ from traceml.diagnose import DiagnosisInput, diagnose
 from traceml.probe.loaders import LoaderWatch, worker_times
 from traceml.probe.patches import Patches
 from traceml.probe.patches.first_call import FirstModelCall
-from traceml.probe.step import INPUT_WAIT_GAP_NS, INPUT_WAIT_NS, StepProbe
+from traceml.probe.step_state import INPUT_WAIT_GAP_NS, INPUT_WAIT_NS
+from traceml.probe.step import StepProbe
 from traceml.records import LoaderSample, RankHello
 from conftest import SCRIPTS
 from test_diagnose import rolled

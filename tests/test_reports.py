@@ -46,7 +46,10 @@ def compare(a, b, *extra):
 @compared
 def test_fixing_the_loader_is_an_improvement(runs):
     result = json.loads(compare(runs["slow"], runs["fixed"], "--json").stdout)
-    assert result["verdict"] == "IMPROVEMENT"
+    # Beside other jobs, the load measured during one run may account for the change: then the
+    # comparison says so rather than claim it.
+    assert result["verdict"] == "IMPROVEMENT" or (
+        result["verdict"] == "INCONCLUSIVE" and "enough to account for it" in result["reason"]), result["reason"]
     low, high = result["step"]["ci_share"]
     assert low <= high < -0.3  # 8 samples x 3 ms of a ~30 ms step are gone
     wait = result["phases"]["input_wait"]

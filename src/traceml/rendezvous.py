@@ -135,3 +135,23 @@ def spawn_collector_process(hello: RankHello, host: str, port: int, web_port: Op
         process.kill()
         raise RuntimeError(line[len("error:"):].strip() or "the collector did not start")
     return process, line, run_dir
+
+
+def rank_env() -> Tuple[int, int, int, int]:
+    """(rank, local rank, world size, node rank) as torchrun or SLURM's srun set them."""
+    env = os.environ
+
+    def first(*names: str, default: int) -> int:
+        for name in names:
+            value = env.get(name)
+            if value:  # neither unset nor empty
+                try:
+                    return int(value)
+                except ValueError:
+                    continue
+        return default
+
+    return (first("RANK", "SLURM_PROCID", default=0),
+            first("LOCAL_RANK", "SLURM_LOCALID", default=0),
+            first("WORLD_SIZE", "SLURM_NTASKS", default=1),
+            first("GROUP_RANK", "NODE_RANK", "SLURM_NODEID", default=0))

@@ -22,11 +22,12 @@
 #include <structmember.h>
 #include <time.h>
 
-/* The slots of a step's and a window's lists (H2D .. FAILED_PHASE, GC_NS .. INPUT_WAIT_GAP_NS),
- * generated from layout.py by setup.py; the module says them back (LAYOUT) and step.py uses it
- * only when they are its own. */
+/* Generated from layout.py by setup.py: the slots of a step's and a window's lists (H2D ..,
+ * GC_NS ..), ProbeState's fields (STATE_FIELDS, STATE_MEMBERS), the fields of ClosedStep and
+ * EndedWindow, and static asserts for the orders this file relies on. The module says them
+ * back (LAYOUT) and step.py uses it only when they are its own. */
+#include <stddef.h>
 #include "_layout.h"
-enum { STEP_INTS = REAL_TOKENS };  /* the step list's ints come first (layout.py) */
 
 /* time.perf_counter_ns()'s clock (step.py checks the two agree before using this module). */
 static inline long long
@@ -74,47 +75,22 @@ report_fault(PyObject *probe, const char *where)
 /* ---- ProbeState: the fields a step's timers read and write -------------------------------- */
 
 /* A step whose window has ended, as the training thread left it: plain numbers, so that a
- * step's end makes no Python object. The sender's thread makes its EndedWindow (drain_steps).
+ * step's end makes no Python object. The sender's thread makes its EndedWindow (take_ended).
  * A step ended in Python (its long path) is held as the EndedWindow it made (`ended`). */
 typedef struct {
     PyObject *ended;            /* an EndedWindow made in Python, else NULL (and the rest holds it) */
     long long step, start_ns, end_ns, window_end_ns;
     long long host_rss_bytes;   /* -1: no reading */
-    long long sums[STEP_INTS];  /* the step list's ints */
-    PyObject *real_tokens;      /* owned, NULL for None */
-    PyObject *token_copies;     /* owned, NULL for None */
+    long long sums[STEP_INTS];  /* the step list's leading ints */
+    PyObject *objects[STEP_OBJECTS];  /* the rest of its slots, owned (NULL once moved or cleared) */
     long long window[WINDOW_SLOTS];
 } StepEntry;
 
-typedef struct {
+typedef struct ProbeState {
     PyObject_HEAD
-    int in_step;          /* 0 between steps, else the depth of nested trace_step blocks */
-    int open_phase;       /* the phase being timed, or NO_PHASE */
-    char plain;           /* the patches may time inline */
-    char in_evaluation;   /* a trainer's evaluation runs */
-    char auto_steps;      /* steps are inferred (no trace_step) */
-    char layers_active;   /* this step runs deep-dive's hooks */
-    char comm_timed;      /* DDP's collective wait is timed */
-    char optimizer_ends_steps;  /* inferred steps: an optimizer's update ends steps, backward never (step.py) */
-    int rank;
-    int fetching;         /* the training thread's depth in timed DataLoader __next__ calls (step.py) */
-    unsigned long training_thread;  /* the thread whose steps are timed (step.py) */
-    long long step_index;
-    long long step_start_ns;
-    long long setup_started_ns;
-    Py_ssize_t optimizer_timed;   /* id() of the optimizer whose update is being timed, or 0 (step.py) */
-    long long optimizer_start_ns; /* when that update started */
-    double due_step;      /* the next step whose start has work to do (enter, in Python) */
-    PyObject *sums;       /* the step in flight's list (step.py _STEP_ZEROS) */
-    PyObject *window;     /* the window's list (step.py _WINDOW_ZEROS) */
+    STATE_FIELDS  /* layout.py's STATE_FIELDS: what Python reads and writes too */
     PyObject *closed;     /* the ClosedStep waiting for the next start to end its window */
     PyObject *unconfirmed;  /* inferred steps: the EndedWindow waiting for this step to prove one */
-    PyObject *timeline;   /* DeviceTimeline on CUDA, else None */
-    PyObject *sender;
-    PyObject *host_rss;
-    PyObject *settled_optimizer;  /* inferred steps: id() of the optimizer whose update ends a step with
-                                   * nothing left to learn (step.py _settled_optimizer), or None */
-    PyObject *span_totals;      /* user spans: name -> its SpanTotal for the latest step it ran in */
     /* The closed step and the unconfirmed one as numbers (has_*), when the compiled end made
      * them; step.py's _closed and _unconfirmed read them as the objects Python makes. */
     char has_closed, has_unconfirmed;
@@ -129,31 +105,34 @@ static void
 entry_clear(StepEntry *entry)
 {
     Py_CLEAR(entry->ended);
-    Py_CLEAR(entry->real_tokens);
-    Py_CLEAR(entry->token_copies);
+    for (int i = 0; i < STEP_OBJECTS; i++)
+        Py_CLEAR(entry->objects[i]);
+}
+
+/* The entry's references have moved elsewhere (a copy of it holds them now). */
+static void
+entry_forget(StepEntry *entry)
+{
+    entry->ended = NULL;
+    for (int i = 0; i < STEP_OBJECTS; i++)
+        entry->objects[i] = NULL;
 }
 
 static int
 entry_traverse(StepEntry *entry, visitproc visit, void *arg)
 {
     Py_VISIT(entry->ended);
-    Py_VISIT(entry->real_tokens);
-    Py_VISIT(entry->token_copies);
+    for (int i = 0; i < STEP_OBJECTS; i++)
+        Py_VISIT(entry->objects[i]);
     return 0;
 }
 
 static int
 state_traverse(ProbeState *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->sums);
-    Py_VISIT(self->window);
+    STATE_VISIT_OBJECTS
     Py_VISIT(self->closed);
     Py_VISIT(self->unconfirmed);
-    Py_VISIT(self->timeline);
-    Py_VISIT(self->sender);
-    Py_VISIT(self->host_rss);
-    Py_VISIT(self->settled_optimizer);
-    Py_VISIT(self->span_totals);
     int visited = entry_traverse(&self->closed_entry, visit, arg);
     if (visited == 0)
         visited = entry_traverse(&self->unconfirmed_entry, visit, arg);
@@ -165,15 +144,9 @@ state_traverse(ProbeState *self, visitproc visit, void *arg)
 static int
 state_clear(ProbeState *self)
 {
-    Py_CLEAR(self->sums);
-    Py_CLEAR(self->window);
+    STATE_CLEAR_OBJECTS
     Py_CLEAR(self->closed);
     Py_CLEAR(self->unconfirmed);
-    Py_CLEAR(self->timeline);
-    Py_CLEAR(self->sender);
-    Py_CLEAR(self->host_rss);
-    Py_CLEAR(self->settled_optimizer);
-    Py_CLEAR(self->span_totals);
     entry_clear(&self->closed_entry);
     entry_clear(&self->unconfirmed_entry);
     self->has_closed = self->has_unconfirmed = 0;
@@ -192,30 +165,7 @@ state_dealloc(ProbeState *self)
 }
 
 static PyMemberDef state_members[] = {
-    {"in_step", T_INT, offsetof(ProbeState, in_step), 0, NULL},
-    {"open_phase", T_INT, offsetof(ProbeState, open_phase), 0, NULL},
-    {"plain", T_BOOL, offsetof(ProbeState, plain), 0, NULL},
-    {"in_evaluation", T_BOOL, offsetof(ProbeState, in_evaluation), 0, NULL},
-    {"auto_steps", T_BOOL, offsetof(ProbeState, auto_steps), 0, NULL},
-    {"layers_active", T_BOOL, offsetof(ProbeState, layers_active), 0, NULL},
-    {"comm_timed", T_BOOL, offsetof(ProbeState, comm_timed), 0, NULL},
-    {"step_index", T_LONGLONG, offsetof(ProbeState, step_index), 0, NULL},
-    {"_step_start_ns", T_LONGLONG, offsetof(ProbeState, step_start_ns), 0, NULL},
-    {"setup_started_ns", T_LONGLONG, offsetof(ProbeState, setup_started_ns), 0, NULL},
-    {"_optimizer_timed", T_PYSSIZET, offsetof(ProbeState, optimizer_timed), 0, NULL},
-    {"_optimizer_start_ns", T_LONGLONG, offsetof(ProbeState, optimizer_start_ns), 0, NULL},
-    {"due_step", T_DOUBLE, offsetof(ProbeState, due_step), 0, NULL},
-    {"sums", T_OBJECT_EX, offsetof(ProbeState, sums), 0, NULL},
-    {"window", T_OBJECT_EX, offsetof(ProbeState, window), 0, NULL},
-    {"timeline", T_OBJECT, offsetof(ProbeState, timeline), 0, NULL},
-    {"sender", T_OBJECT, offsetof(ProbeState, sender), 0, NULL},
-    {"host_rss", T_OBJECT, offsetof(ProbeState, host_rss), 0, NULL},
-    {"rank", T_INT, offsetof(ProbeState, rank), 0, NULL},
-    {"fetching", T_INT, offsetof(ProbeState, fetching), 0, NULL},
-    {"training_thread", T_ULONG, offsetof(ProbeState, training_thread), 0, NULL},
-    {"_optimizer_ends_steps", T_BOOL, offsetof(ProbeState, optimizer_ends_steps), 0, NULL},
-    {"_settled_optimizer", T_OBJECT, offsetof(ProbeState, settled_optimizer), 0, NULL},
-    {"span_totals", T_OBJECT, offsetof(ProbeState, span_totals), 0, NULL},
+    STATE_MEMBERS
     {NULL},
 };
 
@@ -326,7 +276,7 @@ publish(ProbeState *self, StepEntry *entry)
     }
     self->ring[self->ring_head % self->ring_size] = *entry;
     self->ring_head++;
-    entry->ended = entry->real_tokens = entry->token_copies = NULL;  /* moved, not released */
+    entry_forget(entry);  /* moved, not released */
     return 0;
 }
 
@@ -375,9 +325,8 @@ close_entry(ProbeState *self, long long now, StepEntry *entry)
         if (failed)
             return -1;
     }
-    PyObject *real = PyList_GET_ITEM(sums, REAL_TOKENS), *copies = PyList_GET_ITEM(sums, TOKEN_COPIES);
-    entry->real_tokens = is_none(real) ? NULL : Py_NewRef(real);
-    entry->token_copies = is_none(copies) ? NULL : Py_NewRef(copies);
+    for (int i = 0; i < STEP_OBJECTS; i++)
+        entry->objects[i] = Py_NewRef(PyList_GET_ITEM(sums, STEP_INTS + i));
     entry->ended = NULL;
     entry->step = self->step_index;
     entry->start_ns = self->step_start_ns;
@@ -435,21 +384,18 @@ list_of_ints(const long long *values, Py_ssize_t ints, Py_ssize_t slots)
     return list;
 }
 
-/* The fields of step.py's ClosedStep and EndedWindow, and the first fields of records.py's
- * StepRecord, in the order they are made here, by position (said back in LAYOUT). */
-static const char *const CLOSED_STEP_FIELDS[] = {
-    "step", "start_ns", "end_ns", "sums", "device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes",
-    "start_event", "end_event", "phase_events", "host_rss_bytes", "instrumented"};
-static const char *const ENDED_WINDOW_FIELDS[] = {"closed", "window_end_ns", "window", "next_start_event"};
-static const char *const STEP_RECORD_FIELDS[] = {
-    "rank", "step", "start_unix_s", "step_ms", "input_wait_ms", "outside_ms", "h2d_ms", "forward_ms", "backward_ms",
-    "optimizer_ms", "untraced_ms", "gc_ms", "gc_collections", "forward_calls", "samples", "device_timed",
-    "gpu_idle_ms", "device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes", "host_rss_bytes",
-    "comm_wait_ms", "gc_max_pause_ms", "gc_full_collections", "gc_gen0_ms", "gc_gen1_ms", "gc_gen2_ms", "tokens",
-    "real_tokens", "eval_ms", "checkpoint_ms", "instrumented", "compile_ms"};
-#define COUNT(names) ((Py_ssize_t)(sizeof(names) / sizeof(names[0])))
+/* type(*fields), by position (layout.py's field order): the fields left NULL are None. */
+static PyObject *
+made_by_position(PyObject *type, PyObject **fields, Py_ssize_t count)
+{
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (fields[i] == NULL)
+            fields[i] = Py_None;
+    return PyObject_Vectorcall(type, fields, count, NULL);
+}
 
-/* What Python sees of a closed step: step.py's ClosedStep, its list of sums made again. */
+/* What Python sees of a closed step: step.py's ClosedStep, its list of sums made again. A
+ * plain step has no device figures or events (None) and no deep-dive sample. */
 static PyObject *
 closed_step_of(StepEntry *entry)
 {
@@ -459,15 +405,12 @@ closed_step_of(StepEntry *entry)
     PyObject *rss = entry->host_rss_bytes < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(entry->host_rss_bytes);
     if (sums == NULL || step == NULL || start == NULL || end == NULL || rss == NULL)
         goto done;
-    PyList_SET_ITEM(sums, REAL_TOKENS, Py_NewRef(entry->real_tokens ? entry->real_tokens : Py_None));
-    PyList_SET_ITEM(sums, TOKEN_COPIES, Py_NewRef(entry->token_copies ? entry->token_copies : Py_None));
-    PyObject *no_phase = PyLong_FromLong(NO_PHASE);
-    if (no_phase == NULL)
-        goto done;
-    PyList_SET_ITEM(sums, FAILED_PHASE, no_phase);
-    PyObject *fields[] = {step, start, end, sums, Py_None, Py_None, Py_None, Py_None, Py_None, Py_None, rss,
-                          Py_False};
-    closed = PyObject_Vectorcall(closed_step_type, fields, COUNT(CLOSED_STEP_FIELDS), NULL);
+    for (int i = 0; i < STEP_OBJECTS; i++)
+        PyList_SET_ITEM(sums, STEP_INTS + i, Py_NewRef(entry->objects[i] ? entry->objects[i] : Py_None));
+    PyObject *fields[CLOSED_STEP_FIELD_COUNT] = {
+        [CLOSED_STEP] = step, [CLOSED_START_NS] = start, [CLOSED_END_NS] = end, [CLOSED_SUMS] = sums,
+        [CLOSED_HOST_RSS_BYTES] = rss, [CLOSED_INSTRUMENTED] = Py_False};
+    closed = made_by_position(closed_step_type, fields, CLOSED_STEP_FIELD_COUNT);
 done:
     Py_XDECREF(sums);
     Py_XDECREF(step);
@@ -475,6 +418,15 @@ done:
     Py_XDECREF(end);
     Py_XDECREF(rss);
     return closed;
+}
+
+/* An EndedWindow of these parts (no device event: the CPU's clock ended the window). */
+static PyObject *
+ended_window_made(PyObject *closed, PyObject *window_end_ns, PyObject *window)
+{
+    PyObject *fields[ENDED_WINDOW_FIELD_COUNT] = {
+        [ENDED_CLOSED] = closed, [ENDED_WINDOW_END_NS] = window_end_ns, [ENDED_WINDOW] = window};
+    return made_by_position(ended_window_type, fields, ENDED_WINDOW_FIELD_COUNT);
 }
 
 /* What Python sees of a step whose window has ended: step.py's EndedWindow. */
@@ -485,82 +437,20 @@ ended_window_of(StepEntry *entry)
         return Py_NewRef(entry->ended);
     PyObject *closed = closed_step_of(entry), *window = list_of_ints(entry->window, WINDOW_SLOTS, WINDOW_SLOTS);
     PyObject *end = PyLong_FromLongLong(entry->window_end_ns), *ended = NULL;
-    if (closed != NULL && window != NULL && end != NULL) {
-        PyObject *fields[] = {closed, end, window, Py_None};
-        ended = PyObject_Vectorcall(ended_window_type, fields, COUNT(ENDED_WINDOW_FIELDS), NULL);
-    }
+    if (closed != NULL && window != NULL && end != NULL)
+        ended = ended_window_made(closed, end, window);
     Py_XDECREF(closed);
     Py_XDECREF(window);
     Py_XDECREF(end);
     return ended;
 }
 
-/* The StepRecord of a step queued as numbers: step.py's StepProbe.record_from, the same
- * arithmetic in the same order, without the objects in between. */
+/* The sender's thread: the steps ended since it last asked, in order, as EndedWindows (their
+ * StepRecords are made in one place, StepRecords.record_from), and how many a full ring dropped
+ * meanwhile. A step that cannot be made is dropped and counted. */
 static PyObject *
-step_record_of(ProbeState *self, StepEntry *entry, PyObject *record_type, double unix_at_zero_s)
+state_take_ended(ProbeState *self, PyObject *unused)
 {
-    const long long *sums = entry->sums, *window = entry->window;
-    long long gap_ns = entry->window_end_ns - entry->end_ns;
-    long long untraced_ns = entry->end_ns - entry->start_ns - sums[H2D] - sums[FORWARD] - sums[BACKWARD]
-        - sums[OPTIMIZER] - sums[INPUT_WAIT_NS];
-    if (untraced_ns < 0)
-        untraced_ns = 0;
-    long long gap_wait_ns = window[INPUT_WAIT_GAP_NS] < gap_ns ? window[INPUT_WAIT_GAP_NS] : gap_ns;
-    /* Planned work is not the step's (see record_from). */
-    long long planned_gap_ns = window[EVAL_NS] + window[CHECKPOINT_BETWEEN_NS];
-    if (planned_gap_ns > gap_ns - gap_wait_ns)
-        planned_gap_ns = gap_ns - gap_wait_ns;
-    long long planned_inside_ns = window[CHECKPOINT_NS] - window[CHECKPOINT_BETWEEN_NS];
-    if (planned_inside_ns > untraced_ns)
-        planned_inside_ns = untraced_ns;
-    enum { FIELDS = COUNT(STEP_RECORD_FIELDS) };
-    PyObject *fields[FIELDS] = {  /* in STEP_RECORD_FIELDS' order */
-        PyLong_FromLong(self->rank), PyLong_FromLongLong(entry->step),
-        PyFloat_FromDouble(unix_at_zero_s + (double)entry->start_ns / 1e9),  /* start_unix_s */
-        PyFloat_FromDouble((double)(entry->window_end_ns - entry->start_ns - planned_gap_ns - planned_inside_ns)
-                           / 1e6),  /* step_ms */
-        PyFloat_FromDouble((double)(sums[INPUT_WAIT_NS] + gap_wait_ns) / 1e6),  /* input_wait_ms */
-        PyFloat_FromDouble((double)(gap_ns - gap_wait_ns - planned_gap_ns) / 1e6),  /* outside_ms */
-        PyFloat_FromDouble((double)sums[H2D] / 1e6), PyFloat_FromDouble((double)sums[FORWARD] / 1e6),
-        PyFloat_FromDouble((double)sums[BACKWARD] / 1e6), PyFloat_FromDouble((double)sums[OPTIMIZER] / 1e6),
-        PyFloat_FromDouble((double)(untraced_ns - planned_inside_ns) / 1e6),  /* untraced_ms */
-        PyFloat_FromDouble((double)window[GC_NS] / 1e6), PyLong_FromLongLong(window[GC_COLLECTIONS]),
-        PyLong_FromLongLong(sums[FORWARD_CALLS]), PyLong_FromLongLong(sums[SAMPLES]),
-        Py_NewRef(Py_False), Py_NewRef(Py_None),  /* device_timed, gpu_idle_ms: on CUDA only */
-        Py_NewRef(Py_None), Py_NewRef(Py_None), Py_NewRef(Py_None),  /* device memory: on CUDA only */
-        entry->host_rss_bytes < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(entry->host_rss_bytes),
-        self->comm_timed ? PyFloat_FromDouble((double)sums[COMM_WAIT_NS] / 1e6) : Py_NewRef(Py_None),
-        PyFloat_FromDouble((double)window[GC_MAX_NS] / 1e6), PyLong_FromLongLong(window[GC_FULL]),
-        PyFloat_FromDouble((double)window[GC_GEN0_NS] / 1e6), PyFloat_FromDouble((double)window[GC_GEN1_NS] / 1e6),
-        PyFloat_FromDouble((double)window[GC_GEN2_NS] / 1e6),
-        PyLong_FromLongLong(sums[TOKENS]), Py_NewRef(entry->real_tokens ? entry->real_tokens : Py_None),
-        PyFloat_FromDouble((double)window[EVAL_NS] / 1e6), PyFloat_FromDouble((double)window[CHECKPOINT_NS] / 1e6),
-        Py_NewRef(Py_False),  /* instrumented: a deep-dive step takes Python's path */
-        PyFloat_FromDouble((double)window[COMPILE_NS] / 1e6),
-    };
-    PyObject *record = NULL;
-    int made = 1;
-    for (int i = 0; i < FIELDS; i++)
-        made &= fields[i] != NULL;
-    if (made)
-        record = PyObject_Vectorcall(record_type, fields, FIELDS, NULL);
-    for (int i = 0; i < FIELDS; i++)
-        Py_XDECREF(fields[i]);
-    return record;
-}
-
-/* The sender's thread: the steps ended since it last asked, in order, and how many a full ring
- * dropped meanwhile. A step queued as numbers comes as its StepRecord (record_type), one ended
- * in Python (or with device copies still to read) as its EndedWindow, for record_from. A step
- * that cannot be made is dropped and counted. */
-static PyObject *
-state_drain_steps(ProbeState *self, PyObject *args)
-{
-    PyObject *record_type;
-    double unix_at_zero_s;
-    if (!PyArg_ParseTuple(args, "Od", &record_type, &unix_at_zero_s))
-        return NULL;
     PyObject *steps = PyList_New(0);
     if (steps == NULL)
         return NULL;
@@ -569,8 +459,7 @@ state_drain_steps(ProbeState *self, PyObject *args)
          * collector's callbacks) while the training thread queues more, or moves the ring. */
         StepEntry entry = self->ring[self->ring_tail % self->ring_size];
         self->ring_tail++;
-        int as_record = entry.ended == NULL && entry.token_copies == NULL;
-        PyObject *step = as_record ? step_record_of(self, &entry, record_type, unix_at_zero_s) : ended_window_of(&entry);
+        PyObject *step = ended_window_of(&entry);
         if (step == NULL || PyList_Append(steps, step) < 0) {
             drop_bookkeeping_error();
             self->steps_dropped++;
@@ -666,7 +555,7 @@ state_enter(ProbeState *self, PyObject *unused)
         if (self->auto_steps) {  /* sent once this step proves to be one (see exit) */
             entry_clear(&self->unconfirmed_entry);
             self->unconfirmed_entry = *entry;
-            entry->real_tokens = entry->token_copies = NULL;  /* moved */
+            entry_forget(entry);  /* moved */
             self->has_unconfirmed = 1;
             Py_XSETREF(self->unconfirmed, Py_NewRef(Py_None));
         } else if (publish(self, entry) < 0) {
@@ -676,8 +565,7 @@ state_enter(ProbeState *self, PyObject *unused)
         PyObject *now_object = PyLong_FromLongLong(now);
         if (now_object == NULL)
             goto fail;
-        PyObject *fields[] = {self->closed, now_object, self->window ? self->window : Py_None, Py_None};
-        PyObject *ending = PyObject_Vectorcall(ended_window_type, fields, 4, NULL);
+        PyObject *ending = ended_window_made(self->closed, now_object, self->window ? self->window : Py_None);
         Py_DECREF(now_object);
         if (ending == NULL)
             goto fail;
@@ -750,10 +638,10 @@ state_exit(ProbeState *self, PyObject *const *args, Py_ssize_t nargs)
 static PyMethodDef state_methods[] = {
     {"__enter__", (PyCFunction)state_enter, METH_NOARGS, "Start a step (see step.py)."},
     {"__exit__", (PyCFunction)(void (*)(void))state_exit, METH_FASTCALL, "End a step (see step.py)."},
-    {"_drain_ring", (PyCFunction)state_drain_steps, METH_VARARGS,
-     "_drain_ring(StepRecord, unix at perf zero s): ([steps ended since the last call], dropped)."},
+    {"take_ended", (PyCFunction)state_take_ended, METH_NOARGS,
+     "take_ended(): ([EndedWindows of the steps ended since the last call], dropped)."},
     {"publish_ended", (PyCFunction)state_publish_ended, METH_O,
-     "Queue an EndedWindow made in Python among the steps drain_steps returns."},
+     "Queue an EndedWindow made in Python among the steps take_ended returns."},
     {NULL},
 };
 
@@ -1576,15 +1464,15 @@ names_of(const char *const *names, Py_ssize_t count)
     return tuple;
 }
 
-/* What this build was made from: the step's and window's slots, and the fields it makes
- * ClosedStep, EndedWindow and StepRecord with, by position. */
+/* What this build was made from: the step's and window's slots, the fields it makes ClosedStep
+ * and EndedWindow with, by position, and ProbeState's fields (layout.py's, all five). */
 static PyObject *
 layout_of(void)
 {
     return Py_BuildValue("(NNNNN)", names_of(STEP_SLOT_NAMES, STEP_SLOTS), names_of(WINDOW_SLOT_NAMES, WINDOW_SLOTS),
-                         names_of(CLOSED_STEP_FIELDS, COUNT(CLOSED_STEP_FIELDS)),
-                         names_of(ENDED_WINDOW_FIELDS, COUNT(ENDED_WINDOW_FIELDS)),
-                         names_of(STEP_RECORD_FIELDS, COUNT(STEP_RECORD_FIELDS)));
+                         names_of(CLOSED_STEP_FIELDS, CLOSED_STEP_FIELD_COUNT),
+                         names_of(ENDED_WINDOW_FIELDS, ENDED_WINDOW_FIELD_COUNT),
+                         names_of(STATE_FIELD_NAMES, sizeof(STATE_FIELD_NAMES) / sizeof(STATE_FIELD_NAMES[0])));
 }
 
 PyMODINIT_FUNC

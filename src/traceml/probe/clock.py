@@ -86,7 +86,7 @@ class DeviceTimeline:
     # -- background thread ----------------------------------------------------------------
     def resolve_ready(self, record_from: Callable[[Any], StepRecord]) -> List[StepRecord]:
         """Turn every leading pending step whose events have all completed into a record:
-        record_from makes its host side (PendingDeviceStep.host; the sender passes the probe's)."""
+        record_from makes its host side (PendingDeviceStep.host; the sender passes its StepRecords')."""
         done: List[StepRecord] = []
         while self._pending:
             step = self._pending[0]

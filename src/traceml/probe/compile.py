@@ -15,7 +15,7 @@ import time
 from types import ModuleType
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from traceml.probe.step import COMPILE_NS
+from traceml.probe.step_state import COMPILE_NS
 from traceml.records import CompileRecord
 
 METRICS_WAIT_S = 2.0  # how long a compilation waits for torch's metrics before it goes without

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any, List, Literal, Optional, Protocol, Tuple,
 from traceml.probe import step
 from traceml.probe.patches import Patches
 from traceml.probe.patches.first_call import FirstModelCall, owner_of, trainable
-from traceml.probe.step import StepProbe, _now_ns, rank_env
+from traceml.probe.step_state import _now_ns
+from traceml.probe.step import StepProbe
 from traceml.probe.syncs import HostSyncSampler
-from traceml.rendezvous import ENV_AUTO_CAPTURE, ENV_DEEP, ENV_DEEP_EVERY, ENV_TOKEN
+from traceml.rendezvous import rank_env, ENV_AUTO_CAPTURE, ENV_DEEP, ENV_DEEP_EVERY, ENV_TOKEN
 from traceml.records import STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, CodeSample, RankHello
 
 if TYPE_CHECKING:

@@ -19,13 +19,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, TypeVar
 
 from traceml import rendezvous
 from traceml.probe.code_sites import CodeSampler
 from traceml.probe.ledger import LedgerWatch
 from traceml.probe.loaders import LoaderWatch
 from traceml.probe.pulse import PulsedProbe, PulseWatch
+from traceml.probe.step_records import QueuedSteps, StepRecords
 from traceml.records import RankEnd, RankHello, StepRecord
 from traceml.wire import HEADER_BYTES, Record, decode_payload, encode_frame
 
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from traceml.probe.clock import DeviceTimeline
     from traceml.probe.compile import CompileWatch
     from traceml.probe.memory import HostRss
-    from traceml.probe.step import EndedWindow
     from traceml.probe.thread_cpu import ThreadCpu
 
 log = logging.getLogger("traceml")
@@ -59,20 +59,10 @@ HEARTBEAT_S = 20.0  # an empty frame when nothing else went out: the collector d
 QUIET_CONNECT_S = 15.0  # other ranks may start before rank 0's collector: no warning before this
 
 
-class StepFeed(PulsedProbe, Protocol):
-    """What the sender takes from the probe that feeds it (a probe.step.StepProbe), on its thread,
-    and what its pulse watch reads of it (probe/pulse.PulsedProbe)."""
-
-    rank: int
-
-    def drain_steps(self) -> Tuple[List[StepRecord], int]:
-        """The steps ended since the last call, as StepRecords, in order; and how many were dropped."""
-
-    def record_from(self, ending: EndedWindow) -> StepRecord:
-        """The StepRecord of a step the DeviceTimeline held until its events were done."""
-
-    def span_record(self, ended: tuple) -> Record:
-        """The SpanRecord of a user span's (name, total), handed over by push_span."""
+class StepFeed(QueuedSteps, PulsedProbe, Protocol):
+    """What the sender reads of the probe that feeds it (a probe.step.StepProbe), on its thread:
+    the steps it queued (made into records by a StepRecords) and how many have ended; and what
+    its pulse watch reads of it (probe/pulse.PulsedProbe)."""
 
 
 T = TypeVar("T")
@@ -146,6 +136,7 @@ class Sender:
         self._thread = threading.Thread(target=self._run, name="traceml-sender", daemon=True)
         # Last: the probe reads the sender as it is made (its ledger, its buffer).
         self.feed: Optional[StepFeed] = feed_of(self) if feed_of is not None else None
+        self.steps = StepRecords(self.feed) if self.feed is not None else None  # the feed's records
         # Where the training thread is while no step ends; None once its frames cannot be read.
         self.pulses: Optional[PulseWatch] = None
         # Where the training thread's time outside the timed phases goes, once it is large.
@@ -334,10 +325,10 @@ class Sender:
 
     def _take_ended_steps(self) -> None:
         """The probe's steps ended since the last call, as StepRecords, into the buffer."""
-        if self.feed is None:
+        if self.steps is None:
             return
         with self._taking_steps:
-            ended, dropped = self.feed.drain_steps()
+            ended, dropped = self.steps.drain_steps()
             self._stamp_thread_cpu(ended)
             self._note_steps(ended)
             room = max(0, self.capacity - len(self._buffer))
@@ -368,9 +359,9 @@ class Sender:
     def _take_ended_spans(self) -> None:
         """The spans handed over since the last call, as SpanRecords, into the buffer."""
         spans, buffer = self._spans, self._buffer
-        if self.feed is None:  # spans come from the probe: none without one
+        if self.steps is None:  # spans come from the probe: none without one
             return
-        span_record = self.feed.span_record
+        span_record = self.steps.span_record
         while spans:  # one at a time: the training thread may append meanwhile
             ended = spans.popleft()
             if len(buffer) >= self.capacity:  # a full buffer drops, as push does
@@ -387,9 +378,9 @@ class Sender:
         if self.compile_watch is not None and self.compile_watch.ended:
             for record in self.compile_watch.records(final=self._stop.is_set()):
                 self.push(record)
-        if self.timeline is None or self.feed is None:
+        if self.timeline is None or self.steps is None:
             return
-        resolved = self.timeline.resolve_ready(self.feed.record_from)
+        resolved = self.timeline.resolve_ready(self.steps.record_from)
         self._stamp_thread_cpu(resolved)
         self._note_steps(resolved)
         for record in resolved:

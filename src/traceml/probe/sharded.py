@@ -35,7 +35,8 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, List, Optional, Set
 
 from traceml.probe.ledger import tensor_storage
-from traceml.probe.step import BACKWARD, FORWARD, NO_PHASE, OPTIMIZER, StepProbe, _now_ns
+from traceml.probe.step_state import BACKWARD, FORWARD, NO_PHASE, OPTIMIZER, _now_ns
+from traceml.probe.step import StepProbe
 
 if TYPE_CHECKING:
     from types import ModuleType

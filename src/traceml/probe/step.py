@@ -12,189 +12,29 @@ The process's one probe is made, hooked in and taken out by process.py.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import math
-import os
-import sys
 import threading
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
-import msgspec
-
-from traceml.probe import layout
 from traceml.probe.ledger import FIRST_READING_STEPS
+from traceml.probe.oom import is_out_of_memory, oom_record
+from traceml.probe.step_state import (
+    BACKWARD, CHECKPOINT_BETWEEN_NS, CHECKPOINT_NS, COMM_WAIT_NS, EVAL_NS, FAILED_PHASE, FORWARD,
+    FORWARD_COMM_WAIT_NS, GC_COLLECTIONS, GC_FULL, GC_GEN0_NS, GC_MAX_NS, GC_NS, INPUT_WAIT_GAP_NS, NO_PHASE,
+    OPTIMIZER, OPTIMIZER_COMM_WAIT_NS, STEP_ZEROS, WINDOW_ZEROS, ClosedStep, EndedWindow, PythonProbeState,
+    SpanTotal, fast_path)
 from traceml.probe.turns import OptimizerTurn
-from traceml.records import STEPS_FROM_TRACE_STEP, TIMED_PHASES, Phase, SpanRecord, StepRecord
+from traceml.records import STEPS_FROM_TRACE_STEP, TIMED_PHASES
+from traceml.rendezvous import rank_env
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
-
-# The lists a step's patches add to, laid out in layout.py (see there for each slot): the
-# window's (a new list for each window: the old one goes out with the step) and the step's.
-_WINDOW_ZEROS = (0,) * len(layout.WINDOW_SLOTS)
-_window_slot = {name: index for index, name in enumerate(layout.WINDOW_SLOTS)}.__getitem__
-EVAL_NS, CHECKPOINT_NS, COMPILE_NS, CHECKPOINT_BETWEEN_NS, INPUT_WAIT_GAP_NS = map(_window_slot, (
-    "eval_ns", "checkpoint_ns", "compile_ns", "checkpoint_between_ns", "input_wait_gap_ns"))
-GC_NS, GC_COLLECTIONS, GC_MAX_NS, GC_FULL, GC_GEN0_NS = map(_window_slot, (
-    "gc_ns", "gc_collections", "gc_max_ns", "gc_full", "gc_gen0_ns"))
 _NOT_A_STEP = RuntimeError("not a step")  # ends an inferred step without a record
-_STEP_ZEROS = tuple(zero for _, zero in layout.STEP_SLOTS)
-_step_slot = {name: index for index, (name, _) in enumerate(layout.STEP_SLOTS)}.__getitem__
-(H2D, FORWARD, BACKWARD, OPTIMIZER, INPUT_WAIT_NS, FORWARD_CALLS, SAMPLES, TOKENS, COMM_WAIT_NS,
- FORWARD_COMM_WAIT_NS, OPTIMIZER_COMM_WAIT_NS, REAL_TOKENS, TOKEN_COPIES, FAILED_PHASE) = map(_step_slot, (
-    "h2d", "forward", "backward", "optimizer", "input_wait_ns", "forward_calls", "samples", "tokens",
-    "comm_wait_ns", "forward_comm_wait_ns", "optimizer_comm_wait_ns", "real_tokens", "token_copies",
-    "failed_phase"))
-NO_PHASE = layout.NO_PHASE
-assert [_step_slot(name) for name in TIMED_PHASES] == [H2D, FORWARD, BACKWARD, OPTIMIZER]  # indexes them
 
 
-class SpanTotal:
-    """A user span's calls in one step, summed where they end (StepProbe.span_done)."""
-
-    __slots__ = ("step", "start_ns", "total_ns", "calls")
-
-    def __init__(self, step: int, start_ns: int, total_ns: int):
-        self.step, self.start_ns, self.total_ns, self.calls = step, start_ns, total_ns, 1
-
-
-class ClosedStep(msgspec.Struct, gc=False):
-    """A step as it ended on the training thread: clock readings and the list its phases were
-    summed in. Not a StepRecord yet: that arithmetic happens on the sender's thread once the
-    step's window has ended (StepProbe.record_from). gc=False: it holds no cycle."""
-
-    step: int
-    start_ns: int
-    end_ns: int
-    sums: list  # see _STEP_ZEROS
-    device_allocated_bytes: Optional[int]
-    device_peak_bytes: Optional[int]
-    device_reserved_bytes: Optional[int]
-    start_event: Any  # on CUDA the step's events (else None), resolved by the DeviceTimeline
-    end_event: Any
-    phase_events: Any  # on CUDA [(phase, begin event, end event)]
-    host_rss_bytes: Optional[int]
-    instrumented: bool  # a deep-dive sample ran: not the user's speed
-
-
-class EndedWindow(msgspec.Struct, gc=False):
-    """A closed step whose window has ended at the next step's start (or at its own end, the
-    last): what the sender turns into the step's StepRecord."""
-
-    closed: ClosedStep
-    window_end_ns: int
-    window: Any  # see _WINDOW_ZEROS
-    next_start_event: Any  # on CUDA the next step's start event, the window's end (else None)
-
-
-def _free_threaded() -> bool:
-    """A free-threaded Python (3.13t and later): its build says so, or the GIL is off now."""
-    gil_enabled = getattr(sys, "_is_gil_enabled", None)
-    if gil_enabled is None:  # before 3.13: no free-threaded build exists
-        return False
-    import sysconfig
-
-    return not gil_enabled() or bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
-
-
-ENV_NO_FASTPATH = "TRACEML_NO_FASTPATH"  # set to anything but "" or "0": the Python timers only
-
-
-def python_timers_asked(environ: Any = os.environ) -> bool:
-    """Whether the environment turns the compiled timers off (TRACEML_NO_FASTPATH=1; =0 does not)."""
-    return environ.get(ENV_NO_FASTPATH, "") not in ("", "0")
-
-
-def _load_fast_path() -> Any:
-    """The compiled timers (probe/_fastpath.c) when they are built, their clock is this module's
-    and TRACEML_NO_FASTPATH does not turn them off (python_timers_asked); else None, and the
-    Python patches time every call.
-
-    Not on a free-threaded Python: the compiled state relies on the GIL between the training
-    thread and the sender's, and importing it there would turn the GIL back on for the user's
-    whole program (with a warning), so it is not imported at all."""
-    if python_timers_asked():
-        return None
-    if _free_threaded():
-        log.debug("traceml: a free-threaded Python; using the Python timers")
-        return None
-    try:
-        from traceml.probe import _fastpath
-    except ImportError:
-        return None
-    built_from = (tuple(name for name, _ in layout.STEP_SLOTS), layout.WINDOW_SLOTS, ClosedStep.__struct_fields__,
-                  EndedWindow.__struct_fields__)
-    made = getattr(_fastpath, "LAYOUT", ())
-    if (getattr(_fastpath, "VERSION", None) != layout.VERSION or made[:4] != built_from
-            or StepRecord.__struct_fields__[:len(made[4])] != made[4]):
-        log.debug("traceml: the compiled timers were built from another layout; using Python's")
-        return None
-    before_ns, fast_ns, after_ns = _now_ns(), _fastpath.now_ns(), _now_ns()
-    if not before_ns <= fast_ns <= after_ns:  # another clock than perf_counter_ns: not comparable
-        log.debug("traceml: the compiled timers' clock is not perf_counter_ns; using Python's")
-        return None
-    _fastpath.configure(ClosedStep, EndedWindow, _STEP_ZEROS, _WINDOW_ZEROS)
-    return _fastpath
-
-
-fast_path = _load_fast_path()
-
-
-class _PythonProbeState:
-    """The fields a step's patches read and write on every call, where the compiled timers are
-    not built; else _fastpath.ProbeState, the same fields in a C struct its timers read
-    directly, whose __enter__ and __exit__ do the common step's start and end in C and hand
-    every other to enter and exit."""
-
-    __slots__ = ("plain", "in_step", "open_phase", "sums", "window", "auto_steps", "in_evaluation", "layers_active",
-                 "comm_timed", "step_index", "_step_start_ns", "setup_started_ns", "due_step", "_closed",
-                 "_optimizer_timed", "_optimizer_start_ns", "_ended_steps", "_steps_dropped",
-                 "_unconfirmed", "timeline", "sender", "host_rss", "rank", "span_totals", "training_thread", "fetching",
-                 # inferred steps: what optimizer_stepped and backward_returned read on every call
-                 # (see reset_inferred_steps)
-                 "_settled_optimizer", "_optimizer_ends_steps")
-
-    # -- step boundaries: `with trace_step(model):` enters and exits the probe itself ---------
-    def __enter__(self) -> "StepProbe":
-        return self.enter()  # type: ignore[attr-defined]
-
-    def __exit__(self, exc_type: Any, failed: Optional[BaseException], tb: Any) -> None:
-        self.exit(failed=failed)  # type: ignore[attr-defined]
-
-    def __init__(self) -> None:
-        # The steps whose window has ended, as EndedWindows, until the sender's thread takes
-        # them (drain_steps), and how many were dropped meanwhile: the compiled state's ring.
-        self._ended_steps: Any = collections.deque()
-        self._steps_dropped = 0
-
-    # -- ended steps: the compiled state queues them in a ring of numbers, here in a deque of
-    # EndedWindows; either way the sender's thread takes them (drain_steps) and makes their
-    # StepRecords, so that the training thread does none of that arithmetic.
-    def publish_ended(self, ending: "EndedWindow") -> None:
-        sender = self.sender
-        try:
-            held = len(self._ended_steps) + len(sender._buffer)
-        except AttributeError:  # a sender without a buffer of its own: its push decides, as in C
-            sender.push(ending)
-            return
-        # The steps waiting and the sender's buffer together hold its capacity, as in C.
-        if held >= sender.capacity:
-            self._steps_dropped += 1
-        else:
-            self._ended_steps.append(ending)
-
-    def _drain_ring(self, record_type: Any, unix_at_zero_s: float) -> Tuple[list, int]:
-        ended, steps = self._ended_steps, []
-        while ended:  # one at a time: the training thread may append meanwhile
-            steps.append(ended.popleft())
-        dropped = self._steps_dropped
-        self._steps_dropped -= dropped  # not = 0: a drop counted meanwhile stays for next time
-        return steps, dropped
-
-
-class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeState):  # type: ignore[misc]
+class StepProbe(fast_path.ProbeState if fast_path is not None else PythonProbeState):  # type: ignore[misc]
     """Per-process probe state: the step in flight, the one before it, and their clocks."""
 
     # Slots, not a __dict__. What a step touches on every call is the base class's (above);
@@ -277,11 +117,11 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         self._unix_at_zero_s = time.time() - _now_ns() / 1e9
         self._start_event: Any = None
         self.open_phase, self._open_event = NO_PHASE, None  # only a phase's outermost call is timed
-        self.sums = [*_STEP_ZEROS]  # the step in flight (see _STEP_ZEROS)
+        self.sums = [*STEP_ZEROS]  # the step in flight (see STEP_ZEROS)
         self._phase_events: List[Tuple[str, Any, Any]] = []
-        # The window's GC pauses, evaluation and checkpoint saves (see _WINDOW_ZEROS), added to
+        # The window's GC pauses, evaluation and checkpoint saves (see WINDOW_ZEROS), added to
         # in place by gc_callback, the model's calls outside steps and torch.save.
-        self.window = [*_WINDOW_ZEROS]
+        self.window = [*WINDOW_ZEROS]
         self._gc_start_ns = 0
 
     def reset_inferred_steps(self) -> None:
@@ -320,15 +160,15 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
             closed = self._closed
             if closed is not None:
                 # The step before ends its window now. The arithmetic happens on the sender's
-                # thread (record_from).
+                # thread (step_records.py).
                 self._closed = None
                 ending = EndedWindow(closed, now, self.window, self._start_event)
                 if self.auto_steps:
                     self._unconfirmed = ending  # sent once this step proves to be one (see exit)
                 else:
                     self._end_window(ending)
-            self.window = [*_WINDOW_ZEROS]
-            self.sums = [*_STEP_ZEROS]
+            self.window = [*WINDOW_ZEROS]
+            self.sums = [*STEP_ZEROS]
             if self.step_index >= self.due_step:
                 self._begin_due_work()
             self._step_start_ns = now
@@ -350,8 +190,8 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         try:
             self.in_step = 0
             self.plain = False
-            if failed is not None and _is_out_of_memory(failed):
-                self._report_oom(failed)
+            if failed is not None and is_out_of_memory(failed):
+                self.sender.push(oom_record(self, failed))
             self.open_phase = NO_PHASE
             instrumented = self.layers_active  # a deep-dive sample: not the user's speed
             if instrumented:
@@ -463,60 +303,6 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         closed = ending.closed
         self.timeline.submit(PendingDeviceStep(ending, closed.start_event, closed.end_event,
                                                ending.next_start_event, closed.phase_events))
-
-    def drain_steps(self) -> Tuple[List[StepRecord], int]:
-        """The sender's thread: the StepRecords of the steps ended since its last round, in
-        order, and how many a full ring dropped. The compiled path queues a step as numbers and
-        its StepRecord is made in C, by record_from's arithmetic (the capture rules see it as
-        record_from's own); a step ended in Python comes as its EndedWindow, made into its
-        StepRecord here by record_from."""
-        steps, dropped = self._drain_ring(StepRecord, self._unix_at_zero_s)
-        layers = self.layers
-        watch = layers.watch if layers is not None else None
-        for index, step in enumerate(steps):
-            if type(step) is not StepRecord:
-                steps[index] = self.record_from(step)  # which the watch observes itself
-            elif watch is not None:
-                watch.observe(step)
-        return steps, dropped
-
-    def record_from(self, ending: EndedWindow) -> StepRecord:
-        """The StepRecord of a closed step whose window has ended (sender's thread)."""
-        closed, window_end_ns = ending.closed, ending.window_end_ns
-        window = ending.window
-        step, start_ns, end_ns, sums = closed.step, closed.start_ns, closed.end_ns, closed.sums
-        h2d_ns, forward_ns, backward_ns, optimizer_ns = sums[H2D], sums[FORWARD], sums[BACKWARD], sums[OPTIMIZER]
-        input_wait_inside_ns = sums[INPUT_WAIT_NS]
-        gap_ns = window_end_ns - end_ns
-        untraced_ns = max(0, end_ns - start_ns - h2d_ns - forward_ns - backward_ns - optimizer_ns
-                          - input_wait_inside_ns)
-        input_wait_gap_ns = min(window[INPUT_WAIT_GAP_NS], gap_ns)
-        # Planned work is beside the step: between steps off outside, saves inside off untraced.
-        planned_gap_ns = min(window[EVAL_NS] + window[CHECKPOINT_BETWEEN_NS], gap_ns - input_wait_gap_ns)
-        planned_inside_ns = min(window[CHECKPOINT_NS] - window[CHECKPOINT_BETWEEN_NS], untraced_ns)
-        # Positional, in StepRecord's field order: the sender makes one a step, and keywords
-        # would cost it a 31-entry dict each time (about a third of its work per step).
-        record = StepRecord(
-            self.rank, step, self.unix_s(start_ns),  # rank, step, start_unix_s
-            (window_end_ns - start_ns - planned_gap_ns - planned_inside_ns) / 1e6,  # step_ms
-            (input_wait_inside_ns + input_wait_gap_ns) / 1e6,  # input_wait_ms
-            (gap_ns - input_wait_gap_ns - planned_gap_ns) / 1e6,  # outside_ms
-            h2d_ns / 1e6, forward_ns / 1e6, backward_ns / 1e6, optimizer_ns / 1e6,  # h2d .. optimizer_ms
-            (untraced_ns - planned_inside_ns) / 1e6,  # untraced_ms
-            window[GC_NS] / 1e6, window[GC_COLLECTIONS], sums[FORWARD_CALLS], sums[SAMPLES],  # gc_ms .. samples
-            False, None,  # device_timed, gpu_idle_ms: the DeviceTimeline's, on CUDA
-            closed.device_allocated_bytes, closed.device_peak_bytes, closed.device_reserved_bytes,
-            closed.host_rss_bytes,
-            sums[COMM_WAIT_NS] / 1e6 if self.comm_timed else None,  # comm_wait_ms
-            window[GC_MAX_NS] / 1e6, window[GC_FULL],  # gc_max_pause_ms, gc_full_collections
-            window[GC_GEN0_NS] / 1e6, window[GC_GEN0_NS + 1] / 1e6, window[GC_GEN0_NS + 2] / 1e6,  # by generation
-            sums[TOKENS], _real_tokens(sums[REAL_TOKENS], sums[TOKEN_COPIES]),
-            window[EVAL_NS] / 1e6, window[CHECKPOINT_NS] / 1e6, closed.instrumented, window[COMPILE_NS] / 1e6,
-            sums[FORWARD_COMM_WAIT_NS] / 1e6, sums[OPTIMIZER_COMM_WAIT_NS] / 1e6)
-        layers = self.layers
-        if layers is not None and layers.watch is not None:
-            layers.watch.observe(record)
-        return record
 
     def unix_s(self, perf_ns: int) -> float:
         """A perf_counter_ns reading as wall-clock seconds since the epoch."""
@@ -712,38 +498,10 @@ class StepProbe(fast_path.ProbeState if fast_path is not None else _PythonProbeS
         for name, total in totals.items():
             self.sender.push_span((name, total))
 
-    def span_record(self, ended: tuple) -> SpanRecord:
-        """The sender's thread: the SpanRecord of a (name, total) that span_done handed over."""
-        name, total = ended
-        return SpanRecord(self.rank, total.step, name, self.unix_s(total.start_ns), total.total_ns / 1e6,
-                          total.calls)
-
     def note_failure(self, phase: int) -> None:
         """An exception is leaving this phase: remember where, in case it ends the step."""
         if self.sums[FAILED_PHASE] == NO_PHASE:
             self.sums[FAILED_PHASE] = phase
-
-    def _report_oom(self, error: BaseException) -> None:
-        """Out of memory: where the step was, how full memory was, then let the error go on."""
-        from traceml.records import OomRecord
-
-        phase = self.sums[FAILED_PHASE] if self.sums[FAILED_PHASE] != NO_PHASE else self.open_phase
-        layer = _layer_in_flight(error, self.layers)
-        largest: List[Tuple[str, int]] = []
-        if self.layers is not None:
-            sizes = [(name, int(stats[3])) for name, stats in self.layers.stats.items()
-                     if name in self.layers.leaves and stats[3]]
-            largest = sorted(sizes, key=lambda item: -item[1])[:5]
-        allocated = peak = reserved = None
-        if self.device_memory is not None:
-            allocated, peak, reserved = self.device_memory.read()
-        self.sender.push(OomRecord(
-            rank=self.rank, step=self.step_index,
-            phase=TIMED_PHASES[phase] if phase != NO_PHASE else Phase.UNTRACED, layer=layer,
-            message=str(error).strip().splitlines()[0][:500] if str(error).strip() else type(error).__name__,
-            allocated_bytes=allocated, reserved_bytes=reserved, peak_bytes=peak,
-            host_rss_bytes=self.host_rss.latest_bytes if self.host_rss is not None else None,
-            largest_layers=largest))
 
     def note_gradients_done(self) -> None:
         """DDP: backward has computed this rank's gradients (patches/collectives.py); from
@@ -814,59 +572,6 @@ def _awaits_no_model() -> None:
 def _grad_always_enabled() -> bool:
     """A probe made on its own, before torch is here: every forward may start a step."""
     return True
-
-
-def _real_tokens(counted: Optional[int], copies: Optional[List[Any]]) -> Optional[int]:
-    """Real tokens of a step: counted on the host, plus device masks' sums copied to the host.
-    Read once the step is resolved: on CUDA its end event is done, so the copies made before
-    it are too, and reading them waits for nothing."""
-    if not copies:
-        return counted
-    return (counted or 0) + sum(int(copy) for copy in copies)
-
-
-def _is_out_of_memory(error: BaseException) -> bool:
-    if isinstance(error, MemoryError):
-        return True
-    name = type(error).__name__
-    return name == "OutOfMemoryError" or (isinstance(error, RuntimeError)
-                                         and "out of memory" in str(error).lower())
-
-
-def _layer_in_flight(error: BaseException, layers: Any) -> Optional[str]:
-    """The innermost traced module whose forward the error passed through, from its traceback
-    (free: no hook is needed on the steps that are not sampled)."""
-    if layers is None:
-        return None
-    found = layers.current_layer()
-    tb = error.__traceback__
-    while tb is not None:
-        module = tb.tb_frame.f_locals.get("self")
-        name = layers.names.get(id(module)) if module is not None else None
-        if name is not None:
-            found = name
-        tb = tb.tb_next
-    return found
-
-
-def rank_env() -> Tuple[int, int, int, int]:
-    """(rank, local rank, world size, node rank) as torchrun or SLURM's srun set them."""
-    env = os.environ
-
-    def first(*names: str, default: int) -> int:
-        for name in names:
-            value = env.get(name)
-            if value not in (None, ""):
-                try:
-                    return int(value)
-                except ValueError:
-                    continue
-        return default
-
-    return (first("RANK", "SLURM_PROCID", default=0),
-            first("LOCAL_RANK", "SLURM_LOCALID", default=0),
-            first("WORLD_SIZE", "SLURM_NTASKS", default=1),
-            first("GROUP_RANK", "NODE_RANK", "SLURM_NODEID", default=0))
 
 
 def _any_optimizer_made() -> bool:

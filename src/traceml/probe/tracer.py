@@ -18,11 +18,13 @@ import time
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from traceml import rendezvous
-from traceml.probe.step import StepProbe, fast_path
+from traceml.probe.step_state import fast_path
 from traceml.records import ScalarRecord
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+    from traceml.probe.step import StepProbe
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns

@@ -2,7 +2,8 @@
 from typing import Any, Protocol
 
 from traceml.probe.patches.patch import Patch
-from traceml.probe.step import BACKWARD, StepProbe, fast_path
+from traceml.probe.step_state import BACKWARD, fast_path
+from traceml.probe.step import StepProbe
 
 
 class GradientsDone(Protocol):

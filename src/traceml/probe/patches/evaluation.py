@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 from traceml.probe.patches.dynamo import compiling
 from traceml.probe.patches.imports import WhenImported
 from traceml.probe.patches.patch import Patch
-from traceml.probe.step import CHECKPOINT_BETWEEN_NS, EVAL_NS, INPUT_WAIT_GAP_NS, StepProbe, _now_ns
+from traceml.probe.step_state import CHECKPOINT_BETWEEN_NS, EVAL_NS, INPUT_WAIT_GAP_NS, _now_ns
+from traceml.probe.step import StepProbe
 
 if TYPE_CHECKING:
     from types import ModuleType, TracebackType

@@ -3,7 +3,7 @@ h2d phase; with steps inferred, the batch's copy starts the step."""
 from typing import Any
 
 from traceml.probe.patches.patch import Patch
-from traceml.probe.step import H2D, _now_ns, fast_path
+from traceml.probe.step_state import H2D, _now_ns, fast_path
 
 
 class HostToDevice(Patch):

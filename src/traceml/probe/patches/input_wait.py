@@ -9,7 +9,8 @@ from threading import get_ident
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from traceml.probe.patches.patch import Patch
-from traceml.probe.step import EVAL_NS, INPUT_WAIT_GAP_NS, INPUT_WAIT_NS, StepProbe, _now_ns, fast_path
+from traceml.probe.step_state import EVAL_NS, INPUT_WAIT_GAP_NS, INPUT_WAIT_NS, _now_ns, fast_path
+from traceml.probe.step import StepProbe
 
 if TYPE_CHECKING:
     from torch.utils.data.dataloader import _BaseDataLoaderIter as LoaderIterator

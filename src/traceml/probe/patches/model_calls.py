@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol, Tuple
 from traceml.probe.patches import tokens
 from traceml.probe.patches.dynamo import call_attribute, compiling, run_eagerly_under_dynamo
 from traceml.probe.patches.patch import ABSENT
-from traceml.probe.step import FORWARD, FORWARD_CALLS, SAMPLES, StepProbe, fast_path
+from traceml.probe.step_state import FORWARD, FORWARD_CALLS, SAMPLES, fast_path
+from traceml.probe.step import StepProbe
 
 if TYPE_CHECKING:
     from torch.nn import Module

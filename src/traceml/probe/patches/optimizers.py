@@ -3,7 +3,7 @@ with steps inferred, the step's end."""
 from typing import Any
 
 from traceml.probe.patches.patch import Patch
-from traceml.probe.step import OPTIMIZER, fast_path
+from traceml.probe.step_state import OPTIMIZER, fast_path
 
 
 class OptimizerSteps(Patch):

@@ -5,7 +5,8 @@ from typing import Callable, ParamSpec, Tuple, TypeVar
 
 from traceml.probe.patches.imports import WhenImported
 from traceml.probe.patches.patch import Patch
-from traceml.probe.step import CHECKPOINT_BETWEEN_NS, CHECKPOINT_NS, StepProbe, _now_ns
+from traceml.probe.step_state import CHECKPOINT_BETWEEN_NS, CHECKPOINT_NS, _now_ns
+from traceml.probe.step import StepProbe
 
 P = ParamSpec("P")  # a save function's parameters ...
 R = TypeVar("R")  # ... and what it returns, passed through

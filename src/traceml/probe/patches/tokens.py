@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Type
 
-from traceml.probe.step import REAL_TOKENS, TOKEN_COPIES, TOKENS, StepProbe
+from traceml.probe.step_state import REAL_TOKENS, TOKENS, TOKEN_COPIES
+from traceml.probe.step import StepProbe
 
 if TYPE_CHECKING:
     from torch import Tensor
