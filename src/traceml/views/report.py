@@ -188,11 +188,11 @@ def _rank_chart(summary: FinalSummary, width: int = 900, row: int = 18) -> str:
         y = index * (2 * row + 6)
         label = PHASE_LABELS[name]
         for offset, (kind, colour) in enumerate((("median", "#4c78a8"), ("worst", "#e45756"))):
-            length = value[kind] / top * (width - 260)  # type: ignore[literal-required]
+            length = value[kind] / top * (width - 260)  # type: ignore[literal-required]  # "median" or "worst"
             bars.append(f"<rect x='200' y='{y + offset * row}' width='{length:.1f}' height='{row - 3}' "
-                        f"fill='{colour}'><title>{_e(label)} {kind}: {value[kind]:.2f} ms</title></rect>"  # type: ignore[literal-required]
+                        f"fill='{colour}'><title>{_e(label)} {kind}: {value[kind]:.2f} ms</title></rect>"  # type: ignore[literal-required]  # "median" or "worst"
                         f"<text x='{205 + length:.1f}' y='{y + offset * row + 12}' font-size='11'>"
-                        f"{value[kind]:.2f} ms{' (rank ' + str(value['worst_rank']) + ')' if kind == 'worst' else ''}</text>")  # type: ignore[literal-required]
+                        f"{value[kind]:.2f} ms{' (rank ' + str(value['worst_rank']) + ')' if kind == 'worst' else ''}</text>")  # type: ignore[literal-required]  # "median" or "worst"
         bars.append(f"<text x='0' y='{y + row + 4}' font-size='12'>{_e(label)}</text>")
     height = len(spread) * (2 * row + 6)
     return (f"<svg id='rank-chart' width='{width}' height='{height}' role='img'>{''.join(bars)}</svg>"
