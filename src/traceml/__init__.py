@@ -5,14 +5,20 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, TypeVar, Union
 
 from traceml import probe as _probe_package
+
+if TYPE_CHECKING:
+    from torch.nn import Module
+
+    from traceml.records import StepRecord
 
 __version__ = "0.1.0"
 __all__ = ["trace_step", "trace_model_instance", "Trace", "summary", "__version__"]
 
 _trace_step: Optional[Callable[[Any], Any]] = None
+M = TypeVar("M", bound="Module")  # a model handed in, and handed back
 
 
 def trace_step(model: Any = None) -> Any:
@@ -34,7 +40,7 @@ def trace_step(model: Any = None) -> Any:
     return _trace_step(model)
 
 
-def trace_model_instance(model: Any, every_n_steps: Optional[int] = None) -> Any:
+def trace_model_instance(model: M, every_n_steps: Optional[int] = None) -> M:
     """Deep-dive on `model`: per-module forward and backward time, saved-activation and output
     memory, measured on every Nth step that trace_step traces (default 10). Returns the model."""
     from traceml.probe.process import trace_model_instance as _trace_model_instance
@@ -57,7 +63,7 @@ def summary() -> dict:
     return _summarize_steps(probe.sender.local_steps())
 
 
-def _summarize_steps(steps: List[Any]) -> Dict[str, Any]:
+def _summarize_steps(steps: List[StepRecord]) -> Dict[str, Union[int, float, str, None]]:
     from traceml.report.summary import flat_summary
 
     return flat_summary(steps)

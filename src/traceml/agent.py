@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Dict, List
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 ENV_EXITS_FILE = "TRACEML_RANK_EXITS_FILE"
 
@@ -30,7 +33,7 @@ def main(argv: List[str]) -> None:
         raise
 
 
-def write_exits(path: str, failures: Dict[int, Any]) -> None:
+def write_exits(path: str, failures: Dict[int, ProcessFailure]) -> None:
     """Each failed rank's exit status (negative: the signal that killed it) and pid, by global rank."""
     exits = {str(rank): {"exit_code": int(failure.exitcode), "pid": int(failure.pid)}
              for rank, failure in failures.items()}

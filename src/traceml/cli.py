@@ -12,7 +12,7 @@ import os
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Callable, List, Optional, TypeVar
 
 from traceml import lifecycle, rundir
 from traceml.records import ALL_PHASES
@@ -24,6 +24,7 @@ from traceml.lifecycle import say as _say
 
 
 DEFAULT_WEB_PORT = 8765
+N = TypeVar("N", int, float)  # what an argument is read as
 
 
 def entry() -> None:
@@ -182,7 +183,7 @@ def _web_arguments(parser: argparse.ArgumentParser) -> "argparse._ArgumentGroup"
     return web
 
 
-def _number(text: str, convert: Callable[[str], Any], what: str) -> Any:
+def _number(text: str, convert: Callable[[str], N], what: str) -> N:
     """The argument as `convert` reads it; an argparse error naming `what` when it cannot."""
     try:
         return convert(text)
@@ -257,7 +258,7 @@ def compare_command(args: argparse.Namespace) -> int:
         runs = [ComparedRun.load(path) for path in (args.run_a, args.run_b)]
     except (OSError, ValueError, KeyError) as exc:
         return _fail(f"cannot compare: {exc}")
-    result = compare(*runs)
+    result = compare(*runs)  # type: ignore[arg-type]  # two runs: run_a and run_b
     if args.fail_on:
         result["gate"] = gate(result, args.phase, args.threshold, args.inconclusive_ok)
     if args.json:

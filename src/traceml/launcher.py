@@ -17,9 +17,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 from traceml import rendezvous
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from traceml.collector.server import Collector
 
 log = logging.getLogger("traceml")
 
@@ -179,8 +184,14 @@ def probe_env(options: argparse.Namespace) -> Dict[str, str]:
     return env
 
 
+class Closable(Protocol):
+    """What of the launcher's the script must not hold open: a socket, a file."""
+
+    def close(self) -> None: ...
+
+
 def start_script(launch: Launch, env: Dict[str, str], with_terminal: bool,
-                 not_for_script: Sequence[Any] = ()) -> Tuple[Script, Optional[int]]:
+                 not_for_script: Sequence[Closable] = ()) -> Tuple[Script, Optional[int]]:
     """Start the launch's script; (its process, the fd its output comes from when it writes to
     a terminal of its own for the live dashboard, else None). OSError when it cannot start.
     `not_for_script`: what of this process's the script must not hold open (the collector's
@@ -198,7 +209,7 @@ def start_script(launch: Launch, env: Dict[str, str], with_terminal: bool,
     try:
         child = subprocess.Popen(launch.command(), env=env, stdout=terminal_fd, stderr=terminal_fd)
     except OSError:
-        os.close(output_fd)
+        os.close(output_fd)  # type: ignore[arg-type]  # set with terminal_fd
         raise
     finally:
         os.close(terminal_fd)
@@ -230,7 +241,7 @@ class ScriptFork:
 
     @classmethod
     def start(cls, launch: Launch, env: Dict[str, str], output_fd: Optional[int], terminal_fd: Optional[int],
-              not_for_script: Sequence[Any]) -> "ScriptFork":
+              not_for_script: Sequence[Closable]) -> "ScriptFork":
         """Fork and run the script in the fork, its output to `terminal_fd` when given (the
         launcher keeps `output_fd`, the terminal's other side); the fork, here."""
         for stream in (sys.stdout, sys.stderr):  # else what they hold would be written twice
@@ -257,13 +268,13 @@ class ScriptFork:
 
     @staticmethod
     def _run_script(launch: Launch, env: Dict[str, str], output_fd: Optional[int], terminal_fd: Optional[int],
-                    not_for_script: Sequence[Any]) -> None:
+                    not_for_script: Sequence[Closable]) -> None:
         try:
             if terminal_fd is not None:
                 os.dup2(terminal_fd, 1)
                 os.dup2(terminal_fd, 2)
                 os.close(terminal_fd)
-                os.close(output_fd)
+                os.close(output_fd)  # type: ignore[arg-type]  # set with terminal_fd
             # Through their objects, not their fd numbers: an object closing its fd again when
             # the launcher's frames unwind at the script's end would close whatever the
             # script opened under that number since.
@@ -309,10 +320,10 @@ class ScriptFork:
 Script = Union[subprocess.Popen, ScriptFork]  # what runs the script: a new process, or a fork
 
 
-def wait_for_launch(launch: Launch, child: Script, output_fd: Optional[int], collector: Any) -> int:
+def wait_for_launch(launch: Launch, child: Script, output_fd: Optional[int], collector: Collector) -> int:
     """Wait for the script (or torch.distributed.run) with the live dashboard when it writes to
     `output_fd`, forwarding signals; the node's exit code."""
-    watch = AgentWatch(child) if launch.distributed else None
+    watch = AgentWatch(child) if launch.distributed else None  # type: ignore[arg-type]  # distributed: a Popen of torch.distributed.run
     return _launch_ended(launch, watch, wait(child, watch, output_fd, collector, launch.script.name))
 
 
@@ -376,16 +387,14 @@ def _drain(output_fd: int, child: Script) -> None:
 
 
 def wait(child: Script, watch: Optional[AgentWatch] = None, output_fd: Optional[int] = None,
-         collector: Any = None, script: str = "") -> int:
+         collector: Optional[Collector] = None, script: str = "") -> int:
     """Wait for the script, forwarding signals (and telling the agent's watch, where there is
     one, that they were), with the live dashboard over its output when it writes to
     `output_fd` (closed here; without a collector, its output is passed on as it comes); its
     exit code, 128+N if signal N killed it."""
     restore = _forward_signals(child, watch)
     try:
-        if output_fd is not None and collector is None:
-            _drain(output_fd, child)
-        elif output_fd is not None:
+        if output_fd is not None and collector is not None:
             from traceml.views.terminal import Dashboard
 
             try:
@@ -393,6 +402,8 @@ def wait(child: Script, watch: Optional[AgentWatch] = None, output_fd: Optional[
             except Exception as exc:  # the dashboard is a view: if it fails, the run goes on
                 log.warning("traceml: live dashboard stopped (%s); the card comes at the end", exc)
                 _drain(output_fd, child)
+        elif output_fd is not None:
+            _drain(output_fd, child)
         returncode = child.wait()
     finally:
         restore()
@@ -420,7 +431,7 @@ def _forward_signals(child: Script, watch: Optional[AgentWatch] = None) -> Calla
         except (OSError, ValueError, AttributeError):
             return False
 
-    def on_signal(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Optional[FrameType]) -> None:
         if child.poll() is not None:
             return
         if signum == signal.SIGINT and from_terminal():

@@ -15,9 +15,20 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from traceml import agent, rendezvous, rundir
+
+if TYPE_CHECKING:
+    import socket
+    from wsgiref.simple_server import WSGIServer
+
+    from traceml.collector.store import Store
+    from traceml.launcher import Launch
+    from traceml.report.run_source import RunSource
+    from traceml.report.summary import FinalSummary, RunFacts
+    from traceml.views.alerts import AlertCommand
+    from traceml.views.web.app import WebServer
 
 log = logging.getLogger("traceml")
 
@@ -44,7 +55,7 @@ class Run:
         self.sampler: Any = None
         self.started_unix_s = time.time()
 
-    def start_collector(self, host: str, listening: Any = None, port: int = 0) -> str:
+    def start_collector(self, host: str, listening: Optional[socket.socket] = None, port: int = 0) -> str:
         """Open the store and serve the collector (on `listening`, a socket rendezvous.listen
         bound, or on host:port); its address. OSError with the one line to say otherwise."""
         from traceml.analysis.goodput import RunTime
@@ -75,7 +86,7 @@ class Run:
                                               "started_at": rundir.iso_time(self.started_unix_s), **run_json})
         self.sampler.start()
 
-    def record_rank_exits(self, exits: Dict[int, Dict[str, int]]) -> None:
+    def record_rank_exits(self, exits: Mapping[int, Mapping[str, Optional[int]]]) -> None:
         """How the ranks that failed ended (their exit status, negative for a signal), for the
         summary: a rank that died without a goodbye is named with it."""
         failed = {str(rank): status for rank, status in exits.items() if status.get("exit_code")}
@@ -85,7 +96,7 @@ class Run:
             except Exception as exc:  # a full disk: the summary names the rank without its status
                 log.debug("could not keep the ranks' exit status: %s", exc)
 
-    def finish(self, facts_of: Callable[[Any], Any]) -> Optional[dict]:
+    def finish(self, facts_of: Callable[[Store], RunFacts]) -> Optional[FinalSummary]:
         """Stop sampling and collecting, then summarize the store, print the card and write the
         run directory; the summary (None when it failed). `facts_of(store)`: the RunFacts, whose
         end run.json gives."""
@@ -101,7 +112,7 @@ class Run:
 
 
 # -- traceml run, on the node that hosts the collector -------------------------------------------
-def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
+def run_script(launch: Launch, options: argparse.Namespace, run_dir: Path) -> int:
     """Run the launch's script under a collector, with the live view `options.mode` asks for,
     and finish the run; the script's exit code."""
     from traceml import launcher
@@ -151,7 +162,7 @@ def run_script(launch: Any, options: argparse.Namespace, run_dir: Path) -> int:
     exit_code = launcher.wait_for_launch(launch, child, output_fd, run.collector)
     ended = time.time()
     run.record_rank_exits(agent.read_exits(exits_file) if exits_file is not None
-                          else {0: {"exit_code": child.returncode, "pid": child.pid}})
+                          else {0: {"exit_code": child.returncode, "pid": child.pid}})  # type: ignore[dict-item]  # it has ended
 
     _hear_the_last_ranks(run, launch.nnodes)
     from traceml.report.summary import RunFacts
@@ -169,7 +180,7 @@ def _hear_the_last_ranks(run: Run, nnodes: int) -> None:
     run.collector.wait_for_ranks(timeout_s=RANK_GOODBYE_TIMEOUT_S * (1 if one_node else 6), ranks_exited=one_node)
 
 
-def _script_env(launch: Any, options: argparse.Namespace, collector_address: str,
+def _script_env(launch: Launch, options: argparse.Namespace, collector_address: str,
                 run_dir: Path) -> Tuple[Dict[str, str], Optional[str]]:
     """The script's environment (the probe's options, where to send, where the run's files go),
     and, for torch.distributed.run, the temporary file where traceml.agent will write the
@@ -282,10 +293,10 @@ class LiveViews:
     """The web dashboard and the /metrics server over a run while it goes on, and their close."""
 
     def __init__(self) -> None:
-        self.web: Any = None
-        self.metrics_server: Any = None
-        self.alerts: Any = None  # views.alerts.AlertCommand under --on-alert
-        self._own_source: Any = None  # the live state /metrics and the alerts read without the dashboard
+        self.web: Optional[WebServer] = None
+        self.metrics_server: Optional[WSGIServer] = None
+        self.alerts: Optional[AlertCommand] = None  # under --on-alert
+        self._own_source: Optional[RunSource] = None  # the live state /metrics and the alerts read without the dashboard
 
     def start(self, options: argparse.Namespace, mode: str, run: Run, script: str) -> None:
         """The web dashboard (--mode dashboard), /metrics (--metrics-port) and the alert command
@@ -307,7 +318,7 @@ class LiveViews:
             try:
                 source = self._source(run, script)
                 self.metrics_server, _ = start_http_server(port, addr=host, registry=registry_for(
-                    source.collector, source.live_state))
+                    source.collector, source.live_state))  # type: ignore[arg-type]  # live: _live_source hands it the run's collector
             except OSError as exc:
                 self.stop()
                 raise OSError(f"cannot serve /metrics on {host}:{port}: {exc.strerror or exc}") from None
@@ -321,7 +332,7 @@ class LiveViews:
         except OSError as exc:  # PortInUse among them
             raise OSError(f"cannot serve the dashboard: {exc}") from None
 
-    def _source(self, run: Run, script: str) -> Any:
+    def _source(self, run: Run, script: str) -> RunSource:
         """The dashboard's live source, or one of this object's own without a dashboard."""
         if self.web is not None:
             return self.web.source
@@ -344,7 +355,7 @@ class LiveViews:
             self.web.stop()
             self.web = None
 
-    def close(self, summary: Optional[dict], run_dir: Optional[Path]) -> None:
+    def close(self, summary: Optional[FinalSummary], run_dir: Optional[Path]) -> None:
         """The run is over: the page shows the final verdict, then the servers go with the run."""
         web = self.web
         if web is not None and summary is not None:
@@ -363,7 +374,7 @@ class LiveViews:
             say(f"traceml: reopen the dashboard with: traceml view {run_dir}")
 
 
-def _live_source(run: Run, script: str) -> Any:
+def _live_source(run: Run, script: str) -> RunSource:
     """What the live views read: report.run_source.RunSource over the run's store and collector."""
     from traceml.report.run_source import RunSource
 
@@ -371,7 +382,7 @@ def _live_source(run: Run, script: str) -> Any:
 
 
 # -- the end of every run -------------------------------------------------------------------------
-def finish_run(store: Any, run_dir: Optional[Path], facts: Any) -> Optional[dict]:
+def finish_run(store: Store, run_dir: Optional[Path], facts: RunFacts) -> Optional[FinalSummary]:
     """Summarize the store, write the run directory, print the card. Never raises."""
     import json
 

@@ -2,20 +2,23 @@
 for the live views, and the order the store reads it back in. A new record type is a class in
 records.py and one entry here: the wire, the store and the collector read the rest from it."""
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple, TypeVar
+from typing import Dict, Mapping, Optional, Sequence, Tuple, Type, TypeVar
+
+import msgspec
 
 from traceml.records import (CodeSample, CompileRecord, Finding, HostSyncSample, LayerCapture, LayerReport, LoaderSample,
                              MemoryLedger, OomRecord, RankEnd, RankHello, RankPulse, RolledStep, ScalarRecord,
                              SpanRecord, StepRecord, SystemSample)
 
-R = TypeVar("R")  # a record of some type
+R = TypeVar("R", bound=msgspec.Struct)  # a record of some type
+RecordsByType = Mapping[Type[msgspec.Struct], Sequence[msgspec.Struct]]  # each type's records, as kept
 
 
 @dataclass(frozen=True)
 class RecordType:
     """Where one record type is kept."""
 
-    record: Any  # the record's class
+    record: Type[msgspec.Struct]  # the record's class
     table: str  # the store's table; "": not stored
     # The fields kept as columns of their own before the record, and with `latest` the table's
     # key; a table without `document` has a column per field (a field that is not a scalar holds JSON).
@@ -32,7 +35,7 @@ class RecordType:
 
 
 RANK = ("rank",)
-RECORD_TYPES: Dict[Any, RecordType] = {kind.record: kind for kind in (
+RECORD_TYPES: Dict[Type[msgspec.Struct], RecordType] = {kind.record: kind for kind in (
     RecordType(RankHello, "ranks", RANK, "hello", latest=True, order="rank", recent=1, per=RANK),
     RecordType(StepRecord, "steps", ("rank", "step"), latest=True, order="step, rank", recent=512, per=RANK),
     RecordType(RankEnd, "ranks", RANK, "end_record", latest=True, order="rank", recent=1, per=RANK),

@@ -5,12 +5,12 @@ A field is only ever appended to a record, with a default: field order is part o
 version, and the store reads a field added after a run was written as its default.
 """
 
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import msgspec
 
 try:
-    from enum import StrEnum
+    from enum import StrEnum as StrEnum  # re-exported: the one StrEnum for every Python
 except ImportError:  # Python before 3.11: the same, by hand
     from enum import Enum
 
@@ -580,6 +580,12 @@ class Severity(StrEnum):
 ALERT_SEVERITIES = frozenset((Severity.WARN, Severity.CRIT))
 
 
+# A figure a finding gives as its evidence: a number or word, or a short list (the ranks a
+# launcher stopped, a spike's outlying steps).
+EvidenceFigure = Union[float, int, str, None, Sequence[Union[int, str, Mapping[str, Union[float, int, None]]]]]
+Evidence = Dict[str, EvidenceFigure]
+
+
 class Finding(msgspec.Struct, omit_defaults=False):
     """One diagnosis: what is wrong, by how much, and the next thing to try."""
 
@@ -590,4 +596,9 @@ class Finding(msgspec.Struct, omit_defaults=False):
     summary: str
     action: str
     rank: Optional[int] = None
-    evidence: Dict[str, Union[float, int, str, None]] = {}
+    evidence: Evidence = {}
+
+    def figure(self, key: str) -> float:
+        """An evidence figure as a number (0.0 where it is missing or no number)."""
+        value = self.evidence.get(key)
+        return float(value) if isinstance(value, (int, float)) else 0.0

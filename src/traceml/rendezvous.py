@@ -17,7 +17,10 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Tuple
+
+if TYPE_CHECKING:
+    from traceml.records import RankHello
 
 ENV_COLLECTOR = "TRACEML_COLLECTOR"  # host:port, set by `traceml run` for its ranks
 ENV_COLLECTOR_PORT = "TRACEML_COLLECTOR_PORT"
@@ -104,7 +107,7 @@ def _numeric_address(host: str, port: int) -> Tuple[Any, Any]:
 COLLECT_COMMAND = "_collect"
 
 
-def spawn_collector_process(hello: Any, host: str, port: int, web_port: Optional[int] = None,
+def spawn_collector_process(hello: RankHello, host: str, port: int, web_port: Optional[int] = None,
                             run_name: Optional[str] = None) -> Tuple[subprocess.Popen, str, Path]:
     """Start `python -m traceml _collect` (COLLECT_COMMAND) for this run and return it with its address and the
     run dir it keeps; with web_port, it serves the web dashboard too (the Trace API), never in
@@ -141,7 +144,7 @@ def rank_env() -> Tuple[int, int, int, int]:
     def first(*names: str, default: int) -> int:
         for name in names:
             value = env.get(name)
-            if value not in (None, ""):
+            if value:  # neither unset nor empty
                 try:
                     return int(value)
                 except ValueError:

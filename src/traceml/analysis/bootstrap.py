@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import math
 import random
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, TypeVar
 
 CONFIDENCE = 0.95
 MAX_POINTS = 1000  # steps a bootstrap resamples (evenly spaced when there are more)
 SHARE_RESAMPLES = 400  # for a share's interval: the rules read it each time they run, live too
 
+T = TypeVar("T")
 
-def evenly(values: Sequence, max_points: int = MAX_POINTS) -> List:
+
+def evenly(values: Sequence[T], max_points: int = MAX_POINTS) -> List[T]:
     """At most max_points of the values, evenly spaced."""
     if len(values) <= max_points:
         return list(values)

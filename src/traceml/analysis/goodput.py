@@ -14,7 +14,7 @@ A rank's time splits as follows (every figure comes from the records; nothing is
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple, TypedDict, cast
 
 import msgspec
 
@@ -93,13 +93,32 @@ class RankTime(msgspec.Struct):
                 "checkpoint": checkpoint, "other": other}
 
 
+class PartTime(TypedDict):
+    seconds: float  # the mean over ranks
+    share: float  # of all ranks' time
+
+
+class _StartupParts(TypedDict):
+    imports_s: Optional[float]  # None: no rank timed its imports
+    first_compilation_s: float
+    first_batch_s: float
+    setup_s: float
+    slowest_import: str
+
+
+class Startup(_StartupParts, total=False):
+    """What startup was made of (the mean over ranks, in seconds; see _startup_parts)."""
+
+    modules_imported: int  # not in the summaries of runs before it was counted
+
+
 class Goodput(msgspec.Struct):
     """The run's wall time by part: seconds (the mean over ranks) and shares (of all ranks'
     time), and what startup was made of."""
 
     wall_s: float
-    parts: Dict[str, Dict[str, float]]  # part -> {seconds, share}
-    startup: Dict[str, object]  # imports_s, first_compilation_s, first_batch_s, setup_s, slowest_import, modules_imported
+    parts: Dict[str, PartTime]
+    startup: Startup
     # Of evaluation and checkpoint, what came after the last step (a final evaluation or save,
     # which no step's window holds): ms (the mean over ranks) and how many (the most of a rank).
     after_last_step: Dict[str, Dict[str, float]] = {}
@@ -124,22 +143,22 @@ class RunTime:
         return tally
 
     def add(self, record: object) -> None:
-        kind = type(record)
-        if kind is StepRecord:
-            self._rank(record.rank).add_step(record)  # type: ignore[attr-defined]
-        elif kind is CompileRecord:
-            self._rank(record.rank).add_compile(record)  # type: ignore[attr-defined]
-        elif kind is RankHello:
-            tally = self._rank(record.rank)  # type: ignore[attr-defined]
-            tally.started_unix_s = record.started_at_unix_s  # type: ignore[attr-defined]
-            tally.imports_ms, tally.slowest_import = record.imports_ms, record.slowest_import  # type: ignore[attr-defined]
-            tally.modules_imported = record.modules_imported  # type: ignore[attr-defined]
-        elif kind is RankEnd:
-            tally = self._rank(record.rank)  # type: ignore[attr-defined]
-            tally.ended_unix_s = record.ended_unix_s  # type: ignore[attr-defined]
-            tally.tail_eval_ms = record.tail_eval_ms  # type: ignore[attr-defined]
-            tally.tail_checkpoint_ms = record.tail_checkpoint_ms  # type: ignore[attr-defined]
-            tally.tail_evaluations, tally.tail_saves = record.tail_evaluations, record.tail_saves  # type: ignore[attr-defined]
+        """Tally one record; records of other types are left alone."""
+        if isinstance(record, StepRecord):
+            self._rank(record.rank).add_step(record)
+        elif isinstance(record, CompileRecord):
+            self._rank(record.rank).add_compile(record)
+        elif isinstance(record, RankHello):
+            tally = self._rank(record.rank)
+            tally.started_unix_s = record.started_at_unix_s
+            tally.imports_ms, tally.slowest_import = record.imports_ms, record.slowest_import
+            tally.modules_imported = record.modules_imported
+        elif isinstance(record, RankEnd):
+            tally = self._rank(record.rank)
+            tally.ended_unix_s = record.ended_unix_s
+            tally.tail_eval_ms = record.tail_eval_ms
+            tally.tail_checkpoint_ms = record.tail_checkpoint_ms
+            tally.tail_evaluations, tally.tail_saves = record.tail_evaluations, record.tail_saves
 
     @classmethod
     def of(cls, records: Iterable[object]) -> "RunTime":
@@ -148,12 +167,12 @@ class RunTime:
             run_time.add(record)
         return run_time
 
-    def to_builtins(self) -> List[dict]:
+    def to_builtins(self) -> List[Dict[str, object]]:
         """The tallies as the store's meta keeps them (from_builtins reads them back)."""
-        return msgspec.to_builtins(list(self.ranks.values()))
+        return cast(List[Dict[str, object]], msgspec.to_builtins(list(self.ranks.values())))
 
     @classmethod
-    def from_builtins(cls, tallies: List[dict]) -> "RunTime":
+    def from_builtins(cls, tallies: List[Dict[str, object]]) -> "RunTime":
         run_time = cls()
         for tally in msgspec.convert(tallies, List[RankTime]):
             run_time.ranks[tally.rank] = tally
@@ -168,7 +187,7 @@ class RunTime:
             return None
         total_ms = sum(sum(parts.values()) for _, parts in split)
         count = len(split)
-        parts = {part: {"seconds": sum(p[part] for _, p in split) / count / 1e3,
+        parts: Dict[str, PartTime] = {part: {"seconds": sum(p[part] for _, p in split) / count / 1e3,
                         "share": sum(p[part] for _, p in split) / total_ms if total_ms else 0.0}
                  for part in PARTS}
         tallies = [tally for tally, _ in split]
@@ -178,7 +197,7 @@ class RunTime:
         return Goodput(wall_s=total_ms / count / 1e3, parts=parts, startup=_startup_parts(split), after_last_step=after)
 
 
-def _startup_parts(split: List[tuple]) -> Dict[str, object]:
+def _startup_parts(split: List[Tuple[RankTime, Dict[str, float]]]) -> Startup:
     """What startup was made of, as far as it can be told (the mean over ranks, in seconds):
     the script's imports (every module it loaded, wherever), the first compilation, the first batch, and the rest (building the
     model, the data, the process group; the interpreter and TraceML's own start)."""

@@ -10,8 +10,9 @@ parts (the interpreter, torch's own libraries, the DataLoader's buffers are in i
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, TypedDict, Union
 
+from traceml.analysis.layer_rows import LayerRow
 from traceml.records import MemoryLedger, StepRecord, adapter_target
 
 # The parts a rank's memory is split into, in the order a stacked bar draws them (also the
@@ -23,8 +24,77 @@ PART_WORDS = {"parameters_frozen": "frozen parameters", "parameters_trainable": 
               "activations": "activations", "rest": "the rest", "cache": "the allocator's cache"}
 
 
+class LedgerParameters(TypedDict):
+    trainable: int
+    frozen: int
+    trainable_dtypes: Dict[str, int]  # dtype name -> bytes
+    frozen_dtypes: Dict[str, int]
+    count: int
+    trainable_count: int
+    unsharded: Optional[int]  # a sharded model's parameters whole (None: not sharded)
+
+
+class Adapters(TypedDict):
+    """A parameter-efficient fine-tune's adapters (LoRA), as the ledger counts them."""
+
+    kind: str
+    r: Optional[int]
+    count: int
+    parameters: int  # bytes
+    gradients: int
+    optimizer_state: int
+    targets: Dict[str, int]  # adapted module name -> bytes
+    share_of_parameters: Optional[float]
+    share_of_parameter_bytes: Optional[float]
+    forward_share: Optional[float]  # of their layers' time, under deep-dive
+    backward_share: Optional[float]
+
+
+class Sharding(TypedDict):
+    """A sharded model's figures beside the local shard's (bytes; None: not measured)."""
+
+    parameters_unsharded: Optional[int]
+    gradients_unsharded: Optional[int]
+    optimizer_state_unsharded: Optional[int]
+    gathered_peak_forward: Optional[int]
+    gathered_peak_backward: Optional[int]
+    mesh_coordinate: Dict[str, int]
+
+
+class LedgerRow(TypedDict):
+    """One rank's memory ledger, from its latest reading (the summary's memory.ledger)."""
+
+    rank: int
+    step: int
+    parameters: LedgerParameters
+    adapters: Optional[Adapters]
+    gradients: int
+    optimizer_state: int
+    optimizers: Dict[str, int]  # optimizer class -> its state's bytes
+    activations: Optional[int]
+    activations_step: Optional[int]
+    measured_on: Optional[str]  # "device_peak" or "host_rss"; None: no step record to say
+    held: Optional[int]
+    rest: Optional[int]
+    cache: Optional[int]
+    growth: Dict[str, int]  # part -> bytes added over the measured steps
+    sharding: Optional[Sharding]
+    sharded_by: Optional[str]
+
+
+class DeviceMesh(TypedDict):
+    dims: Dict[str, int]  # name -> size, outer first
+    coordinates: Dict[Union[int, str], Dict[str, int]]  # rank -> name -> index (read from JSON: the rank as text)
+
+
+class _Held(TypedDict, total=False):
+    measured_on: str
+    held: int
+    cache: Optional[int]
+
+
 def ledger_rows(ledgers: Sequence[MemoryLedger], records: Iterable[StepRecord],
-                layers: Sequence[Dict[str, Any]] = (), first_step: Optional[int] = None) -> List[Dict[str, Any]]:
+                layers: Sequence[LayerRow] = (), first_step: Optional[int] = None) -> List[LedgerRow]:
     """One row per rank that sent a reading, from its latest: see the module's docstring.
     records: the step records (any sample of them), for what the rank's memory held; layers:
     the deep-dive's rows (report.deep_dive.layer_rows), for the adapters' share of the time;
@@ -37,12 +107,12 @@ def ledger_rows(ledgers: Sequence[MemoryLedger], records: Iterable[StepRecord],
     return [_row(readings, held.get(rank), adapter_time, first_step) for rank, readings in sorted(by_rank.items())]
 
 
-def _row(readings: List[MemoryLedger], held: Optional[Dict[str, Any]], adapter_time: Dict[str, Optional[float]],
-         first_step: Optional[int]) -> Dict[str, Any]:
+def _row(readings: List[MemoryLedger], held: Optional[_Held], adapter_time: Dict[str, Optional[float]],
+         first_step: Optional[int]) -> LedgerRow:
     latest = readings[-1]
     parts = _parts(latest)
     counted = sum(parts.values())
-    row: Dict[str, Any] = {
+    row: LedgerRow = {
         "rank": latest.rank, "step": latest.step,
         "parameters": {"trainable": latest.trainable_bytes, "frozen": latest.frozen_bytes,
                        "trainable_dtypes": dict(latest.trainable_dtypes), "frozen_dtypes": dict(latest.frozen_dtypes),
@@ -65,7 +135,7 @@ def _row(readings: List[MemoryLedger], held: Optional[Dict[str, Any]], adapter_t
     return row
 
 
-def _sharding(ledger: MemoryLedger) -> Optional[Dict[str, Any]]:
+def _sharding(ledger: MemoryLedger) -> Optional[Sharding]:
     """A sharded model's figures beside the local shard's: what parameters, gradients and
     optimizer state would take unsharded, and the most held all-gathered at once (None: not
     sharded)."""
@@ -79,14 +149,15 @@ def _sharding(ledger: MemoryLedger) -> Optional[Dict[str, Any]]:
             "mesh_coordinate": dict(ledger.mesh_coordinate)}
 
 
-def device_mesh(rows: Sequence[Dict[str, Any]], ledgers: Sequence[MemoryLedger]) -> Optional[Dict[str, Any]]:
+def device_mesh(rows: Sequence[LedgerRow], ledgers: Sequence[MemoryLedger]) -> Optional[DeviceMesh]:
     """The sharded parameters' DeviceMesh: {"dims": name -> size, "coordinates": rank -> (name
     -> index)} from the ranks' ledger readings (None: no rank read one)."""
     dims = next((dict(ledger.mesh_dims) for ledger in reversed(ledgers) if ledger.mesh_dims), None)
     if dims is None:
         return None
-    coordinates = {row["rank"]: row["sharding"]["mesh_coordinate"] for row in rows
-                   if row.get("sharding") and row["sharding"]["mesh_coordinate"]}
+    coordinates: Dict[Union[int, str], Dict[str, int]] = {
+        row["rank"]: sharding["mesh_coordinate"] for row in rows
+        for sharding in [row["sharding"]] if sharding and sharding["mesh_coordinate"]}
     return {"dims": dims, "coordinates": coordinates}
 
 
@@ -97,12 +168,12 @@ def _parts(ledger: MemoryLedger) -> Dict[str, int]:
             "activations": ledger.activation_bytes or 0}
 
 
-def part_bytes(row: Dict[str, Any]) -> Dict[str, int]:
+def part_bytes(row: LedgerRow) -> Dict[str, int]:
     """A ledger row as LEDGER_PARTS -> bytes, the parts not measured left out."""
-    values = {"parameters_frozen": row["parameters"]["frozen"], "parameters_trainable": row["parameters"]["trainable"],
+    values: Dict[str, Optional[int]] = {"parameters_frozen": row["parameters"]["frozen"], "parameters_trainable": row["parameters"]["trainable"],
               "gradients": row["gradients"], "optimizer_state": row["optimizer_state"],
               "activations": row["activations"], "rest": row["rest"], "cache": row["cache"]}
-    return {part: int(values[part]) for part in LEDGER_PARTS if values[part] is not None}
+    return {part: int(value) for part in LEDGER_PARTS for value in [values[part]] if value is not None}
 
 
 def _growth(readings: List[MemoryLedger], first_step: Optional[int]) -> Dict[str, int]:
@@ -120,7 +191,7 @@ def _growth(readings: List[MemoryLedger], first_step: Optional[int]) -> Dict[str
     return {part: end[part] - start[part] for part in end if part != "gradients"}
 
 
-def _held_by_rank(records: Iterable[StepRecord]) -> Dict[int, Dict[str, Any]]:
+def _held_by_rank(records: Iterable[StepRecord]) -> Dict[int, _Held]:
     """Per rank, what its memory held at its fullest: on a device, the highest step peak and
     the allocator's cache at that step (reserved minus the peak); else the highest host RSS."""
     device: Dict[int, StepRecord] = {}
@@ -132,7 +203,7 @@ def _held_by_rank(records: Iterable[StepRecord]) -> Dict[int, Dict[str, Any]]:
                 device[record.rank] = record
         elif record.host_rss_bytes is not None:
             host[record.rank] = max(host.get(record.rank, 0), record.host_rss_bytes)
-    held: Dict[int, Dict[str, Any]] = {rank: {"measured_on": "host_rss", "held": rss} for rank, rss in host.items()}
+    held: Dict[int, _Held] = {rank: {"measured_on": "host_rss", "held": rss} for rank, rss in host.items()}
     for rank, record in device.items():
         peak = int(record.device_peak_bytes or 0)
         cache = (max(0, record.device_reserved_bytes - peak) if record.device_reserved_bytes is not None else None)
@@ -140,7 +211,7 @@ def _held_by_rank(records: Iterable[StepRecord]) -> Dict[int, Dict[str, Any]]:
     return held
 
 
-def _adapters(ledger: MemoryLedger, time_shares: Dict[str, Optional[float]]) -> Optional[Dict[str, Any]]:
+def _adapters(ledger: MemoryLedger, time_shares: Dict[str, Optional[float]]) -> Optional[Adapters]:
     if not ledger.adapter_parameter_bytes:
         return None
     parameter_bytes = ledger.trainable_bytes + ledger.frozen_bytes
@@ -153,7 +224,7 @@ def _adapters(ledger: MemoryLedger, time_shares: Dict[str, Optional[float]]) -> 
             "forward_share": time_shares.get("forward_share"), "backward_share": time_shares.get("backward_share")}
 
 
-def adapter_time_shares(layers: Sequence[Dict[str, Any]]) -> Dict[str, Optional[float]]:
+def adapter_time_shares(layers: Sequence[LayerRow]) -> Dict[str, Optional[float]]:
     """Under deep-dive: the adapters' leaf modules' (lora_A, lora_B, lora_dropout) share of the
     time they and the base layers they adapt take, forward and backward (None: no such rows)."""
     sums = {"adapter": [0.0, 0.0], "base": [0.0, 0.0]}
@@ -172,6 +243,6 @@ def adapter_time_shares(layers: Sequence[Dict[str, Any]]) -> Dict[str, Optional[
     return shares
 
 
-def ledger_history(ledgers: Sequence[MemoryLedger]) -> List[Dict[str, Any]]:
+def ledger_history(ledgers: Sequence[MemoryLedger]) -> List[Dict[str, int]]:
     """Every reading as (rank, step, the counted parts' bytes), for a chart over steps."""
     return [{"rank": ledger.rank, "step": ledger.step, **_parts(ledger)} for ledger in ledgers]

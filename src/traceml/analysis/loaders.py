@@ -5,12 +5,12 @@ that thread's time per batch. INPUT_BOUND's advice reads them."""
 from __future__ import annotations
 
 import bisect
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import msgspec
 
 from traceml.analysis.rollup import Window
-from traceml.records import LoaderSample, RankHello, window_end_unix_s
+from traceml.records import Evidence, LoaderSample, RankHello, window_end_unix_s
 
 MIN_BATCHES = 20  # measured batches below this: the figures of how batches came are not given
 MIN_READINGS = 10  # readings of the ready batches below this: whether they wait is not given
@@ -42,10 +42,10 @@ class LoaderFigures(msgspec.Struct):
     def on_accelerator(self) -> bool:
         return self.device != "cpu"
 
-    def evidence(self) -> Dict[str, object]:
+    def evidence(self) -> Evidence:
         """The figures as a finding's evidence (flat, rounded)."""
-        return {name: round(value, 4) if isinstance(value, float) else value
-                for name, value in msgspec.structs.asdict(self).items()}
+        figures: Dict[str, Union[float, int, str, None]] = msgspec.structs.asdict(self)
+        return {name: round(value, 4) if isinstance(value, float) else value for name, value in figures.items()}
 
 
 def loader_figures(samples: Sequence[LoaderSample], window: Window,
@@ -87,7 +87,7 @@ def loader_figures(samples: Sequence[LoaderSample], window: Window,
         thread_ms_per_batch=thread_s * 1e3 / batches if latest.thread_next_s and batches else None)
 
 
-def _within(samples: List[LoaderSample], window: Window) -> tuple:
+def _within(samples: List[LoaderSample], window: Window) -> Tuple[LoaderSample, LoaderSample]:
     """An iterator's first and last reading inside the window's time (all of its readings when
     fewer than two fall inside)."""
     if not len(window):

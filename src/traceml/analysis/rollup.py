@@ -10,7 +10,7 @@ import functools
 import operator
 import statistics
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypedDict, Union
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, TypedDict, TypeVar, Union, cast
 
 import msgspec
 
@@ -43,7 +43,9 @@ _ONE_RANK_FIGURES = operator.attrgetter(*[_ONE_RANK_NAMES.get(field.name, field.
 def _roll_step(step: int, ranks: List[StepRecord]) -> RolledStep:
     if len(ranks) == 1:
         return RolledStep(step, 1, *_ONE_RANK_FIGURES(ranks[0]))
-    median = lambda name: statistics.median(getattr(r, name) for r in ranks)  # noqa: E731
+    def median(name: str) -> float:
+        return float(statistics.median(getattr(r, name) for r in ranks))
+
     worst = max(ranks, key=lambda r: r.step_ms)
     return RolledStep(
         step=step,
@@ -81,11 +83,15 @@ def _roll_step(step: int, ranks: List[StepRecord]) -> RolledStep:
     )
 
 
+# A step as a Window holds it: rolled up across ranks, or one rank's own record.
+WindowStep = Union[RolledStep, StepRecord]
+
+
 class Window:
     """A run of rolled-up steps and their statistics, computed once for every reader. One
     rank's own StepRecords make a window too (they carry every field read here)."""
 
-    def __init__(self, steps: Sequence[Union[RolledStep, StepRecord]]):
+    def __init__(self, steps: Sequence[WindowStep]):
         self.steps = steps
         self.step_times_ms = sorted(s.step_ms for s in steps)
         self.total_ms = sum(self.step_times_ms)
@@ -139,7 +145,7 @@ class Window:
         """Of the tokens in steps with real tokens counted (labels, a mask), the share not trained."""
         masked = [s for s in self.steps if s.real_tokens is not None and s.tokens]
         given = sum(s.tokens for s in masked)
-        return 1.0 - sum(s.real_tokens for s in masked) / given if given else None
+        return 1.0 - sum(s.real_tokens or 0 for s in masked) / given if given else None
 
     @functools.cached_property
     def memory_trend(self) -> "MemoryTrend":
@@ -225,11 +231,18 @@ def comm_wait_parts(row: RankRow) -> Dict[str, float]:
 
 def rank_row(rank: int, records: Sequence[StepRecord], last_step: int, behind_share: float = 0.0) -> RankRow:
     """A rank's row from its records after warm-up (none: its medians are None)."""
-    row = RankRow(rank=rank, steps=len(records), last_step=last_step,  # type: ignore[typeddict-item]
-                  step_median_ms=_median_of(records, "step_ms"), behind_share=behind_share)
-    for name in ALL_PHASES + ("comm_wait", "forward_comm_wait", "optimizer_comm_wait", "cpu_wait", "on_cpu"):
-        row[f"{name}_median_ms"] = _median_of(records, f"{name}_ms")  # type: ignore[literal-required]
-    return row
+    medians = {f"{name}_median_ms": _median_of(records, f"{name}_ms") for name in
+               ALL_PHASES + ("comm_wait", "forward_comm_wait", "optimizer_comm_wait", "cpu_wait", "on_cpu")}
+    # Built as a dict, its keys in RankRow's order: a TypedDict cannot be keyed by a phase's name.
+    return cast(RankRow, {"rank": rank, "steps": len(records), "last_step": last_step,
+                          "step_median_ms": _median_of(records, "step_ms"), "behind_share": behind_share,
+                          **medians})
+
+
+def rank_median_ms(row: RankRow, key: str) -> Optional[float]:
+    """A rank's median named by its key ("step_median_ms", "forward_median_ms"); None where not
+    measured, or missing from a row an older run wrote."""
+    return cast(Mapping[str, Optional[float]], row).get(key)
 
 
 def rank_medians(records: Iterable[StepRecord], skip_steps: int) -> List[RankRow]:
@@ -259,14 +272,23 @@ def _times_behind(by_rank: Dict[int, List[StepRecord]]) -> Dict[int, float]:
     counts: Dict[int, int] = {}
     for ranks in full:
         if all(r.comm_wait_ms is not None for r in ranks):
-            last = min(ranks, key=lambda r: r.comm_wait_ms)
+            last = min(ranks, key=lambda r: r.comm_wait_ms or 0.0)  # every one measured
         else:
             last = max(ranks, key=lambda r: r.step_ms - r.backward_ms)
         counts[last.rank] = counts.get(last.rank, 0) + 1
     return {rank: count / len(full) for rank, count in counts.items()}
 
 
-def rank_spread(records: Iterable[StepRecord], skip_steps: int) -> Dict[str, dict]:
+class Spread(TypedDict):
+    """One phase's (or memory figure's) spread across ranks, the typical step's."""
+
+    median: float
+    worst: float
+    worst_rank: int
+    skew: float  # worst minus median
+
+
+def rank_spread(records: Iterable[StepRecord], skip_steps: int) -> Dict[str, Spread]:
     """Per phase (and memory): across ranks, the typical median, the typical worst, the rank
     that is most often the worst, and the skew (worst minus median), over the steps."""
     by_step: Dict[int, List[StepRecord]] = {}
@@ -274,7 +296,7 @@ def rank_spread(records: Iterable[StepRecord], skip_steps: int) -> Dict[str, dic
         if record.step >= skip_steps:
             by_step.setdefault(record.step, []).append(record)
     steps = [ranks for ranks in by_step.values() if len(ranks) > 1]
-    spread: Dict[str, dict] = {}
+    spread: Dict[str, Spread] = {}
     fields = [f"{name}_ms" for name in ("step",) + ALL_PHASES + ("comm_wait",)]
     for name in fields + ["device_peak_bytes", "host_rss_bytes"]:
         medians, worsts, worst_ranks = [], [], []
@@ -323,7 +345,10 @@ def _sum_present(values: Iterable[Optional[int]]) -> Optional[int]:
     return sum(present) if present else None
 
 
-def max_present(values: Iterable[Optional[int]]) -> Optional[int]:
+Number = TypeVar("Number", int, float)
+
+
+def max_present(values: Iterable[Optional[Number]]) -> Optional[Number]:
     """The largest of the values that are there (memory readings may be missing), or None."""
     present = [v for v in values if v is not None]
     return max(present) if present else None
@@ -350,7 +375,7 @@ class LiveRollup:
         self.newest_step = -1
         self._first_seen: Dict[int, float] = {}  # pending step -> when its first record came
         self.rolled_out: List[RolledStep] = []  # rolled since the collector last took them
-        self.late_steps: set = set()
+        self.late_steps: Set[int] = set()
         self._rolled_through = -1
         self._pending: Dict[int, Dict[int, StepRecord]] = {}
 

@@ -14,13 +14,13 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple, Type
+from typing import Any, Callable, Collection, Deque, Dict, Hashable, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, Type
 
 import msgspec
 
 from traceml.collector.store import Store
 from traceml.record_types import RECORD_TYPES, R
-from traceml.records import RankEnd, RankHello, StepRecord, SystemSample
+from traceml.records import RankEnd, RankHello, RolledStep, StepRecord, SystemSample
 from traceml.wire import HEADER_BYTES, FrameError, decode_payload, parse_header
 
 log = logging.getLogger("traceml")
@@ -35,6 +35,47 @@ EXITED_GRACE_S = 0.5  # after the ranks' processes ended: for the collector's th
 HANG_CHECK_S = 1.0  # how often the hang watch looks at the ranks
 
 
+# -- what the collector asks of the analysis the run hands it (see Collector): typed object where
+# it hands back the analysis' own figures, which the collector only passes on (report.live reads them)
+class StepRollup(Protocol):
+    """Rolls each step up across ranks as its records come (analysis.rollup.LiveRollup)."""
+
+    world_size: int
+    newest_step: int
+    rolled_out: List[RolledStep]  # rolled since the collector last took them, for the store
+
+    @property
+    def recent(self) -> Collection[RolledStep]:
+        """The latest rolled steps, oldest first."""
+
+    def add(self, records: Iterable[StepRecord]) -> None: ...
+
+    def take_rolled(self) -> List[RolledStep]: ...
+
+    def finish(self, steps_at: Callable[[List[int]], List[StepRecord]]) -> List[RolledStep]: ...
+
+
+class WallTimeTally(Protocol):
+    """Every rank's wall time by part, from each record (analysis.goodput.RunTime)."""
+
+    def add(self, record: object) -> None: ...
+
+    def goodput(self, now_unix_s: Optional[float]) -> Optional[object]:
+        """The run's goodput so far (an analysis.goodput.Goodput), None before any hello."""
+
+    def to_builtins(self) -> List[Dict[str, object]]: ...
+
+
+class HangCheck(Protocol):
+    """Looks at the ranks every HANG_CHECK_S (report.live.HangWatch), given the collector."""
+
+    @property
+    def hang(self) -> Optional[object]:
+        """The hang that holds now (a diagnose.hangs.Hang), or None."""
+
+    def check(self, collector: Collector, now_unix_s: float) -> None: ...
+
+
 class Collector:
     """Receives every rank's records for one run and keeps them in the store.
 
@@ -46,8 +87,8 @@ class Collector:
 
     def __init__(self, store: Store, host: str = "127.0.0.1", port: int = 0, token: str = "",
                  hello_timeout_s: float = HELLO_TIMEOUT_S, frame_timeout_s: float = FRAME_TIMEOUT_S,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, live: Any = None, run_time: Any = None,
-                 hang_watch: Any = None):
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, live: Optional[StepRollup] = None,
+                 run_time: Optional[WallTimeTally] = None, hang_watch: Optional[HangCheck] = None):
         self.store, self.host, self.port = store, host, port
         self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -57,7 +98,7 @@ class Collector:
         self.world_size = 1  # the largest a rank's hello announced
         # What the live views read (they never touch the sockets or the store's writer): the
         # recent records of each type, as many as record_types.py says, by its `per` fields' values.
-        self._kept: Dict[Any, Tuple[Dict[Any, Deque[Any]], Tuple[str, ...], Optional[int]]] = {
+        self._kept: Dict[Type[msgspec.Struct], Tuple[Dict[Any, Deque[Any]], Tuple[str, ...], Optional[int]]] = {
             record: ({}, kind.per, kind.recent) for record, kind in RECORD_TYPES.items() if kind.recent != 0}
         self.live = live  # recent steps across ranks
         self.run_time = run_time  # every rank's wall time so far, for goodput
@@ -71,8 +112,8 @@ class Collector:
         self.connections_open = 0
         self.frames_rejected = 0
         self._said_store_failed = False
-        self._deadlines: Dict[Any, list] = {}  # writer -> [monotonic deadline, what is owed]
-        self._timed_out: Dict[Any, str] = {}
+        self._deadlines: Dict[asyncio.StreamWriter, list] = {}  # writer -> [monotonic deadline, what is owed]
+        self._timed_out: Dict[asyncio.StreamWriter, str] = {}
         self._last_change = time.monotonic()  # of connections opening or closing
         self._changed = threading.Condition()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -87,7 +128,7 @@ class Collector:
     def latest_system(self) -> Optional[SystemSample]:
         return self.latest(SystemSample).get(())
 
-    def kept_by(self, record_type: Type[R]) -> Dict[Any, List[R]]:
+    def kept_by(self, record_type: Type[R]) -> Dict[Hashable, List[R]]:
         """The recent records of one type, by the values of its `per` fields (record_types.py:
         a rank, a rank and a part, () for all), the keys in order, each's records as they came."""
         by_key = self._kept[record_type][0]
@@ -96,11 +137,11 @@ class Collector:
     def kept(self, record_type: Type[R]) -> List[R]:
         return [record for records in self.kept_by(record_type).values() for record in records]
 
-    def latest(self, record_type: Type[R]) -> Dict[Any, R]:
+    def latest(self, record_type: Type[R]) -> Dict[Hashable, R]:
         """Each key's latest record of one type (a rank's hello, goodbye or pulse)."""
         return {key: records[-1] for key, records in self.kept_by(record_type).items() if records}
 
-    def everything_kept(self) -> Dict[Any, List[Any]]:
+    def everything_kept(self) -> Dict[Type[msgspec.Struct], List[msgspec.Struct]]:
         """Every type's recent records, by type: what the rules read live."""
         return {record_type: self.kept(record_type) for record_type in self._kept}
 
@@ -119,8 +160,9 @@ class Collector:
                 self.port = self._server.sockets[0].getsockname()[1]
                 loop.create_task(self._every(COMMIT_INTERVAL_S, self.store.commit, self._store_failed))
                 loop.create_task(self._watch_deadlines())
-                if self.hang_watch is not None:  # has a rank stopped ending steps (report.live.HangWatch)?
-                    loop.create_task(self._every(HANG_CHECK_S, lambda: self.hang_watch.check(self, time.time()),
+                hang_watch = self.hang_watch
+                if hang_watch is not None:  # has a rank stopped ending steps (report.live.HangWatch)?
+                    loop.create_task(self._every(HANG_CHECK_S, lambda: hang_watch.check(self, time.time()),
                                                  lambda exc: log.debug("traceml: the hang watch failed", exc_info=exc)))
             except BaseException as exc:
                 started.set_exception(exc)
@@ -141,7 +183,7 @@ class Collector:
         started.result()  # raises what the loop raised
         return self.address
 
-    def ingest(self, records: List[Any]) -> None:
+    def ingest(self, records: List[msgspec.Struct]) -> None:
         """Add records produced outside the sockets (the system sampler); the store locks."""
         self._store(records)
         self._observe(records)
@@ -285,7 +327,7 @@ class Collector:
                     self.lost_ranks.add(rank)
             self._count_connection(-1)
 
-    def _store(self, records: List[Any]) -> None:
+    def _store(self, records: Sequence[msgspec.Struct]) -> None:
         """Write records; a full disk loses them (said once), never the run."""
         try:
             self.store.write(records)

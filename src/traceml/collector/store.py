@@ -7,9 +7,10 @@ import sqlite3
 import threading
 import urllib.parse
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
 import msgspec
+from msgspec.structs import FieldInfo
 
 from traceml import rundir
 from traceml.record_types import RECORD_TYPES, R, RecordType
@@ -18,6 +19,9 @@ from traceml.records import ALL_PHASES, Finding, GpuSample, RolledStep, ScalarRe
 # The series each table's rows belong to, indexed with the step: a rank's steps, a span's or a
 # scalar's name.
 SERIES = {"steps": "rank", "spans": "name", "scalars": "name"}
+SeriesKey = Union[int, str]  # a series' value of its SERIES column: a rank, a span's or scalar's name
+SqlValue = Union[int, float, str, bytes, None]  # what SQLite stores and takes as a parameter
+Row = Tuple[Any, ...]  # a row SQLite returns: each column's value of its own type
 # What a bucket of a series' rows holds (Store.bucketed): (SQL aggregate, how two buckets'
 # figures merge: "sum", "max" (of the present ones) or "min").
 _MEMORY_FIELDS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes", "host_rss_bytes")
@@ -32,17 +36,17 @@ WAL_PAGES = 64
 CHUNK_RECORDS = 64  # after a failed commit, records are written again this many at a time
 
 
-def _held_as_json(field: Any) -> bool:
+def _held_as_json(field: FieldInfo) -> bool:
     """A field that is no scalar (a list, a dict): its column holds it as JSON."""
     return getattr(field.type, "__origin__", field.type) in (list, dict, tuple)
 
 
-def _sql_type(field: Any) -> str:
+def _sql_type(field: FieldInfo) -> str:
     text = "" if _held_as_json(field) else str(field.type)  # "<class 'int'>", "typing.Optional[float]"
     return "REAL" if "float" in text else "INTEGER" if "int" in text or "bool" in text else "TEXT"
 
 
-def _fields(kind: RecordType) -> Dict[str, Any]:
+def _fields(kind: RecordType) -> Dict[str, FieldInfo]:
     return {field.name: field for field in msgspec.structs.fields(kind.record)}
 
 
@@ -166,7 +170,7 @@ class Store:
     # CHUNK_RECORDS. When a commit fails (a full disk) it is rolled back and the chunks are
     # written again one transaction each: every chunk that fits is kept, whatever the size of
     # the one transaction that did not fit.
-    def write(self, records: Iterable[Any]) -> None:
+    def write(self, records: Iterable[msgspec.Struct]) -> None:
         records = list(records)
         for start in range(0, len(records), CHUNK_RECORDS):
             self._apply(self._insert_records, records[start:start + CHUNK_RECORDS])
@@ -244,10 +248,10 @@ class Store:
         with contextlib.suppress(sqlite3.Error):
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
-    def _insert_records(self, records: List[Any]) -> None:
+    def _insert_records(self, records: Sequence[msgspec.Struct]) -> None:
         """Each record type's records in one statement, in the order they came (record_types.py
         says where each is kept; a pulse is not)."""
-        by_type: Dict[Any, List[Any]] = {}
+        by_type: Dict[Type[msgspec.Struct], List[msgspec.Struct]] = {}
         for record in records:
             by_type.setdefault(type(record), []).append(record)
         for record_type, group in by_type.items():
@@ -274,7 +278,7 @@ class Store:
                 self._release_reserve()
 
     # -- reading: typed queries; no SQL of the schema leaves this module ----------------------
-    def _rows(self, sql: str, params: Sequence[Any] = ()) -> List[tuple]:
+    def _rows(self, sql: str, params: Sequence[SqlValue] = ()) -> List[Row]:
         with self._lock:
             return self._db.execute(sql, params).fetchall()
 
@@ -282,7 +286,7 @@ class Store:
         """Every stored record of one type, in its table's order (record_types.py)."""
         return self._read(record_type)
 
-    def _read(self, record_type: Type[R], where: str = "1", params: Sequence[Any] = (), order: str = "") -> List[R]:
+    def _read(self, record_type: Type[R], where: str = "1", params: Sequence[SqlValue] = (), order: str = "") -> List[R]:
         """The records of one type where an SQL condition on its table's columns holds, in the
         table's order or `order`; none from a store older than their table."""
         kind = RECORD_TYPES[record_type]
@@ -294,11 +298,11 @@ class Store:
             except sqlite3.OperationalError:
                 return []
         if kind.document:
-            return [msgspec.json.decode(row[0], type=kind.record) for row in rows]
+            return [msgspec.json.decode(row[0], type=kind.record) for row in rows]  # type: ignore[misc]  # kind.record is record_type
         as_json = [(index, field.type) for index, field in enumerate(_fields(kind).values()) if _held_as_json(field)]
         for index, field_type in as_json:  # rows made lists only where a column holds JSON
             rows = [[*row[:index], msgspec.json.decode(row[index], type=field_type), *row[index + 1:]] for row in rows]
-        return [kind.record(*row) for row in rows]
+        return [kind.record(*row) for row in rows]  # type: ignore[misc]  # kind.record is record_type
 
     def steps(self) -> List[StepRecord]:
         return self._read(StepRecord)
@@ -337,27 +341,27 @@ class Store:
         of_rank, params = ("rank = ? AND", (rank, since_step)) if rank is not None else ("", (since_step,))
         return self._rows(f"SELECT COUNT(*) FROM steps WHERE {of_rank} step >= ?", params)[0][0]
 
-    def series_keys(self, table: str) -> List[Any]:
+    def series_keys(self, table: str) -> Sequence[SeriesKey]:
         """The series a table's rows belong to (see SERIES): the steps' ranks, the spans' and
         scalars' names; found by walking the (series, step) index, not by reading every row."""
         if table == "steps":
             return self.ranks()
         column = SERIES[table]
-        keys: List[Any] = []
+        keys: List[SeriesKey] = []
         key = self._rows(f"SELECT MIN({column}) FROM {table}")[0][0]
         while key is not None:
             keys.append(key)
             key = self._rows(f"SELECT MIN({column}) FROM {table} WHERE {column} > ?", (key,))[0][0]
         return keys
 
-    def step_bounds(self, table: str, key: Any) -> Tuple[Optional[int], Optional[int]]:
+    def step_bounds(self, table: str, key: SeriesKey) -> Tuple[Optional[int], Optional[int]]:
         """The first and last step of one series (a rank's steps, a span's or scalar's name)."""
         # Two statements: SQLite answers a lone MIN or MAX from the index, not both at once.
         where = f"FROM {table} WHERE {SERIES[table]} = ?"
         low = self._rows(f"SELECT MIN(step) {where}", (key,))[0][0]
         return low, (self._rows(f"SELECT MAX(step) {where}", (key,))[0][0] if low is not None else None)
 
-    def bucketed(self, table: str, key: Any, first: int, bucket: int, low: int,
+    def bucketed(self, table: str, key: SeriesKey, first: int, bucket: int, low: int,
                  high: int = 2 ** 62) -> List[tuple]:
         """One series' rows from step low to high summed into buckets of `bucket` steps counted
         from step `first`: (slot, *figures) per bucket, the figures of BUCKET_FIGURES[table]."""
@@ -420,7 +424,7 @@ class Store:
         if not rows:
             return []
         last_ids = [row[6] for row in rows]
-        gpus = dict(self._rows(f"SELECT rowid, gpus FROM system WHERE rowid IN ({', '.join('?' * len(last_ids))})",
+        gpus: Dict[int, Optional[str]] = dict(self._rows(f"SELECT rowid, gpus FROM system WHERE rowid IN ({', '.join('?' * len(last_ids))})",
                                last_ids))
         return [(SystemSample(unix_s=unix_s, cpu_percent=cpu, training_cpu_percent=training_cpu,
                               ram_used_bytes=round(ram_used), ram_total_bytes=ram_total,
@@ -437,7 +441,7 @@ class Store:
         return {key: json.loads(value) for key, value in self._rows("SELECT key, value FROM meta")}
 
 
-def _sql_literal(field: Any) -> str:
+def _sql_literal(field: FieldInfo) -> str:
     """A field's default as SQL: what an older store reads for a column it lacks."""
     default = field.default
     if default is msgspec.NODEFAULT or default is None:
@@ -458,12 +462,12 @@ def _version() -> str:
         return "here"
 
 
-def _columnar() -> Dict[str, Dict[str, Any]]:
+def _columnar() -> Dict[str, Dict[str, FieldInfo]]:
     """The tables with a column per field, and their record's fields."""
     return {kind.table: _fields(kind) for kind in RECORD_TYPES.values() if kind.table and not kind.document}
 
 
-def _row_of(kind: RecordType) -> Callable[[Any], Sequence[Any]]:
+def _row_of(kind: RecordType) -> Callable[[msgspec.Struct], Sequence[SqlValue]]:
     """How a record of this type becomes its row: its keys and its JSON, or a value a column."""
     if kind.document:
         keys = kind.keys
@@ -472,7 +476,7 @@ def _row_of(kind: RecordType) -> Callable[[Any], Sequence[Any]]:
     if not as_json:
         return msgspec.structs.astuple
 
-    def row(record: Any) -> Sequence[Any]:
+    def row(record: msgspec.Struct) -> Sequence[SqlValue]:
         values = list(msgspec.structs.astuple(record))
         for index in as_json:
             values[index] = msgspec.json.encode(values[index]).decode()

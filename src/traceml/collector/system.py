@@ -23,7 +23,7 @@ class SystemSampler:
     (DataLoader workers), so their CPU and RSS are the training's own, not the whole machine's.
     """
 
-    def __init__(self, emit: Callable[[List[Any]], None], training_pids: Callable[[], Iterable[int]],
+    def __init__(self, emit: Callable[[List[SystemSample]], None], training_pids: Callable[[], Iterable[int]],
                  interval_s: float = 1.0):
         import psutil
 

@@ -18,9 +18,11 @@ finding's period), and ranks the findings so the first is the primary diagnosis:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from traceml.analysis.goodput import Goodput
+from traceml.analysis.layer_rows import AliveLayer
+from traceml.analysis.ledger import LedgerRow
 from traceml.analysis.loaders import LoaderFigures
 from traceml.analysis.rollup import RankRow, Window
 from traceml.diagnose.captures import attach_captures
@@ -34,11 +36,11 @@ from traceml.diagnose.stragglers import comm_bound, cores_taken_by_others, strag
 from traceml.records import (CodeSample, CompileRecord, Finding, FindingKind, HostSyncSample, LayerCapture, OomRecord,
                              Severity, SystemSample, window_end_unix_s)
 
-SEVERITY_ORDER = {Severity.CRIT: 0, Severity.WARN: 1, Severity.INFO: 2}
+SEVERITY_ORDER: Dict[str, int] = {Severity.CRIT: 0, Severity.WARN: 1, Severity.INFO: 2}
 MEMORY_KINDS = (FindingKind.MEMORY_CREEP, FindingKind.MEMORY_PRESSURE)
 VERDICT_SHARE = 0.10  # a finding worth less than this share of the run is never the verdict
 # Share-based findings a stall can explain, and what the stall is in their words.
-STALL_CAUSES = {FindingKind.UNTRACED_WORK: ("outside", "untraced"), FindingKind.INPUT_BOUND: ("input_wait",),
+STALL_CAUSES: Dict[str, Tuple[str, ...]] = {FindingKind.UNTRACED_WORK: ("outside", "untraced"), FindingKind.INPUT_BOUND: ("input_wait",),
                 FindingKind.GC_PRESSURE: ("gc",)}
 STALL_WORDS = {"outside": "work between steps", "untraced": "untraced work inside the step",
                "input_wait": "waiting for the DataLoader", "gc": "garbage collection"}
@@ -74,7 +76,7 @@ class DiagnosisInput:
     peak_device_bytes: Optional[int] = None
     peak_rss_bytes: Optional[int] = None
     oom: Optional[OomRecord] = None
-    layers_alive: List[dict] = field(default_factory=list)
+    layers_alive: List[AliveLayer] = field(default_factory=list)
     steps_found_by: Optional[str] = None
     system: Sequence[SystemSample] = ()
     nodes: int = 1
@@ -85,7 +87,7 @@ class DiagnosisInput:
     compiles: Sequence[CompileRecord] = ()
     host_syncs: Sequence[HostSyncSample] = ()
     loader: Optional[LoaderFigures] = None
-    ledger: List[dict] = field(default_factory=list)
+    ledger: List[LedgerRow] = field(default_factory=list)
     code: Sequence[CodeSample] = ()
 
 
@@ -112,7 +114,7 @@ def diagnose(run: DiagnosisInput) -> List[Finding]:
         findings += [f for f in (memory_pressure(window, limits, run.peak_device_bytes, run.peak_rss_bytes,
                                                  ledger),) if f]
     if len(run.ranks) > 1:
-        sharded_by = next((row["sharded_by"] for row in ledger if row.get("sharded_by")), "")
+        sharded_by = next((row["sharded_by"] for row in ledger if row["sharded_by"]), None) or ""
         # Other processes on the ranks' node slow a CPU rank's compute: known where the ranks
         # share one node, the collector's (`traceml run` starts it beside rank 0).
         cores_taken = None
@@ -122,7 +124,7 @@ def diagnose(run: DiagnosisInput) -> List[Finding]:
         findings += [f for f in (straggler(run.ranks, window.step_median_ms, cores_taken),
                                  comm_bound(run.ranks, window.step_median_ms, sharded_by)) if f]
     if not any(_group(f) <= 3 for f in findings):
-        findings.append(compute_bound(window, healthy=True))
+        findings += [f for f in (compute_bound(window, healthy=True),) if f]
     findings = rank(findings, goodput.share("training") if goodput is not None and goodput.parts else 1.0)
     attach_captures(findings, run.captures)
     return findings
@@ -136,7 +138,7 @@ def _one_finding_per_cause(shares: List[Finding], stalls: Stalls) -> List[Findin
     for index, finding in enumerate(shares):
         phases = STALL_CAUSES.get(finding.kind, ())
         if (stalls.phase in phases and stalls.explained_by(*phases)
-                and stalls.cost_share >= 0.5 * finding.evidence["share"]):
+                and stalls.cost_share >= 0.5 * finding.figure("share")):
             shares[index] = periodic(finding, stalls, STALL_WORDS[stalls.phase], stalls.phase)
             return shares
     if stalls.period and stalls.phase in STALL_WORDS and stalls.explained_by(stalls.phase):
@@ -156,7 +158,7 @@ def _one_finding_per_cause(shares: List[Finding], stalls: Stalls) -> List[Findin
 
 def worth(finding: Finding) -> float:
     """The share of the run's time acting on this finding could win."""
-    return float(finding.evidence.get("share") or 0.0)
+    return finding.figure("share")
 
 
 def _group(finding: Finding) -> int:

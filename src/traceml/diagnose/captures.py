@@ -7,7 +7,7 @@ layer grew says so: the time or memory went somewhere outside the model's layers
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import List, Sequence, TypedDict
 
 from traceml.records import (CAPTURE_MEMORY, CAPTURE_REGRESSION, CAPTURE_SPIKE, Finding, FindingKind,
                              LayerCapture, LayerStat)
@@ -30,13 +30,24 @@ FINDINGS_OF = {
 }
 
 
-def grown_layers(capture: LayerCapture) -> List[Dict[str, object]]:
+class GrownLayer(TypedDict):
+    """A leaf layer that grew between a capture's two samples: its figures a step, before and after."""
+
+    name: str
+    type: str
+    time_before_ms: float
+    time_after_ms: float
+    saved_before_bytes: int
+    saved_after_bytes: int
+
+
+def grown_layers(capture: LayerCapture) -> List[GrownLayer]:
     """The leaf layers that grew, the most grown first: per-step figures before and after."""
     before = {layer.name: layer for layer in capture.before if layer.leaf}
     # Two samples of a few steps each differ by noise spread over every layer; a layer worth
     # naming grew by a share of the whole model's time too.
     noise_ms = TOTAL_SHARE * _leaf_time_ms(capture.before, capture.before_steps)
-    rows = []
+    rows: List[GrownLayer] = []
     for layer in capture.after:
         if not layer.leaf:
             continue
@@ -57,7 +68,7 @@ def grown_layers(capture: LayerCapture) -> List[Dict[str, object]]:
     return rows
 
 
-def capture_text(capture: LayerCapture, rows: Sequence[Dict[str, object]]) -> str:
+def capture_text(capture: LayerCapture, rows: Sequence[GrownLayer]) -> str:
     """One line: when, why, and what grew."""
     said = f"after step {capture.step} ({capture.detail})"
     if not rows:

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional, TypedDict
 
-from traceml.records import PLANNED_WORK, PULSE_AFTER_S, Beside, Finding, FindingKind, Phase, RankPulse, Severity, StrEnum
+from traceml.records import (PLANNED_WORK, PULSE_AFTER_S, Beside, Evidence, Finding, FindingKind, Phase, RankPulse, Severity,
+                             StrEnum)
 
 HANG_AFTER_S = 30.0  # the least a rank goes without ending a step before it is stalled
 HANG_STEP_MULTIPLE = 10.0  # ... or this many of its median steps, when longer
@@ -75,15 +76,65 @@ class RankProgress:
     gone: bool = False  # the connection dropped without a goodbye
 
 
+class LoaderWorker(TypedDict):
+    """The DataLoader worker a rank waits on: its index, pid and the kernel's word for its state."""
+
+    worker: int
+    pid: int
+    state: str
+
+
+class _RankPlaceFigures(TypedDict):
+    rank: int
+    pid: int
+    host: str
+    last_step: int
+    stalled_s: float
+    allowed_s: float
+    phase: Optional[str]  # a Phase or a Beside, from its pulse
+    waiting_in: Optional[str]
+    stack: List[str]  # "file.py:12 function", innermost first
+    innermost: Optional[str]
+    where: Optional[str]
+    stalled: bool
+    state: HangState
+    pulsing: bool
+    collectives_issued: Optional[int]
+    subgroup_collectives: Dict[str, int]
+    waiting_group: Optional[str]
+
+
+class RankPlace(_RankPlaceFigures, total=False):
+    """Where one rank is under a hang (the summary's hang.ranks, one per rank); the keys below
+    only where they are known."""
+
+    loader_worker: LoaderWorker  # in a DataLoader wait
+    alive: Optional[bool]  # gone: whether its pid still runs (None: another host)
+    exit_code: Optional[int]  # how it ended, where its launcher saw it (the summary adds it)
+
+
+class HangSummary(TypedDict):
+    """The summary's `hang` (and the store's meta's, which also keeps the finding)."""
+
+    summary: str
+    stalled_ranks: List[int]
+    culprit_rank: Optional[int]
+    ranks: List[RankPlace]
+
+
+class StoredHang(HangSummary):
+    finding: Dict[str, object]  # the HANG Finding, as msgspec.to_builtins writes it
+
+
 @dataclass
 class Hang:
     """A HANG finding and, for the summary's `hang`, each rank's place."""
 
     finding: Finding
-    ranks: List[Dict[str, Any]] = field(default_factory=list)
+    ranks: List[RankPlace] = field(default_factory=list)
     stalled_ranks: List[int] = field(default_factory=list)
 
-    def to_builtins(self) -> Dict[str, Any]:
+    def to_builtins(self) -> StoredHang:
         """The summary's `hang` (and the store's meta, where the summary reads it back)."""
         import msgspec
 
@@ -138,41 +189,45 @@ def find_hang(ranks: List[RankProgress], now_unix_s: float, hang_after_s: float 
     return Hang(finding=finding, ranks=places, stalled_ranks=[place["rank"] for place in stalled])
 
 
-def _figures(places: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _figures(places: List[RankPlace]) -> Evidence:
     """Each rank's figures that the finding's words name, flat ("rank_1_stalled_s"), as evidence."""
-    figures: Dict[str, Any] = {}
+    figures: Evidence = {}
     for place in places:
-        worker = place.get("loader_worker") or {}
-        told = {key: place[key] for key in ("stalled_s", "pid", "host", "where", "collectives_issued")}
-        told.update(worker=worker.get("worker"), worker_pid=worker.get("pid"))
+        worker = place.get("loader_worker")
+        told: Evidence = {"stalled_s": place["stalled_s"], "pid": place["pid"], "host": place["host"],
+                          "where": place["where"], "collectives_issued": place["collectives_issued"],
+                          "worker": worker["worker"] if worker else None,
+                          "worker_pid": worker["pid"] if worker else None}
         figures.update({f"rank_{place['rank']}_{key}": value for key, value in told.items() if value is not None})
     return figures
 
 
-def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Dict[str, Any]:
+def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> RankPlace:
     """Where one rank is: its HangState, its line and how long it has gone without a step."""
     pulse = progress.pulse
     # A pulse from before the rank's latest step is stale. An inferred step is sent a step late:
     # a pulse that counted fewer steps but was taken after the latest one ended (both on the
     # rank's own clock) still says where the rank is.
-    fresh = pulse is not None and (pulse.steps_ended >= progress.steps_ended
-                                   or pulse.unix_s >= progress.last_progress_unix_s)
-    if fresh:  # its own clock: no skew between nodes
+    if pulse is not None and not (pulse.steps_ended >= progress.steps_ended
+                                  or pulse.unix_s >= progress.last_progress_unix_s):
+        pulse = None
+    fresh = pulse is not None
+    if pulse is not None:  # its own clock: no skew between nodes
         stalled_s = pulse.since_progress_s + max(0.0, now_unix_s - pulse.unix_s)
     else:
         stalled_s = max(0.0, now_unix_s - progress.last_progress_unix_s)
-    place: Dict[str, Any] = {
+    place: RankPlace = {
         "rank": progress.rank, "pid": progress.pid, "host": progress.host, "last_step": progress.steps_ended - 1,
         "stalled_s": round(stalled_s, 1), "allowed_s": round(allowance_s(progress, hang_after_s), 1),
-        "phase": pulse.phase if fresh else None, "waiting_in": (pulse.waiting_in or None) if fresh else None,
-        "stack": [f"{f}:{line} {function}" for f, line, function in pulse.stack] if fresh else [],
-        "innermost": pulse.innermost if fresh else None,
-        "where": _where(pulse) if fresh else None, "stalled": False, "state": HangState.STEPPING,
+        "phase": pulse.phase if pulse else None, "waiting_in": (pulse.waiting_in or None) if pulse else None,
+        "stack": [f"{f}:{line} {function}" for f, line, function in pulse.stack] if pulse else [],
+        "innermost": pulse.innermost if pulse else None,
+        "where": _where(pulse) if pulse else None, "stalled": False, "state": HangState.STEPPING,
         "pulsing": fresh,  # it has said where it is since its last step: PULSE_AFTER_S without one
-        "collectives_issued": pulse.collectives_issued if fresh and pulse.collectives_issued >= 0 else None,
-        "subgroup_collectives": dict(pulse.subgroup_collectives) if fresh else {},
-        "waiting_group": (pulse.waiting_group or None) if fresh else None}
-    if fresh and pulse.loader_worker >= 0:
+        "collectives_issued": pulse.collectives_issued if pulse and pulse.collectives_issued >= 0 else None,
+        "subgroup_collectives": dict(pulse.subgroup_collectives) if pulse else {},
+        "waiting_group": (pulse.waiting_group or None) if pulse else None}
+    if pulse is not None and pulse.loader_worker >= 0:
         place["loader_worker"] = {"worker": pulse.loader_worker, "pid": pulse.loader_worker_pid,
                                   "state": pulse.loader_worker_state}
     if progress.said_goodbye:
@@ -184,14 +239,14 @@ def _place(progress: RankProgress, now_unix_s: float, hang_after_s: float) -> Di
         return place
     if stalled_s <= place["allowed_s"]:
         return place
-    if fresh and pulse.phase in PLANNED_WORK:
+    if pulse is not None and pulse.phase in PLANNED_WORK:
         place["state"] = HangState.PLANNED
         return place
     silent = now_unix_s - progress.last_heard_unix_s > SENDER_SILENT_S
     if not fresh and not silent:  # its pulse, saying where it is, is on its way: wait for it
         return place
     place["stalled"] = True
-    place["state"] = HangState.FROZEN if silent else _pulsed_state(pulse.waiting_in if fresh else "")
+    place["state"] = HangState.FROZEN if silent else _pulsed_state(pulse.waiting_in if pulse else "")
     return place
 
 
@@ -202,7 +257,7 @@ def _pulsed_state(waiting_in: str) -> HangState:
     return HangState.COLLECTIVE if waiting_in else HangState.OWN_CODE
 
 
-def _a_first_pulse_is_due(places: List[Dict[str, Any]]) -> bool:
+def _a_first_pulse_is_due(places: List[RankPlace]) -> bool:
     """Whether a rank that has ended no step for about PULSE_AFTER_S has yet to say where it is.
     With --hang-after near PULSE_AFTER_S, the rank the others wait for stops a moment after them
     and pulses a moment after they are past their allowance: the hang waits for that pulse (at
@@ -211,7 +266,7 @@ def _a_first_pulse_is_due(places: List[Dict[str, Any]]) -> bool:
                and PULSE_AFTER_S - 1.0 <= place["stalled_s"] < PULSE_DUE_S for place in places)
 
 
-def _place_the_pulsing_ranks(places: List[Dict[str, Any]]) -> None:
+def _place_the_pulsing_ranks(places: List[RankPlace]) -> None:
     """Once one rank is stalled, where the ranks still within their own allowance but pulsing
     (no step for PULSE_AFTER_S) are: in a collective, a DataLoader wait or their own code. Ranks
     stop a second or two apart on a busy machine, and the first word of a hang must name the
@@ -221,7 +276,7 @@ def _place_the_pulsing_ranks(places: List[Dict[str, Any]]) -> None:
             place["state"] = _pulsed_state(place["waiting_in"] or "")
 
 
-def _place_the_ranks_waiting_in_autograd(places: List[Dict[str, Any]], counts: "Counts", silent: bool) -> None:
+def _place_the_ranks_waiting_in_autograd(places: List[RankPlace], counts: "Counts", silent: bool) -> None:
     """A rank in backward with a library's frame innermost (the autograd engine's) waits in the
     gradient all-reduce DDP's reducer issued from C++, where no frame shows it, when it is ahead
     of another rank on the counts of some group or, the counts agreeing, a rank is gone or frozen."""
@@ -240,7 +295,7 @@ def _where(pulse: RankPulse) -> Optional[str]:
     return f"{os.path.basename(filename)}:{line} {function}"
 
 
-def _told(place: Dict[str, Any]) -> str:
+def _told(place: RankPlace) -> str:
     rank, state, where = place["rank"], place["state"], place["where"]
     at = f" at {where}" if where else ""
     if state == HangState.COLLECTIVE:
@@ -278,7 +333,7 @@ class Counts:
     its DP group, where the one stuck rank is behind. The rank behind in some group and ahead in
     none is where the chain ends."""
 
-    def __init__(self, places: List[Dict[str, Any]]):
+    def __init__(self, places: List[RankPlace]):
         self.by_group: Dict[str, Dict[int, int]] = {}
         for place in places:
             if place["collectives_issued"] is None or place["state"] in (HangState.GONE, HangState.ENDED):
@@ -333,7 +388,7 @@ class Counts:
                             f"{ahead}{on} ({count} against {most})")
         return "; ".join(told)
 
-    def evidence(self, group: Optional[str]) -> Dict[str, Any]:
+    def evidence(self, group: Optional[str]) -> Evidence:
         """The deciding group and each rank's count on it, when it is not the default group (whose
         counts are each rank's collectives_issued)."""
         if group is None or group == WORLD:
@@ -342,9 +397,10 @@ class Counts:
                 **{f"rank_{rank}_issued_on_group": count for rank, count in self.by_group[group].items()}}
 
 
-def _action(culprit: Optional[Dict[str, Any]]) -> str:
+def _action(culprit: Optional[RankPlace]) -> str:
     if culprit and culprit["state"] == HangState.INPUT:
-        worker_pid = (culprit.get("loader_worker") or {}).get("pid") or "<its worker's pid>"
+        worker = culprit.get("loader_worker")
+        worker_pid = (worker["pid"] if worker else 0) or "<its worker's pid>"
         return (f"Look at rank {culprit['rank']}'s Dataset: a worker that hands nothing over is stuck in "
                 "__getitem__ or collate (a file or socket that never answers, a lock taken before "
                 f"the fork). `py-spy dump --pid {worker_pid}` shows where; the DataLoader's "
@@ -385,7 +441,23 @@ _CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT")
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
-def rank_lost(missing: List[Dict[str, Any]], exits: Dict[int, Dict[str, int]],
+class RankExit(TypedDict, total=False):
+    """How a rank's process ended, as its launcher saw it (the store's meta's rank_exits)."""
+
+    exit_code: int  # negative: the signal that killed it
+    pid: int
+
+
+class _MissingRankFigures(TypedDict):
+    rank: int
+    from_step: int  # the first step it did not report
+
+
+class MissingRank(_MissingRankFigures, RankExit):
+    """A rank that stopped reporting without a goodbye (the summary's missing_ranks)."""
+
+
+def rank_lost(missing: List[MissingRank], exits: Dict[int, RankExit],
               world_size: int) -> Optional[Finding]:
     """RANK_LOST for the ranks that ended without a goodbye (summary's missing_ranks, each with
     the exit status its launcher saw where one did); exits: every failed rank's status, to tell

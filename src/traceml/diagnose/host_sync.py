@@ -2,7 +2,7 @@
 sampled steps (probe.syncs)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set, Tuple, TypedDict
 
 from traceml.analysis.rollup import Window
 from traceml.records import Finding, FindingKind, HostSyncSample, Severity
@@ -27,13 +27,34 @@ _COPY_ADVICE = ("keep the tensor on the device, or copy it with .to('cpu', non_b
                 "memory and read it a step later")
 
 
-def sync_sites(samples: Sequence[HostSyncSample]) -> List[Dict[str, Any]]:
+class _SiteTally(TypedDict):
+    site: str
+    code: str
+    call: str
+    calls: int
+    wait_ms: float
+    ranks: Set[int]
+
+
+class SyncLine(TypedDict):
+    """A line that made the host wait for the device (the summary's host_syncs)."""
+
+    site: str  # "train.py:41"
+    code: str  # its source line
+    call: str  # what synchronized: ".item()", ".cpu()"
+    calls_per_step: float
+    wait_ms_per_step: float
+    ranks: List[int]
+    sampled_steps: int
+
+
+def sync_sites(samples: Sequence[HostSyncSample]) -> List[SyncLine]:
     """Each line that synchronized, summed over every rank's samples: calls and host wait per
     sampled step, the longest wait first."""
     sampled_steps = sum(sample.steps for sample in samples)
     if not sampled_steps:
         return []
-    sites: Dict[tuple, Dict[str, Any]] = {}
+    sites: Dict[Tuple[str, str], _SiteTally] = {}
     for sample in samples:
         for site in sample.sites:
             row = sites.setdefault((site.site, site.call), {
@@ -42,7 +63,7 @@ def sync_sites(samples: Sequence[HostSyncSample]) -> List[Dict[str, Any]]:
             row["calls"] += site.calls
             row["wait_ms"] += site.wait_ms
             row["ranks"].add(sample.rank)
-    rows = [{"site": row["site"], "code": row["code"], "call": row["call"],
+    rows: List[SyncLine] = [{"site": row["site"], "code": row["code"], "call": row["call"],
              "calls_per_step": round(row["calls"] / sampled_steps, 3),
              "wait_ms_per_step": round(row["wait_ms"] / sampled_steps, 4),
              "ranks": sorted(row["ranks"]), "sampled_steps": sampled_steps}

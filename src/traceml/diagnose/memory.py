@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import random
 import statistics
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Tuple
 
 import msgspec
 
-from traceml.analysis.ledger import PART_WORDS, part_bytes
+from traceml.analysis.layer_rows import AliveLayer
+from traceml.analysis.ledger import PART_WORDS, LedgerRow, part_bytes
 from traceml.analysis.rollup import Window
-from traceml.records import Finding, FindingKind, OomRecord, RankHello, Severity, SystemSample
+from traceml.records import Evidence, Finding, FindingKind, OomRecord, RankHello, Severity, SystemSample
 from traceml.words import counted
 
 MIN_POINTS = 20  # steps of memory readings before a trend can be called
@@ -49,24 +50,25 @@ PART_ADVICE = {
 GROWTH_EXPLAINED = 0.5  # a counted part that adds this share of the trend's growth is what grows
 
 
-def largest_part(ledger: Optional[List[dict]]) -> Optional[tuple]:
+def largest_part(ledger: Optional[List[LedgerRow]]) -> Optional[Tuple[str, int, float, LedgerRow]]:
     """(part, bytes, its share of what the rank held, the row): the part that holds the most
     of the rank whose memory is fullest."""
     rows = [row for row in ledger or () if row.get("held")]
     if not rows:
         return None
-    row = max(rows, key=lambda r: r["held"])
+    row = max(rows, key=lambda r: r["held"] or 0)
     parts = part_bytes(row)
     part = max(parts, key=lambda name: parts[name])
-    return part, parts[part], parts[part] / row["held"] if row["held"] else 0.0, row
+    held = row["held"]
+    return part, parts[part], parts[part] / held if held else 0.0, row
 
 
-def growing_part(ledger: Optional[List[dict]], growth_bytes: float) -> str:
+def growing_part(ledger: Optional[List[LedgerRow]], growth_bytes: float) -> str:
     """The ledger's part that adds most of a memory trend's growth ("rest" when none of the
     counted parts does: tensors the ledger does not count are kept from step to step)."""
     best, best_bytes = "rest", 0
     for row in ledger or ():
-        for part, added in (row.get("growth") or {}).items():
+        for part, added in row["growth"].items():
             if added > best_bytes:
                 best, best_bytes = part, added
     return best if best_bytes >= GROWTH_EXPLAINED * growth_bytes else "rest"
@@ -93,8 +95,8 @@ def _gib(value: float) -> str:
     return f"{value / 2 ** 30:.2f} GiB" if abs(value) >= 2 ** 30 else f"{value / 2 ** 20:.1f} MiB"
 
 
-def memory_creep(window: Window, limits: MemoryLimits, layers_alive: Optional[List[dict]] = None,
-                 ledger: Optional[List[dict]] = None) -> Optional[Finding]:
+def memory_creep(window: Window, limits: MemoryLimits, layers_alive: Optional[List[AliveLayer]] = None,
+                 ledger: Optional[List[LedgerRow]] = None) -> Optional[Finding]:
     trend = window.memory_trend
     if trend.window_steps < MIN_POINTS:
         return None
@@ -120,7 +122,7 @@ def memory_creep(window: Window, limits: MemoryLimits, layers_alive: Optional[Li
     driven = f", {PART_WORDS[part]} growing" if part is not None else ""
     forecast = (f"at this rate it runs out near step {oom_step:,} ({_gib(headroom)} left{driven})"
                 if oom_step is not None else "the memory limit is not known")
-    evidence = {"bytes_per_step": round(slope, 1), "held_bytes": held[-1], "growth_bytes": round(growth),
+    evidence: Evidence = {"bytes_per_step": round(slope, 1), "held_bytes": held[-1], "growth_bytes": round(growth),
                 "measured_on": trend.measured_on, "steps": trend.window_steps, "over_steps": steps[-1] - steps[0],
                 "projected_oom_step": oom_step, "phase": "held across steps", "headroom_bytes": headroom if headroom > 0 else None,
                 "share": round(min(1.0, growth / held[-1]), 4) if held[-1] else None}
@@ -171,7 +173,7 @@ def _concordance(values: List[int], pairs: int = 2000) -> float:
 
 
 def memory_pressure(window: Window, limits: MemoryLimits, peak_device_bytes: Optional[int],
-                    peak_rss_bytes: Optional[int], ledger: Optional[List[dict]] = None) -> Optional[Finding]:
+                    peak_rss_bytes: Optional[int], ledger: Optional[List[LedgerRow]] = None) -> Optional[Finding]:
     if peak_device_bytes is not None and limits.device_capacity_bytes:
         peak, capacity, what = peak_device_bytes, limits.device_capacity_bytes, "device memory"
     elif peak_rss_bytes is not None and limits.host_total_bytes:
@@ -186,12 +188,12 @@ def memory_pressure(window: Window, limits: MemoryLimits, peak_device_bytes: Opt
     action = ("One larger batch or sequence will not fit. Cut activation memory: activation "
               "checkpointing, mixed precision (bf16), a smaller micro-batch with gradient "
               "accumulation, or an optimizer that keeps less state.")
-    evidence = {"peak_bytes": peak, "capacity_bytes": capacity, "share": round(ratio, 4),
-                "headroom_bytes": capacity - peak}
+    evidence: Evidence = {"peak_bytes": peak, "capacity_bytes": capacity, "share": round(ratio, 4),
+                          "headroom_bytes": capacity - peak}
     largest = largest_part(ledger)
     if largest is not None:
         part, size, share, row = largest
-        summary += (f"; the largest part is {PART_WORDS[part]}: {_gib(size)}, {share:.0%} of the {_gib(row['held'])} "
+        summary += (f"; the largest part is {PART_WORDS[part]}: {_gib(size)}, {share:.0%} of the {_gib(row['held'] or 0)} "
                     f"rank {row['rank']} holds")
         action = "One larger batch or sequence will not fit. " + PART_ADVICE[part]
         evidence.update(largest_part=part, largest_part_bytes=size, largest_part_rank=row["rank"],

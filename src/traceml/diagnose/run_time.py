@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple, TypedDict, cast
 
 from traceml.analysis.goodput import Goodput
 from traceml.diagnose.untimed import named, sites_evidence, sites_text
@@ -128,10 +128,12 @@ def slow_startup(goodput: Optional[Goodput], code: Sequence[CodeSample] = ()) ->
     share = goodput.share("startup")
     if share < STARTUP_LINE:
         return None
-    parts = [(key, words, goodput.startup.get(key)) for key, words in STARTUP_PARTS]
+    # The parts by name: a TypedDict is keyed by literals alone.
+    startup = cast(Mapping[str, Optional[float]], goodput.startup)
+    parts = [(key, words, startup.get(key)) for key, words in STARTUP_PARTS]
     told = sorted(((key, words, float(value)) for key, words, value in parts if value), key=lambda p: -p[2])
     largest = told[0][0] if told else "setup_s"
-    slowest = goodput.startup.get("slowest_import")
+    slowest = goodput.startup["slowest_import"]
     # In tenths of a second that add up to the startup said (setup is what the others leave).
     tenths = rounded_parts([value for _, _, value in told] + [goodput.seconds("startup") - sum(
         value for _, _, value in told)], 1)
@@ -139,7 +141,7 @@ def slow_startup(goodput: Optional[Goodput], code: Sequence[CodeSample] = ()) ->
                                                          and slowest else "")
                           for (key, words, _), value in zip(told, tenths) if value >= 0.05)
     sites = named(code, "startup", 1.0)
-    modules = int(goodput.startup.get("modules_imported") or 0)  # type: ignore[call-overload]
+    modules = goodput.startup.get("modules_imported") or 0
     named_code = sites_text(sites) + (f", {modules:,} modules imported" if sites and modules else "")
     return Finding(
         kind=FindingKind.SLOW_STARTUP, severity=Severity.CRIT if share >= STARTUP_CRIT else Severity.WARN,
@@ -154,7 +156,26 @@ def slow_startup(goodput: Optional[Goodput], code: Sequence[CodeSample] = ()) ->
                   "modules_imported": modules, **sites_evidence(sites, "seconds")})
 
 
-def compile_summary(compiles: Sequence[CompileRecord], after_step: int) -> Optional[dict]:
+class RecompileReason(TypedDict):
+    reason: str
+    count: int
+
+
+class CompileSummary(TypedDict):
+    """What torch.compile did in the run (the summary's compile)."""
+
+    compilations: int
+    recompilations: int
+    recompilations_after_warmup: int
+    compile_s: float
+    recompile_s: float
+    first_recompile_step: Optional[int]
+    recompile_reasons: List[RecompileReason]
+    graph_breaks: int
+    graph_break_reasons: List[str]
+
+
+def compile_summary(compiles: Sequence[CompileRecord], after_step: int) -> Optional[CompileSummary]:
     """What torch.compile did in the run (rank 0's, or the first rank's): for the summary."""
     if not compiles:
         return None
@@ -163,10 +184,10 @@ def compile_summary(compiles: Sequence[CompileRecord], after_step: int) -> Optio
     frames = [r for r in mine if r.trigger == "dynamo"]
     recompiles = [r for r in frames if r.recompiled]
     late_ids = {r.compile_id for r in recompiles if r.step >= after_step}
-    reasons: List[dict] = []
+    reasons: List[RecompileReason] = []
     for (what, _), count in Counter(plain_reason(r.recompile_reason) for r in recompiles).most_common():
         reasons.append({"reason": what, "count": count})
-    breaks: Counter = Counter()
+    breaks: Counter[str] = Counter()
     for record in mine:
         for reason in record.graph_break_reasons:
             breaks[reason] += 1

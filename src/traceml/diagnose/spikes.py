@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, TypedDict
 
 import msgspec
 
 from traceml.analysis.goodput import Goodput
-from traceml.analysis.rollup import Window
-from traceml.records import (ALL_PHASES, STEP_PHASES, Finding, FindingKind, RolledStep, Severity,
-                             SystemSample, warmup_stall_horizon)
+from traceml.analysis.rollup import Window, WindowStep
+from traceml.records import (ALL_PHASES, STEP_PHASES, Evidence, Finding, FindingKind, Severity, SystemSample,
+                             warmup_stall_horizon)
 from traceml.words import counted, duration, every, times
 
 MIN_Z = 6.0  # robust z-score (median and MAD) a step must pass to be slow
@@ -86,6 +86,14 @@ CHECKPOINT_ACTION = ("Save asynchronously (torch.distributed.checkpoint.async_sa
                      "only what resuming needs.")
 
 
+class WarmupTransient(TypedDict):
+    """Slow early steps that never came back (the summary's steps.warmup_transients)."""
+
+    first_step: int
+    steps: int
+    excess_ms: float
+
+
 class Episode(msgspec.Struct):
     """Consecutive slow steps: one stall."""
 
@@ -110,10 +118,10 @@ class Stalls:
         self.median_ms = statistics.median(s.step_ms for s in steps) if steps else 0.0
         self.episodes: List[Episode] = []
         self.warmup: List[Episode] = []
-        self.slow: List[RolledStep] = []
-        self.outliers: List[RolledStep] = []  # slow steps far slower than the typical one
-        self._regular: List[RolledStep] = []  # the other slow steps: the typical figures' own
-        self._normal: List[RolledStep] = []  # the steps in no stall
+        self.slow: List[WindowStep] = []
+        self.outliers: List[WindowStep] = []  # slow steps far slower than the typical one
+        self._regular: List[WindowStep] = []  # the other slow steps: the typical figures' own
+        self._normal: List[WindowStep] = []  # the steps in no stall
         self.usual_ms: Dict[str, float] = {}  # each figure's median in the steps in no stall
         self.period: Optional[int] = None
         self.growth_ms: Dict[str, float] = {}
@@ -186,7 +194,7 @@ class Stalls:
         """How much longer the typical slow step (outliers aside) is than the median step."""
         return statistics.fmean(s.step_ms for s in self._regular) - self.median_ms if self._regular else 0.0
 
-    def phase_excess_ms(self, phase: str, steps: Optional[List[RolledStep]] = None) -> List[float]:
+    def phase_excess_ms(self, phase: str, steps: Optional[List[WindowStep]] = None) -> List[float]:
         """Each slow step's time in this phase over its usual time (or these steps')."""
         usual_ms = self.usual_ms[phase]
         return [getattr(s, f"{phase}_ms") - usual_ms for s in (self.slow if steps is None else steps)]
@@ -200,8 +208,8 @@ class Stalls:
         if not self.slow:
             return False
 
-        def together(step: RolledStep) -> float:
-            return sum(getattr(step, f"{name}_ms") for name in names)
+        def together(step: WindowStep) -> float:
+            return float(sum(getattr(step, f"{name}_ms") for name in names))
 
         growth = statistics.fmean(map(together, self._regular)) - (
             statistics.median(map(together, self._normal)) if self._normal else 0.0)
@@ -217,7 +225,7 @@ class Stalls:
         in_a_row = f", the longest {longest} steps in a row" if longest > 1 else ""
         return f"{times(len(self.episodes))}, irregularly{in_a_row}"
 
-    def evidence(self) -> dict:
+    def evidence(self) -> Evidence:
         return {"episodes": len(self.episodes), "slow_steps": len(self.slow),
                 "period_steps": self.period, "phase": self.phase,
                 "phase_growth_ms": round(self.growth_ms.get(self.phase, 0.0), 3),
@@ -228,7 +236,7 @@ class Stalls:
                 "outliers": [{"step": s.step, "ms": round(s.step_ms, 3)} for s in self.outliers],
                 "cost_ms": round(self.cost_ms, 3), "steps_total_ms": round(self.total_ms, 3)}
 
-    def warmup_note(self) -> List[dict]:
+    def warmup_note(self) -> List[WarmupTransient]:
         """The warm-up transients, for the summary: slow early steps that did not come back."""
         return [{"first_step": e.first_step, "steps": e.steps, "excess_ms": round(e.excess_ms, 3)}
                 for e in self.warmup]
@@ -431,7 +439,7 @@ class _Found(NamedTuple):
     warmup: List[Episode]  # early stalls that never came back
 
 
-def _stall_episodes(steps: List[RolledStep], values_ms: List[float], min_excess_ms: float) -> Optional[_Found]:
+def _stall_episodes(steps: List[WindowStep], values_ms: List[float], min_excess_ms: float) -> Optional[_Found]:
     """The episodes of slow values (far above their median by a robust z-score, and by at
     least min_excess_ms), or None when no value is slow."""
     median = statistics.median(values_ms)
@@ -488,7 +496,7 @@ def _period(starts: List[int]) -> Optional[int]:
     return gap if gap >= MIN_GAP and count >= PERIODIC_SHARE * len(gaps) else None
 
 
-def _usual_input(steps: List[RolledStep]) -> Tuple[Optional[str], float]:
+def _usual_input(steps: List[WindowStep]) -> Tuple[Optional[str], float]:
     """What a step's input is counted in (tokens, or samples when tokens are not counted) and
     its median over these steps; (None, 0) when neither is."""
     for field in ("tokens", "samples"):
@@ -498,7 +506,7 @@ def _usual_input(steps: List[RolledStep]) -> Tuple[Optional[str], float]:
     return None, 0.0
 
 
-def _bigger_input_episodes(steps: List[RolledStep], median_ms: float) -> Optional[_Found]:
+def _bigger_input_episodes(steps: List[WindowStep], median_ms: float) -> Optional[_Found]:
     """The steps carrying BIGGER_INPUT_RATIO times the usual tokens (or samples), when they are
     slower than the rest by at least the usual step."""
     field, usual = _usual_input(steps)
@@ -511,7 +519,7 @@ def _bigger_input_episodes(steps: List[RolledStep], median_ms: float) -> Optiona
     return _Found(episodes, [], [])
 
 
-def _input_ratio(slow: List[RolledStep], normal: List[RolledStep]) -> Tuple[Optional[float], str]:
+def _input_ratio(slow: List[WindowStep], normal: List[WindowStep]) -> Tuple[Optional[float], str]:
     """How many times the usual step's tokens (samples, when tokens are not counted) the slow
     steps carry, and which of the two."""
     field, usual = _usual_input(normal)
@@ -520,7 +528,7 @@ def _input_ratio(slow: List[RolledStep], normal: List[RolledStep]) -> Tuple[Opti
     return statistics.median(getattr(s, field) for s in slow) / usual, field
 
 
-def _other_cpu_cores(system: Sequence[SystemSample], slow: List[RolledStep]) -> Optional[float]:
+def _other_cpu_cores(system: Sequence[SystemSample], slow: List[WindowStep]) -> Optional[float]:
     """Cores that processes other than the training used while the slow steps ran (the samples
     within a second of them; all samples when none is that close), or None without samples."""
     known = [s for s in system if s.cpu_count]

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence, Tuple
 from traceml.analysis.loaders import LoaderFigures
 from traceml.analysis.rollup import Window
 from traceml.diagnose.untimed import named, part_shares, sites_evidence, sites_text
-from traceml.records import (COMPUTE_PHASES, STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER,
+from traceml.records import (COMPUTE_PHASES, Evidence, EvidenceFigure, STEPS_FROM_BACKWARD, STEPS_FROM_OPTIMIZER,
                              STEPS_FROM_TRACE_STEP, CodeSample, Finding, FindingKind, Severity)
 from traceml.words import counted, rounded_parts
 
@@ -70,8 +70,8 @@ def _severity_clear_of_the_line(window: Window, phase: str, warn: float, crit: f
     return (Severity.INFO if high >= below else None), (low, high)
 
 
-def _evidence(window: Window, share: float, phase_ms: float, **extra: object) -> dict:
-    evidence = {"share": round(share, 4), "phase_mean_ms": round(phase_ms, 3),
+def _evidence(window: Window, share: float, phase_ms: float, **extra: EvidenceFigure) -> Evidence:
+    evidence: Evidence = {"share": round(share, 4), "phase_mean_ms": round(phase_ms, 3),
                 "step_mean_ms": round(window.step_mean_ms, 3), "steps": len(window)}
     evidence.update(extra)
     return evidence
@@ -99,7 +99,7 @@ def insufficient_data(steps_seen: int, steps_found_by: Optional[str] = None) -> 
 
 
 def _waiting(window: Window, phase: str, kind: str, what: str,
-             advise: Callable[[], Tuple[str, str, dict]]) -> Optional[Finding]:
+             advise: Callable[[], Tuple[str, str, Evidence]]) -> Optional[Finding]:
     """A phase in which the model waits (for data, for copies): warn from 10% and crit from 20%,
     read as _severity_clear_of_the_line says. advise(), asked only when there is a finding:
     what the wait is, in words ("" when nothing more is known), what to do, and its evidence."""
@@ -131,7 +131,7 @@ def input_bound(window: Window, loader: Optional[LoaderFigures] = None) -> Optio
     """INPUT_BOUND, with what to do about it read from the training DataLoader's figures (None:
     none were measured, as in traceml.summary() inside the training process)."""
 
-    def advise() -> Tuple[str, str, dict]:
+    def advise() -> Tuple[str, str, Evidence]:
         if loader is None:  # pinning only helps batches bound for an accelerator
             return "", INPUT_ACTION + (PIN_ACTION if any(s.device_timed for s in window.steps) else ""), {}
         batches = loader.batches_per_step or 1.0
@@ -326,7 +326,7 @@ TRAINERS_ACTION = ("A step this short is mostly the trainer's own fixed cost: gi
 
 
 def _where_and_what_to_do(between: bool, steps_found_by: Optional[str], outside_share: float,
-                          untraced_share: float) -> tuple:
+                          untraced_share: float) -> Tuple[str, str]:
     """Where the untraced time is and what to look at, in the words of how the steps were
     found: a trace_step block, steps inferred in the user's own loop, or a trainer's updates."""
     if steps_found_by not in (None, STEPS_FROM_TRACE_STEP, STEPS_FROM_OPTIMIZER, STEPS_FROM_BACKWARD):

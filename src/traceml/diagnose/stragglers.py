@@ -10,9 +10,9 @@ figures against the other ranks' median then name the cause.
 from __future__ import annotations
 
 import statistics
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
-from traceml.analysis.rollup import RankRow, comm_wait_parts
+from traceml.analysis.rollup import RankRow, comm_wait_parts, rank_median_ms
 from traceml.diagnose.spikes import OTHER_CPU_CORES
 from traceml.records import STRAGGLER_KINDS, Finding, FindingKind, Severity, SystemSample
 from traceml.words import rounded_parts
@@ -37,14 +37,14 @@ def straggler(ranks: List[RankRow], step_ms: float, cores_taken: Optional[float]
     if len(ranks) < 2 or step_ms <= 0:
         return None
     if all(r["comm_wait_median_ms"] is not None for r in ranks):
-        slow = min(ranks, key=lambda r: r["comm_wait_median_ms"])
+        slow = min(ranks, key=lambda r: _ms(r, "comm_wait_median_ms"))
         others = [r for r in ranks if r is not slow]
-        loss_ms = _median(others, "comm_wait_median_ms") - slow["comm_wait_median_ms"]
+        loss_ms = _median(others, "comm_wait_median_ms") - _ms(slow, "comm_wait_median_ms")
         measured = "collective wait"
     else:
         # No collective timing (not DDP): a rank's own work is its
         # step without backward, where the waiting happens.
-        own = {r["rank"]: r["step_median_ms"] - r["backward_median_ms"] for r in ranks}
+        own = {r["rank"]: _ms(r, "step_median_ms") - _ms(r, "backward_median_ms") for r in ranks}
         slow = max(ranks, key=lambda r: own[r["rank"]])
         others = [r for r in ranks if r is not slow]
         loss_ms = own[slow["rank"]] - statistics.median(own[r["rank"]] for r in others)
@@ -92,9 +92,9 @@ def _excess_ms(slow: RankRow, others: List[RankRow], key: str) -> float:
     """How much more of a figure of its training thread's (cpu_wait_median_ms: its wait for a CPU;
     on_cpu_median_ms: its time on one) the slow rank has than the others' median (0 where it is
     not known). A rank kept off the cores computes longer without doing more."""
-    if any(r.get(key) is None for r in [slow, *others]):
+    if any(rank_median_ms(r, key) is None for r in [slow, *others]):
         return 0.0
-    return max(0.0, slow[key] - _median(others, key))
+    return max(0.0, _ms(slow, key) - _median(others, key))
 
 
 def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, step_ms: float, cpu_wait_excess: float,
@@ -102,12 +102,12 @@ def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, step_ms: float,
     """What makes the slow rank late: its kind, its figure and the others' median, and what to say
     and do."""
     rank = slow["rank"]
-    input_excess = slow["input_wait_median_ms"] - _median(others, "input_wait_median_ms")
-    compute = {r["rank"]: r["forward_median_ms"] + r["backward_median_ms"]
-               - (r["comm_wait_median_ms"] or 0.0) for r in [slow, *others]}
+    input_excess = _ms(slow, "input_wait_median_ms") - _median(others, "input_wait_median_ms")
+    compute = {r["rank"]: _ms(r, "forward_median_ms") + _ms(r, "backward_median_ms")
+               - _ms(r, "comm_wait_median_ms") for r in [slow, *others]}
     compute_others_ms = statistics.median(compute[r["rank"]] for r in others)
     if input_excess >= CAUSE_SHARE * loss_ms:
-        value, median = slow["input_wait_median_ms"], _median(others, "input_wait_median_ms")
+        value, median = _ms(slow, "input_wait_median_ms"), _median(others, "input_wait_median_ms")
         return (FindingKind.INPUT_STRAGGLER, value, median,
                 f"rank {rank} is slow to get its data: {lost}; its input wait is {value:.1f} ms against {median:.1f} ms on the others",
                 f"Look at rank {rank}'s input pipeline: its shard (larger or slower files, a "
@@ -129,19 +129,24 @@ def _cause(slow: RankRow, others: List[RankRow], loss_ms: float, step_ms: float,
                 "by length), extra work only on that rank (logging, metrics, evaluation), or a "
                 "slower or throttled device (check its clocks and temperature).")
     if max(compute_excess, cpu_wait_excess) >= CAUSE_SHARE * loss_ms:
-        value, median = slow["cpu_wait_median_ms"], _median(others, "cpu_wait_median_ms")
+        value, median = _ms(slow, "cpu_wait_median_ms"), _median(others, "cpu_wait_median_ms")
         return (FindingKind.STRAGGLER, value, median,
                 f"rank {rank} waits for a CPU: {lost}; its training thread is ready to run but waits "
                 f"{value:.1f} ms a step for a core, against {median:.1f} ms on the others",
                 f"Other processes, or too many threads, hold the cores rank {rank} runs on: {CORES_OF_ITS_OWN}")
-    return (FindingKind.STRAGGLER, slow["step_median_ms"], _median(others, "step_median_ms"),
+    return (FindingKind.STRAGGLER, _ms(slow, "step_median_ms"), _median(others, "step_median_ms"),
             f"rank {rank} holds the others back: {lost}; neither its input wait nor its compute explains it",
             f"Compare rank {rank}'s time outside the step and untraced time with the others', "
             "and its host: CPU contention, another process on its device, a slower link.")
 
 
+def _ms(row: RankRow, key: str) -> float:
+    """A median the rule has checked is measured on every rank it reads (a None reads as 0.0)."""
+    return rank_median_ms(row, key) or 0.0
+
+
 def _median(ranks: List[RankRow], key: str) -> float:
-    return statistics.median(r[key] for r in ranks)
+    return float(statistics.median(_ms(r, key) for r in ranks))
 
 
 FSDP_COMM_ACTION = (
@@ -172,8 +177,8 @@ def comm_bound(ranks: List[RankRow], step_ms: float, sharded_by: str = "") -> Op
     ranks = [r for r in ranks if r["steps"] and r["comm_wait_median_ms"] is not None]
     if len(ranks) < 2 or step_ms <= 0:
         return None
-    least = min(ranks, key=lambda r: r["comm_wait_median_ms"])
-    exposed_ms = least["comm_wait_median_ms"]
+    least = min(ranks, key=lambda r: _ms(r, "comm_wait_median_ms"))
+    exposed_ms = _ms(least, "comm_wait_median_ms")
     share = exposed_ms / step_ms
     if share < COMM_WARN_SHARE:
         return None
@@ -203,19 +208,23 @@ def comm_bound(ranks: List[RankRow], step_ms: float, sharded_by: str = "") -> Op
                   "ranks": len(ranks), "measured_by": f"{measured_by} collectives" if sharded else "DDP all-reduce"})
 
 
-def straggler_finding(findings: Sequence[Any]) -> Optional[Any]:
-    """The straggler finding (INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER), or None. Findings
-    as the rules return them (Finding) or as the summary keeps them (dicts)."""
+# A finding as the rules return it, or as final_summary.json keeps it (a dict).
+FindingOrDict = Union[Finding, Mapping[str, object]]
+
+
+def straggler_finding(findings: Sequence[FindingOrDict]) -> Optional[FindingOrDict]:
+    """The straggler finding (INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER), or None."""
     for finding in findings:
-        read = dict.get if isinstance(finding, dict) else getattr
-        if read(finding, "kind") in STRAGGLER_KINDS:
+        kind = finding.kind if isinstance(finding, Finding) else finding.get("kind")
+        if kind in STRAGGLER_KINDS:
             return finding
     return None
 
 
-def straggler_rank(findings: Sequence[Any]) -> Optional[int]:
+def straggler_rank(findings: Sequence[FindingOrDict]) -> Optional[int]:
     """The rank a straggler finding names (the rank tables mark it), or None."""
     finding = straggler_finding(findings)
     if finding is None:
         return None
-    return finding["rank"] if isinstance(finding, dict) else finding.rank
+    rank = finding.rank if isinstance(finding, Finding) else finding.get("rank")
+    return rank if isinstance(rank, int) else None

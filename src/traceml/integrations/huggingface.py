@@ -73,7 +73,7 @@ class TraceMLTrainer(Trainer):
                    for c in callbacks):
             callbacks.append(TraceMLTrainerCallback())
         init()
-        super().__init__(*args, callbacks=callbacks, **kwargs)
+        super().__init__(*args, callbacks=callbacks, **kwargs)  # type: ignore[misc]  # callbacks taken out of kwargs above
 
 
 __all__ = ["init", "TraceMLTrainerCallback", "TraceMLTrainer"]

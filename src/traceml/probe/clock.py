@@ -8,11 +8,22 @@ injected, so the logic is tested on the CPU with a fake event.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 import msgspec
 
 from traceml.records import TIMED_PHASES, StepRecord
+
+
+class DeviceEvent(Protocol):
+    """What the timeline asks of an event (torch.cuda.Event; a fake one in the tests)."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end_event: Any) -> float: ...  # torch.cuda.Event takes its own type
+
 
 MAX_PENDING_STEPS = 4096  # a device that stops completing work must not grow memory forever
 
@@ -21,12 +32,12 @@ class PendingDeviceStep(NamedTuple):
     """A finished step whose host figures are known and whose device figures are in flight."""
 
     host: Any  # the host-timed step: a StepRecord, or the probe's EndedWindow for one
-    start_event: Any
-    end_event: Any
-    next_start_event: Optional[Any]  # the first event of the next step; None when the run ended after this step
-    phase_events: List[Tuple[str, Any, Any]]
+    start_event: DeviceEvent
+    end_event: DeviceEvent
+    next_start_event: Optional[DeviceEvent]  # the first event of the next step; None when the run ended after this step
+    phase_events: List[Tuple[str, DeviceEvent, DeviceEvent]]
 
-    def events(self) -> List[Any]:
+    def events(self) -> List[DeviceEvent]:
         """Each event once (the comm-wait pair shares backward's end event)."""
         evs = {id(self.start_event): self.start_event, id(self.end_event): self.end_event}
         if self.next_start_event is not None:
@@ -40,14 +51,14 @@ class PendingDeviceStep(NamedTuple):
 class DeviceTimeline:
     """An event pool and the FIFO of steps waiting for their events to complete."""
 
-    def __init__(self, make_event: Callable[[], Any]):
+    def __init__(self, make_event: Callable[[], DeviceEvent]):
         self._make_event = make_event
-        self._pool: List[Any] = []
+        self._pool: List[DeviceEvent] = []
         self._pending: Deque[PendingDeviceStep] = collections.deque()
         self.dropped_steps = 0
 
     # -- training thread ------------------------------------------------------------------
-    def record(self) -> Any:
+    def record(self) -> DeviceEvent:
         """Record an event on the current stream now; cheap enough for the hot path."""
         try:
             event = self._pool.pop()
@@ -56,7 +67,7 @@ class DeviceTimeline:
         event.record()
         return event
 
-    def release(self, event: Any) -> None:
+    def release(self, event: DeviceEvent) -> None:
         self._pool.append(event)
 
     def submit(self, step: PendingDeviceStep) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import sys
 import threading
 import time
+from types import CodeType, FrameType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from traceml.probe.pulse import is_user_frame
@@ -114,8 +115,8 @@ class CodeSampler:
                 self._take("startup", sys._current_frames().get(self.thread_id), weight)
 
     # -- the tallies -------------------------------------------------------------------------
-    def _take(self, part: str, frame: Any, weight: float) -> None:
-        innermost: Optional[Tuple[Any, int]] = None
+    def _take(self, part: str, frame: Optional[FrameType], weight: float) -> None:
+        innermost: Optional[Tuple[CodeType, int]] = None
         statement = importing = 0
         while frame is not None:
             code = frame.f_code

@@ -13,7 +13,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from types import ModuleType
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from traceml.probe.step_state import COMPILE_NS
 from traceml.records import CompileRecord
@@ -35,13 +36,13 @@ class CompileWatch:
         self._graph_breaks_seen: Dict[str, int] = {}
 
     # -- training thread: torch calls these around each compilation ------------------------
-    def on_start(self, *args: Any) -> None:
+    def on_start(self, *args: object) -> None:
         if threading.get_ident() != self.probe.training_thread:
             return
         compile_id, trigger = _describe(args)
         self._started = (compile_id, trigger, time.perf_counter_ns())
 
-    def on_end(self, *args: Any) -> None:
+    def on_end(self, *args: object) -> None:
         started, self._started = self._started, None
         if started is None or threading.get_ident() != self.probe.training_thread:
             return
@@ -101,7 +102,7 @@ class CompileWatch:
         return new
 
 
-def install(probe: Any, callback_module: Any) -> Optional[Any]:
+def install(probe: Any, callback_module: ModuleType) -> Optional[Callable[[], None]]:
     """Register a CompileWatch with torch's compile callbacks; returns how to take it back."""
     handler = getattr(callback_module, "callback_handler", None)
     if handler is None or not hasattr(handler, "register_start_callback"):

@@ -30,10 +30,18 @@ import math
 import statistics
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Type
 
 from traceml.records import (CAPTURE_MEMORY, CAPTURE_REGRESSION, CAPTURE_SPIKE, MAX_WARMUP_STEPS, LayerCapture,
                              LayerReport, LayerStat, StepRecord)
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from torch import Tensor
+    from torch.autograd.graph import saved_tensors_hooks
+    from torch.nn import Module
+    from torch.utils.hooks import RemovableHandle
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
@@ -51,7 +59,7 @@ BASELINE_STEPS = 2
 class LayerProbe:
     """Deep-dive state for one model in one training process."""
 
-    def __init__(self, probe: Any, model: Any, every_n_steps: int = DEFAULT_EVERY_N_STEPS,
+    def __init__(self, probe: Any, model: Module, every_n_steps: int = DEFAULT_EVERY_N_STEPS,
                  auto_capture: bool = True):
         """every_n_steps: sample every Nth step; 0 samples only to capture (auto_capture: when
         the probe sees a step go wrong, the next CAPTURE_STEPS steps are sampled, against a
@@ -84,7 +92,7 @@ class LayerProbe:
         # Multiplying it makes one autograd node, whose sequence number says where a module's
         # forward begins (torch numbers nodes as it makes them, per thread).
         self._marker = torch.zeros((), requires_grad=True)
-        self._handles: List[Any] = []
+        self._handles: List[RemovableHandle] = []
         self._watched: List[Tuple[str, Any, int]] = []  # weakrefs to outputs and saved tensors
         self._watched_step = 0  # the sampled step they come from
         # Activations for the memory ledger: bytes saved for backward since the last backward
@@ -204,8 +212,8 @@ class LayerProbe:
     def _start_capture(self) -> None:
         """A rule fired: sample the next steps into figures of their own, beside the ones so
         far (the sample before)."""
-        reason, detail, step = self.watch.request
-        self.watch.request = None
+        reason, detail, step = self.watch.request  # type: ignore[union-attr, misc]  # called when the watch asked
+        self.watch.request = None  # type: ignore[union-attr]  # called when the watch asked
         if self.captures_taken >= MAX_CAPTURES or not self.sampled_steps or not _capturable():
             return
         self.captures_taken += 1
@@ -221,12 +229,12 @@ class LayerProbe:
         if not finishing and any(id(span[0]) in rows for span in self._device_spans):
             return
         self._capture = None
-        captured, self.stats = self.stats, capture.stats_before
-        sampled = CAPTURE_STEPS - capture.steps_left
+        captured, self.stats = self.stats, capture.stats_before  # type: ignore[union-attr]  # called while a capture runs
+        sampled = CAPTURE_STEPS - capture.steps_left  # type: ignore[union-attr]  # called while a capture runs
         if sampled:
             self.probe.sender.push(LayerCapture(
-                rank=self.probe.rank, step=capture.step, reason=capture.reason, detail=capture.detail,
-                before_steps=capture.before_steps, after_steps=sampled, before=capture.before,
+                rank=self.probe.rank, step=capture.step, reason=capture.reason, detail=capture.detail,  # type: ignore[union-attr]  # called while a capture runs
+                before_steps=capture.before_steps, after_steps=sampled, before=capture.before,  # type: ignore[union-attr]  # called while a capture runs
                 after=self._layer_stats(captured, {})))
 
     def finish(self) -> None:
@@ -242,7 +250,7 @@ class LayerProbe:
         """The regular samples' mean FLOPs a step (0 before the first)."""
         return self._sampled_flops // self.sampled_steps if self.sampled_steps else 0
 
-    def saved_tensors_context(self) -> Any:
+    def saved_tensors_context(self) -> saved_tensors_hooks:
         """The context the model's forward runs in on a sampled step (see TimedForward)."""
         return self._torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
@@ -250,12 +258,12 @@ class LayerProbe:
         return self._stack[-1][0] if self._stack else None
 
     # -- forward ------------------------------------------------------------------------------
-    def _before_forward(self, module: Any, args: tuple) -> None:
+    def _before_forward(self, module: Module, args: Tuple[object, ...]) -> None:
         entered_ns = _now_ns()
         name = self.names.get(id(module))
         if name is None:
             return
-        first_node = (self._marker * 1.0).grad_fn._sequence_nr() + 1 if self._torch.is_grad_enabled() else None
+        first_node = (self._marker * 1.0).grad_fn._sequence_nr() + 1 if self._torch.is_grad_enabled() else None  # type: ignore[union-attr]  # a grad-enabled product has a grad_fn
         timeline = self.probe.timeline
         allocated = self.probe.device_memory.read()[0] if self.probe.device_memory is not None else None
         start: Any = timeline.record() if timeline is not None else _now_ns()
@@ -264,7 +272,7 @@ class LayerProbe:
         # [module, first node, start, storages saved, allocated, TraceML's own ns inside it]
         self._stack.append([name, first_node, start, set(), allocated, 0])
 
-    def _after_forward(self, module: Any, args: tuple, output: Any) -> None:
+    def _after_forward(self, module: Module, args: Tuple[object, ...], output: object) -> None:
         ended_ns = _now_ns()
         name = self.names.get(id(module))
         if name is None or not self._stack or self._stack[-1][0] != name:
@@ -292,7 +300,7 @@ class LayerProbe:
         if timeline is None:
             self._charge(_now_ns() - ended_ns)
 
-    def _count_flops(self, module: Any, args: tuple, output: Any, flops: Tuple[int, bool],
+    def _count_flops(self, module: Module, args: Tuple[object, ...], output: Tensor, flops: Tuple[int, bool],
                      grad_enabled: bool) -> None:
         """A Linear's or convolution's call: its product forward, and the ones backward will
         compute for the gradients that need one (its input's, its weight's). A forward run
@@ -301,7 +309,7 @@ class LayerProbe:
         first = args[0] if args and isinstance(args[0], self._torch.Tensor) else None
         if of_input and first is None:
             return
-        forward = per_element * (first.numel() if of_input else output.numel())
+        forward = per_element * (first.numel() if of_input else output.numel())  # type: ignore[union-attr]  # an input or an output is there to count
         products = 1
         if grad_enabled and self._graph_task_id() == -1:
             weight = getattr(module, "weight", None)
@@ -343,7 +351,7 @@ class LayerProbe:
         for node in set(heads):
             node.register_prehook(lambda grad_outputs, span=span: self._backward_start(span))
 
-    def _pack(self, tensor: Any) -> Any:
+    def _pack(self, tensor: Tensor) -> Tensor:
         """Every tensor saved for backward counts for each module in flight, once per call."""
         entered_ns = _now_ns()
         try:
@@ -364,7 +372,7 @@ class LayerProbe:
         self._charge(_now_ns() - entered_ns)
         return tensor
 
-    def _watch(self, name: str, tensor: Any, size: int) -> None:
+    def _watch(self, name: str, tensor: Tensor, size: int) -> None:
         """Keep a weak reference: if the tensor outlives its step, something leaks it."""
         try:
             self._watched.append((name, weakref.ref(tensor), size))
@@ -457,7 +465,7 @@ class LayerProbe:
             layers=self._layer_stats(self.stats, self.alive), flops_per_step=self.flops_per_step or None))
 
 
-def _matmul_modules(model: Any, nn: Any) -> Dict[int, Tuple[int, bool]]:
+def _matmul_modules(model: Module, nn: ModuleType) -> Dict[int, Tuple[int, bool]]:
     """id(module) -> (FLOPs a forward element, whether of its input) for each Linear and
     convolution in the model: 2 a multiply-add of the product, the bias add not counted (as
     torch.utils.flop_counter counts them). A Linear's output element takes in_features of them;
@@ -475,11 +483,11 @@ def _matmul_modules(model: Any, nn: Any) -> Dict[int, Tuple[int, bool]]:
     return found
 
 
-def _unpack(tensor: Any) -> Any:
+def _unpack(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def _tensors(value: Any, tensor_type: type) -> List[Any]:
+def _tensors(value: object, tensor_type: Type[Tensor]) -> List[Tensor]:
     """The tensors a module returned: itself, or those in its list, tuple or dict."""
     values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
     return [v for v in values if isinstance(v, tensor_type)]

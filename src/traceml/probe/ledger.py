@@ -25,9 +25,17 @@ import math
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Hashable, Iterator, List, Optional, Protocol, Set, Tuple, TypedDict, TypeVar
 
 from traceml.records import MemoryLedger, adapter_target
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from torch.nn import Module
+    from torch.optim import Optimizer
+
+T = TypeVar("T")
+StorageKey = Hashable  # the same for tensors that share storage (tensor_storage)
 
 log = logging.getLogger("traceml")
 
@@ -35,21 +43,40 @@ READING_INTERVAL_S = 2.0  # between readings at step starts, at most as often as
 FIRST_READING_STEPS = (1, 2)  # after the first update (an optimizer's state is made then), and once more
 
 
+class GatherPeaks(Protocol):
+    """The most a sharded model held all-gathered at once, by phase (probe/sharded.GatherWatch)."""
+
+    step: int  # the step the ledger reads at
+    peak_bytes: Dict[str, Optional[int]]
+
+
+class ParameterFigures(TypedDict):
+    """The parameters' MemoryLedger fields."""
+
+    trainable_bytes: int
+    frozen_bytes: int
+    trainable_dtypes: Dict[str, int]
+    frozen_dtypes: Dict[str, int]
+    parameters: int
+    trainable_parameters: int
+    unsharded_parameter_bytes: Optional[int]
+
+
 class LedgerWatch:
     """The models and optimizers of one training process, and the ledger last sent for them."""
 
-    def __init__(self, rank: int, clock: Any = time.time):
+    def __init__(self, rank: int, clock: Callable[[], float] = time.time):
         self.rank = rank
         self._clock = clock
         # Weak references, in the order they were handed over (optimizers are named in it).
-        self._models: List[Any] = []
-        self._optimizers: List[Any] = []
+        self._models: List[weakref.ref[Module]] = []
+        self._optimizers: List[weakref.ref[Optimizer]] = []
         # Gradients come and go (zero_grad(set_to_none=True)); each parameter keeps the size of
         # the last one seen, which backward makes again at every step: id(parameter) -> (a
         # weak reference to it, its gradient's bytes). Keyed by id: a tensor's == is
         # elementwise, so tensors cannot key a WeakKeyDictionary. A gradient gone now counts
         # by its size alone: its storage's address may be another gradient's by now.
-        self._gradients: Dict[int, Tuple[Any, Any, int]] = {}
+        self._gradients: Dict[int, Tuple[weakref.ref[Tensor], Tuple[int, StorageKey], int]] = {}
         # Each pass that notes gradients is a generation: gradients noted in one pass were alive
         # together, so those that shared a storage then (FSDP's reduce-scatter output, a DDP
         # bucket) count once when gone; one address seen in two passes may be two storages.
@@ -60,25 +87,25 @@ class LedgerWatch:
         self._watched = 0  # models and optimizers handed over so far, freed ones included
         self._paced_from: Optional[Tuple[int, float]] = None  # (step, time) of the last reading at a step start
         self._reading = threading.Lock()  # the last reading is compared and replaced in one go
-        self._gathers: Any = None  # a sharded model's GatherWatch (probe/sharded.py)
+        self._gathers: Optional[GatherPeaks] = None  # a sharded model's (probe/sharded.GatherWatch)
         self._sharded_by = ""
 
     # -- the training thread hands these over ------------------------------------------------
-    def watch_model(self, model: Any) -> None:
+    def watch_model(self, model: Module) -> None:
         self._watch(self._models, model)
 
-    def _watch(self, watched: List[Any], thing: Any) -> None:
+    def _watch(self, watched: List[weakref.ref[T]], thing: T) -> None:
         if not any(ref() is thing for ref in watched):
             watched.append(weakref.ref(thing))
             self._watched += 1
 
-    def watch_optimizer(self, optimizer: Any) -> None:
+    def watch_optimizer(self, optimizer: Optimizer) -> None:
         """An optimizer seen stepping: its state is read from now on (a trainer's wrapper,
         Accelerate's AcceleratedOptimizer say, is read through the optimizer it wraps)."""
         inner = getattr(optimizer, "optimizer", None)
         self._watch(self._optimizers, inner if inner is not None and hasattr(inner, "state") else optimizer)
 
-    def watch_sharding(self, watch: Any, sharded_by: str) -> None:
+    def watch_sharding(self, watch: GatherPeaks, sharded_by: str) -> None:
         """A sharded model (by FSDP2, FSDP1, DeepSpeed ZeRO: `sharded_by`) and its all-gathers:
         each step a reading starts is watched for their peak."""
         self._gathers, self._sharded_by = watch, sharded_by
@@ -129,10 +156,10 @@ class LedgerWatch:
             return ledger
 
     @staticmethod
-    def _alive(watched: List[Any]) -> List[Any]:
+    def _alive(watched: List[weakref.ref[T]]) -> List[T]:
         return [thing for thing in (ref() for ref in watched) if thing is not None]
 
-    def _parameters(self) -> Iterator[Tuple[str, Any]]:
+    def _parameters(self) -> Iterator[Tuple[str, Tensor]]:
         """(name, parameter) of every watched model, then the optimizers' parameters no model
         holds ("" for a name); each parameter once."""
         seen = set()
@@ -148,14 +175,14 @@ class LedgerWatch:
                         seen.add(id(parameter))
                         yield "", parameter
 
-    def _note_gradient(self, parameter: Any) -> None:
+    def _note_gradient(self, parameter: Tensor) -> None:
         grad = parameter.grad
         if grad is not None:
             key, size = tensor_storage(grad)
             self._gradients[id(parameter)] = (weakref.ref(parameter), (self._noting, key), size)
 
     def _read(self, step: int) -> MemoryLedger:
-        counted: Set[Any] = set()  # storages already in some part
+        counted: Set[StorageKey] = set()  # storages already in some part
         adapter = _Adapters()
         self._noting += 1
         parameters = list(self._parameters())
@@ -178,8 +205,8 @@ class LedgerWatch:
             gathered_forward_peak_bytes=peaks.get("forward"), gathered_backward_peak_bytes=peaks.get("backward"),
             sharded_by=self._sharded_by, **(_mesh(parameters) if sharded else {}))
 
-    def _read_parameters(self, parameters: List[Tuple[str, Any]], counted: Set[Any],
-                         adapter: "_Adapters") -> Dict[str, Any]:
+    def _read_parameters(self, parameters: List[Tuple[str, Tensor]], counted: Set[StorageKey],
+                         adapter: "_Adapters") -> ParameterFigures:
         """The parameters' MemoryLedger fields; each one's gradient noted as it is seen."""
         dtypes: Dict[bool, Dict[str, int]] = {True: {}, False: {}}  # by requires_grad
         elements = trainable_elements = unsharded = 0
@@ -203,11 +230,11 @@ class LedgerWatch:
                 "trainable_parameters": trainable_elements,
                 "unsharded_parameter_bytes": unsharded if sharded else None}
 
-    def _read_gradients(self, counted: Set[Any], adapter: "_Adapters") -> Tuple[int, int]:
+    def _read_gradients(self, counted: Set[StorageKey], adapter: "_Adapters") -> Tuple[int, int]:
         """The trainable parameters' gradients, each at the size it last had, and at the size
         they have unsharded (a sharded gradient, a DTensor, gives its full size)."""
         gradient_bytes = unsharded_bytes = 0
-        gone_counted: Set[Any] = set()  # storages of gradients gone now, as they were when seen
+        gone_counted: Set[Tuple[int, StorageKey]] = set()  # storages of gradients gone now, as they were when seen
         for parameter_id, (ref, seen_key, size) in list(self._gradients.items()):
             parameter = ref()
             if parameter is None:  # its model is gone
@@ -233,7 +260,7 @@ class LedgerWatch:
                 adapter.gradient_bytes += size
         return gradient_bytes, unsharded_bytes
 
-    def _read_optimizers(self, counted: Set[Any], adapter: "_Adapters") -> Tuple[Dict[str, int], int]:
+    def _read_optimizers(self, counted: Set[StorageKey], adapter: "_Adapters") -> Tuple[Dict[str, int], int]:
         """Each optimizer's state tensors, by optimizer, and all of them at their unsharded size."""
         optimizer_bytes: Dict[str, int] = {}
         unsharded_bytes = 0
@@ -253,7 +280,7 @@ class LedgerWatch:
             optimizer_bytes[name] = held
         return optimizer_bytes, unsharded_bytes
 
-    def _adapter_config(self, parameters: List[Tuple[str, Any]]) -> Tuple[str, Optional[int]]:
+    def _adapter_config(self, parameters: List[Tuple[str, Tensor]]) -> Tuple[str, Optional[int]]:
         """("LoRA", r) from a PEFT model's config, or from a lora_A weight's rows without one."""
         for model in self._alive(self._models):
             configs = getattr(model, "peft_config", None)
@@ -275,7 +302,7 @@ class _Adapters:
         self.targets: Dict[str, int] = {}
         self.ids: Set[int] = set()  # id() of the adapter parameters, for their gradients and state
 
-    def take(self, name: str, parameter: Any, size: int) -> None:
+    def take(self, name: str, parameter: Tensor, size: int) -> None:
         """Count the parameter if it is an adapter's."""
         target = adapter_target(name)
         if target is None:
@@ -286,7 +313,7 @@ class _Adapters:
         self.targets[target] = self.targets.get(target, 0) + size
 
 
-def tensor_storage(tensor: Any) -> Tuple[Any, int]:
+def tensor_storage(tensor: Tensor) -> Tuple[StorageKey, int]:
     """(a key that is the same for tensors sharing storage, the storage's bytes). A sharded
     tensor (DTensor) is its local shard. The key is the storage's address alone: devices'
     memory and the host's never share addresses in one process (CUDA's unified addressing)."""
@@ -303,7 +330,7 @@ def tensor_storage(tensor: Any) -> Tuple[Any, int]:
     return ("object", id(tensor)), tensor.numel() * tensor.element_size()
 
 
-def _unsharded_size(tensor: Any, local_bytes: int) -> int:
+def _unsharded_size(tensor: Tensor, local_bytes: int) -> int:
     """A sharded tensor's (a DTensor's) bytes unsharded: its full shape's; another's own bytes.
     A gradient's is its parameter's full shape at the gradient's bytes per element."""
     if getattr(tensor, "_local_tensor", None) is None:
@@ -313,7 +340,7 @@ def _unsharded_size(tensor: Any, local_bytes: int) -> int:
     return int(tensor.numel()) * element_size
 
 
-def _mesh(parameters: List[Tuple[str, Any]]) -> Dict[str, Dict[str, int]]:
+def _mesh(parameters: List[Tuple[str, Tensor]]) -> Dict[str, Dict[str, int]]:
     """The first DTensor parameter's DeviceMesh: {"mesh_dims": name -> size, "mesh_coordinate":
     name -> this rank's index}; a dimension without a name is "dim0", "dim1", ... ({} if unread)."""
     for _, parameter in parameters:
@@ -332,11 +359,11 @@ def _mesh(parameters: List[Tuple[str, Any]]) -> Dict[str, Dict[str, int]]:
     return {}
 
 
-def _is_tensor(value: Any) -> bool:
+def _is_tensor(value: object) -> bool:
     return hasattr(value, "untyped_storage") and hasattr(value, "element_size")
 
 
-def _optimizer_name(optimizer: Any, taken: Dict[str, int]) -> str:
+def _optimizer_name(optimizer: Optimizer, taken: Dict[str, int]) -> str:
     """The optimizer's class ("AdamW"), numbered when several share it ("AdamW 2")."""
     base = type(optimizer).__name__
     name, number = base, 1
@@ -346,7 +373,7 @@ def _optimizer_name(optimizer: Any, taken: Dict[str, int]) -> str:
     return name
 
 
-def _figures(ledger: MemoryLedger) -> Tuple[Any, ...]:
+def _figures(ledger: MemoryLedger) -> Tuple[object, ...]:
     """The figures a reading is sent for when one of them moves (its step and time aside)."""
     return (ledger.trainable_bytes, ledger.frozen_bytes, ledger.gradient_bytes, ledger.optimizer_state_bytes,
             ledger.activation_bytes, ledger.adapter_parameter_bytes, ledger.adapter_gradient_bytes,

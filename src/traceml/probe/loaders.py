@@ -18,9 +18,13 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from traceml.records import LoaderSample
+
+if TYPE_CHECKING:
+    # A DataLoader's iterator: its private attributes are what the watch reads.
+    from torch.utils.data.dataloader import _BaseDataLoaderIter as LoaderIterator
 
 log = logging.getLogger("traceml")
 
@@ -38,7 +42,7 @@ def usable_cores() -> int:
 class _Watched:
     """One noted iterator: what has been read of it so far."""
 
-    def __init__(self, iterator: Any, index: int):
+    def __init__(self, iterator: LoaderIterator, index: int):
         self.ref = weakref.ref(iterator, self._gone)
         self.index = index
         self.config: Optional[dict] = None  # read at its first batch: its __init__ is done by then
@@ -50,7 +54,7 @@ class _Watched:
         self.readings = self.readings_with_a_batch = 0
         self.sent_at = 0.0
 
-    def _gone(self, ref: Any) -> None:
+    def _gone(self, ref: weakref.ref[LoaderIterator]) -> None:
         """The user's loop let the iterator go: let its queue and workers go too, at once."""
         self.ready_count = None
         self.worker_pids = []
@@ -67,7 +71,7 @@ class LoaderWatch:
         self._lock = threading.Lock()  # note() appends on the training thread, the sender prunes
 
     # -- training thread: once per iterator ---------------------------------------------------
-    def note(self, iterator: Any) -> None:
+    def note(self, iterator: LoaderIterator) -> None:
         with self._lock:
             if any(watched.ref() is iterator for watched in self._watched):
                 return
@@ -75,7 +79,7 @@ class LoaderWatch:
             self._made += 1
 
     # -- a thread that iterates one for the training (a prefetcher): per batch -----------------
-    def made_on_thread(self, iterator: Any, elapsed_ns: int) -> None:
+    def made_on_thread(self, iterator: LoaderIterator, elapsed_ns: int) -> None:
         for watched in self._watched:  # the live ones: one or two
             if watched.ref() is iterator:
                 watched.thread_next_ns += elapsed_ns
@@ -108,7 +112,7 @@ class LoaderWatch:
             if (now_s - watched.sent_at < SAMPLE_EVERY_S and not final) or not self._read(watched):
                 continue
             watched.sent_at = now_s
-            out.append(LoaderSample(
+            out.append(LoaderSample(  # type: ignore[arg-type]  # None only for a loader not read
                 rank=self.rank, loader=watched.index, unix_s=now_s, **watched.config,
                 usable_cores=self.cores, batches=watched.batches,
                 worker_cpu_s=sum(cpu_s for cpu_s, _ in watched.times_by_worker.values()),
@@ -161,7 +165,7 @@ class LoaderWatch:
         watched.times_by_worker = times_by_worker
         return True
 
-    def _first_read(self, watched: _Watched, iterator: Any) -> None:
+    def _first_read(self, watched: _Watched, iterator: LoaderIterator) -> None:
         num_workers = int(iterator._num_workers)
         sampler = getattr(iterator, "_index_sampler", None)
         batch_size = getattr(sampler, "batch_size", None) if getattr(iterator, "_auto_collation", False) else None

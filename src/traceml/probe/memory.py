@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Optional, Tuple
+from types import ModuleType
+from typing import TYPE_CHECKING, Optional, Tuple
+
+if TYPE_CHECKING:
+    from torch import device
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -11,7 +15,7 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 class DeviceMemory:
     """The CUDA caching allocator's counters for one device: host-side reads, never a sync."""
 
-    def __init__(self, torch: Any, device: Any, counting: bool = True):
+    def __init__(self, torch: ModuleType, device: device, counting: bool = True):
         self._cuda = torch.cuda
         self._device = device
         self._index = device.index if device.index is not None else torch.cuda.current_device()

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Tuple, TypedDict, TypeVar, cast
 
 from traceml.probe import step
 from traceml.probe.patches import Patches
@@ -22,16 +22,28 @@ from traceml.probe.step_state import _now_ns
 from traceml.probe.step import StepProbe
 from traceml.probe.syncs import HostSyncSampler
 from traceml.rendezvous import rank_env, ENV_AUTO_CAPTURE, ENV_DEEP, ENV_DEEP_EVERY, ENV_TOKEN
-from traceml.records import STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, RankHello
+from traceml.records import STEPS_FROM_OPTIMIZER, STEPS_FROM_TRACE_STEP, CodeSample, RankHello
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from torch import device
+    from torch.nn import Module
+    from torch.optim import Optimizer
+    from torch.utils.hooks import RemovableHandle
+
+    from traceml.probe.code_sites import StartupSampler
+    from traceml.probe.memory import DeviceMemory
 
 log = logging.getLogger("traceml")
 
 
 _NO_TRACE = contextlib.nullcontext()  # what trace_step returns once TraceML has disabled itself
+M = TypeVar("M", bound="Module")  # a model handed in, and handed back
 _trace_step: Any = None
 first_call = FirstModelCall()  # the process's wait for a first module call (zero-code, inferred steps)
 patches: Optional[Patches] = None  # the probe's patches, while attached
-_hooked_models: "weakref.WeakKeyDictionary[Any, List[Any]]" = weakref.WeakKeyDictionary()
+_hooked_models: "weakref.WeakKeyDictionary[Module, List[RemovableHandle]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _disabled = False
 # The model trace_step was last called with, once set up (a weakref, or _no_model): the same
@@ -91,13 +103,13 @@ def _note_explicit_steps() -> None:
         probe.stop_inferring_steps()
 
 
-def _setup(model: Any) -> None:
+def _setup(model: Optional[Module]) -> None:
     global _trace_step, patches
     setup_started_ns = first_call_ns or _now_ns()
     with _lock:
         if step._probe is None:
             step._probe = _create_probe(model)
-            step._probe.setup_started_ns = setup_started_ns
+            step._probe.setup_started_ns = setup_started_ns  # type: ignore[misc]  # probe.step: typed when the StepProbe split lands
         if _trace_step is None:  # first use, or after detach()
             patches = Patches(step._probe, first_call)
             patches.install()
@@ -106,36 +118,36 @@ def _setup(model: Any) -> None:
             _hook(model)
 
 
-def _hook(model: Any) -> None:
+def _hook(model: Module) -> None:
     """Time this model's forward (and, under `traceml run --deep`, deep-dive on it)."""
     probe = step._probe
     if patches is None:  # detached meanwhile
         return
     _hooked_models[model] = patches.hook_model(model)
-    ledger = getattr(probe.sender, "ledger", None)
+    ledger = getattr(probe.sender, "ledger", None)  # type: ignore[union-attr]  # probe.step: typed when the StepProbe split lands
     if ledger is not None:
         ledger.watch_model(model)
-    if probe.layers is None and (os.environ.get(ENV_DEEP) or _auto_capture()):
+    if probe.layers is None and (os.environ.get(ENV_DEEP) or _auto_capture()):  # type: ignore[union-attr]  # probe.step: typed when the StepProbe split lands
         from traceml.probe.layers import DEFAULT_EVERY_N_STEPS, LayerProbe
 
         # traceml run --deep samples every Nth step; otherwise steps are sampled only to
         # capture what grew when a rule fires.
         every = int(os.environ.get(ENV_DEEP_EVERY) or DEFAULT_EVERY_N_STEPS) if os.environ.get(ENV_DEEP) else 0
-        probe.layers = LayerProbe(probe, model, every_n_steps=every, auto_capture=_auto_capture())
+        probe.layers = LayerProbe(probe, model, every_n_steps=every, auto_capture=_auto_capture())  # type: ignore[union-attr]  # probe.step: typed when the StepProbe split lands
 
 
 def _auto_capture() -> bool:
     return os.environ.get(ENV_AUTO_CAPTURE, "1") != "0"
 
 
-def hook_inferred_model(model: Any) -> None:
+def hook_inferred_model(model: Module) -> None:
     """Steps inferred: time this model, found at its first call (patches.first_call)."""
     with _lock:
         if step._probe is not None and model not in _hooked_models:
             _hook(model)
 
 
-def _time_the_model_of(optimizer: Any) -> bool:
+def _time_the_model_of(optimizer: Optimizer) -> bool:
     """At an optimizer's first step: when traced models do not hold all its parameters (the
     first module called was another one: a GAN's discriminator, say, for the generator's
     optimizer, or an encoder beside its decoder), the next module called that holds the others
@@ -155,7 +167,7 @@ def _time_the_model_of(optimizer: Any) -> bool:
 
 def infer_steps(web_port: Optional[int] = None, run_name: Optional[str] = None,
                 profile_memory: bool = True, steps_from: str = STEPS_FROM_OPTIMIZER,
-                device_of: Any = None, model: Any = None) -> Optional[StepProbe]:
+                device_of: Optional[Module] = None, model: Optional[Module] = None) -> Optional[StepProbe]:
     """Trace without trace_step: each step ends at optimizer.step() (the Trace API, zero-code
     mode, the trainer integrations; steps_from says which, for the card).
 
@@ -177,7 +189,7 @@ def infer_steps(web_port: Optional[int] = None, run_name: Optional[str] = None,
             if probe is not None and not _explicit_steps_seen:
                 probe.set_steps_from(steps_from)
                 if not probe.auto_steps:
-                    probe.auto_steps = True
+                    probe.auto_steps = True  # type: ignore[misc]  # probe.step: typed when the StepProbe split lands
                     if not _hooked_models:  # the model is the first one called with parameters to train
                         first_call.arm(hook_inferred_model, wanted=trainable)
         return probe
@@ -186,7 +198,7 @@ def infer_steps(web_port: Optional[int] = None, run_name: Optional[str] = None,
         return None
 
 
-def trace_model_instance(model: Any, every_n_steps: Optional[int] = None) -> Any:
+def trace_model_instance(model: M, every_n_steps: Optional[int] = None) -> M:
     """Deep-dive on this model: per-module forward and backward time and memory, measured on
     every Nth step traced by trace_step (every_n_steps, default 10). Returns the model."""
     if _disabled:
@@ -230,7 +242,7 @@ def detach() -> None:
         _trace_step = None
 
 
-def _create_probe(model: Any) -> StepProbe:
+def _create_probe(model: Optional[Module]) -> StepProbe:
     import torch
 
     from traceml.probe.memory import DeviceMemory, HostRss
@@ -275,7 +287,7 @@ def _evaluating() -> bool:
     return patches is not None and patches.evaluation.evaluating()
 
 
-def _model_device(torch: Any, model: Any) -> Any:
+def _model_device(torch: ModuleType, model: Optional[Module]) -> device:
     if model is not None:
         with contextlib.suppress(StopIteration, AttributeError, TypeError):
             return next(model.parameters()).device
@@ -284,7 +296,7 @@ def _model_device(torch: Any, model: Any) -> Any:
     return torch.device("cpu")
 
 
-def _hello(torch: Any, device: Any, device_memory: Any, startup: dict) -> RankHello:
+def _hello(torch: ModuleType, device: device, device_memory: Optional[DeviceMemory], startup: StartupFields) -> RankHello:
     rank, local_rank, world_size, node_rank = rank_env()
     return RankHello(
         rank=rank, local_rank=local_rank, world_size=world_size, node_rank=node_rank, host=socket.gethostname(),
@@ -297,18 +309,32 @@ def _hello(torch: Any, device: Any, device_memory: Any, startup: dict) -> RankHe
         steps_from=_create_options.get("steps_from", STEPS_FROM_TRACE_STEP), **startup)
 
 
-import_timer: Any = None  # zero_code's timer of the script's imports, under `traceml run`
-startup_sampler: Any = None  # and its sampler of the script's start (probe/code_sites.py)
+class ImportTimer(Protocol):
+    """zero_code's timer of the script's imports: stop() says what it timed, as the hello's fields."""
+
+    def stop(self) -> StartupFields: ...
 
 
-def _startup_so_far() -> Tuple[dict, List[Any]]:
+import_timer: Optional[ImportTimer] = None  # zero_code's, of the script's imports, under `traceml run`
+startup_sampler: Optional[StartupSampler] = None  # and its sampler of the script's start (probe/code_sites.py)
+
+
+class StartupFields(TypedDict, total=False):
+    """The hello's fields on the script's start, where `traceml run` measured them."""
+
+    imports_ms: Optional[float]
+    slowest_import: str
+    modules_imported: int
+
+
+def _startup_so_far() -> Tuple[StartupFields, List[CodeSample]]:
     """The script's import time and modules loaded until now, as the hello's fields, and where
     its start was sampled, as CodeSamples, when `traceml run` measured them (both then stop)."""
     global import_timer, startup_sampler
     timer, import_timer = import_timer, None
     sampler, startup_sampler = startup_sampler, None
-    fields = timer.stop() if timer is not None else {}
-    sites: List[Any] = []
+    fields: StartupFields = timer.stop() if timer is not None else {}
+    sites: List[CodeSample] = []
     if sampler is not None:
         sites, fields["modules_imported"] = sampler.stop(rank_env()[0])
     return fields, sites

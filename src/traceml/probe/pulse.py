@@ -21,9 +21,13 @@ import os
 import sys
 import sysconfig
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from traceml.probe.layout import NO_PHASE
+
+if TYPE_CHECKING:
+    from traceml.probe.loaders import LoaderWatch
 from traceml.records import PULSE_AFTER_S, PULSE_EVERY_S, TIMED_PHASES, Beside, Phase, RankPulse
 
 STACK_FRAMES = 12  # the user's innermost frames kept
@@ -39,13 +43,23 @@ _LIBRARY_ROOTS = tuple({os.path.normcase(path) for path in (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) if path})
 
 
+class PulsedProbe(Protocol):
+    """What a pulse reads of the probe (a probe.step.StepProbe): its step count, its open phase,
+    whether it is in evaluation."""
+
+    step_index: int  # the steps ended so far
+    in_step: int  # trace_step blocks open (nested integrations count each)
+    open_phase: int  # the timed phase open, probe.layout's index; NO_PHASE when none
+    in_evaluation: bool
+
+
 class PulseWatch:
     """Sends a RankPulse while the rank's training thread ends no step (see the docstring).
     probe: the StepProbe (its step count, open phase, evaluation flag); thread_id: the
     training thread's ident; evaluating: whether the training thread is in an evaluation region
     the patches found."""
 
-    def __init__(self, rank: int, probe: Any, thread_id: int, loaders: Any = None,
+    def __init__(self, rank: int, probe: PulsedProbe, thread_id: int, loaders: Optional[LoaderWatch] = None,
                  clock: Callable[[], float] = time.monotonic, evaluating: Callable[[], bool] = lambda: False):
         self.rank, self.probe, self.thread_id, self._clock = rank, probe, thread_id, clock
         self._evaluating = evaluating
@@ -146,7 +160,7 @@ def ranks_label(ranks: List[int]) -> str:
     return f"ranks {ranks[0]}, {ranks[1]}, ..., {ranks[-1]} ({len(ranks)}, uneven)"
 
 
-def _waited_group(frame: Any, waiting_in: str) -> str:
+def _waited_group(frame: Optional[FrameType], waiting_in: str) -> str:
     """The label of the group the collective `waiting_in` was issued on, read from its frame's
     arguments (`group=None` is the default group); "" when no frame of it says."""
     while frame is not None:
@@ -162,9 +176,9 @@ def _waited_group(frame: Any, waiting_in: str) -> str:
     return ""
 
 
-def _frames(frame: Any) -> List[Tuple[str, int, str]]:
+def _frames(frame: Optional[FrameType]) -> List[Tuple[str, int, str]]:
     """(file, line, function) from the innermost frame outwards."""
-    frames = []
+    frames: List[Tuple[str, int, str]] = []
     while frame is not None and len(frames) < 200:
         code = frame.f_code
         frames.append((code.co_filename, frame.f_lineno or 0, code.co_name))

@@ -19,16 +19,22 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Deque, List, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, TypeVar
 
 from traceml import rendezvous
 from traceml.probe.code_sites import CodeSampler
 from traceml.probe.ledger import LedgerWatch
 from traceml.probe.loaders import LoaderWatch
-from traceml.probe.pulse import PulseWatch
+from traceml.probe.pulse import PulsedProbe, PulseWatch
 from traceml.probe.step_records import QueuedSteps, StepRecords
 from traceml.records import RankEnd, RankHello, StepRecord
 from traceml.wire import HEADER_BYTES, Record, decode_payload, encode_frame
+
+if TYPE_CHECKING:
+    from traceml.probe.clock import DeviceTimeline
+    from traceml.probe.compile import CompileWatch
+    from traceml.probe.memory import HostRss
+    from traceml.probe.thread_cpu import ThreadCpu
 
 log = logging.getLogger("traceml")
 
@@ -53,11 +59,21 @@ HEARTBEAT_S = 20.0  # an empty frame when nothing else went out: the collector d
 QUIET_CONNECT_S = 15.0  # other ranks may start before rank 0's collector: no warning before this
 
 
-class StepFeed(QueuedSteps, Protocol):
+class StepFeed(QueuedSteps, PulsedProbe, Protocol):
     """What the sender reads of the probe that feeds it (a probe.step.StepProbe), on its thread:
-    the steps it queued (made into records by a StepRecords) and how many have ended."""
+    the steps it queued (made into records by a StepRecords) and how many have ended; and what
+    its pulse watch reads of it (probe/pulse.PulsedProbe)."""
 
-    step_index: int  # the steps ended so far
+
+T = TypeVar("T")
+
+
+class PendingRecord(Protocol):
+    """A record whose value the device has yet to copy (probe.tracer's device scalars)."""
+
+    def ready(self) -> bool: ...
+
+    def record(self) -> Record: ...
 
 
 class Sender:
@@ -70,7 +86,8 @@ class Sender:
     for the collector rank 0 starts under the Trace API (its web page, its run directory's name).
     """
 
-    def __init__(self, hello: RankHello, timeline: Any = None, host_rss: Any = None, thread_cpu: Any = None,
+    def __init__(self, hello: RankHello, timeline: Optional[DeviceTimeline] = None, host_rss: Optional[HostRss] = None,
+                 thread_cpu: Optional[ThreadCpu] = None,
                  capacity: int = BUFFER_CAPACITY, address: Optional[str] = None,
                  feed_of: Optional[Callable[["Sender"], StepFeed]] = None, training_thread: Optional[int] = None,
                  web_port: Optional[int] = None, run_name: Optional[str] = None,
@@ -95,8 +112,8 @@ class Sender:
         # on the training thread at any moment of a round, and sees each step in one place.
         self._sent_steps: Deque[Any] = collections.deque()
         self._sent_steps_kept = 0
-        # Values still on the device (Trace.log_scalar): each has ready() and record().
-        self._deferred: Deque[Any] = collections.deque()
+        # Values still on the device (Trace.log_scalar).
+        self._deferred: Deque[PendingRecord] = collections.deque()
         self._address = address if address is not None else os.environ.get(rendezvous.ENV_COLLECTOR)
         self._first_connect_at: Optional[float] = None
         self._socket: Optional[socket.socket] = None
@@ -110,7 +127,7 @@ class Sender:
         self._collector_process: Optional[subprocess.Popen] = None
         self.web_port, self.run_name = web_port, run_name
         self.steps_from = hello.steps_from  # the probe updates it; the goodbye carries it
-        self.compile_watch: Any = None  # a probe.compile.CompileWatch once torch compiles
+        self.compile_watch: Optional[CompileWatch] = None  # once torch compiles
         # The training's DataLoader iterators: the patches note them, this thread reads them.
         self.loaders: Optional[LoaderWatch] = LoaderWatch(hello.rank)
         # What holds the memory: the training thread reads it (see probe/ledger.py), close() last.
@@ -130,7 +147,7 @@ class Sender:
             self.code = CodeSampler(training_thread, evaluating=evaluating)
 
     # -- training thread ------------------------------------------------------------------
-    def push(self, record: Any) -> None:
+    def push(self, record: Record) -> None:
         if len(self._buffer) >= self.capacity:
             self.records_dropped += 1
             return
@@ -144,7 +161,7 @@ class Sender:
             return
         self._spans.append(ended)
 
-    def defer(self, pending: Any, limit: int) -> None:
+    def defer(self, pending: PendingRecord, limit: int) -> None:
         """Hold a record whose value the device has not copied yet; the sender sends it when
         pending.ready(). Dropped and counted when `limit` are already waiting."""
         if len(self._deferred) >= limit:
@@ -357,6 +374,7 @@ class Sender:
         scalars whose copies are (in order: one stream finishes its work in order)."""
         while self._deferred and self._deferred[0].ready():
             self.push(self._deferred.popleft().record())
+        record: Record  # a compilation's, then a step's
         if self.compile_watch is not None and self.compile_watch.ended:
             for record in self.compile_watch.records(final=self._stop.is_set()):
                 self.push(record)
@@ -389,8 +407,8 @@ class Sender:
                         steps.append(record)
                     else:
                         if kind is RankEnd:  # the goodbye carries the final counts
-                            record.records_sent = self.records_sent + len(steps) + len(others)
-                            record.records_dropped = self.records_dropped + (
+                            record.records_sent = self.records_sent + len(steps) + len(others)  # type: ignore[attr-defined]  # a RankEnd (kind is RankEnd)
+                            record.records_dropped = self.records_dropped + (  # type: ignore[attr-defined]  # a RankEnd (kind is RankEnd)
                                 self.timeline.dropped_steps if self.timeline is not None else 0)
                         others.append(record)
             finally:  # whatever happened, the list becomes its frame (or goes, when empty)
@@ -465,7 +483,7 @@ class Sender:
             folder = self.run_dir or Path(rundir.RUNS_ROOT)
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"rank{self.hello.rank}-local-summary.json"
-            summary = {"rank": self.hello.rank, "exit_code": exit_code, "argv": self.hello.argv,
+            summary: Dict[str, object] = {"rank": self.hello.rank, "exit_code": exit_code, "argv": self.hello.argv,
                        "reason": "the collector was lost during the run",
                        "records_sent": self.records_sent, "records_dropped": self.records_dropped}
             if probe.summarize_steps is not None:
@@ -504,7 +522,7 @@ class Sender:
             return None
 
 
-def _drain_count(buffer: Deque[Any]) -> int:
+def _drain_count(buffer: Deque[T]) -> int:
     count = len(buffer)
     buffer.clear()
     return count

@@ -34,13 +34,22 @@ import importlib
 import inspect
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, List, Optional, Set
 
 from traceml.probe.ledger import tensor_storage
 from traceml.probe.step_state import BACKWARD, FORWARD, NO_PHASE, OPTIMIZER, _now_ns
 from traceml.probe.step import StepProbe
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from torch.nn import Module
+
+    from traceml.probe.ledger import LedgerWatch
+
 log = logging.getLogger("traceml")
+# Sets an attribute to a wrapper, remembering how to undo it: (owner, name, wrapper).
+Replace = Callable[[object, str, object], None]
 
 # The collectives FSDP1 and FSDP2 call (torch 2.0 to 2.13 spell some of them differently), and
 # the ones a sharded loop's own code calls inside a step (a clipped norm's all_reduce).
@@ -56,7 +65,7 @@ class GatherWatch:
     backward, on the steps watched (the ledger sets `step` at each reading; see the module's
     docstring)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Module) -> None:
         self._model = weakref.ref(model)
         # The parameters FSDP manages, by name: a DTensor shard now, a plain tensor while unsharded.
         self._sharded_names: Set[str] = {name for name, parameter in model.named_parameters()
@@ -64,7 +73,7 @@ class GatherWatch:
         self.step = -1
         self.peak_bytes: Dict[str, Optional[int]] = {"forward": None, "backward": None}
 
-    def gathered(self, phase: int, output: Any) -> None:
+    def gathered(self, phase: int, output: object) -> None:
         """An all-gather into `output` (a tensor, or a list of them) has returned in `phase`."""
         phase_name = _GATHER_PHASES.get(phase)
         if phase_name is None:
@@ -74,7 +83,7 @@ class GatherWatch:
             return
         outputs = output if isinstance(output, (list, tuple)) else [output]
         held = sum(tensor.numel() * tensor.element_size() for tensor in outputs if hasattr(tensor, "numel"))
-        seen: Set[Any] = set()
+        seen: Set[Hashable] = set()
         for name, parameter in model.named_parameters():
             if name in self._sharded_names and getattr(parameter, "_local_tensor", None) is None:
                 key, size = tensor_storage(parameter)
@@ -86,7 +95,7 @@ class GatherWatch:
             self.peak_bytes[phase_name] = held
 
 
-def sharded_modules(model: Any) -> List[Any]:
+def sharded_modules(model: object) -> List[object]:
     """The model's FSDP units (FSDP2's FSDPModule, FSDP1's FullyShardedDataParallel), outermost
     first; empty when it is not sharded (or torch has no FSDP)."""
     kinds: List[type] = []
@@ -115,7 +124,7 @@ def sharded_by(model: Any) -> str:
     return ""
 
 
-def _deepspeed_engine_class(model: Any) -> Optional[type]:
+def _deepspeed_engine_class(model: object) -> Optional[type]:
     """DeepSpeed's DeepSpeedEngine class when the model is one (found by name: importing
     deepspeed costs seconds, and a model that is none needs no answer from it)."""
     for cls in type(model).__mro__:
@@ -131,7 +140,7 @@ def _engine_phase(probe: StepProbe, original: Callable[..., Any], phase: int) ->
     boundary, once its collectives are done, not from the inner optimizer's."""
 
     @functools.wraps(original)
-    def engine_method(engine: Any, *args: Any, **kwargs: Any) -> Any:
+    def engine_method(engine: Any, *args: object, **kwargs: object) -> Any:
         if not probe.in_step and not probe.auto_steps:
             return original(engine, *args, **kwargs)
         boundary = False
@@ -153,7 +162,7 @@ def _engine_phase(probe: StepProbe, original: Callable[..., Any], phase: int) ->
     return engine_method
 
 
-def _wrap_deepspeed_lookups(dist: Any, replace: Callable[[Any, str, Any], None]) -> None:
+def _wrap_deepspeed_lookups(dist: ModuleType, replace: Replace) -> None:
     """DeepSpeed's communication backend keeps the all-gather and reduce-scatter functions it
     found in torch.distributed when it started: point it at their wrapped twins."""
     import sys
@@ -168,7 +177,7 @@ def _wrap_deepspeed_lookups(dist: Any, replace: Callable[[Any, str, Any], None])
                 break
 
 
-def on_host(model: Any) -> bool:
+def on_host(model: Module) -> bool:
     """Its parameters live on the CPU: its collectives block the host while they run."""
     for parameter in model.parameters():
         return parameter.device.type == "cpu"
@@ -187,8 +196,8 @@ class _Wrapping:
 _wrapping = _Wrapping()
 
 
-def time_collectives(probe: StepProbe, model: Any, replace: Callable[[Any, str, Any], None],
-                     compiling: Any, ledger: Any = None) -> bool:
+def time_collectives(probe: StepProbe, model: Module, replace: Replace,
+                     compiling: Callable[[], bool], ledger: Optional[LedgerWatch] = None) -> bool:
     """A sharded model (FSDP, or a DeepSpeed engine): wrap torch.distributed's collectives (once, by `replace`, which
     remembers how to undo it) so that, on the CPU, their time inside a step's phases counts as
     the phase's collective wait, and the ledger (if any) gets the all-gathered peak.
@@ -205,16 +214,16 @@ def time_collectives(probe: StepProbe, model: Any, replace: Callable[[Any, str, 
             original = getattr(dist, name, None)
             if callable(original):
                 replace(dist, name, _wrapped(probe, original, compiling, name in ALL_GATHERS))
-    if engine is not None and not hasattr(engine.step, "traceml_original"):
-        replace(engine, "backward", _engine_phase(probe, engine.backward, BACKWARD))
-        replace(engine, "step", _engine_phase(probe, engine.step, OPTIMIZER))
+    if engine is not None and not hasattr(engine.step, "traceml_original"):  # type: ignore[attr-defined]  # DeepSpeedEngine's own methods
+        replace(engine, "backward", _engine_phase(probe, engine.backward, BACKWARD))  # type: ignore[attr-defined]  # DeepSpeedEngine's own methods
+        replace(engine, "step", _engine_phase(probe, engine.step, OPTIMIZER))  # type: ignore[attr-defined]  # DeepSpeedEngine's own methods
         _wrap_deepspeed_lookups(dist, replace)
     if ledger is not None and _wrapping.watch is None:
         _wrapping.watch = GatherWatch(model)
         ledger.watch_sharding(_wrapping.watch, sharded_by(model))
     if on_host(model):
         _wrapping.timed = True
-        probe.comm_timed = True
+        probe.comm_timed = True  # type: ignore[misc]  # probe.step: typed when the StepProbe split lands
     return _wrapping.timed
 
 
@@ -226,13 +235,14 @@ def _async_position(function: Callable[..., Any]) -> int:
         return -1
 
 
-def _wrapped(probe: StepProbe, original: Callable[..., Any], compiling: Any, gathers: bool) -> Callable[..., Any]:
+def _wrapped(probe: StepProbe, original: Callable[..., Any], compiling: Callable[[], bool],
+             gathers: bool) -> Callable[..., Any]:
     async_at = _async_position(original)
     inside = [False]  # a collective made of others (all_gather of a list) counts once
     wrapping = _wrapping
 
     @functools.wraps(original)
-    def collective(*args: Any, **kwargs: Any) -> Any:
+    def collective(*args: object, **kwargs: object) -> Any:
         if compiling():  # dynamo traces the original: it knows collectives by their functions
             return original(*args, **kwargs)
         phase = probe.open_phase
@@ -253,7 +263,7 @@ def _wrapped(probe: StepProbe, original: Callable[..., Any], compiling: Any, gat
                 probe.comm_waited(phase, _now_ns() - start_ns)
         if watching:
             try:
-                watch.gathered(phase, args[0] if args else kwargs.get("output_tensor", kwargs.get("tensor_list")))
+                watch.gathered(phase, args[0] if args else kwargs.get("output_tensor", kwargs.get("tensor_list")))  # type: ignore[union-attr]  # set while the wrapped collectives run
             except Exception:  # a parameter it cannot read: no gathered peak, the step goes on
                 log.debug("traceml: the all-gathered peak stops", exc_info=True)
                 wrapping.watch = None

@@ -17,13 +17,20 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, ParamSpec, Tuple, TypeVar
 
 from traceml.probe.patches.dynamo import run_eagerly_under_dynamo
 from traceml.probe.patches.patch import Patch
 from traceml.records import HostSyncSample, SyncSite
 
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from torch import Tensor
+
 log = logging.getLogger("traceml")
+P = ParamSpec("P")  # torch.cuda.synchronize's parameters ...
+R = TypeVar("R")  # ... and what it returns, passed through
 _now_ns = time.perf_counter_ns
 
 SAMPLE_STEPS = 10
@@ -40,8 +47,9 @@ class HostSyncSampler:
     """Samples the host syncs of a few steps at a time; the probe calls begin_step at each step
     it returns (sync_due_step) and finish at the end of the run."""
 
-    def __init__(self, rank: int, push: Callable[[Any], None],
-                 on_device: Optional[Callable[[Any], bool]] = None, is_compiling: Any = None):
+    def __init__(self, rank: int, push: Callable[[HostSyncSample], None],
+                 on_device: Optional[Callable[[Tensor], bool]] = None,
+                 is_compiling: Optional[Callable[[], bool]] = None):
         import torch
 
         self.rank = rank
@@ -50,7 +58,7 @@ class HostSyncSampler:
         self._on_device = on_device or (lambda tensor: tensor.is_cuda)
         self._compiler = is_compiling  # a function, True while dynamo traces (patches.dynamo.compiling)
         # Frames in these files are not the user's: the site is the first frame outside them.
-        self._not_user_code = tuple(os.path.dirname(module.__file__) + os.sep
+        self._not_user_code = tuple(os.path.dirname(module.__file__) + os.sep  # type: ignore[type-var, operator]  # packages with a __file__
                                     for module in (torch, sys.modules["traceml"]))
         self.first_sample_step = next_sample_start(-1)
         self._first_step: Optional[int] = None  # the sample in flight
@@ -105,11 +113,11 @@ class HostSyncSampler:
             self._wrappers.replace(torch.Tensor, name, self._timed_read(getattr(torch.Tensor, name), name))
         self._wrappers.replace(torch.cuda, "synchronize", self._timed_synchronize(torch.cuda.synchronize))
 
-    def _timed_read(self, original: Any, name: str) -> Any:
+    def _timed_read(self, original: Callable[..., Any], name: str) -> Callable[..., Any]:
         sampler, on_device, compiler = self, self._on_device, self._compiler
         call, copies = "Tensor." + name, name in _COPIES
 
-        def timed(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        def timed(tensor: Tensor, *args: object, **kwargs: object) -> Any:
             if (sampler._reading or (compiler is not None and compiler())
                     or not on_device(tensor)):
                 return original(tensor, *args, **kwargs)
@@ -128,10 +136,10 @@ class HostSyncSampler:
         run_eagerly_under_dynamo(timed, callees_too=True)
         return timed
 
-    def _timed_synchronize(self, original: Any) -> Any:
+    def _timed_synchronize(self, original: Callable[P, R]) -> Callable[P, R]:
         sampler = self
 
-        def synchronize(*args: Any, **kwargs: Any) -> Any:
+        def synchronize(*args: P.args, **kwargs: P.kwargs) -> R:
             start_ns = _now_ns()
             try:
                 return original(*args, **kwargs)
@@ -143,7 +151,7 @@ class HostSyncSampler:
         run_eagerly_under_dynamo(synchronize, callees_too=True)
         return synchronize
 
-    def _note(self, call: str, wait_ns: int, frame: Any) -> None:
+    def _note(self, call: str, wait_ns: int, frame: Optional[FrameType]) -> None:
         try:
             not_user_code = self._not_user_code
             while frame is not None and frame.f_code.co_filename.startswith(not_user_code):

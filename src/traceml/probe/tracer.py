@@ -15,11 +15,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from traceml import rendezvous
 from traceml.probe.step_state import fast_path
 from traceml.records import ScalarRecord
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from traceml.probe.step import StepProbe
 
 log = logging.getLogger("traceml")
 _now_ns = time.perf_counter_ns
@@ -32,6 +37,7 @@ class _PythonTraceState:
     clock readings) and hands every other scalar to log_scalar here."""
 
     __slots__ = ("_probe",)
+    _probe: Optional[StepProbe]
 
     # -- user spans and scalars --------------------------------------------------------------
     def span(self, name: str) -> "_Span":
@@ -69,7 +75,7 @@ class Trace(fast_path.TraceState if fast_path is not None else _PythonTraceState
 
     def __init__(self, port: Optional[int] = None, profile_memory: bool = True):
         self.port, self.profile_memory = port, profile_memory
-        self._probe: Any = None
+        self._probe: Optional[StepProbe] = None
 
     # -- the traced region -----------------------------------------------------------------
     def trace(self, name: str = "training") -> "_TracedRegion":
@@ -103,7 +109,7 @@ class _TracedRegion:
         self.tracer._start(self.name)
         return self.tracer
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.tracer._stop()
         return False
 
@@ -120,7 +126,7 @@ class _Span:
         self.start_ns = _now_ns()
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         probe = self.tracer._probe
         if probe is not None:
             try:
@@ -136,7 +142,7 @@ class _DeviceScalar:
 
     __slots__ = ("rank", "step", "name", "host_copy", "copied")
 
-    def __init__(self, rank: int, step: int, name: str, tensor: Any):
+    def __init__(self, rank: int, step: int, name: str, tensor: Tensor):
         import torch
 
         self.rank, self.step, self.name = rank, step, name
@@ -147,7 +153,7 @@ class _DeviceScalar:
     def ready(self) -> bool:
         return bool(self.copied.query())
 
-    def record(self) -> Any:
+    def record(self) -> ScalarRecord:
         return ScalarRecord(self.rank, self.step, self.name, float(self.host_copy[0]))
 
 

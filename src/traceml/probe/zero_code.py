@@ -16,7 +16,11 @@ import runpy
 import sys
 import threading
 import time
-from typing import Any, List
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, List, Optional
+
+if TYPE_CHECKING:
+    from traceml.probe.process import StartupFields
 
 log = logging.getLogger("traceml")
 
@@ -38,7 +42,7 @@ class _ImportTimer:
         self.total_ns = self.slowest_ns = 0
         self.slowest_name: Any = None
 
-    def __call__(self, name: str, *args: Any) -> Any:
+    def __call__(self, name: str, *args: object) -> Any:
         if self.depth or threading.get_ident() != self.thread:
             return self.original(name, *args)
         self.depth = 1
@@ -52,7 +56,7 @@ class _ImportTimer:
             if elapsed_ns > self.slowest_ns:
                 self.slowest_ns, self.slowest_name = elapsed_ns, name
 
-    def stop(self) -> dict:
+    def stop(self) -> StartupFields:
         """Step aside (the loader as it was) and say what was timed, as the hello's fields."""
         if _bootstrap._find_and_load is self:
             _bootstrap._find_and_load = self.original
@@ -107,7 +111,7 @@ def main(argv: List[str]) -> None:
             sampler.stop(0)
 
 
-def _from_frame_of(script: str, traceback: Any) -> Any:
+def _from_frame_of(script: str, traceback: Optional[TracebackType]) -> Optional[TracebackType]:
     """The traceback from the first frame running the script's code (all of it if none does)."""
     frame = traceback
     while frame is not None and frame.tb_frame.f_code.co_filename != script:

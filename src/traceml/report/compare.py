@@ -31,11 +31,14 @@ import json
 import random
 import statistics
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, TypedDict, Union, cast
 
 from traceml import rundir
 from traceml.analysis.bootstrap import CONFIDENCE, interval, mean_difference_half_width
-from traceml.records import ALL_PHASES
+from traceml.records import ALL_PHASES, SystemSample
+
+if TYPE_CHECKING:  # report.summary builds what this reads, and reads this module's runs
+    from traceml.report.summary import FinalSummary, RunPart, Throughput
 
 EQUIVALENCE_MARGIN = 0.05  # a change within 5% of the baseline either way does not count
 RESAMPLES = 2000
@@ -55,13 +58,97 @@ GATE_THRESHOLD = 0.10
 EXIT_PASS, EXIT_REGRESSION, EXIT_INCONCLUSIVE = 0, 1, 3
 
 
+class Machine(TypedDict):
+    """How busy each side's machine was, and what the load may have cost it."""
+
+    other_cores_a: Optional[float]
+    other_cores_b: Optional[float]
+    cpu_wait_ms_a: Optional[float]
+    cpu_wait_ms_b: Optional[float]
+    repeats_a: int
+    repeats_b: int
+    stretches_left_out_a: int
+    stretches_left_out_b: int
+    repeats_left_out_a: int
+    repeats_left_out_b: int
+    busier: Optional[str]  # "A", "B"; None: neither, or not known
+    slowdown_a: float  # the most the load may have slowed the side, as a factor
+    slowdown_b: float
+    cpu_wait_difference_ms: float
+
+
+class _SeriesFigures(TypedDict):
+    median_a_ms: float
+    median_b_ms: float
+    delta_ms: float
+    delta_share: Optional[float]  # of A's median (None: A's is zero)
+    ci_ms: Optional[List[float]]  # [low, high] of the change (None: no per-step data)
+    ci_share: Optional[List[float]]
+    steps_a: int
+    steps_b: int
+    margin_ms: float
+    verdict: str  # IMPROVEMENT, REGRESSION, EQUIVALENT, INCONCLUSIVE
+    reason: str
+
+
+class SeriesComparison(_SeriesFigures, total=False):
+    """One phase's (or the step's) change from A to B."""
+
+    run_to_run_ms: float  # with repeats: Student's t half-width on the runs' medians
+    share_a: float  # a phase's share of A's step
+    share_b: float
+
+
+class DiagnosisChange(TypedDict):
+    primary_a: Optional[str]
+    primary_b: Optional[str]
+    gone: List[str]  # finding kinds A had and B has not
+    new: List[str]
+
+
+class EnvironmentRow(TypedDict):
+    field: str
+    a: Union[str, int, float, None]
+    b: Union[str, int, float, None]
+    differs: bool
+
+
+class _Compared(TypedDict):
+    a: str
+    b: str
+    verdict: str
+    reason: str
+    confidence: float
+    equivalence_margin: float
+    machine: Machine
+    step: SeriesComparison
+    phases: Dict[str, SeriesComparison]
+    diagnosis: DiagnosisChange
+    environment: List[EnvironmentRow]
+
+
+class GateDecision(TypedDict):
+    phase: str
+    threshold: float
+    verdict: str
+    decision: str  # "pass", "fail", "inconclusive"
+    exit_code: int
+    reason: str
+
+
+class Comparison(_Compared, total=False):
+    """`traceml compare`'s result (--json writes it as it is)."""
+
+    gate: GateDecision  # with --fail-on regression
+
+
 class ComparedRun:
     """One side of a comparison: a run, or repeats of the same code (a folder of run
     directories). Each repeat's steps per phase, in the order they ran, and how busy the machine
     was meanwhile: the cores other processes used (the median of the collector's samples), and
     how long a rank's main thread waited, ready, for a CPU in a step (None where not known)."""
 
-    def __init__(self, label: str, summary: Dict[str, Any], repeats: List[Dict[str, List[float]]],
+    def __init__(self, label: str, summary: FinalSummary, repeats: List[Dict[str, List[float]]],
                  other_cores: Optional[float] = None, cpu_wait_ms: Optional[float] = None):
         self.label, self.summary, self.repeats = label, summary, repeats
         self.other_cores, self.cpu_wait_ms = other_cores, cpu_wait_ms
@@ -86,7 +173,7 @@ class ComparedRun:
 
     def _median_of(self, index: int, name: str) -> float:
         """One repeat's median over its steady stretches."""
-        return statistics.median(self._steady_values(index, name))
+        return float(statistics.median(self._steady_values(index, name)))
 
     @property
     def steps(self) -> Dict[str, List[float]]:
@@ -119,7 +206,7 @@ class ComparedRun:
     def median_ms(self, name: str) -> float:
         """The median over the steady stretches' steps; the card's median without per-step data."""
         values = [value for index in self._compared for value in self._steady_values(index, name)]
-        return statistics.median(values) if values else self.summary["phases"][name]["median_ms"]
+        return float(statistics.median(values)) if values else self.summary["phases"][name]["median_ms"]
 
     @classmethod
     def load(cls, path: Path) -> "ComparedRun":
@@ -145,10 +232,10 @@ class ComparedRun:
         summary_path = path if path.is_file() else run_dir / rundir.SUMMARY_JSON
         store_path = run_dir / rundir.STORE_NAME
         steps: Dict[str, List[float]] = {}
-        summary: Optional[Dict[str, Any]] = None
+        summary: Optional[FinalSummary] = None
         other_cores = cpu_wait_ms = None
         if summary_path.is_file():
-            summary = json.loads(summary_path.read_text())
+            summary = cast("FinalSummary", json.loads(summary_path.read_text()))
         if store_path.is_file():
             from traceml.collector.store import Store
             from traceml.report.summary import RunData, RunFacts, build_summary
@@ -175,12 +262,12 @@ def _median(values: Sequence[Optional[float]]) -> Optional[float]:
     return round(statistics.median(known), 2) if known else None
 
 
-def _other_cores(samples: Sequence[Any]) -> Optional[float]:
+def _other_cores(samples: Sequence[SystemSample]) -> Optional[float]:
     """The cores that processes other than the training used during the run."""
     return _median([max(0.0, sample.other_cores()) for sample in samples if sample.cpu_count])
 
 
-def _cpu_wait_ms(samples: Sequence[Any], steps_per_s: Optional[float], ranks: int) -> Optional[float]:
+def _cpu_wait_ms(samples: Sequence[SystemSample], steps_per_s: Optional[float], ranks: int) -> Optional[float]:
     """How long a rank's main thread, which drives its steps, waited ready for a CPU in a step."""
     waits = [sample.training_cpu_wait_percent for sample in samples if sample.training_cpu_wait_percent is not None]
     if not waits or not steps_per_s:
@@ -188,27 +275,32 @@ def _cpu_wait_ms(samples: Sequence[Any], steps_per_s: Optional[float], ranks: in
     return round(statistics.fmean(waits) / ranks / 100.0 * 1000.0 / steps_per_s, 3)
 
 
-def compare(a: ComparedRun, b: ComparedRun, seed: int = 0) -> Dict[str, Any]:
+def compare(a: ComparedRun, b: ComparedRun, seed: int = 0) -> Comparison:
     rng = random.Random(seed)
-    machine = {"other_cores_a": a.other_cores, "other_cores_b": b.other_cores,
-               "cpu_wait_ms_a": a.cpu_wait_ms, "cpu_wait_ms_b": b.cpu_wait_ms,
-               "repeats_a": len(a.repeats), "repeats_b": len(b.repeats),
-               "stretches_left_out_a": a.disturbed_stretches(), "stretches_left_out_b": b.disturbed_stretches(),
-               "repeats_left_out_a": a.disturbed_repeats(), "repeats_left_out_b": b.disturbed_repeats()}
-    machine["busier"] = _busier(machine)
-    # What the load may have cost: the waits for a CPU where they were measured (the cost
-    # itself), else the bound that other processes' cores put on it.
-    machine["slowdown_a"] = machine["slowdown_b"] = 1.0
-    machine["cpu_wait_difference_ms"] = 0.0
+    machine: Machine = {"other_cores_a": a.other_cores, "other_cores_b": b.other_cores,
+                        "cpu_wait_ms_a": a.cpu_wait_ms, "cpu_wait_ms_b": b.cpu_wait_ms,
+                        "repeats_a": len(a.repeats), "repeats_b": len(b.repeats),
+                        "stretches_left_out_a": a.disturbed_stretches(),
+                        "stretches_left_out_b": b.disturbed_stretches(),
+                        "repeats_left_out_a": a.disturbed_repeats(), "repeats_left_out_b": b.disturbed_repeats(),
+                        "busier": _busier(a.other_cores, b.other_cores),
+                        # What the load may have cost: the waits for a CPU where they were measured
+                        # (the cost itself), else the bound that other processes' cores put on it.
+                        "slowdown_a": 1.0, "slowdown_b": 1.0, "cpu_wait_difference_ms": 0.0}
     if a.cpu_wait_ms is not None and b.cpu_wait_ms is not None:
         machine["cpu_wait_difference_ms"] = abs(a.cpu_wait_ms - b.cpu_wait_ms)
-    elif machine["busier"]:
-        machine[f"slowdown_{machine['busier'].lower()}"] = 1.0 + abs(machine["other_cores_a"] - machine["other_cores_b"])
+    elif a.other_cores is not None and b.other_cores is not None:
+        slowdown = 1.0 + abs(a.other_cores - b.other_cores)
+        if machine["busier"] == "A":
+            machine["slowdown_a"] = slowdown
+        elif machine["busier"] == "B":
+            machine["slowdown_b"] = slowdown
     step = _compare_series(a, b, "step", rng, machine)
     # A phase's change counts only beyond 5% of the step as well: a phase of 0.1 ms in a 10 ms
     # step may double from one run to the next without anything a user would want to know.
     step_margin_ms = EQUIVALENCE_MARGIN * step["median_a_ms"]
-    phases = {name: _compare_series(a, b, name, rng, machine, step_margin_ms) for name in ALL_PHASES}
+    phases: Dict[str, SeriesComparison] = {name: _compare_series(a, b, name, rng, machine, step_margin_ms)
+                                           for name in ALL_PHASES}
     for name in ALL_PHASES:
         phases[name]["share_a"] = a.summary["phases"][name]["share"]
         phases[name]["share_b"] = b.summary["phases"][name]["share"]
@@ -218,26 +310,26 @@ def compare(a: ComparedRun, b: ComparedRun, seed: int = 0) -> Dict[str, Any]:
             "environment": _environment(a.summary, b.summary)}
 
 
-def _busier(machine: Dict[str, Any]) -> Optional[str]:
+def _busier(cores_a: Optional[float], cores_b: Optional[float]) -> Optional[str]:
     """Which side ran while other processes used more cores ("A", "B"), or None when neither
     did (or it is not known)."""
-    cores_a, cores_b = machine["other_cores_a"], machine["other_cores_b"]
     if cores_a is None or cores_b is None or abs(cores_a - cores_b) < LOAD_DIFFERENCE_CORES:
         return None
     return "B" if cores_b > cores_a else "A"
 
 
 def _compare_series(a: ComparedRun, b: ComparedRun, name: str, rng: random.Random,
-                    machine: Dict[str, Any], least_margin_ms: float = 0.0) -> Dict[str, Any]:
+                    machine: Machine, least_margin_ms: float = 0.0) -> SeriesComparison:
     """Medians, their difference, its interval over stretches of time (and repeats), in ms and
     relative to A (None when A's median is zero or per-step data is missing), and the verdict:
     a change counts beyond ±EQUIVALENCE_MARGIN of A's median, and beyond least_margin_ms."""
     median_a, median_b = a.median_ms(name), b.median_ms(name)
-    result: Dict[str, Any] = {"median_a_ms": median_a, "median_b_ms": median_b,
-                              "delta_ms": median_b - median_a,
-                              "delta_share": (median_b - median_a) / median_a if median_a else None,
-                              "ci_ms": None, "ci_share": None,
-                              "steps_a": len(a.steps.get(name, [])), "steps_b": len(b.steps.get(name, []))}
+    # margin_ms, verdict and reason are set below, once the interval is known.
+    result: SeriesComparison = {"median_a_ms": median_a, "median_b_ms": median_b,  # type: ignore[typeddict-item]
+                                "delta_ms": median_b - median_a,
+                                "delta_share": (median_b - median_a) / median_a if median_a else None,
+                                "ci_ms": None, "ci_share": None,
+                                "steps_a": len(a.steps.get(name, [])), "steps_b": len(b.steps.get(name, []))}
     blocks_a, blocks_b = a.stretch_medians(name), b.stretch_medians(name)
     if all(blocks_a) and all(blocks_b):
         low, high = interval(sorted(_resampled_median(blocks_b, rng) - _resampled_median(blocks_a, rng)
@@ -293,11 +385,11 @@ def _resampled_median(repeats: List[List[float]], rng: random.Random) -> float:
     pooled: List[float] = []
     for blocks in rng.choices(repeats, k=len(repeats)):
         pooled.extend(rng.choices(blocks, k=len(blocks)))
-    return statistics.median(pooled)
+    return float(statistics.median(pooled))
 
 
-def _verdict(series: Dict[str, Any], machine: Dict[str, Any]) -> Tuple[str, str]:
-    if series["ci_share"] is None:
+def _verdict(series: SeriesComparison, machine: Machine) -> Tuple[str, str]:
+    if series["ci_share"] is None or series["ci_ms"] is None:
         return "INCONCLUSIVE", (f"no interval: a summary file without its telemetry.sqlite, fewer than "
                                 f"{MIN_BLOCKS * MIN_BLOCK_STEPS} measured steps, or a baseline median of 0")
     (low, high), (low_ms, high_ms) = series["ci_share"], series["ci_ms"]
@@ -320,7 +412,7 @@ def _verdict(series: Dict[str, Any], machine: Dict[str, Any]) -> Tuple[str, str]
                             f"(a folder of runs), side by side on a quiet machine")
 
 
-def load_text(machine: Dict[str, Any]) -> str:
+def load_text(machine: Machine) -> str:
     """What made one side's machine busier, in words."""
     said = []
     if machine["busier"] and not machine["cpu_wait_difference_ms"]:
@@ -332,8 +424,8 @@ def load_text(machine: Dict[str, Any]) -> str:
     return " and ".join(said) or "the machine's load"
 
 
-def gate(result: Dict[str, Any], phase: str = "step", threshold: Optional[float] = None,
-         inconclusive_ok: bool = False) -> Dict[str, Any]:
+def gate(result: Comparison, phase: str = "step", threshold: Optional[float] = None,
+         inconclusive_ok: bool = False) -> GateDecision:
     """`--fail-on regression`: fail when the phase (or the step) is a REGRESSION and slower by
     more than the threshold; pass when its interval shows it cannot be slower by more than the
     threshold (EQUIVALENT and IMPROVEMENT included); otherwise the runs cannot tell."""
@@ -341,7 +433,7 @@ def gate(result: Dict[str, Any], phase: str = "step", threshold: Optional[float]
     series = result["step"] if phase == "step" else result["phases"][phase]
     verdict, change, span = series["verdict"], series["delta_share"], series["ci_share"]
     what = "the median step" if phase == "step" else f"the median {phase}"
-    if verdict == "REGRESSION" and change > threshold:
+    if verdict == "REGRESSION" and change is not None and change > threshold:
         decision, code = "fail", EXIT_REGRESSION
         reason = f"{what} is {change:+.1%} slower: a regression beyond the {threshold:.0%} threshold"
     elif verdict in ("EQUIVALENT", "IMPROVEMENT"):
@@ -359,28 +451,34 @@ def gate(result: Dict[str, Any], phase: str = "step", threshold: Optional[float]
             "exit_code": code, "reason": reason}
 
 
-def _granted_high_ms(series: Dict[str, Any], machine: Dict[str, Any]) -> float:
+def _granted_high_ms(series: SeriesComparison, machine: Machine) -> float:
     """How much slower B may be at most, once A is granted what the load may have cost it."""
     median_a = series["median_a_ms"]
-    return median_a + series["ci_ms"][1] - median_a / machine["slowdown_a"] + machine["cpu_wait_difference_ms"]
+    return median_a + (series["ci_ms"] or [0.0, 0.0])[1] - median_a / machine["slowdown_a"] + machine["cpu_wait_difference_ms"]
 
 
-def _diagnosis(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
+def _diagnosis(a: FinalSummary, b: FinalSummary) -> DiagnosisChange:
     kinds_a = [f["kind"] for f in a.get("findings", [])]
     kinds_b = [f["kind"] for f in b.get("findings", [])]
-    primary = lambda s: (s.get("primary_diagnosis") or {}).get("kind")  # noqa: E731
+
+    def primary(summary: FinalSummary) -> Optional[str]:
+        finding = summary.get("primary_diagnosis")
+        return finding["kind"] if finding else None
+
     return {"primary_a": primary(a), "primary_b": primary(b),
             "gone": [k for k in kinds_a if k not in kinds_b],
             "new": [k for k in kinds_b if k not in kinds_a]}
 
 
-def _environment(a: Dict[str, Any], b: Dict[str, Any]) -> List[Dict[str, Any]]:
+def _environment(a: FinalSummary, b: FinalSummary) -> List[EnvironmentRow]:
     """What differs besides the code's speed: every row is shown, the differing ones flagged."""
-    def facts(summary: Dict[str, Any]) -> Dict[str, Any]:
-        run = summary.get("run", {})
+    def facts(summary: FinalSummary) -> Dict[str, Union[str, int, float, None]]:
+        # .get throughout: a summary file of an older run may lack a section
+        run = summary.get("run") or cast("RunPart", {})
+        throughput = summary.get("throughput") or cast("Throughput", {})
         return {"argv": " ".join(run.get("argv") or []), "torch_version": run.get("torch_version"),
                 "world_size": run.get("world_size"), "devices": ", ".join(run.get("devices") or []),
-                "batch_size": summary.get("throughput", {}).get("samples_per_step")}
+                "batch_size": throughput.get("samples_per_step")}
     fa, fb = facts(a), facts(b)
     return [{"field": name, "a": fa[name], "b": fb[name], "differs": fa[name] != fb[name]} for name in fa]
 

@@ -2,14 +2,15 @@
 read them: per step, from the sums the probe sent over its sampled steps."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
+from traceml.analysis.layer_rows import AliveLayer, DeepDiveFigures, LayerRow
 from traceml.records import LayerReport
 
 LOW_COVERAGE = 0.6  # leaf modules holding less of the model's time than this: the card says why
 
 
-def deep_dive_figures(report: Optional[LayerReport]) -> Dict[str, Any]:
+def deep_dive_figures(report: Optional[LayerReport]) -> DeepDiveFigures:
     """The deep-dive as the summary and the web page give it: its per-layer rows ("layers"), and
     ("deep_dive") how they were sampled and how much of the model's time its leaf modules hold,
     with the words for a low coverage. No rows and None without a deep-dive."""
@@ -27,10 +28,10 @@ def deep_dive_figures(report: Optional[LayerReport]) -> Dict[str, Any]:
                           "backward_coverage": report.backward_coverage, "coverage_note": note}}
 
 
-def layer_rows(report: LayerReport) -> List[Dict[str, Any]]:
+def layer_rows(report: LayerReport) -> List[LayerRow]:
     """Deep-dive figures per step (the sums over sampled steps, divided by their count), slowest first."""
     per_step = 1.0 / report.sampled_steps
-    rows = [{"name": layer.name, "type": layer.kind, "leaf": layer.leaf,
+    rows: List[LayerRow] = [{"name": layer.name, "type": layer.kind, "leaf": layer.leaf,
              "calls_per_step": layer.calls * per_step, "forward_ms": layer.forward_ms * per_step,
              "backward_ms": layer.backward_ms * per_step,
              "memory_bytes": round(layer.saved_bytes * per_step),
@@ -41,7 +42,7 @@ def layer_rows(report: LayerReport) -> List[Dict[str, Any]]:
     return sorted(rows, key=lambda row: -(row["forward_ms"] + row["backward_ms"]))
 
 
-def layers_alive(layers: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def layers_alive(layers: List[LayerRow]) -> List[AliveLayer]:
     """The leaf layers whose outputs or saved tensors outlive their step, the most memory first."""
     rows = [row for row in layers if row["leaf"] and row["alive_bytes"]]
     return [{"name": row["name"], "alive_bytes": row["alive_bytes"]}

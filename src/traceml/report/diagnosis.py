@@ -4,7 +4,9 @@ give the same verdict live and on the card."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
+from typing import Dict, List, Optional, Sequence, Type, cast
+
+import msgspec
 
 from traceml.analysis.goodput import Goodput
 from traceml.analysis.ledger import ledger_rows
@@ -12,7 +14,7 @@ from traceml.analysis.loaders import loader_figures
 from traceml.analysis.rollup import Window, max_present, rank_medians
 from traceml.collector.store import Store
 from traceml.diagnose import DiagnosisInput, MemoryLimits, Stalls
-from traceml.record_types import RECORD_TYPES, R
+from traceml.record_types import RECORD_TYPES, R, RecordsByType
 from traceml.records import (CodeSample, CompileRecord, HostSyncSample, LayerCapture, LayerReport, LoaderSample, MemoryLedger,
                              OomRecord, RankEnd, RankHello, RolledStep, StepRecord, SystemSample, warmup_steps)
 from traceml.report.deep_dive import deep_dive_figures, layers_alive
@@ -24,13 +26,13 @@ class RunRecords:
     keeps (stored_records); from the collector, those it keeps (record_types.py: how many)."""
 
     rolled: Sequence[RolledStep]  # steps across ranks, in step order
-    kept: Mapping[Any, Sequence[Any]] = field(default_factory=dict)  # by record type (StepRecord: every rank's)
+    kept: RecordsByType = field(default_factory=dict)  # by record type (StepRecord: every rank's)
     goodput: Optional[Goodput] = None
     steps_seen: Optional[int] = None  # the run's steps so far; None: as many as `rolled` holds
     recent_steps: Optional[int] = None  # the window keeps only this many of the latest steps
 
     def of(self, record_type: Type[R]) -> List[R]:
-        return list(self.kept.get(record_type, ()))
+        return records_of(self.kept, record_type)
 
     @property
     def layer_report(self) -> Optional[LayerReport]:
@@ -39,7 +41,12 @@ class RunRecords:
         return reports[0] if reports else None
 
 
-def stored_records(store: Store) -> Dict[Any, List[Any]]:
+def records_of(kept: RecordsByType, record_type: Type[R]) -> List[R]:
+    """The records of one type among records kept by their type."""
+    return cast(List[R], list(kept.get(record_type, ())))
+
+
+def stored_records(store: Store) -> Dict[Type[msgspec.Struct], List[msgspec.Struct]]:
     """Every stored record of each type the collector keeps for the rules, by type; but the
     steps, which a long run's summary samples."""
     return {record: store.records(record) for record, kind in RECORD_TYPES.items()
@@ -78,8 +85,6 @@ def diagnosis_input(run: RunRecords) -> DiagnosisInput:
 def steps_found_by(hellos: Sequence[RankHello], ends: Sequence[RankEnd]) -> Optional[str]:
     """How rank 0 found its steps: its goodbye knows best (an explicit trace_step may have
     replaced inference late); a rank that died, or is still training, said so in its hello."""
-    for records in (ends, hellos):
-        said = [r.steps_from for r in sorted(records, key=lambda r: r.rank) if r.steps_from]
-        if said:
-            return said[0]
-    return None
+    said = [r.steps_from for r in sorted(ends, key=lambda r: r.rank) if r.steps_from] or \
+        [r.steps_from for r in sorted(hellos, key=lambda r: r.rank) if r.steps_from]
+    return said[0] if said else None

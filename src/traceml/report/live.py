@@ -6,16 +6,20 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Set, TextIO, Tuple, cast
 
 from traceml.analysis.goodput import Goodput
-from traceml.analysis.rollup import RankRow, Window, rank_spread
+from traceml.analysis.ledger import LedgerRow
+from traceml.analysis.rollup import RankRow, Spread, Window, rank_spread
 from traceml.diagnose import MemoryLimits, diagnose
 from traceml.diagnose.hangs import PULSED_STATES, Hang, HangState, RankProgress, find_hang, hang_after_s_from_env
-from traceml.diagnose.untimed import untimed_summary
+from traceml.diagnose.untimed import CodeSummary, untimed_summary
 from traceml.records import (ALERT_SEVERITIES, Finding, FindingKind, LayerReport, RankEnd, RankHello, RankPulse, StepRecord,
                              SystemSample, warmup_steps, window_end_unix_s)
 from traceml.report.diagnosis import RunRecords, diagnosis_input
+
+if TYPE_CHECKING:  # re-exported: the views name the collector they are handed, through the report
+    from traceml.collector.server import Collector as Collector
 
 RECENT_WINDOW = 200  # steps the live figures are computed over
 
@@ -30,28 +34,32 @@ class LiveState:
         self.script, self.elapsed_s, self.window, self.steps_seen = script, elapsed_s, window, steps_seen
         self.ranks, self.world_size, self.system, self.limits = ranks, world_size, system, limits
         self.layers, self.findings, self.alerts = layers, findings, alerts
-        self.spread: Dict[str, dict] = {}  # across ranks, per phase (rollup.rank_spread)
+        self.spread: Dict[str, Spread] = {}  # across ranks, per phase (rollup.rank_spread)
         self.goodput: Optional[Goodput] = None  # the run's wall time so far, by part
-        self.ledger: List[Dict[str, Any]] = []  # what holds each rank's memory (analysis.ledger)
-        self.code: Dict[str, Any] = {}  # where the untimed time goes (diagnose.untimed.untimed_summary)
+        self.ledger: List[LedgerRow] = []  # what holds each rank's memory (analysis.ledger)
+        self.code: CodeSummary = {}  # where the untimed time goes (diagnose.untimed.untimed_summary)
 
 
-def snapshot(collector: Any, script: str, elapsed_s: float,
+def snapshot(collector: Collector, script: str, elapsed_s: float,
              alerts: List[Tuple[float, Finding]]) -> LiveState:
     """Read the collector's live state and diagnose it as the summary does (report.diagnosis),
     over the latest RECENT_WINDOW steps.
 
     `alerts` collects each finding kind the first time it appears (it is updated in place).
     """
+    if collector.live is None or collector.run_time is None:
+        raise ValueError("a live snapshot needs the collector's rollup and wall-time tally")
     rolled = list(collector.live.recent)
     steps_seen = collector.live.newest_step + 1
-    run = RunRecords(rolled=rolled, kept=collector.everything_kept(),
-                     goodput=collector.run_time.goodput(now_unix_s=time.time()), steps_seen=steps_seen,
+    # The run hands the collector an analysis.goodput.RunTime and a HangWatch (lifecycle.py); the
+    # collector, which imports no analysis, types what they return as object.
+    goodput = cast(Optional[Goodput], collector.run_time.goodput(now_unix_s=time.time()))
+    run = RunRecords(rolled=rolled, kept=collector.everything_kept(), goodput=goodput, steps_seen=steps_seen,
                      recent_steps=RECENT_WINDOW)
     records = run.of(StepRecord)
     inputs = diagnosis_input(run)
     findings = diagnose(inputs) if rolled else []
-    hang = getattr(getattr(collector, "hang_watch", None), "hang", None)
+    hang = cast(Optional[Hang], collector.hang_watch.hang) if collector.hang_watch is not None else None
     if hang is not None:
         findings.insert(0, hang.finding)
     seen = {finding.kind for _, finding in alerts}
@@ -77,15 +85,15 @@ class HangWatch:
     launcher then stops are not the cause). A moment the rule cannot place a rank it placed (a
     step sent late, the rank's next pulse on its way) neither ends the hang nor makes it vaguer."""
 
-    def __init__(self, hang_after_s: Optional[float] = None, stderr: Any = None):
+    def __init__(self, hang_after_s: Optional[float] = None, stderr: Optional[TextIO] = None):
         self.hang_after_s = hang_after_s if hang_after_s is not None else hang_after_s_from_env()
         self.hang: Optional[Hang] = None
         self._stderr = stderr
-        self._told: Optional[Tuple[Any, ...]] = None
+        self._told: Optional[Tuple[Optional[int], Tuple[int, ...], Tuple[HangState, ...]]] = None
         self._ranks_left_at_raise: Optional[int] = None
         self._raised_at_unix_s = 0.0
 
-    def check(self, collector: Any, now_unix_s: float) -> None:
+    def check(self, collector: Collector, now_unix_s: float) -> None:
         progress = live_progress(collector, now_unix_s)
         left = sum(p.gone or p.said_goodbye for p in progress)
         if self.hang is not None and left > (self._ranks_left_at_raise or 0):
@@ -117,22 +125,24 @@ class HangWatch:
         """Whether the rule has lost sight of a rank the hang told placed (in a collective, a
         DataLoader wait, its own code) that has ended no step since: its late step's record came
         before its next pulse. The hang told stands until that pulse, or until the rank steps."""
-        placed = {place["rank"] for place in self.hang.ranks if place["state"] in PULSED_STATES}
+        told = self.hang.ranks if self.hang is not None else []
+        placed = {place["rank"] for place in told if place["state"] in PULSED_STATES}
         unplaced = placed if hang is None else {place["rank"] for place in hang.ranks
                                                 if place["state"] == HangState.STEPPING}
         return bool((placed & unplaced) - self._stepped_since_raise(progress))
 
-    def _stepped_since_raise(self, progress: List[RankProgress]) -> set:
+    def _stepped_since_raise(self, progress: List[RankProgress]) -> Set[int]:
         """The ranks that ended a step after the hang was raised (a step sent late, that ended
         before, is no progress)."""
         return {p.rank for p in progress if p.last_progress_unix_s > self._raised_at_unix_s}
 
 
-def live_progress(collector: Any, now_unix_s: float) -> List[RankProgress]:
+def live_progress(collector: Collector, now_unix_s: float) -> List[RankProgress]:
     """Each rank's RankProgress from the collector's recent state."""
     progress = []
     steps, pulses, ends = collector.kept_by(StepRecord), collector.latest(RankPulse), collector.latest(RankEnd)
-    for rank, hello in collector.latest(RankHello).items():
+    for key, hello in collector.latest(RankHello).items():
+        rank = cast(int, key)  # hellos are kept by rank (record_types.py)
         recent = steps.get(rank, [])
         steps_ended = recent[-1].step + 1 if recent else 0
         last = window_end_unix_s(recent[-1]) if recent else hello.started_at_unix_s

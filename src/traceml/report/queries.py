@@ -10,18 +10,20 @@ from __future__ import annotations
 import math
 
 import msgspec
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, TypedDict
 
 from traceml.analysis.rollup import max_present
-from traceml.collector.store import BUCKET_FIGURES, Store
+from traceml.collector.store import BUCKET_FIGURES, Row, SeriesKey, Store
 from traceml.records import ALL_PHASES, TIMELINE_ORDER, RankHello
 
 MAX_POINTS = 2000
 MAX_TIMELINE_STEPS = 200
 MEMORY_COLUMNS = ("device_allocated_bytes", "device_peak_bytes", "device_reserved_bytes",
                   "host_rss_bytes")
+Figures = Row  # a bucket's figures as SQLite sums them: numbers, or NULL (None)
+Merge = Callable[[Iterable[float]], Optional[float]]
 # How two buckets' figures merge into one (the store's BUCKET_FIGURES say which each takes).
-MERGES: Dict[str, Callable[[Iterable[Any]], Any]] = {"sum": sum, "max": max_present, "min": min}
+MERGES: Dict[str, Merge] = {"sum": sum, "max": max_present, "min": min}
 _PHASES_AT, _MEMORY_AT = 3, 3 + len(ALL_PHASES)  # where the steps' bucket figures put them
 
 
@@ -42,8 +44,8 @@ class Buckets:
     change: a refresh reads again only from the bucket of the step they had all reached then.
     """
 
-    def __init__(self, store: Store, table: str, read: Optional[Callable[..., List[tuple]]] = None,
-                 merges: Optional[List[Callable[[Iterable[Any]], Any]]] = None):
+    def __init__(self, store: Store, table: str, read: Optional[Callable[..., List[Figures]]] = None,
+                 merges: Optional[List[Merge]] = None):
         self.store, self.table = store, table
         self.merges = merges or [MERGES[merge] for _, merge in BUCKET_FIGURES[table]]
         # read(key, first, bucket, low[, high]) -> [(slot, *figures)]: the store's sums in SQL
@@ -52,15 +54,15 @@ class Buckets:
         self.first_step: Optional[int] = None
         self.last_step: Optional[int] = None
         self.bucket = 1
-        self.rows: Dict[Tuple[Any, int], tuple] = {}  # (series, slot) -> figures
+        self.rows: Dict[Tuple[SeriesKey, int], Figures] = {}  # (series, slot) -> figures
         # The newest step every rank had reported when the rows were last read: the rows before
         # its bucket were complete then, and never change.
         self.settled: Optional[int] = None
 
     def refresh(self, points: int = MAX_POINTS) -> None:
         """Bring the whole run's buckets up to date."""
-        ranges = {key: self.store.step_bounds(self.table, key) for key in self.store.series_keys(self.table)}
-        ranges = {key: span for key, span in ranges.items() if span[0] is not None}
+        ranges = {key: (low, high) for key in self.store.series_keys(self.table)
+                  for low, high in [self.store.step_bounds(self.table, key)] if low is not None and high is not None}
         if not ranges:
             return
         first = min(low for low, _ in ranges.values())
@@ -105,16 +107,16 @@ class Buckets:
         coarse.rows = self._merged(bucket // self.bucket)
         return coarse
 
-    def _merged(self, factor: int) -> Dict[Tuple[Any, int], tuple]:
+    def _merged(self, factor: int) -> Dict[Tuple[SeriesKey, int], Figures]:
         """The rows with every `factor` neighbouring buckets of a series merged into one."""
-        groups: Dict[Tuple[Any, int], List[tuple]] = {}
+        groups: Dict[Tuple[SeriesKey, int], List[Figures]] = {}
         for (key, slot), figures in self.rows.items():
             groups.setdefault((key, slot // factor), []).append(figures)
         return {slot: tuple(merge(column) for merge, column in zip(self.merges, zip(*group)))
                 for slot, group in groups.items()}
 
-    def by_slot(self) -> Dict[int, List[tuple]]:
-        slots: Dict[int, List[tuple]] = {}
+    def by_slot(self) -> Dict[int, List[Figures]]:
+        slots: Dict[int, List[Figures]] = {}
         for (_, slot), figures in self.rows.items():
             slots.setdefault(slot, []).append(figures)
         return dict(sorted(slots.items()))
@@ -130,8 +132,8 @@ def step_buckets(store: Store) -> Buckets:
 
 def step_range(store: Store) -> Optional[Tuple[int, int]]:
     """The first and last step any rank reported."""
-    ranges = [store.step_bounds("steps", rank) for rank in store.ranks()]
-    ranges = [span for span in ranges if span[0] is not None]
+    ranges = [(low, high) for rank in store.ranks() for low, high in [store.step_bounds("steps", rank)]
+              if low is not None and high is not None]
     return (min(low for low, _ in ranges), max(high for _, high in ranges)) if ranges else None
 
 
@@ -140,14 +142,33 @@ def settled_step(store: Store) -> Optional[int]:
     a rank of the run has reported no step (its first steps may still come, from step 0)."""
     world_size = max((hello.world_size for hello in store.records(RankHello)), default=0)
     newest = [store.step_bounds("steps", rank)[1] for rank in store.ranks()]
-    if not newest or None in newest or len(newest) < world_size:
+    known = [step for step in newest if step is not None]
+    if not newest or len(known) < len(newest) or len(newest) < world_size:
         return None
-    return min(newest)
+    return min(known)
 
 
-def step_series(buckets: Buckets, capacity: Dict[str, Optional[int]]) -> Dict[str, Any]:
+class _StepSeries(TypedDict):
+    first_step: Optional[int]
+    last_step: Optional[int]
+    bucket_steps: int
+    step: List[int]  # each bucket's first step
+    step_ms: List[float]  # mean over ranks and steps
+    step_max_ms: List[float]
+    phases: Dict[str, List[float]]
+    memory: Dict[str, List[Optional[float]]]  # the bucket's maximum
+    capacity: Dict[str, Optional[int]]
+
+
+class StepSeries(_StepSeries, total=False):
+    """The steps over the run, per bucket (the web page's step chart)."""
+
+    warmup_steps: int  # the whole run's series: the first steps the summary leaves out
+
+
+def step_series(buckets: Buckets, capacity: Dict[str, Optional[int]]) -> StepSeries:
     """Across ranks, per bucket: mean step and phase times, the slowest step, peak memory."""
-    series: Dict[str, Any] = {
+    series: StepSeries = {
         "first_step": buckets.first_step, "last_step": buckets.last_step,
         "bucket_steps": buckets.bucket, "step": [], "step_ms": [], "step_max_ms": [],
         "phases": {name: [] for name in ALL_PHASES}, "memory": {name: [] for name in MEMORY_COLUMNS},
@@ -159,8 +180,8 @@ def step_series(buckets: Buckets, capacity: Dict[str, Optional[int]]) -> Dict[st
         series["step_max_ms"].append(max(figures[2] for figures in ranks))
         for offset, name in enumerate(ALL_PHASES):
             series["phases"][name].append(sum(f[_PHASES_AT + offset] for f in ranks) / count)
-        for offset, name in enumerate(MEMORY_COLUMNS):
-            series["memory"][name].append(max_present(f[_MEMORY_AT + offset] for f in ranks))
+        for offset, column in enumerate(MEMORY_COLUMNS):
+            series["memory"][column].append(max_present(f[_MEMORY_AT + offset] for f in ranks))
     return series
 
 
@@ -170,8 +191,8 @@ def own_time_buckets(store: Store) -> Buckets:
     other ranks' gradients: under DDP every rank's step takes as long as the slowest's, so only
     this tells the rank the others wait for. Where comm wait is not measured it is the step."""
 
-    def read(rank: int, first: int, bucket: int, low: int, high: int = 2 ** 62) -> List[tuple]:
-        slots: Dict[int, List[Any]] = {}
+    def read(rank: int, first: int, bucket: int, low: int, high: int = 2 ** 62) -> List[Figures]:
+        slots: Dict[int, List[float]] = {}
         for step, step_ms, comm_wait_ms in store.step_fields(rank, low, ("step_ms", "comm_wait_ms")):
             if step > high:
                 break
@@ -184,12 +205,19 @@ def own_time_buckets(store: Store) -> Buckets:
     return Buckets(store, "steps", read, [sum, sum, sum])
 
 
-def rank_heatmap(buckets: Buckets) -> Dict[str, Any]:
+class RankHeatmap(TypedDict):
+    ranks: List[SeriesKey]
+    step: List[int]
+    own_ms: List[List[Optional[float]]]  # rank -> bucket -> mean own time (None: no step there)
+    comm_wait_measured: bool
+
+
+def rank_heatmap(buckets: Buckets) -> RankHeatmap:
     """Mean own time (see own_time_buckets) per rank and bucket: the slow rank is a bright row."""
     slots = sorted({slot for _, slot in buckets.rows})
     ranks = sorted({rank for rank, _ in buckets.rows})
 
-    def mean_ms(rank: int, slot: int) -> Optional[float]:
+    def mean_ms(rank: SeriesKey, slot: int) -> Optional[float]:
         figures = buckets.rows.get((rank, slot))
         return figures[1] / figures[0] if figures else None
 
@@ -201,14 +229,30 @@ def rank_heatmap(buckets: Buckets) -> Dict[str, Any]:
 
 def training_ms(buckets: Buckets) -> float:
     """Step time summed over every rank and step: the run's training time, rank by rank."""
-    return sum(figures[1] for figures in buckets.rows.values())
+    return float(sum(figures[1] for figures in buckets.rows.values()))
 
 
-def timeline(store: Store, steps: int) -> Dict[str, Any]:
+class TimelineStep(TypedDict):
+    rank: int
+    step: int
+    start_unix_s: float
+    step_ms: float
+    phases: Dict[str, float]  # in TIMELINE_ORDER
+
+
+class Timeline(TypedDict):
+    ranks: List[int]
+    order: List[str]
+    steps: List[TimelineStep]
+    spans: List[Dict[str, object]]  # SpanRecord's fields
+
+
+def timeline(store: Store, steps: int) -> Timeline:
     """Each rank's last `steps` steps with their phases, and the user spans in them."""
     steps = max(1, min(steps, MAX_TIMELINE_STEPS))
     fields = ["start_unix_s", "step_ms", *(f"{name}_ms" for name in TIMELINE_ORDER)]
-    ranks, rows = [], []
+    ranks: List[int] = []
+    rows: List[TimelineStep] = []
     first_step: Optional[int] = None
     for rank in store.ranks():
         newest = store.step_bounds("steps", rank)[1]
@@ -220,7 +264,7 @@ def timeline(store: Store, steps: int) -> Dict[str, Any]:
         for step, start_unix_s, step_ms, *phases in store.step_fields(rank, since, fields):
             rows.append({"rank": rank, "step": step, "start_unix_s": start_unix_s, "step_ms": step_ms,
                          "phases": dict(zip(TIMELINE_ORDER, phases))})
-    spans = []
+    spans: List[Dict[str, object]] = []
     if first_step is not None:
         spans = [msgspec.structs.asdict(span) for span in store.spans_between(first_step, 2 ** 62, limit=20000)]
     return {"ranks": ranks, "order": list(TIMELINE_ORDER), "steps": rows, "spans": spans}
@@ -231,16 +275,29 @@ def span_buckets(store: Store) -> Buckets:
     return Buckets(store, "spans")
 
 
-def span_table(buckets: Buckets, training_ms: float) -> Dict[str, Any]:
+class SpanRow(TypedDict):
+    name: str
+    count: int
+    steps: int  # the (rank, step) pairs it was in
+    mean_ms: float  # a call
+    total_ms: float
+    share: float  # of the training time
+
+
+class SpanTable(TypedDict):
+    spans: List[SpanRow]
+
+
+def span_table(buckets: Buckets, training_ms: float) -> SpanTable:
     """Each user span: calls, the (rank, step) pairs it was in, mean time a call, and its share
     of the training time (step time summed over ranks)."""
     totals: Dict[str, List[float]] = {}
     for (name, _), (calls, steps, total_ms) in buckets.rows.items():
-        entry = totals.setdefault(name, [0, 0, 0.0])
+        entry = totals.setdefault(str(name), [0, 0, 0.0])
         entry[0] += calls
         entry[1] += steps
         entry[2] += total_ms
-    rows = [{"name": name, "count": calls, "steps": steps,
+    rows: List[SpanRow] = [{"name": name, "count": int(calls), "steps": int(steps),
              "mean_ms": total_ms / calls if calls else 0.0, "total_ms": total_ms,
              "share": total_ms / training_ms if training_ms else 0.0}
             for name, (calls, steps, total_ms) in totals.items()]
@@ -251,25 +308,47 @@ def scalar_buckets(store: Store) -> Buckets:
     return Buckets(store, "scalars")
 
 
-def scalar_series(buckets: Buckets) -> Dict[str, Any]:
+class ScalarLine(TypedDict):
+    step: List[int]
+    value: List[float]
+
+
+class ScalarSeries(TypedDict):
+    scalars: Dict[str, ScalarLine]
+
+
+def scalar_series(buckets: Buckets) -> ScalarSeries:
     """Each logged scalar over steps: per bucket, its mean over ranks and steps."""
-    scalars: Dict[str, Any] = {}
+    scalars: Dict[str, ScalarLine] = {}
     for (name, _), (first_step, count, total) in sorted(buckets.rows.items()):
-        series = scalars.setdefault(name, {"step": [], "value": []})
+        series = scalars.setdefault(str(name), {"step": [], "value": []})
         series["step"].append(first_step)
         series["value"].append(total / count)
     return {"scalars": scalars}
 
 
 # -- the node ------------------------------------------------------------------------------------
-def system_series(store: Store, points: int) -> Dict[str, Any]:
+class SystemSeries(TypedDict, total=False):
+    """The node sampler's readings over time (the web page's system chart)."""
+
+    unix_s: List[float]
+    cpu_percent: List[float]
+    training_cpu_percent: List[float]
+    ram_used_bytes: List[int]
+    ram_total_bytes: Optional[int]
+    training_rss_bytes: List[int]
+    gpus: List[Dict[str, object]]  # index, memory_total_bytes and a list per GPU_FIGURES name
+    cpu_count: Optional[int]  # the run source adds it, from the latest reading
+
+
+def system_series(store: Store, points: int) -> SystemSeries:
     """The node sampler's readings over time, averaged per bucket; GPUs from each bucket's last."""
-    series: Dict[str, Any] = {"unix_s": [], "cpu_percent": [], "training_cpu_percent": [],
+    series: SystemSeries = {"unix_s": [], "cpu_percent": [], "training_cpu_percent": [],
                               "ram_used_bytes": [], "ram_total_bytes": None,
                               "training_rss_bytes": [], "gpus": []}
     low, high = store.system_extent()
     gpu_fields = ("utilization_percent", "memory_used_bytes", "temperature_c", "power_w")
-    gpus: Dict[int, Dict[str, Any]] = {}
+    gpus: Dict[int, Dict[str, Any]] = {}  # a GPU's index and total, and a list per figure
     for index, (sample, _) in enumerate(store.system_buckets(low, bucket_steps(low, high, points))):
         series["unix_s"].append(sample.unix_s)
         series["cpu_percent"].append(sample.cpu_percent)

@@ -8,19 +8,27 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, cast
 
 from traceml import rundir
 from traceml.analysis.ledger import LEDGER_PARTS, PART_WORDS, ledger_history, part_bytes
 from traceml.analysis.rollup import comm_wait_parts
 from traceml.collector.store import Store
-from traceml.diagnose.stragglers import straggler_finding, straggler_rank
-from traceml.diagnose.untimed import code_lines
-from traceml.records import ALL_PHASES, MemoryLedger, RankHello, warmup_steps
+from traceml.diagnose.stragglers import FindingOrDict, straggler_finding, straggler_rank
+from traceml.diagnose.untimed import CodeSummary, code_lines
+from traceml.records import ALL_PHASES, Finding, MemoryLedger, RankHello, warmup_steps
 from traceml.report import queries
-from traceml.report.live import snapshot
+from traceml.report.live import LiveState, snapshot
+from traceml.analysis.layer_rows import DeepDiveFigures
 from traceml.report.deep_dive import deep_dive_figures
-from traceml.report.summary import RunData, RunFacts, build_summary, device_names
+from traceml.report.summary import (FinalSummary, FindingDict, PhaseFigures, RunData, RunFacts, RunPart, build_summary,
+                                    device_names)
+
+if TYPE_CHECKING:
+    from traceml.collector.server import Collector
+
+# An endpoint's answer, as the page reads it (json.dumps writes it).
+Answer = Dict[str, object]
 
 LIVE_STATE_S = 0.5
 
@@ -28,22 +36,22 @@ LIVE_STATE_S = 0.5
 class RunSource:
     """One run as the dashboard sees it: its store, and while it trains, its collector."""
 
-    def __init__(self, run_dir: Path, store: Store, collector: Any = None, script: str = "",
+    def __init__(self, run_dir: Path, store: Store, collector: Optional[Collector] = None, script: str = "",
                  started_at_unix_s: Optional[float] = None):
         self.run_dir = run_dir
         self.store = store
         self.collector = collector  # None for `traceml view`
         self.script = script
         self.started_at_unix_s = started_at_unix_s or time.time()
-        self.summary: Optional[Dict[str, Any]] = None  # once the run is over
-        self._alerts: List[Any] = []
+        self.summary: Optional[FinalSummary] = None  # once the run is over
+        self._alerts: List[Tuple[float, Finding]] = []
         # Whole-run buckets, kept between requests: a refresh reads only the newest rows.
         self._steps = queries.step_buckets(store)
         self._own_time = queries.own_time_buckets(store)
         self._spans = queries.span_buckets(store)
         self._scalars = queries.scalar_buckets(store)
         self._lock = threading.Lock()  # the caches are shared by the request threads
-        self._state: Any = None  # the latest live snapshot, and when it was taken
+        self._state: Optional[LiveState] = None  # the latest live snapshot, and when it was taken
         self._state_at = 0.0
 
     @classmethod
@@ -52,26 +60,28 @@ class RunSource:
         source = cls(run_dir, Store(os.fspath(rundir.finished_store(run_dir)), readonly=True))
         summary_path = run_dir / rundir.SUMMARY_JSON
         try:
-            source.summary = json.loads(summary_path.read_text())
+            summary = cast(FinalSummary, json.loads(summary_path.read_text()))
         except (OSError, ValueError):  # a run cut short: summarize what the store holds
-            source.summary = build_summary(RunData(source.store), RunFacts.from_store(source.store))
-        source.script = source.summary["run"]["script"]
+            summary = build_summary(RunData(source.store), RunFacts.from_store(source.store))
+        source.summary = summary
+        source.script = summary["run"]["script"]
         return source
 
     @classmethod
-    def of_live_run(cls, run_dir: Optional[Path], store: Store, collector: Any, script: str,
+    def of_live_run(cls, run_dir: Optional[Path], store: Store, collector: Collector, script: str,
                     started_at_unix_s: float) -> "RunSource":
         """A run in progress: a read-only connection of our own to the collector's store (an
         in-memory store, when the run dir cannot be written, is shared under its lock)."""
         reader = store if store.path == ":memory:" else Store(store.path, readonly=True)
         return cls(run_dir or Path("."), reader, collector, script, started_at_unix_s)
 
-    def live_state(self) -> Any:
+    def live_state(self) -> LiveState:
         """The collector's live state, diagnosed at most every LIVE_STATE_S however many pages
         and endpoints ask: the rules run in the collector's process, beside the ingest."""
         with self._lock:
             now = time.monotonic()
             if self._state is None or now - self._state_at >= LIVE_STATE_S:
+                assert self.collector is not None  # a live state: only while the run trains
                 self._state = snapshot(self.collector, self.script,
                                        time.time() - self.started_at_unix_s, self._alerts)
                 self._state_at = now
@@ -87,9 +97,9 @@ class RunSource:
         return self.collector is not None and self.summary is None
 
     # -- what the endpoints answer ---------------------------------------------------------
-    def overview(self) -> Dict[str, Any]:
-        if not self.live:
-            return _overview_of_summary(self.summary or {}, os.fspath(self.run_dir))
+    def overview(self) -> Answer:
+        if not self.live or self.collector is None:
+            return _overview_of_summary(self.summary, os.fspath(self.run_dir))
         state = self.live_state()
         elapsed_s = state.elapsed_s
         window = state.window
@@ -107,7 +117,7 @@ class RunSource:
             "primary": findings[0] if findings else None, "findings": findings, "exit_code": None,
         }
 
-    def steps(self, start: Optional[int], end: Optional[int], points: int) -> Dict[str, Any]:
+    def steps(self, start: Optional[int], end: Optional[int], points: int) -> queries.StepSeries:
         capacity = self._capacity()
         if start is None and end is None:
             with self._lock:
@@ -121,18 +131,20 @@ class RunSource:
         zoomed = queries.step_buckets(self.store).read_range(first, last, points)
         return queries.step_series(zoomed, capacity)
 
-    def system(self, points: int) -> Dict[str, Any]:
+    def system(self, points: int) -> queries.SystemSeries:
         series = queries.system_series(self.store, points)
         latest = self.store.latest_system()  # the buckets' means do not carry the CPU count
         series["cpu_count"] = latest.cpu_count if latest is not None and latest.cpu_count else None
         return series
 
-    def ranks(self, points: int) -> Dict[str, Any]:
+    def ranks(self, points: int) -> Answer:
+        findings: Sequence[FindingOrDict]
         if self.live:
             state = self.live_state()
             rows, spread, findings = state.ranks, state.spread, state.findings
         else:
-            summary = self.summary or {}
+            # .get throughout: the summary file of an older run may lack a section
+            summary = self.summary or cast(FinalSummary, {})
             rows, spread = summary.get("ranks", []), summary.get("rank_spread", {})
             findings = summary.get("findings", [])
         straggler = straggler_finding(findings)
@@ -140,55 +152,56 @@ class RunSource:
             self._own_time.refresh()
             heatmap = queries.rank_heatmap(self._own_time.coarsen(points))
         # Each rank's comm wait by phase, as the card splits it: the page keeps no arithmetic of its own.
-        rows = [{**row, "comm_wait_parts": comm_wait_parts(row)} for row in rows]
-        return {"ranks": rows, "spread": spread, "straggler": straggler_rank(findings),
-                "straggler_summary": _finding(straggler)["summary"] if straggler is not None else None,
+        told = [{**row, "comm_wait_parts": comm_wait_parts(row)} for row in rows]
+        return {"ranks": told, "spread": spread, "straggler": straggler_rank(findings),
+                "straggler_summary": _said(straggler) if straggler is not None else None,
                 "heatmap": heatmap, "warmup_steps": self.warmup_steps()}
 
     def warmup_steps(self) -> int:
         """The first steps the summary leaves out as warm-up: the charts scale without them."""
         if self.live:
             return warmup_steps(self.live_state().steps_seen)
-        return (self.summary or {}).get("steps", {}).get("warmup_excluded", 0)
+        steps = (self.summary or cast(FinalSummary, {})).get("steps")
+        return steps.get("warmup_excluded", 0) if steps else 0
 
-    def layers(self) -> Dict[str, Any]:
+    def layers(self) -> DeepDiveFigures:
         if not self.live:
-            summary = self.summary or {}
+            summary = self.summary or cast(FinalSummary, {})
             return {"deep_dive": summary.get("deep_dive"), "layers": summary.get("layers", [])}
         return deep_dive_figures(self.live_state().layers)
 
-    def memory(self) -> Dict[str, Any]:
+    def memory(self) -> Answer:
         """The memory ledger: each rank's parts now (bytes by analysis.ledger.LEDGER_PARTS, the
         parts not measured left out), and every reading's counted parts over steps."""
-        if self.live:
+        if self.live and self.collector is not None:
             rows = self.live_state().ledger
             history = ledger_history(self.collector.kept(MemoryLedger))
         else:
-            memory = (self.summary or {}).get("memory") or {}
-            rows, history = memory.get("ledger") or [], memory.get("ledger_history") or []
+            memory = (self.summary or cast(FinalSummary, {})).get("memory")
+            rows, history = (memory.get("ledger") or [], memory.get("ledger_history") or []) if memory else ([], [])
         return {"parts": list(LEDGER_PARTS), "words": PART_WORDS, "history": history,
                 "ledger": [{"rank": row["rank"], "parts": part_bytes(row), "held": row["held"],
                             "measured_on": row["measured_on"], "activations_step": row["activations_step"],
                             "adapters": row.get("adapters") or None, "parameters": row["parameters"]}
                            for row in rows]}
 
-    def timeline(self, steps: int) -> Dict[str, Any]:
+    def timeline(self, steps: int) -> queries.Timeline:
         return queries.timeline(self.store, steps)
 
-    def spans(self) -> Dict[str, Any]:
+    def spans(self) -> queries.SpanTable:
         with self._lock:
             self._steps.refresh()
             self._spans.refresh()
             return queries.span_table(self._spans, queries.training_ms(self._steps))
 
-    def scalars(self, points: int) -> Dict[str, Any]:
+    def scalars(self, points: int) -> queries.ScalarSeries:
         with self._lock:
             self._scalars.refresh()
             return queries.scalar_series(self._scalars.coarsen(points))
 
     def _capacity(self) -> Dict[str, Optional[int]]:
         """The lines memory is drawn against: the largest device, and the node's RAM."""
-        if self.live:
+        if self.live and self.collector is not None:
             hellos = list(self.collector.latest(RankHello).values())
             system = self.collector.latest_system
             host = system.ram_total_bytes if system is not None else None
@@ -200,24 +213,33 @@ class RunSource:
         return {"device_bytes": device, "host_bytes": host}
 
 
-def _finding(finding: Any) -> Dict[str, Any]:
+def _finding(finding: Finding) -> FindingDict:
     import msgspec
 
-    return msgspec.to_builtins(finding)
+    return cast(FindingDict, msgspec.to_builtins(finding))
 
 
-def _overview_of_summary(summary: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
-    run, phases = summary.get("run", {}), summary.get("phases", {})
-    step = phases.get("step", {})
+def _said(finding: FindingOrDict) -> object:
+    """A finding's summary, whether the rules' Finding or the summary file's dict."""
+    return finding.summary if isinstance(finding, Finding) else finding.get("summary")
+
+
+def _overview_of_summary(summary: Optional[FinalSummary], run_dir: str) -> Answer:
+    # .get throughout: the summary file of an older run may lack a section
+    summary = summary or cast(FinalSummary, {})
+    run = summary.get("run") or cast(RunPart, {})
+    phases = summary.get("phases", {})
+    step = phases.get("step") or cast(PhaseFigures, {})
+    steps = summary.get("steps")
     return {
         "live": False, "script": run.get("script", ""), "run_dir": run_dir,
-        "elapsed_s": run.get("duration_s", 0.0), "steps_seen": summary.get("steps", {}).get("count", 0),
+        "elapsed_s": run.get("duration_s", 0.0), "steps_seen": steps.get("count", 0) if steps else 0,
         "world_size": run.get("world_size", 1), "devices": run.get("devices", []),
         "step": {"median_ms": step.get("median_ms", 0.0), "p90_ms": step.get("p90_ms", 0.0)},
         "throughput": summary.get("throughput", {"steps_per_s": 0.0, "samples_per_s": None}),
         "phases": {name: phases[name] for name in ALL_PHASES if name in phases},
         "goodput": summary.get("goodput"),
-        "untimed": code_lines(summary.get("code") or {}),
+        "untimed": code_lines(summary.get("code") or cast(CodeSummary, {})),
         "primary": summary.get("primary_diagnosis"), "findings": summary.get("findings", []),
         "exit_code": run.get("exit_code"),
     }

@@ -5,29 +5,177 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional, TypedDict, Union, cast
 
 import msgspec
 
 from traceml import rundir
-from traceml.analysis.goodput import RunTime
+from traceml.analysis.goodput import PartTime, RunTime, Startup
 from traceml.analysis.hardware import device_peak_tflops
-from traceml.analysis.ledger import device_mesh, ledger_history
-from traceml.analysis.rollup import max_present, rank_row, rank_spread, roll_up
+from traceml.analysis.ledger import DeviceMesh, LedgerRow, device_mesh, ledger_history
+from traceml.analysis.rollup import RankRow, Spread, max_present, rank_row, rank_spread, roll_up
 from traceml.collector.store import Store
 from traceml.diagnose import diagnose
-from traceml.diagnose.captures import grown_layers
-from traceml.diagnose.hangs import rank_lost
-from traceml.diagnose.host_sync import sync_sites
-from traceml.diagnose.run_time import compile_summary
-from traceml.diagnose.untimed import untimed_summary
-from traceml.records import (CompileRecord, Finding, LayerCapture, MemoryLedger, RankEnd, RankHello, RolledStep, StepRecord,
-                             SystemSample, warmup_steps)
+from traceml.diagnose.captures import GrownLayer, grown_layers
+from traceml.diagnose.hangs import HangSummary, MissingRank, RankExit, StoredHang, rank_lost
+from traceml.diagnose.host_sync import SyncLine, sync_sites
+from traceml.diagnose.run_time import CompileSummary, compile_summary
+from traceml.diagnose.spikes import WarmupTransient
+from traceml.diagnose.untimed import CodeSummary, untimed_summary
+from traceml.records import (CompileRecord, Evidence, Finding, LayerCapture, MemoryLedger, RankEnd, RankHello, RolledStep,
+                             StepRecord, SystemSample, GpuSample, warmup_steps)
+from traceml.analysis.layer_rows import DeepDive, LayerRow
 from traceml.report.deep_dive import deep_dive_figures
-from traceml.report.diagnosis import RunRecords, diagnosis_input, stored_records
+from traceml.report.diagnosis import RunRecords, diagnosis_input, records_of, stored_records
 
 SCHEMA_VERSION = 1
 RANK_SAMPLE_STEPS = 10_000  # beyond this many steps, per-rank figures read every k-th step
+
+
+# -- final_summary.json's shape: what build_summary writes and the views read ----------------------
+# TypedDicts: the JSON is the dict as it is, and a key a view misspells is a type error. Keys
+# added after a run was written are total=False where the views read them (older runs open).
+class RunPart(TypedDict):
+    script: str
+    argv: List[str]
+    exit_code: Optional[int]
+    started_at: str  # ISO 8601, UTC
+    duration_s: float
+    world_size: int
+    devices: List[str]
+    torch_version: Optional[str]
+
+
+class StepsPart(TypedDict):
+    count: int
+    warmup_excluded: int
+    measured: int
+    records_dropped: int
+    device_timed: bool
+    found_by: Optional[str]
+    warmup_transients: List[WarmupTransient]
+    rank_figures_every_n_steps: int
+
+
+class _PhaseFigures(TypedDict):
+    median_ms: float
+    mean_ms: float
+    share: float  # of the step
+
+
+class PhaseFigures(_PhaseFigures, total=False):
+    p90_ms: float  # the whole step's ("step") alone
+
+
+class _Throughput(TypedDict):
+    steps_per_s: float
+    samples_per_s: Optional[float]
+    samples_per_step: Optional[float]
+    tokens_per_s: Optional[float]
+    padding_share: Optional[float]
+    flops_per_step: Optional[float]  # under deep-dive
+    achieved_tflops: Optional[float]
+    mfu: Optional[float]
+
+
+class Throughput(_Throughput, total=False):
+    device_peak_tflops: Optional[float]  # where FLOPs were counted
+
+
+class MemoryPart(TypedDict):
+    device_peak_bytes: Optional[int]
+    device_capacity_bytes: Optional[int]
+    host_rss_peak_bytes: Optional[int]
+    creep_bytes_per_step: float
+    creep_measured_on: str
+    ledger: List[LedgerRow]
+    ledger_history: List[Dict[str, int]]
+
+
+class AvgPeak(TypedDict):
+    avg: float
+    peak: float
+
+
+class GpuFigures(TypedDict):
+    index: int
+    utilization_percent: AvgPeak
+    memory_used_bytes: AvgPeak
+    memory_total_bytes: int
+    temperature_c: Optional[AvgPeak]  # None where NVML cannot read it
+    power_w: Optional[AvgPeak]
+
+
+class _SystemSamples(TypedDict):
+    samples: int
+
+
+class SystemPart(_SystemSamples, total=False):
+    """The node's readings; the figures only where there was a sample."""
+
+    cpu_percent: AvgPeak
+    training_cpu_percent: AvgPeak
+    ram_used_bytes: AvgPeak
+    ram_total_bytes: int
+    training_rss_bytes: AvgPeak
+    gpus: List[GpuFigures]
+
+
+class SpanFigures(TypedDict):
+    """A user span's figures over the measured steps (see span_figures)."""
+
+    count: int
+    steps: int
+    median_ms: float
+    total_ms_per_step: float
+    share: float
+
+
+class CapturePart(TypedDict):
+    rank: int
+    step: int
+    reason: str
+    detail: str
+    layers: List[GrownLayer]  # the ten most grown
+
+
+class FindingDict(TypedDict):
+    """A Finding as JSON keeps it (msgspec.to_builtins)."""
+
+    kind: str
+    severity: str
+    summary: str
+    action: str
+    rank: Optional[int]
+    evidence: Evidence
+
+
+class FinalSummary(TypedDict):
+    """final_summary.json, its keys in the order written (docs/ tells each)."""
+
+    schema_version: int
+    run: RunPart
+    steps: StepsPart
+    phases: Dict[str, PhaseFigures]  # each phase, and "step"
+    throughput: Throughput
+    goodput: Optional[Dict[str, PartTime]]  # by part of the run's wall time
+    startup: Optional[Startup]
+    compile: Optional[CompileSummary]
+    host_syncs: List[SyncLine]
+    code: CodeSummary
+    memory: MemoryPart
+    system: SystemPart
+    ranks: List[RankRow]
+    mesh: Optional[DeviceMesh]
+    hang: Optional[HangSummary]
+    rank_spread: Dict[str, Spread]
+    missing_ranks: List[MissingRank]
+    layers: List[LayerRow]
+    deep_dive: Optional[DeepDive]
+    spans: Dict[str, SpanFigures]
+    captures: List[CapturePart]
+    primary_diagnosis: Optional[FindingDict]
+    findings: List[FindingDict]
 
 
 class RunFacts(msgspec.Struct):
@@ -72,10 +220,10 @@ class RunData:
             self.rolled = roll_up(self.records)
         self.warmup = warmup_steps(len(self.rolled))
         self.stored = stored_records(store)
-        self.hellos: List[RankHello] = self.stored[RankHello]
-        self.ends: List[RankEnd] = self.stored[RankEnd]
-        self.samples: List[SystemSample] = self.stored[SystemSample]
-        self.compiles: List[CompileRecord] = self.stored[CompileRecord]
+        self.hellos: List[RankHello] = records_of(self.stored, RankHello)
+        self.ends: List[RankEnd] = records_of(self.stored, RankEnd)
+        self.samples: List[SystemSample] = records_of(self.stored, SystemSample)
+        self.compiles: List[CompileRecord] = records_of(self.stored, CompileRecord)
         self.run_time = self._run_time(store, meta)
         self.goodput = self.run_time.goodput(now_unix_s=None)
         # What the rules read, built as the live views build it (report.diagnosis).
@@ -95,11 +243,11 @@ class RunData:
                                   sample_every=self.rank_sample_every)
         self.lost_ranks: List[int] = meta.get("lost_ranks", [])
         # How failed ranks ended, from their launcher (traceml.agent; the fork's own wait).
-        self.rank_exits: Dict[int, Dict[str, int]] = {int(rank): status for rank, status
-                                                      in (meta.get("rank_exits") or {}).items()}
+        self.rank_exits: Dict[int, RankExit] = {int(rank): status for rank, status
+                                                in (meta.get("rank_exits") or {}).items()}
         self.missing_ranks = _missing_ranks(self)
         # A hang the collector saw and the run ended under (report.live.HangWatch).
-        self.hang: Optional[Dict[str, Any]] = meta.get("hang")
+        self.hang: Optional[StoredHang] = meta.get("hang")
         self.findings: List[Finding] = diagnose(inputs)
         self._say_how_the_run_stopped_first()
 
@@ -110,7 +258,8 @@ class RunData:
             self.findings.insert(0, msgspec.convert(self.hang["finding"], Finding))
             for place in self.hang["ranks"]:
                 if place["rank"] in self.rank_exits:
-                    place["exit_code"] = self.rank_exits[place["rank"]].get("exit_code")
+                    exit_code = self.rank_exits[place["rank"]].get("exit_code")
+                    place["exit_code"] = exit_code
         world_size = max([hello.world_size for hello in self.hellos] + [1])
         lost = rank_lost(self.missing_ranks, self.rank_exits, world_size)
         if lost is not None:
@@ -131,17 +280,18 @@ class RunData:
             row["steps"] = store.step_count(hello.rank, since_step=self.warmup)
         self.ranks = [rows[rank] for rank in sorted(rows)]
 
-    def _run_time(self, store: Store, meta: Dict[str, Any]) -> RunTime:
+    def _run_time(self, store: Store, meta: Dict[str, object]) -> RunTime:
         """Every rank's wall-time tally: the collector's, kept at the run's end, or (a run whose
         collector did not finish) tallied again from every step record, read once."""
-        if meta.get("run_time") is not None:
-            return RunTime.from_builtins(meta["run_time"])
+        tallies = meta.get("run_time")
+        if tallies is not None:
+            return RunTime.from_builtins(cast(List[Dict[str, object]], tallies))
         steps = self.records if self.rank_sample_every == 1 else store.steps()
         return RunTime.of([*self.hellos, *steps, *self.compiles, *self.ends])
 
 
 
-def span_figures(store: Store, first_step: Optional[int], sample_every: int = 1) -> Dict[str, Dict[str, Any]]:
+def span_figures(store: Store, first_step: Optional[int], sample_every: int = 1) -> Dict[str, SpanFigures]:
     """The user spans (Trace.span) over the measured steps (first_step on: the steps the phase
     table reads, warm-up left out), per name, the most time first:
 
@@ -164,7 +314,7 @@ def span_figures(store: Store, first_step: Optional[int], sample_every: int = 1)
     step_ms: Dict[str, List[float]] = {}
     for name, ms in store.span_step_ms(first_step, sample_every):
         step_ms.setdefault(name, []).append(ms)
-    rows = {name: {"count": calls, "steps": span_steps,
+    rows: Dict[str, SpanFigures] = {name: {"count": calls, "steps": span_steps,
                    "median_ms": statistics.median(step_ms[name]),
                    "total_ms_per_step": total_ms / steps if steps else 0.0,
                    "share": total_ms / step_total_ms if step_total_ms > 0 else 0.0}
@@ -178,14 +328,15 @@ def device_names(hellos: List[RankHello]) -> List[str]:
                    for h in hellos})
 
 
-def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
+def build_summary(data: RunData, facts: RunFacts) -> FinalSummary:
     window = data.window
-    phases: Dict[str, Any] = {name: msgspec.to_builtins(stats) for name, stats in window.phases.items()}
+    phases: Dict[str, PhaseFigures] = {name: msgspec.to_builtins(stats) for name, stats in window.phases.items()}
     phases["step"] = {"median_ms": window.step_median_ms, "mean_ms": window.step_mean_ms,
                       "p90_ms": window.step_p90_ms, "share": 1.0 if len(window) else 0.0}
     world_size = max([h.world_size for h in data.hellos] + [len({r.rank for r in data.records}), 1])
-    findings = [msgspec.to_builtins(f) for f in data.findings]
-    return _rounded({
+    findings: List[FindingDict] = [msgspec.to_builtins(f) for f in data.findings]
+    stalls = data.stalls
+    summary: FinalSummary = {
         "schema_version": SCHEMA_VERSION,
         "run": {
             "script": facts.script,
@@ -206,7 +357,7 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
             "found_by": data.found_by,
             # Slow steps early in the run that never came back (allocator, optimizer state,
             # caches warming up): noted here, never a finding.
-            "warmup_transients": data.stalls.warmup_note(),
+            "warmup_transients": stalls.warmup_note() if stalls is not None else [],
             "rank_figures_every_n_steps": data.rank_sample_every,
         },
         "phases": phases,
@@ -221,40 +372,52 @@ def build_summary(data: RunData, facts: RunFacts) -> Dict[str, Any]:
         "memory": _memory(data),
         "system": _system(data.samples),
         "ranks": data.ranks,
-        "mesh": device_mesh(data.ledger, data.stored[MemoryLedger]),
-        "hang": {key: value for key, value in data.hang.items() if key != "finding"} if data.hang else None,
+        "mesh": device_mesh(data.ledger, records_of(data.stored, MemoryLedger)),
+        "hang": _told_hang(data.hang) if data.hang else None,
         "rank_spread": rank_spread(data.records, skip_steps=data.warmup),
         "missing_ranks": data.missing_ranks,
-        **data.deep_dive,  # "layers", "deep_dive"
+        "layers": data.deep_dive["layers"],
+        "deep_dive": data.deep_dive["deep_dive"],
         "spans": data.spans,
         "captures": [{"rank": c.rank, "step": c.step, "reason": c.reason, "detail": c.detail,
                       "layers": grown_layers(c)[:10]} for c in data.captures],
         "primary_diagnosis": findings[0] if findings else None,
         "findings": findings,
-    })
+    }
+    return cast(FinalSummary, _rounded(summary))
 
 
-def _throughput(data: RunData) -> Dict[str, Any]:
+def _told_hang(hang: StoredHang) -> HangSummary:
+    """The stored hang less its finding (the summary lists that among the findings)."""
+    return {"summary": hang["summary"], "stalled_ranks": hang["stalled_ranks"],
+            "culprit_rank": hang["culprit_rank"], "ranks": hang["ranks"]}
+
+
+def _throughput(data: RunData) -> Throughput:
     window = data.window
-    return {
+    flops = _model_flops(data)
+    throughput: Throughput = {
         "steps_per_s": window.steps_per_s,
         "samples_per_s": window.samples_per_s,
         # The global batch: samples a step, summed over ranks (the median step's).
         "samples_per_step": statistics.median(s.samples for s in window.steps) if len(window) else None,
         "tokens_per_s": window.tokens_per_s,  # real tokens trained (labels, attention_mask), summed over ranks
         "padding_share": window.padding_share,
-        **_model_flops(data),
+        "flops_per_step": flops.flops_per_step, "achieved_tflops": flops.achieved_tflops, "mfu": flops.mfu,
     }
+    if flops.flops_per_step:  # the device's peak is said where FLOPs were counted
+        throughput["device_peak_tflops"] = flops.device_peak_tflops
+    return throughput
 
 
-def flat_summary(records: List[Any]) -> Dict[str, Any]:
+def flat_summary(records: List[StepRecord]) -> Dict[str, Union[int, float, str, None]]:
     """One rank's figures so far as a flat dict (traceml.summary()), for W&B or MLflow: the
     same rollup, warm-up and rules as the card, over the records this process sent."""
     rolled = roll_up(records)
     inputs = diagnosis_input(RunRecords(rolled=rolled))
     window = inputs.window
     findings = diagnose(inputs) if rolled else []
-    flat: Dict[str, Any] = {
+    flat: Dict[str, Union[int, float, str, None]] = {
         "traceml/steps": len(rolled),
         "traceml/step/median_ms": window.step_median_ms,
         "traceml/step/p90_ms": window.step_p90_ms,
@@ -277,21 +440,27 @@ def flat_summary(records: List[Any]) -> Dict[str, Any]:
     return flat
 
 
-def _model_flops(data: RunData) -> Dict[str, Any]:
+class _ModelFlops(NamedTuple):
+    flops_per_step: Optional[float]
+    achieved_tflops: Optional[float]
+    mfu: Optional[float]
+    device_peak_tflops: Optional[float]
+
+
+def _model_flops(data: RunData) -> _ModelFlops:
     """Under deep-dive: FLOPs of a step (the mean of rank 0's sampled steps), what the device
     achieves, and MFU where the device's peak is known (not for CPUs)."""
     report = data.layer_report
     flops = report.flops_per_step if report is not None else None
     if not flops:
-        return {"flops_per_step": None, "achieved_tflops": None, "mfu": None}
+        return _ModelFlops(None, None, None, None)
     achieved = flops * data.window.steps_per_s / 1e12
     names = [h.device_name for h in data.hellos if h.device != "cpu"]
     peak = device_peak_tflops(names[0]) if names else None
-    return {"flops_per_step": flops, "achieved_tflops": achieved,
-            "mfu": achieved / peak if peak else None, "device_peak_tflops": peak}
+    return _ModelFlops(flops, achieved, achieved / peak if peak else None, peak)
 
 
-def _rounded(value: Any) -> Any:
+def _rounded(value: object) -> object:
     """Floats to 4 decimals (0.1 µs in ms), so the JSON reads as figures, not noise."""
     if isinstance(value, float):
         return round(value, 4)
@@ -302,14 +471,14 @@ def _rounded(value: Any) -> Any:
     return value
 
 
-def _missing_ranks(data: RunData) -> List[Dict[str, Any]]:
+def _missing_ranks(data: RunData) -> List[MissingRank]:
     """Ranks that stopped reporting before the others and never said goodbye (died, killed),
     or that the run's world size promised and never reported at all; each with its exit status
     (negative: the signal that killed it) and pid where its launcher saw it end. A one-process
     run is missing its rank when a signal ended it before its goodbye."""
     world_size = max([h.world_size for h in data.hellos] + [1])
     if world_size < 2:
-        status = data.rank_exits.get(0, {})
+        status: RankExit = data.rank_exits.get(0, {})
         if data.ends or not data.hellos or (status.get("exit_code") or 0) >= 0:
             return []
         last = data.ranks[0]["last_step"] if data.ranks else -1
@@ -329,7 +498,7 @@ def _missing_ranks(data: RunData) -> List[Dict[str, Any]]:
             if rank not in said_goodbye and (rank in lost if lost else step < last)]
 
 
-def _memory(data: RunData) -> Dict[str, Any]:
+def _memory(data: RunData) -> MemoryPart:
     trend = data.window.memory_trend
     return {
         "device_peak_bytes": max_present(s.device_peak_bytes for s in data.rolled),
@@ -338,38 +507,39 @@ def _memory(data: RunData) -> Dict[str, Any]:
         "creep_bytes_per_step": round(trend.bytes_per_step, 1),
         "creep_measured_on": trend.measured_on,
         "ledger": data.ledger,
-        "ledger_history": ledger_history(data.stored[MemoryLedger]),
+        "ledger_history": ledger_history(records_of(data.stored, MemoryLedger)),
     }
 
 
-def _avg_peak(values: List[float]) -> Dict[str, float]:
+def _avg_peak(values: List[float]) -> AvgPeak:
     return {"avg": round(statistics.fmean(values), 2), "peak": round(max(values), 2)}
 
 
-def _avg_peak_present(values: List[Optional[float]]) -> Optional[Dict[str, float]]:
+def _avg_peak_present(values: List[Optional[float]]) -> Optional[AvgPeak]:
     present = [value for value in values if value is not None]
     return _avg_peak(present) if present else None
 
 
-def _system(samples: List[SystemSample]) -> Dict[str, Any]:
+def _system(samples: List[SystemSample]) -> SystemPart:
     if not samples:
         return {"samples": 0}
 
-    system: Dict[str, Any] = {
+    gpus: List[GpuFigures] = []
+    system: SystemPart = {
         "samples": len(samples),
         "cpu_percent": _avg_peak([s.cpu_percent for s in samples]),
         "training_cpu_percent": _avg_peak([s.training_cpu_percent for s in samples]),
         "ram_used_bytes": _avg_peak([float(s.ram_used_bytes) for s in samples]),
         "ram_total_bytes": samples[-1].ram_total_bytes,
         "training_rss_bytes": _avg_peak([float(s.training_rss_bytes) for s in samples]),
-        "gpus": [],
+        "gpus": gpus,
     }
-    by_gpu: Dict[int, list] = {}
+    by_gpu: Dict[int, List[GpuSample]] = {}
     for sample in samples:
         for gpu in sample.gpus:
             by_gpu.setdefault(gpu.index, []).append(gpu)
     for index, readings in sorted(by_gpu.items()):
-        system["gpus"].append({
+        gpus.append({
             "index": index,
             "utilization_percent": _avg_peak([g.utilization_percent for g in readings]),
             "memory_used_bytes": _avg_peak([float(g.memory_used_bytes) for g in readings]),

@@ -16,11 +16,15 @@ import os
 import signal
 import subprocess
 import threading
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Set, Tuple
 
 import msgspec
 
 from traceml.records import ALERT_SEVERITIES, FindingKind
+
+if TYPE_CHECKING:
+    from traceml.records import Finding
+    from traceml.report.live import LiveState
 
 log = logging.getLogger("traceml")
 
@@ -34,7 +38,7 @@ UNNAMED_CHECKS = 3
 class AlertCommand:
     """Runs `command` for each new warn or crit finding that `live_state()` shows."""
 
-    def __init__(self, command: str, live_state: Callable[[], Any], script: str,
+    def __init__(self, command: str, live_state: Callable[[], LiveState], script: str,
                  timeout_s: float = ALERT_TIMEOUT_S, check_s: float = ALERT_CHECK_S):
         self.command, self.live_state, self.script = command, live_state, script
         self.timeout_s, self.check_s = timeout_s, check_s
@@ -75,7 +79,7 @@ class AlertCommand:
                     self.sent.add(key)
                     self.send(finding)
 
-    def send(self, finding: Any) -> None:
+    def send(self, finding: Finding) -> None:
         """Run the command once with the finding on its standard input; bounded, never raising."""
         document = json.dumps({"script": self.script, **msgspec.to_builtins(finding)}) + "\n"
         try:

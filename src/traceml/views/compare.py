@@ -7,9 +7,14 @@ figures instead of as a table whose cells would be cut.
 from __future__ import annotations
 
 import io
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import TYPE_CHECKING, List, Optional, TextIO, Tuple
 
-from traceml.report.compare import DISTURBED_PACE, DISTURBED_RUN_PACE, load_text
+from traceml.report.compare import DISTURBED_PACE, DISTURBED_RUN_PACE, Comparison, EnvironmentRow, load_text
+
+if TYPE_CHECKING:
+    from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+    from rich.table import Table
+    from rich.text import Text
 
 VERDICT_STYLE = {"IMPROVEMENT": "bold white on green", "REGRESSION": "bold white on red",
                  "EQUIVALENT": "bold white on blue", "INCONCLUSIVE": "bold black on yellow"}
@@ -18,7 +23,7 @@ TEXT_WIDTH = 80  # prose wraps here, off a terminal, unless the table or a path 
 UNBOUNDED = 10_000  # columns: wide enough to measure anything unwrapped
 
 
-def print_comparison(result: Dict[str, Any], file: Any = None) -> None:
+def print_comparison(result: Comparison, file: Optional[TextIO] = None) -> None:
     """Print the comparison: on a terminal at its width; to a file or a pipe (which have no
     width, and rich would give them 80 columns) as wide as the table needs."""
     from rich.console import Console
@@ -34,10 +39,10 @@ class _Comparison:
     """The verdict, the phase table (or, where it does not fit, the phases as wrapping lines),
     the diagnosis and the environment."""
 
-    def __init__(self, result: Dict[str, Any]):
+    def __init__(self, result: Comparison):
         self.result = result
 
-    def _parts(self, phases: Any) -> List[Any]:
+    def _parts(self, phases: RenderableType) -> List[RenderableType]:
         from rich.text import Text
 
         result = self.result
@@ -64,7 +69,7 @@ class _Comparison:
                                        (f"; left out, run {DISTURBED_RUN_PACE:g}x slower than their side's "
                                         f"pace: A {machine['repeats_left_out_a']}, "
                                         f"B {machine['repeats_left_out_b']}") if left_out else ""))
-        parts = [head, runs, Text(""), phases, *lines, Text(""), _environment(result["environment"])]
+        parts: List[RenderableType] = [head, runs, Text(""), phases, *lines, Text(""), _environment(result["environment"])]
         if "gate" in result:
             gate = result["gate"]
             parts += [Text(""), Text.assemble(("Gate ", "bold"), (f" {gate['decision'].upper()} ",
@@ -72,13 +77,13 @@ class _Comparison:
                                               f"  {gate['reason']} (exit {gate['exit_code']})")]
         return parts
 
-    def __rich_console__(self, console: Any, options: Any) -> Iterable[Any]:
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         from rich.measure import Measurement
 
         # The full table, else a compact one, else lines: the first whose unwrapped width fits
         # (measured unbounded: a measure within the width given never says it is too narrow).
         unbounded = options.update_width(UNBOUNDED)
-        phases = next((table for table in (_phase_table(self.result), _phase_table(self.result, compact=True))
+        phases: RenderableType = next((table for table in (_phase_table(self.result), _phase_table(self.result, compact=True))
                        if Measurement.get(console, unbounded, table).maximum <= options.max_width),
                       _phase_lines(self.result))
         yield from self._parts(phases)
@@ -95,7 +100,7 @@ class _Comparison:
         return max(TEXT_WIDTH, Measurement.get(measure, measure.options, table).maximum, words)
 
 
-def _rows(result: Dict[str, Any]) -> List[Tuple[str, List[str]]]:
+def _rows(result: Comparison) -> List[Tuple[str, List[str]]]:
     """Each phase's label and figures, formatted once for the table and the lines alike."""
     from traceml.views.summary import PHASE_LABELS
 
@@ -111,11 +116,11 @@ def _rows(result: Dict[str, Any]) -> List[Tuple[str, List[str]]]:
     return rows
 
 
-def _interval_header(result: Dict[str, Any]) -> str:
+def _interval_header(result: Comparison) -> str:
     return f"{result['confidence']:.0%} interval ms"
 
 
-def _phase_table(result: Dict[str, Any], compact: bool = False) -> Any:
+def _phase_table(result: Comparison, compact: bool = False) -> Table:
     """The phases' table; compact: short headers, and phase names that may wrap."""
     from rich import box
     from rich.table import Table
@@ -131,11 +136,11 @@ def _phase_table(result: Dict[str, Any], compact: bool = False) -> Any:
     return table
 
 
-def _phase_lines(result: Dict[str, Any]) -> Any:
+def _phase_lines(result: Comparison) -> Table:
     """The phases where the table does not fit: a line each, wrapping between whole figures."""
     from rich.text import Text
 
-    lines = []
+    lines: List[Tuple[str, Text]] = []
     for label, (a_ms, b_ms, delta_ms, delta_share, interval) in _rows(result):
         change = f"Δ {delta_ms} ms" + (f" ({delta_share})" if delta_share else "")
         lines.append((label, Text(f"A {a_ms} ms  B {b_ms} ms  {change}  "
@@ -143,11 +148,11 @@ def _phase_lines(result: Dict[str, Any]) -> Any:
     return _grid(lines)
 
 
-def _environment(rows: List[Dict[str, Any]]) -> Any:
+def _environment(rows: List[EnvironmentRow]) -> Table:
     """What else differs: a field a line, A and B on lines of their own where they differ."""
     from rich.text import Text
 
-    lines = []
+    lines: List[Tuple[str, Text]] = []
     for row in rows:
         if row["differs"]:
             lines += [(row["field"], Text.assemble(("A  ", "bold"), (str(row["a"]), "bold yellow"))),
@@ -157,7 +162,7 @@ def _environment(rows: List[Dict[str, Any]]) -> Any:
     return _grid(lines, title="environment")
 
 
-def _grid(rows: List[Tuple[str, Any]], title: str = "") -> Any:
+def _grid(rows: List[Tuple[str, Text]], title: str = "") -> Table:
     """Names beside values; a value wraps at spaces, and folds only a word wider than the line."""
     from rich.table import Table
 

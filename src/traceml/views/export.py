@@ -89,6 +89,7 @@ def chrome_events(records: StoredRecords, first: int, last: int) -> Tuple[List[D
     count = 0
     origin: Optional[float] = None  # microseconds: times start at the first step shown
     previous_end: Dict[int, int] = {}
+    name: str  # a phase's, then a span's
     for step in records.steps(first, last):
         rank = step["rank"]
         start_us = round(step["start_unix_s"] * 1e6)

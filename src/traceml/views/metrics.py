@@ -5,7 +5,7 @@ Prometheus and Grafana pick a run up: scrape `/metrics` on the dashboard's port,
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, TypedDict
 
 from traceml.analysis.hardware import device_peak_tflops
 from traceml.analysis.ledger import part_bytes
@@ -13,17 +13,23 @@ from traceml.analysis.rollup import Window, percentile
 from traceml.records import ALL_PHASES, LayerReport, RankHello, StepRecord
 from traceml.report.queries import MEMORY_COLUMNS
 
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import GaugeMetricFamily, Metric
+
+    from traceml.report.live import Collector, LiveState
+
 QUANTILES = (0.5, 0.9, 0.99)
 
 
 class LiveMetrics:
     """A prometheus-client collector over the run's collector: each scrape reads its state."""
 
-    def __init__(self, collector: Any, live_state: Callable[[], Any]):
+    def __init__(self, collector: Collector, live_state: Callable[[], LiveState]):
         self.collector = collector
         self.live_state = live_state  # the shared, rate-limited live snapshot (its findings)
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily
 
         step_time = _gauge("step_time_ms", "Step time over the recent steps, by quantile", "rank", "quantile")
@@ -40,6 +46,7 @@ class LiveMetrics:
         findings = _gauge("finding_active", "A live finding (1 while it holds)", "kind", "severity", "rank")
         state = self.live_state()
         hellos = self.collector.latest(RankHello)
+        name: str  # a phase's, then a memory field's
         for rank, records in self.collector.kept_by(StepRecord).items():
             if not records:
                 continue
@@ -91,7 +98,7 @@ class LiveMetrics:
                     steps_total, findings, goodput_share, goodput_seconds, ledger, stalled)
         yield from self._system()
 
-    def _system(self) -> Iterator[Any]:
+    def _system(self) -> Iterator[Metric]:
         """The node's latest sample: CPU and RAM, and each GPU as NVML reads it."""
         sample = self.collector.latest_system
         if sample is None:
@@ -123,7 +130,7 @@ class LiveMetrics:
         yield from (cpu, ram, gpu_util, gpu_memory, gpu_temperature, gpu_power)
 
 
-def _gauge(name: str, help_text: str, *labels: str) -> Any:
+def _gauge(name: str, help_text: str, *labels: str) -> GaugeMetricFamily:
     """A gauge traceml_<name>, labelled as given."""
     from prometheus_client.core import GaugeMetricFamily
 
@@ -138,7 +145,7 @@ def _mfu(report: Optional[LayerReport], hello: Optional[RankHello], steps_per_s:
     return report.flops_per_step * steps_per_s / (peak * 1e12) if peak else None
 
 
-def registry_for(collector: Any, live_state: Callable[[], Any]) -> Any:
+def registry_for(collector: Collector, live_state: Callable[[], LiveState]) -> CollectorRegistry:
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry(auto_describe=False)
@@ -146,7 +153,12 @@ def registry_for(collector: Any, live_state: Callable[[], Any]) -> Any:
     return registry
 
 
-def exposition(registry: Any) -> Dict[str, Any]:
+class Scrape(TypedDict):
+    content: bytes
+    media_type: str
+
+
+def exposition(registry: CollectorRegistry) -> Scrape:
     """The body and content type of one scrape."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 

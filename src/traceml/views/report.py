@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import html
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from traceml.records import ALL_PHASES, STEP_PHASES, RolledStep
 from traceml.views.summary import PHASE_COLOURS, PHASE_LABELS, SEVERITY_COLOURS
 from traceml.words import counted, every
+
+if TYPE_CHECKING:
+    from traceml.report.summary import FinalSummary, FindingDict, PhaseFigures, SpanFigures, Throughput
 
 MAX_CHART_POINTS = 2000
 
@@ -21,7 +24,7 @@ td:first-child,th:first-child{text-align:left}
 """ + "".join(f".{severity}{{border-color:{colour}}}" for severity, colour in SEVERITY_COLOURS.items())
 
 
-def render_report(summary: Dict[str, Any], steps: Sequence[RolledStep]) -> str:
+def render_report(summary: FinalSummary, steps: Sequence[RolledStep]) -> str:
     run, phases = summary["run"], summary["phases"]
     shown = _evenly(steps)
     parts = [
@@ -57,7 +60,7 @@ def _evenly(steps: Sequence[RolledStep]) -> List[RolledStep]:
     return list(steps[::stride])
 
 
-def _throughput_text(throughput: Dict[str, Any]) -> str:
+def _throughput_text(throughput: Throughput) -> str:
     text = f" · {throughput['steps_per_s']:.2f} steps/s"
     if throughput.get("samples_per_s"):
         text += f" · {throughput['samples_per_s']:,.1f} samples/s"
@@ -68,11 +71,11 @@ def _throughput_text(throughput: Dict[str, Any]) -> str:
     return text
 
 
-def _e(value: Any) -> str:
+def _e(value: object) -> str:
     return html.escape(str(value))
 
 
-def _finding(finding: Dict[str, Any]) -> str:
+def _finding(finding: FindingDict) -> str:
     evidence = "".join(f"<span><b>{_e(key)}</b> {_e(value)}</span>"
                        for key, value in finding.get("evidence", {}).items() if value is not None)
     return (f"<div class='finding {_e(finding['severity'])}' data-kind='{_e(finding['kind'])}'>"
@@ -82,7 +85,7 @@ def _finding(finding: Dict[str, Any]) -> str:
             f"<div class='evidence'>{evidence}</div></div>")
 
 
-def _phase_bar(phases: Dict[str, Any], width: int = 900, height: int = 28) -> str:
+def _phase_bar(phases: Dict[str, PhaseFigures], width: int = 900, height: int = 28) -> str:
     x = 0.0
     rects, legend = [], []
     for name in STEP_PHASES:
@@ -97,14 +100,14 @@ def _phase_bar(phases: Dict[str, Any], width: int = 900, height: int = 28) -> st
             f"<p class='legend'>{''.join(legend)}</p>")
 
 
-def _phase_table(phases: Dict[str, Any]) -> str:
+def _phase_table(phases: Dict[str, PhaseFigures]) -> str:
     rows = "".join(f"<tr><td>{PHASE_LABELS.get(name, name)}</td><td>{stats['median_ms']:.2f}</td>"
                    f"<td>{stats['mean_ms']:.2f}</td><td>{stats['share']:.1%}</td></tr>"
                    for name, stats in phases.items() if name != "step")
     return f"<table><tr><th>phase</th><th>median ms</th><th>mean ms</th><th>% of step</th></tr>{rows}</table>"
 
 
-def _span_table(spans: Dict[str, Any]) -> str:
+def _span_table(spans: Dict[str, SpanFigures]) -> str:
     """The user spans, as report/summary.py's span_figures defines their figures."""
     rows = "".join(f"<tr><td>{_e(name)}</td><td>{span['count']}</td><td>{span['steps']}</td>"
                    f"<td>{span['median_ms']:.2f}</td><td>{span['total_ms_per_step']:.2f}</td>"
@@ -157,7 +160,7 @@ def _line_chart(chart_id: str, series: Dict[str, List[Tuple[float, float]]], uni
             f"{''.join(lines)}</svg><p class='legend'>{''.join(legend)}</p>")
 
 
-def _memory_chart(summary: Dict[str, Any], steps: Sequence[RolledStep]) -> str:
+def _memory_chart(summary: FinalSummary, steps: Sequence[RolledStep]) -> str:
     memory, mib = summary["memory"], 2 ** 20
 
     def series(field: str) -> List[Tuple[float, float]]:
@@ -176,7 +179,7 @@ def _memory_chart(summary: Dict[str, Any], steps: Sequence[RolledStep]) -> str:
     return "".join(parts)
 
 
-def _rank_chart(summary: Dict[str, Any], width: int = 900, row: int = 18) -> str:
+def _rank_chart(summary: FinalSummary, width: int = 900, row: int = 18) -> str:
     """Per phase, the median rank's time against the worst rank's, as paired bars."""
     spread = {name: value for name, value in summary["rank_spread"].items() if name in ("step",) + ALL_PHASES}
     top = max((value["worst"] for value in spread.values()), default=0.0) or 1.0
@@ -185,11 +188,11 @@ def _rank_chart(summary: Dict[str, Any], width: int = 900, row: int = 18) -> str
         y = index * (2 * row + 6)
         label = PHASE_LABELS[name]
         for offset, (kind, colour) in enumerate((("median", "#4c78a8"), ("worst", "#e45756"))):
-            length = value[kind] / top * (width - 260)
+            length = value[kind] / top * (width - 260)  # type: ignore[literal-required]  # "median" or "worst"
             bars.append(f"<rect x='200' y='{y + offset * row}' width='{length:.1f}' height='{row - 3}' "
-                        f"fill='{colour}'><title>{_e(label)} {kind}: {value[kind]:.2f} ms</title></rect>"
+                        f"fill='{colour}'><title>{_e(label)} {kind}: {value[kind]:.2f} ms</title></rect>"  # type: ignore[literal-required]  # "median" or "worst"
                         f"<text x='{205 + length:.1f}' y='{y + offset * row + 12}' font-size='11'>"
-                        f"{value[kind]:.2f} ms{' (rank ' + str(value['worst_rank']) + ')' if kind == 'worst' else ''}</text>")
+                        f"{value[kind]:.2f} ms{' (rank ' + str(value['worst_rank']) + ')' if kind == 'worst' else ''}</text>")  # type: ignore[literal-required]  # "median" or "worst"
         bars.append(f"<text x='0' y='{y + row + 4}' font-size='12'>{_e(label)}</text>")
     height = len(spread) * (2 * row + 6)
     return (f"<svg id='rank-chart' width='{width}' height='{height}' role='img'>{''.join(bars)}</svg>"
@@ -197,7 +200,7 @@ def _rank_chart(summary: Dict[str, Any], width: int = 900, row: int = 18) -> str
             "<span><i class='swatch' style='background:#e45756'></i> worst rank</span></p>")
 
 
-def _rank_table(summary: Dict[str, Any]) -> str:
+def _rank_table(summary: FinalSummary) -> str:
     rows = "".join(f"<tr><td>{row['rank']}</td><td>{row['steps']}</td><td>{_ms(row['step_median_ms'])}</td>"
                    f"<td>{_ms(row['input_wait_median_ms'])}</td><td>{_ms(row['forward_median_ms'])}</td>"
                    f"<td>{_ms(row['backward_median_ms'])}</td><td>{_ms(row.get('comm_wait_median_ms'))}</td>"
@@ -207,8 +210,9 @@ def _rank_table(summary: Dict[str, Any]) -> str:
             f"{rows}</table>")
 
 
-def _layer_table(summary: Dict[str, Any], limit: int = 25) -> str:
+def _layer_table(summary: FinalSummary, limit: int = 25) -> str:
     deep = summary["deep_dive"]
+    assert deep is not None  # layers come with the deep-dive that sampled them
     leaves = [row for row in summary["layers"] if row["leaf"]][:limit]
     rows = "".join(f"<tr><td>{_e(row['name'])} ({_e(row['type'])})</td><td>{row['calls_per_step']:.0f}</td>"
                    f"<td>{row['forward_ms']:.3f}</td><td>{row['backward_ms']:.3f}</td>"

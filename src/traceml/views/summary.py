@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import io
 import re
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
 
-from traceml.analysis.goodput import PARTS
-from traceml.analysis.rollup import comm_wait_parts
+from traceml.analysis.goodput import PARTS, PartTime
+from traceml.analysis.ledger import Adapters, DeviceMesh, LedgerParameters, LedgerRow, Sharding
+from traceml.analysis.rollup import RankRow, comm_wait_parts
 from traceml.diagnose.hangs import PULSED_STATES, signal_name
+from traceml.diagnose.run_time import CompileSummary
 from traceml.diagnose.stragglers import straggler_rank
 from traceml.diagnose.untimed import code_lines
 from traceml.records import ALL_PHASES, OVERLAPPING_PHASES, STEP_PHASES, FindingKind, Severity
+from traceml.report.summary import FinalSummary, FindingDict, MemoryPart, SpanFigures, SystemPart, Throughput
 from traceml.words import counted, every, size
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+    from rich.table import Table
 
 CARD_WIDTH = 100
 
@@ -27,10 +34,10 @@ PHASE_COLOURS = {"input_wait": "#e45756", "outside": "#9d9da1", "h2d": "#f58518"
                  "backward": "#72b7b2", "optimizer": "#54a24b", "untraced": "#b279a2", "gc": "#eeca3b",
                  "comm_wait": "#ff9da6"}
 # Each severity's colour on a page (the web page's and report.html's), and its style on a terminal.
-SEVERITY_COLOURS = {Severity.CRIT: "#d62728", Severity.WARN: "#d98c00", Severity.INFO: "#3b73b9"}
+SEVERITY_COLOURS: Dict[str, str] = {Severity.CRIT: "#d62728", Severity.WARN: "#d98c00", Severity.INFO: "#3b73b9"}
 
 
-def phase_display() -> Dict[str, Any]:
+def phase_display() -> Dict[str, object]:
     """The phases' names, colours and order for the web page, which keeps no tables of its own:
     the step phases stack up to the step, the overlapping ones are drawn beside them; with the
     severities' colours and the finding kinds. (The timeline sends its TIMELINE_ORDER with its
@@ -40,7 +47,7 @@ def phase_display() -> Dict[str, Any]:
             "severity_colours": SEVERITY_COLOURS, "finding_kinds": list(FindingKind)}
 
 
-def goodput_text(parts: Dict[str, Dict[str, float]]) -> str:
+def goodput_text(parts: Mapping[str, PartTime]) -> str:
     """"81% · evaluation 11% · checkpoint 5% · startup 3%": the training share, then the other
     parts largest first (those under half a percent left out). Shown after "Goodput"."""
     rest = sorted((part for part in PARTS if part != "training" and parts[part]["share"] >= 0.005),
@@ -50,7 +57,7 @@ def goodput_text(parts: Dict[str, Dict[str, float]]) -> str:
 
 
 # -- the card ---------------------------------------------------------------------------------
-SEVERITY_STYLE = {Severity.CRIT: "bold white on red", Severity.WARN: "bold black on yellow",
+SEVERITY_STYLE: Dict[str, str] = {Severity.CRIT: "bold white on red", Severity.WARN: "bold black on yellow",
                   Severity.INFO: "bold white on blue"}
 
 
@@ -59,7 +66,7 @@ SEVERITY_STYLE = {Severity.CRIT: "bold white on red", Severity.WARN: "bold black
 LABEL_WIDTH = 9
 
 
-def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
+def render_card(summary: FinalSummary, width: int = CARD_WIDTH) -> RenderableType:
     """The card as a rich renderable, `width` columns wide (CARD_WIDTH at most)."""
     from rich import box
     from rich.console import Group
@@ -77,9 +84,10 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
     exit_note = "" if run["exit_code"] in (0, None) else f"  [bold red]exit code {run['exit_code']}[/]"
     facts.add_row("Run", f"{escape(run['script'])}  ·  {run['duration_s']:.1f} s  ·  world size "
                          f"{run['world_size']}  ·  {', '.join(run['devices']) or 'cpu'}{exit_note}")
-    if summary.get("hang"):  # the run ended stuck: said before anything else
-        facts.add_row("Hang", Text(summary["hang"]["summary"], style="bold red"))
-        for place in summary["hang"]["ranks"]:
+    hang = summary.get("hang")
+    if hang:  # the run ended stuck: said before anything else
+        facts.add_row("Hang", Text(hang["summary"], style="bold red"))
+        for place in hang["ranks"]:
             if place["state"] in PULSED_STATES and place["stack"]:
                 facts.add_row("", Text(f"rank {place['rank']}: " + " < ".join(
                     frame.rsplit("/", 1)[-1] for frame in place["stack"][:4])))
@@ -99,15 +107,17 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
         facts.add_row("Goodput", goodput_text(goodput))
     for line in code_lines(summary.get("code") or {}):
         facts.add_row("Untimed", Text(line))
-    if summary.get("compile"):
-        facts.add_row("Compile", _compile_line(summary["compile"]))
+    compiled = summary.get("compile")
+    if compiled:
+        facts.add_row("Compile", _compile_line(compiled))
     facts.add_row("System", _system_line(system))
     if steps["count"]:
         facts.add_row("Memory", _memory_line(memory))
     for label, line in ledger_lines(memory.get("ledger") or [], run["world_size"]):
         facts.add_row(label, line)
-    if summary.get("mesh"):
-        facts.add_row("Mesh", mesh_text(summary["mesh"]))
+    mesh = summary.get("mesh")
+    if mesh:
+        facts.add_row("Mesh", mesh_text(mesh))
     for missing in summary["missing_ranks"]:
         signal = signal_name(missing.get("exit_code"))
         how = (f"killed by {signal}" if signal else f"exit status {missing['exit_code']}"
@@ -132,9 +142,10 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
         table.add_row(PHASE_LABELS[name], f"{stats['median_ms']:.2f}", f"{stats['mean_ms']:.2f}",
                       f"{stats['share']:.1%}", Text(bar, style="cyan"))
 
-    parts = [facts, table] if steps["count"] else [facts]
-    if summary.get("spans"):  # a run without user spans gets no block: its card is as before
-        parts.append(_span_table(summary["spans"]))
+    parts: List[RenderableType] = [facts, table] if steps["count"] else [facts]
+    spans = summary.get("spans")
+    if spans:  # a run without user spans gets no block: its card is as before
+        parts.append(_span_table(spans))
     if run["world_size"] > 1 and summary["rank_spread"]:
         parts.append(_rank_table(summary))
     if summary["layers"]:
@@ -161,17 +172,18 @@ def render_card(summary: Dict[str, Any], width: int = CARD_WIDTH) -> Any:
                  title_align="left", width=min(width, CARD_WIDTH), box=box.ROUNDED)
 
 
-def _captured_row(verdict: Any, finding: Dict[str, Any]) -> None:
+def _captured_row(verdict: Table, finding: FindingDict) -> None:
     """The layers an automatic capture found grown, right under the finding it belongs to. A
     capture that found none stays in final_summary.json: on the card it would tell nothing."""
     from rich.text import Text
 
     evidence = finding.get("evidence") or {}
-    if evidence.get("captured_layers") and evidence.get("captured_grown"):
-        verdict.add_row("Captured", Text(evidence["captured_layers"]))
+    layers = evidence.get("captured_layers")
+    if layers and evidence.get("captured_grown"):
+        verdict.add_row("Captured", Text(str(layers)))
 
 
-def _span_table(spans: Dict[str, Any]) -> Any:
+def _span_table(spans: Dict[str, SpanFigures]) -> Table:
     """The user spans (Trace.span), as report/summary.py's span_figures defines their figures."""
     from rich import box
     from rich.table import Table
@@ -190,17 +202,17 @@ def _span_table(spans: Dict[str, Any]) -> Any:
     return table
 
 
-def _rank_table(summary: Dict[str, Any]) -> Any:
+def _rank_table(summary: FinalSummary) -> Table:
     """Across ranks, per phase: the typical median, the typical worst, which rank, the skew."""
     from rich import box
     from rich.table import Table
 
     straggler = straggler_rank(summary["findings"])
-    mesh = summary.get("mesh") or {}
+    mesh = summary.get("mesh")
     # On a mesh of several dimensions the worst rank says where it sits on the outer ones (the
     # replica group under HSDP): a slow group and a slow rank read apart.
-    outer = [name for name in list(mesh.get("dims", {}))[:-1]]
-    coordinates = mesh.get("coordinates", {})
+    outer = list(mesh["dims"])[:-1] if mesh else []
+    coordinates = mesh["coordinates"] if mesh else {}
 
     def place(rank: int) -> str:
         coordinate = coordinates.get(rank) or coordinates.get(str(rank)) or {}
@@ -221,21 +233,23 @@ def _rank_table(summary: Dict[str, Any]) -> Any:
     return table
 
 
-def _comm_phases(ranks: Sequence[Dict[str, Any]]) -> List[str]:
+def _comm_phases(ranks: Sequence[RankRow]) -> List[str]:
     """The phases some rank waited for collectives in: forward (FSDP's all-gathers), backward,
     optimizer (DeepSpeed ZeRO's all-gathers)."""
-    parts = [comm_wait_parts(row) for row in ranks]  # type: ignore[arg-type]
+    parts = [comm_wait_parts(row) for row in ranks]
     phases = [phase for phase in ("forward", "backward", "optimizer")
               if max((part[phase] for part in parts), default=0.0) > 0.005]
     return phases or ["backward"]
 
 
-def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
+def _layer_tables(summary: FinalSummary) -> List[RenderableType]:
     """Deep-dive: the top 5 leaf modules by time, and by memory saved for backward."""
     from rich import box
     from rich.table import Table
 
     deep = summary["deep_dive"]
+    if deep is None:  # layers come with the deep-dive that sampled them
+        return []
     leaves = [row for row in summary["layers"] if row["leaf"]]
     by_time = sorted(leaves, key=lambda r: -(r["forward_ms"] + r["backward_ms"]))[:5]
     by_memory = sorted(leaves, key=lambda r: -r["memory_bytes"])[:5]
@@ -245,7 +259,7 @@ def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
              f"{deep['backward_coverage']:.0%} of backward)")
     if prefix:
         title += f"\nunder {prefix}"
-    tables = []
+    tables: List[RenderableType] = []
     for heading, rows in (("top by time", by_time), ("top by memory", by_memory)):
         table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), title=title if not tables else None,
                       title_justify="left")
@@ -260,10 +274,11 @@ def _layer_tables(summary: Dict[str, Any]) -> List[Any]:
                           f"{row['forward_ms']:.2f}", f"{row['backward_ms']:.2f}",
                           f"{row['memory_bytes'] / 2 ** 20:.2f}", f"{row['output_bytes'] / 2 ** 20:.2f}")
         tables.append(table)
-    if deep.get("coverage_note"):
+    note = deep.get("coverage_note")
+    if note:
         from rich.text import Text
 
-        tables.append(Text(f"Coverage: {deep['coverage_note']}."))
+        tables.append(Text(f"Coverage: {note}."))
     return tables
 
 
@@ -287,7 +302,8 @@ def shared_prefix(names: Sequence[str]) -> str:
 def wrap_at_dots(text: str, width: int) -> str:
     """Lines of at most `width` characters, broken after a dot or a space, never inside a word
     (a part longer than the width is left whole)."""
-    lines, line = [], ""
+    lines: List[str] = []
+    line = ""
     for piece in re.findall(r"[^. ]*[. ]|[^. ]+$", text):
         if line and len(line) + len(piece.rstrip()) > width:
             lines.append(line.rstrip())
@@ -298,7 +314,7 @@ def wrap_at_dots(text: str, width: int) -> str:
     return "\n".join(lines)
 
 
-def _tokens_text(throughput: Dict[str, Any]) -> str:
+def _tokens_text(throughput: Throughput) -> str:
     tokens_per_s = throughput.get("tokens_per_s")
     if not tokens_per_s:
         return ""
@@ -306,7 +322,7 @@ def _tokens_text(throughput: Dict[str, Any]) -> str:
     return f"  ·  {tokens_per_s:,.0f} tokens/s" + (f" ({padding:.0%} padding)" if padding is not None else "")
 
 
-def _flops_text(throughput: Dict[str, Any]) -> str:
+def _flops_text(throughput: Throughput) -> str:
     # From the exact counts: the summary's achieved_tflops is rounded, and a small model on a
     # busy CPU does less than the 0.00005 TFLOP/s that survive the rounding.
     flops, steps_per_s = throughput.get("flops_per_step"), throughput.get("steps_per_s")
@@ -317,7 +333,7 @@ def _flops_text(throughput: Dict[str, Any]) -> str:
             + (f", MFU {mfu:.1%}" if mfu is not None else " (device peak unknown: no MFU)"))
 
 
-def _compile_line(compiled: Dict[str, Any]) -> str:
+def _compile_line(compiled: CompileSummary) -> str:
     """torch.compile's work: "1 compilation, 7 recompilations (0.9 s) · 1.7 s in all · 1 graph break"."""
     line = f"{counted(compiled['compilations'], 'compilation')}, {counted(compiled['recompilations'], 'recompilation')}"
     if compiled["recompilations"]:
@@ -330,25 +346,27 @@ def _compile_line(compiled: Dict[str, Any]) -> str:
     return line
 
 
-def _system_line(system: Dict[str, Any]) -> str:
-    if not system.get("samples"):
+def _system_line(system: SystemPart) -> str:
+    if not system.get("samples") or "cpu_percent" not in system:
         return "no samples (run shorter than the sampling interval)"
     gib = 1024 ** 3
-    line = (f"CPU avg {system['cpu_percent']['avg']:.0f}% peak {system['cpu_percent']['peak']:.0f}%  ·  "
-            f"RAM avg {system['ram_used_bytes']['avg'] / gib:.1f} peak "
-            f"{system['ram_used_bytes']['peak'] / gib:.1f} of {system['ram_total_bytes'] / gib:.1f} GiB")
-    for gpu in system["gpus"]:
+    cpu, ram = system["cpu_percent"], system["ram_used_bytes"]
+    line = (f"CPU avg {cpu['avg']:.0f}% peak {cpu['peak']:.0f}%  ·  "
+            f"RAM avg {ram['avg'] / gib:.1f} peak "
+            f"{ram['peak'] / gib:.1f} of {system['ram_total_bytes'] / gib:.1f} GiB")
+    for gpu in system.get("gpus", []):
         line += (f"  ·  GPU{gpu['index']} util avg {gpu['utilization_percent']['avg']:.0f}%, "
                  f"mem peak {gpu['memory_used_bytes']['peak'] / gib:.1f} of "
                  f"{gpu['memory_total_bytes'] / gib:.1f} GiB")
-        if gpu.get("temperature_c"):
-            line += f", {gpu['temperature_c']['peak']:.0f} °C peak"
-        if gpu.get("power_w"):
-            line += f", {gpu['power_w']['avg']:.0f} W avg"
+        temperature, power = gpu.get("temperature_c"), gpu.get("power_w")
+        if temperature:
+            line += f", {temperature['peak']:.0f} °C peak"
+        if power:
+            line += f", {power['avg']:.0f} W avg"
     return line
 
 
-def ledger_lines(ledger: List[Dict[str, Any]], world_size: int = 1) -> List[tuple]:
+def ledger_lines(ledger: List[LedgerRow], world_size: int = 1) -> List[Tuple[str, str]]:
     """(label, text) rows for the card: what holds the fullest rank's memory, and its adapters."""
     rows = [row for row in ledger if row.get("held")] or ledger
     if not rows:
@@ -357,16 +375,18 @@ def ledger_lines(ledger: List[Dict[str, Any]], world_size: int = 1) -> List[tupl
     parameters = row["parameters"]
     text = (f"parameters {size(parameters['trainable'] + parameters['frozen'])}"
             f" ({size(parameters['trainable'])} trainable)")
-    if parameters.get("unsharded") is not None:
-        text += f", this rank's shard of {size(parameters['unsharded'])}"
+    unsharded = parameters.get("unsharded")
+    if unsharded is not None:
+        text += f", this rank's shard of {size(unsharded)}"
     text += f"  ·  gradients {size(row['gradients'])}"
-    if row.get("cache"):
-        text += f"  ·  allocator cache {size(row['cache'])}"
+    cache, activations, rest = row.get("cache"), row["activations"], row["rest"]
+    if cache:
+        text += f"  ·  allocator cache {size(cache)}"
     text += f"\noptimizer state {size(row['optimizer_state'])}  ·  "
-    text += (f"activations {size(row['activations'])} (step {row['activations_step']})" if row["activations"] is not None
+    text += (f"activations {size(activations)} (step {row['activations_step']})" if activations is not None
              else "activations not sampled")
-    if row["rest"] is not None:  # of the device peak or the host RSS, which the Memory line gives
-        text += f"  ·  rest {size(row['rest'])}"
+    if rest is not None:  # of the device peak or the host RSS, which the Memory line gives
+        text += f"  ·  rest {size(rest)}"
     if world_size > 1:
         text = f"rank {row['rank']}: " + text
     lines = [("Ledger", text)]
@@ -379,7 +399,7 @@ def ledger_lines(ledger: List[Dict[str, Any]], world_size: int = 1) -> List[tupl
     return lines
 
 
-def mesh_text(mesh: Dict[str, Any]) -> str:
+def mesh_text(mesh: DeviceMesh) -> str:
     """"replicate 2 × shard 4 · replicate 0: ranks 0-3 · replicate 1: ranks 4-7": the DeviceMesh's
     dimensions, and the ranks grouped by the outer one (a 1-D mesh: its size alone)."""
     dims = mesh["dims"]
@@ -398,23 +418,24 @@ def mesh_text(mesh: Dict[str, Any]) -> str:
     return text
 
 
-def sharding_text(row: Dict[str, Any], sharding: Dict[str, Any]) -> str:
+def sharding_text(row: LedgerRow, sharding: Sharding) -> str:
     """"this rank holds parameters 130 KiB of 260 KiB, gradients ..., optimizer state ...;
     all-gathered at most 150 KiB at once in forward, 180 KiB in backward"."""
     parameters = row["parameters"]
     held = [("parameters", parameters["trainable"] + parameters["frozen"], sharding["parameters_unsharded"]),
             ("gradients", row["gradients"], sharding["gradients_unsharded"]),
             ("optimizer state", row["optimizer_state"], sharding["optimizer_state_unsharded"])]
-    text = "this rank holds " + ", ".join(f"{name} {size(local)} of {size(full)}" for name, local, full in held
+    text = "this rank holds " + ", ".join(f"{name} {size(local)} of {size(full or 0)}" for name, local, full in held
                                           if full)  # None: not measured; 0: none held (SGD's state)
-    peaks = [(phase, sharding[f"gathered_peak_{phase}"]) for phase in ("forward", "backward")]
-    peaks = [(phase, peak) for phase, peak in peaks if peak is not None]
+    peaks = [(phase, peak) for phase, peak in (("forward", sharding["gathered_peak_forward"]),
+                                               ("backward", sharding["gathered_peak_backward"]))
+             if peak is not None]
     if peaks:
         text += "; all-gathered at most " + ", ".join(f"{size(peak)} at once in {phase}" for phase, peak in peaks)
     return text
 
 
-def adapter_text(adapters: Dict[str, Any], parameters: Dict[str, Any]) -> str:
+def adapter_text(adapters: Adapters, parameters: LedgerParameters) -> str:
     """"LoRA r=8 on q_proj, v_proj: 1.0 MiB trainable (0.5% of parameters), optimizer state 2.0 MiB;
     frozen base 190 MiB (bf16)", and under deep-dive the adapters' share of the time."""
     rank = f" r={adapters['r']}" if adapters.get("r") else ""
@@ -427,10 +448,11 @@ def adapter_text(adapters: Dict[str, Any], parameters: Dict[str, Any]) -> str:
         dtypes = ", ".join(DTYPE_WORDS.get(dtype, dtype) for dtype, _ in
                            sorted(frozen_dtypes.items(), key=lambda item: -item[1]))
         text += f"; frozen base {size(parameters['frozen'])}" + (f" ({dtypes})" if dtypes else "")
-    if adapters.get("forward_share") is not None:
-        text += f"; adapters take {adapters['forward_share']:.0%} of their layers' forward"
-        if adapters.get("backward_share") is not None:
-            text += f", {adapters['backward_share']:.0%} of backward"
+    forward_share, backward_share = adapters.get("forward_share"), adapters.get("backward_share")
+    if forward_share is not None:
+        text += f"; adapters take {forward_share:.0%} of their layers' forward"
+        if backward_share is not None:
+            text += f", {backward_share:.0%} of backward"
     return text
 
 
@@ -438,20 +460,21 @@ DTYPE_WORDS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "uint8"
                "int8": "int8", "float8_e4m3fn": "fp8"}
 
 
-def _memory_line(memory: Dict[str, Any]) -> str:
+def _memory_line(memory: MemoryPart) -> str:
     gib, mib = 1024 ** 3, 1024 ** 2
     parts = []
-    if memory["device_peak_bytes"] is not None:
+    device_peak, host_peak = memory["device_peak_bytes"], memory["host_rss_peak_bytes"]
+    if device_peak is not None:
         capacity = memory["device_capacity_bytes"]
-        parts.append(f"device peak {memory['device_peak_bytes'] / gib:.2f} GiB"
+        parts.append(f"device peak {device_peak / gib:.2f} GiB"
                      + (f" of {capacity / gib:.1f} GiB" if capacity else ""))
-    if memory["host_rss_peak_bytes"] is not None:
-        parts.append(f"host RSS peak {memory['host_rss_peak_bytes'] / mib:,.0f} MiB")
+    if host_peak is not None:
+        parts.append(f"host RSS peak {host_peak / mib:,.0f} MiB")
     parts.append(f"trend {memory['creep_bytes_per_step'] / 1024:+,.1f} KiB/step")
     return "  ·  ".join(parts)
 
 
-def card_text(summary: Dict[str, Any]) -> str:
+def card_text(summary: FinalSummary) -> str:
     """The card as plain text, as saved in final_summary.txt."""
     from rich.console import Console
 
@@ -473,7 +496,7 @@ def prepare_card() -> None:
     Console(file=io.StringIO(), width=CARD_WIDTH).print(Panel(Table("warm-up")))
 
 
-def print_card(summary: Dict[str, Any], file: Any = None, text: Optional[str] = None) -> None:
+def print_card(summary: FinalSummary, file: Optional[TextIO] = None, text: Optional[str] = None) -> None:
     """Print the card: on a terminal at its width, in colour; elsewhere (a pipe, a log file)
     the plain text card, `text` when it is already rendered (card_text), as it is saved."""
     from rich.console import Console

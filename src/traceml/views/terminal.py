@@ -14,7 +14,7 @@ import os
 import select
 import statistics
 import time
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Protocol, Tuple
 
 from traceml.diagnose.stragglers import straggler_rank
 from traceml.records import ALL_PHASES, STEP_PHASES, Finding
@@ -22,6 +22,15 @@ from traceml.report.live import LiveState, snapshot
 from traceml.report.deep_dive import layer_rows
 from traceml.views.summary import PHASE_LABELS, SEVERITY_STYLE, goodput_text
 from traceml.words import counted
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+    from rich.live import Live
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    from traceml.report.live import Collector
 
 REFRESH_S = 0.5
 WIDE_COLUMNS = 100  # at this width and above, panels sit two by two
@@ -39,7 +48,7 @@ def sparkline(values: List[float], width: int) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int((v - low) / span * (len(SPARK) - 1)))] for v in values)
 
 
-def render(state: LiveState, width: int, height: int) -> Any:
+def render(state: LiveState, width: int, height: int) -> RenderableType:
     """The dashboard for a terminal of this size: panels that do not fit are dropped, not
     wrapped, in the order least needed first."""
     from rich.console import Console, Group
@@ -75,13 +84,13 @@ def render(state: LiveState, width: int, height: int) -> Any:
         del panels[drop_order.pop(0)]
 
 
-def _panel(title: str, body: Any) -> Any:
+def _panel(title: str, body: RenderableType) -> Panel:
     from rich.panel import Panel
 
     return Panel(body, title=title, title_align="left", padding=(0, 1))
 
 
-def _four_columns() -> Any:
+def _four_columns() -> Table:
     from rich.table import Table
 
     table = Table.grid(padding=(0, 1))
@@ -95,7 +104,7 @@ def _spark_width(width: int) -> int:
     return max(10, (width // 2 if width >= WIDE_COLUMNS else width) - 8)
 
 
-def _header(state: LiveState) -> Any:
+def _header(state: LiveState) -> RenderableType:
     from rich.text import Text
 
     window = state.window
@@ -111,7 +120,7 @@ def _header(state: LiveState) -> Any:
     return text
 
 
-def _step_panel(state: LiveState, width: int) -> Any:
+def _step_panel(state: LiveState, width: int) -> RenderableType:
     from rich.text import Text
 
     window = state.window
@@ -124,7 +133,7 @@ def _step_panel(state: LiveState, width: int) -> Any:
     return _panel(f"step time (last {counted(len(window), 'step')})", body)
 
 
-def _phase_panel(state: LiveState) -> Any:
+def _phase_panel(state: LiveState) -> RenderableType:
     from rich.text import Text
 
     table = _four_columns()
@@ -136,7 +145,7 @@ def _phase_panel(state: LiveState) -> Any:
     return _panel("phases (median, % of step)", table)
 
 
-def _memory_panel(state: LiveState, width: int) -> Any:
+def _memory_panel(state: LiveState, width: int) -> RenderableType:
     from rich.text import Text
 
     steps = state.window.steps
@@ -156,7 +165,7 @@ def _memory_panel(state: LiveState, width: int) -> Any:
     return _panel("memory", lines)
 
 
-def _system_panel(state: LiveState) -> Any:
+def _system_panel(state: LiveState) -> RenderableType:
     from rich.text import Text
 
     system = state.system
@@ -174,13 +183,13 @@ def _system_panel(state: LiveState) -> Any:
     return _panel("system", lines)
 
 
-def _rank_panel(state: LiveState) -> Any:
+def _rank_panel(state: LiveState) -> RenderableType:
     straggler = straggler_rank(state.findings)
     ranks = state.ranks
     table = _four_columns()
     for name in ("step", "input_wait", "forward", "comm_wait"):
         key = f"{name}_median_ms"
-        values = [(r[key], r["rank"]) for r in ranks if r[key] is not None]
+        values = [(r[key], r["rank"]) for r in ranks if r[key] is not None]  # type: ignore[literal-required]  # the phase medians, by name
         if not values:
             continue
         worst, worst_rank = max(values)
@@ -190,8 +199,8 @@ def _rank_panel(state: LiveState) -> Any:
     return _panel(f"ranks ({len(ranks)})", table)
 
 
-def _layer_panel(state: LiveState) -> Any:
-    leaves = [row for row in layer_rows(state.layers) if row["leaf"]][:5]  # the slowest first
+def _layer_panel(state: LiveState) -> RenderableType:
+    leaves = [row for row in layer_rows(state.layers) if row["leaf"]][:5]  # type: ignore[arg-type]  # shown with a deep-dive; the slowest first
     table = _four_columns()
     for row in leaves:
         table.add_row(row["name"][:30], f"fwd {row['forward_ms']:.2f} ms", f"bwd {row['backward_ms']:.2f} ms",
@@ -199,7 +208,7 @@ def _layer_panel(state: LiveState) -> Any:
     return _panel("top layers (deep-dive)", table)
 
 
-def _alert_panel(state: LiveState) -> Any:
+def _alert_panel(state: LiveState) -> RenderableType:
     from rich.text import Text
 
     if not state.alerts:
@@ -215,10 +224,16 @@ def _alert_panel(state: LiveState) -> Any:
 
 
 # -- running it ---------------------------------------------------------------------------------
+class _Script(Protocol):
+    """What runs the script (launcher.Script): a process, or a fork, that may have exited."""
+
+    def poll(self) -> Optional[int]: ...
+
+
 class Dashboard:
     """Runs the live view while the script runs, its output passing above the panel."""
 
-    def __init__(self, collector: Any, script: str, console: Any = None):
+    def __init__(self, collector: Collector, script: str, console: Optional[Console] = None):
         from rich.console import Console
 
         self.collector, self.script = collector, script
@@ -229,7 +244,7 @@ class Dashboard:
         self._partial = ""
         self._terminal_size = b""
 
-    def run(self, child: Any, output_fd: int) -> None:
+    def run(self, child: _Script, output_fd: int) -> None:
         """Until the script exits and its output is drained."""
         from rich.live import Live
 
@@ -270,14 +285,14 @@ class Dashboard:
                 self._terminal_size = size
                 fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, size)
 
-    def _forward(self, live: Any, chunk: bytes) -> None:
+    def _forward(self, live: Live, chunk: bytes) -> None:
         text = self._partial + self._decoder.decode(chunk)
         *lines, self._partial = text.split("\n")
         for line in lines:
             # A progress bar redraws its line with \r: show what it says last.
             live.console.print(_from_ansi(line.rstrip("\r").rsplit("\r", 1)[-1]))
 
-    def _render(self) -> Any:
+    def _render(self) -> RenderableType:
         state = snapshot(self.collector, self.script, time.monotonic() - self._started, self.alerts)
         try:  # the terminal's size now: a resize takes effect at the next redraw
             columns, lines = os.get_terminal_size(self.console.file.fileno())
@@ -289,7 +304,7 @@ class Dashboard:
         return render(state, self.console.width, max(8, lines - 2))
 
 
-def _from_ansi(line: str) -> Any:
+def _from_ansi(line: str) -> Text:
     from rich.text import Text
 
     return Text.from_ansi(line, end="")

@@ -9,6 +9,7 @@ run end. imports.py patches modules at their first import; first_call.py
 awaits the model's first call; dynamo.py keeps all of them out of torch.compile's graphs.
 """
 import gc
+from types import ModuleType
 from typing import Any, List
 
 from traceml.probe.patches.backward import Backward
@@ -60,7 +61,7 @@ class Patches(Patch):
         """Time this model's outermost call as forward; returns handles whose remove() stops it."""
         return self.models.hook(model)
 
-    def _watch_compilations(self, callbacks: Any) -> None:
+    def _watch_compilations(self, callbacks: ModuleType) -> None:
         from traceml.probe import compile as compile_watch
 
         remove = compile_watch.install(self.probe, callbacks)

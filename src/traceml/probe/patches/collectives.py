@@ -1,12 +1,19 @@
 """DDP's and FSDP's collectives: under DDP, backward's wait for the others' all-reduce; under
 FSDP (probe/sharded.py), each phase's wait in its all-gathers and reduce-scatters."""
+from __future__ import annotations
+
 import logging
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from traceml.probe.patches.dynamo import compiling
 from traceml.probe.patches.patch import Patch
 from traceml.probe.step import StepProbe
+
+if TYPE_CHECKING:
+    from torch.nn import Module
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.hooks import RemovableHandle
 
 log = logging.getLogger("traceml")
 
@@ -16,13 +23,13 @@ class Collectives(Patch):
 
     def __init__(self, probe: StepProbe):
         super().__init__(probe)
-        self._ddp_models: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the traced DDP models
+        self._ddp_models: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()  # the traced DDP models
 
-    def model_hooked(self, model: Any) -> None:
+    def model_hooked(self, model: Module) -> None:
         self._time_ddp(model)
         self._time_sharded(model)
 
-    def _time_ddp(self, model: Any) -> None:
+    def _time_ddp(self, model: Module) -> None:
         """Under DDP, backward splits into this rank's own compute and its wait for the others'
         all-reduce (the straggler is the rank that waits least): see when_gradients_done.
 
@@ -37,7 +44,7 @@ class Collectives(Patch):
             self._ddp_models.add(model)
             self.probe.comm_timed = True
 
-    def _time_sharded(self, model: Any) -> None:
+    def _time_sharded(self, model: Module) -> None:
         """Under FSDP: each phase's wait in the all-gathers and reduce-scatters (on the CPU), and
         the memory ledger's all-gathered peak."""
         try:
@@ -48,7 +55,7 @@ class Collectives(Patch):
         except Exception:  # torch's internals moved: no collective wait, the steps as they were
             log.warning("traceml: FSDP's collectives are not timed", exc_info=True)
 
-    def when_gradients_done(self, args: tuple, kwargs: dict) -> Any:
+    def when_gradients_done(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[RemovableHandle]:
         """Have probe.note_gradients_done run once this backward has computed every gradient: a
         final callback queued with the autograd engine from a hook on the graph's root, which
         runs first. Final callbacks run in the order queued once the graph is done, and DDP
@@ -68,7 +75,7 @@ class Collectives(Patch):
         queue_callback = torch.autograd.Variable._execution_engine.queue_callback
         note_gradients_done = self.probe.note_gradients_done
 
-        def at_backward_start(grad_outputs: Any) -> None:
+        def at_backward_start(grad_outputs: Tuple[object, ...]) -> None:
             queue_callback(note_gradients_done)
 
         return node.register_prehook(at_backward_start)

@@ -1,7 +1,7 @@
 """How TraceML's wrappers stay out of torch.compile: whether dynamo traces now, frames it must
 run as plain Python, and the nn.Module attribute every call goes through."""
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 log = logging.getLogger("traceml")
 
@@ -33,7 +33,7 @@ def compiling() -> Callable[[], bool]:
     return is_compiling or (lambda: False)
 
 
-def run_eagerly_under_dynamo(function: Any, callees_too: bool = False) -> None:
+def run_eagerly_under_dynamo(function: Callable[..., object], callees_too: bool = False) -> None:
     """Have torch.compile run this function's frames as plain Python: never traced, never
     compiled. Its callees are compiled as usual (the model's forward, when this wraps the
     model's call), unless callees_too (TraceML's own bookkeeping, which has nothing to compile).

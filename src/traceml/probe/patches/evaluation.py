@@ -29,6 +29,8 @@ sets), both looked up by torch at each call; and, should neither be found, at ea
 start. A region whose first module is compiled code is evaluation only if a traced model is
 called in it.
 """
+from __future__ import annotations
+
 import contextlib
 import functools
 import logging
@@ -36,7 +38,7 @@ import os
 import sys
 import weakref
 from threading import get_ident
-from typing import Any, Callable, Dict, Iterable, List, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, ParamSpec, Tuple, Type, TypeVar
 
 from traceml.probe.patches.dynamo import compiling
 from traceml.probe.patches.imports import WhenImported
@@ -44,19 +46,28 @@ from traceml.probe.patches.patch import Patch
 from traceml.probe.step_state import CHECKPOINT_BETWEEN_NS, EVAL_NS, INPUT_WAIT_GAP_NS, _now_ns
 from traceml.probe.step import StepProbe
 
+if TYPE_CHECKING:
+    from types import ModuleType, TracebackType
+
+    from torch import Tensor
+    from torch.nn import Module
+    from torch.utils.hooks import RemovableHandle
+
 log = logging.getLogger("traceml")
+P = ParamSpec("P")  # a wrapped function's parameters ...
+R = TypeVar("R")  # ... and what it returns, passed through
 
 # Where torch looks up, at each call, what runs before compiled code (see the module's text).
 BEFORE_COMPILED_CODE = (("torch.nn.modules.module", "_has_any_global_hook"),
                         ("torch._dynamo.eval_frame", "_callback_from_stance"))
 
 
-def _shapes(parameters: Iterable[Any]) -> str:
+def _shapes(parameters: Iterable[Tensor]) -> str:
     """';4x8;8;' for a (4, 8) weight and an (8,) bias: a run of shapes is a substring."""
     return ";" + ";".join("x".join(map(str, parameter.shape)) for parameter in parameters) + ";"
 
 
-def of_the_model(module: Any, model: Any) -> bool:
+def of_the_model(module: Module, model: Module) -> bool:
     """Whether module holds the model's parameters, or is a copy of it or of a part of it."""
     model_parameters = list(model.parameters())
     held = {id(parameter) for parameter in model_parameters}
@@ -67,22 +78,22 @@ def of_the_model(module: Any, model: Any) -> bool:
 class EvaluationRegions(Patch):
     """The region open between steps, if any, and whether the model has run in it."""
 
-    def __init__(self, probe: StepProbe, when_imported: WhenImported, traced_models: Callable[[], List[Any]]):
+    def __init__(self, probe: StepProbe, when_imported: WhenImported, traced_models: Callable[[], List[Module]]):
         super().__init__(probe)
         self.when_imported, self.traced_models = when_imported, traced_models
         self.active = False  # installed: a traced model's call between steps reports to it
-        self.owner: Any = None  # the context manager (or the model call) whose region is open
+        self.owner: object = None  # the context manager (or the model call) whose region is open
         self.qualified = False  # the model ran in it: evaluation
         self._step = -1  # the step index it opened at: a step started since drops it
         self._start_ns = self._eval_ns_before = 0
         # Where a region closing in the same window extends the evaluation from: (the window,
         # its input wait, saves and evaluation then, when, whether a region closed then).
         self._last_closed: tuple = (None,)
-        self._hook: Any = None  # the global pre-hook's handle, while it waits for a first module
-        self._swapped: List[Tuple[Any, str, Any, Any]] = []  # (module, name, torch's, ours) meanwhile
+        self._hook: Optional[RemovableHandle] = None  # the global pre-hook's handle, while it waits for a first module
+        self._swapped: List[Tuple[Optional[ModuleType], str, object, object]] = []  # (module, name, torch's, ours) meanwhile
         self._process = os.getpid()
         # module -> of the model's kind; made anew when the traced models change
-        self._verdicts: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+        self._verdicts: weakref.WeakKeyDictionary[Module, bool] = weakref.WeakKeyDictionary()
         self._verdicts_for: tuple = ()
 
     def install(self) -> None:
@@ -104,7 +115,7 @@ class EvaluationRegions(Patch):
         self.on_remove(self.stop)
         self.when_imported("transformers.trainer", self._not_training_in_trainer_evaluation)
 
-    def _stop_watching_at_compilations(self, callbacks: Any) -> None:
+    def _stop_watching_at_compilations(self, callbacks: ModuleType) -> None:
         """What torch compiles is traced with no hook in place (see the module's text)."""
         handler = callbacks.callback_handler
         handler.register_start_callback(self.compilation_started)
@@ -115,7 +126,7 @@ class EvaluationRegions(Patch):
 
         self.on_remove(remove)
 
-    def _not_training_in_trainer_evaluation(self, module: Any) -> None:
+    def _not_training_in_trainer_evaluation(self, module: ModuleType) -> None:
         """Hugging Face Trainer's evaluation fetches its batches with gradients on: its DataLoader
         waits are evaluation, not the training's input, with or without the integration."""
         for name, wrapped in evaluation_wrapped(module.Trainer).items():
@@ -126,7 +137,7 @@ class EvaluationRegions(Patch):
         probe = self.probe
 
         @functools.wraps(original)
-        def __enter__(manager: Any) -> Any:
+        def __enter__(manager: object) -> Any:
             entered = original(manager)
             if not probe.in_step:  # inside a step: nothing more
                 self.open(manager)
@@ -136,7 +147,8 @@ class EvaluationRegions(Patch):
 
     def leaving(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
-        def __exit__(manager: Any, exc_type: Any, exc: Any, tb: Any) -> Any:
+        def __exit__(manager: object, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
+                     tb: Optional[TracebackType]) -> Any:
             suppressed = original(manager, exc_type, exc, tb)
             if manager is self.owner:
                 self.close()
@@ -144,7 +156,7 @@ class EvaluationRegions(Patch):
 
         return __exit__
 
-    def open(self, owner: Any, qualified: bool = False) -> bool:
+    def open(self, owner: object, qualified: bool = False) -> bool:
         """A region starts, unless one is open (nested: the outermost is timed), gradients are
         on, a trainer's evaluation is timed whole, or this is not the training thread. True
         when it opened."""
@@ -197,7 +209,7 @@ class EvaluationRegions(Patch):
         """Module.eval: between steps, it starts an evaluation (its first batch's fetch)."""
 
         @functools.wraps(original)
-        def eval(module: Any) -> Any:
+        def eval(module: Module) -> Any:
             try:
                 if not self.probe.in_step and not self._is_compiling() and get_ident() == self.probe.training_thread:
                     self._extend_from(self.probe.window, _now_ns(), False)
@@ -207,7 +219,7 @@ class EvaluationRegions(Patch):
 
         return eval
 
-    def model_called(self, call: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
+    def model_called(self, call: Callable[..., Any], model: Module, args: tuple, kwargs: dict) -> Any:
         """A traced model called between steps with gradients off: the open region is
         evaluation, or the call is a region of its own."""
         if self.owner is not None and self._step == self.probe.step_index:
@@ -224,7 +236,7 @@ class EvaluationRegions(Patch):
                 self.close()
 
     # -- the first module with parameters called in the region ---------------------------------
-    def _first_module_call(self, module: Any, args: Any) -> None:
+    def _first_module_call(self, module: Module, args: Tuple[object, ...]) -> None:
         if self._is_compiling() or get_ident() != self.probe.training_thread:
             return None  # code torch.compile traces, or another thread's module: not this region's
         try:
@@ -238,7 +250,7 @@ class EvaluationRegions(Patch):
             self._stop_watching()
         return None  # the module's inputs as they are
 
-    def _of_the_models(self, module: Any) -> bool:
+    def _of_the_models(self, module: Module) -> bool:
         models = [model for model in self.traced_models() if model is not None]
         traced = tuple(id(model) for model in models)
         if traced != self._verdicts_for:
@@ -265,14 +277,14 @@ class EvaluationRegions(Patch):
                 setattr(module, name, ours)
                 self._swapped.append((module, name, theirs, ours))
 
-    def _stopping_first(self, theirs: Callable[..., Any]) -> Callable[..., Any]:
-        def before_compiled_code(*args: Any, **kwargs: Any) -> Any:
+    def _stopping_first(self, theirs: Callable[P, R]) -> Callable[P, R]:
+        def before_compiled_code(*args: P.args, **kwargs: P.kwargs) -> R:
             self._stop_watching()
             return theirs(*args, **kwargs)
 
         return before_compiled_code
 
-    def compilation_started(self, *args: Any) -> None:
+    def compilation_started(self, *args: object) -> None:
         """torch's compile-start callback: what compiles now is traced without the hook."""
         self._stop_watching()
 
@@ -298,12 +310,12 @@ def evaluation_wrapped(trainer_class: Any) -> Dict[str, Callable[..., Any]]:
             if not getattr(getattr(trainer_class, name), "_traceml_not_training", False)}
 
 
-def not_training(method: Callable[..., Any]) -> Callable[..., Any]:
+def not_training(method: Callable[P, R]) -> Callable[P, R]:
     """Wrap an evaluation entry point: all of it is evaluation (the model's calls, the loader's
     waits, Trainer's own work around them), none of it the training's input wait."""
 
     @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         from traceml.probe import step
 
         probe = step._probe

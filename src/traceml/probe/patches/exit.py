@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 import types
-from typing import Any
+from typing import Optional, Type, Union
 
 from traceml.probe.patches.patch import Patch
 
@@ -19,7 +19,7 @@ class ExitCode(Patch):
     def install(self) -> None:
         probe, original_excepthook, original_exit = self.probe, sys.excepthook, sys.exit
 
-        def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
+        def excepthook(exc_type: Type[BaseException], exc: BaseException, tb: Optional[types.TracebackType]) -> None:
             probe.exit_code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
             try:
                 tb = without_traceml(exc, tb)
@@ -27,7 +27,7 @@ class ExitCode(Patch):
                 log.debug("traceml: traceback left as it was", exc_info=True)
             original_excepthook(exc_type, exc, tb)
 
-        def exit(status: Any = None) -> None:
+        def exit(status: Union[str, int, None] = None) -> None:
             probe.exit_code = status if isinstance(status, int) else (0 if status is None else 1)
             original_exit(status)
 
@@ -35,7 +35,7 @@ class ExitCode(Patch):
         self.replace(sys, "exit", exit)
 
 
-def without_traceml(exc: Any, tb: Any) -> Any:
+def without_traceml(exc: Optional[BaseException], tb: Optional[types.TracebackType]) -> Optional[types.TracebackType]:
     """The traceback of an error leaving the script, and of the errors chained to it, as it would
     be without TraceML: the frames an error only passed through on its way out of TraceML's
     wrappers (the model's call) are left out. An error raised inside TraceML keeps every frame."""
@@ -47,7 +47,7 @@ def without_traceml(exc: Any, tb: Any) -> Any:
     return _passed_through_left_out(tb)
 
 
-def _passed_through_left_out(tb: Any) -> Any:
+def _passed_through_left_out(tb: Optional[types.TracebackType]) -> Optional[types.TracebackType]:
     entries = []
     while tb is not None:
         entries.append(tb)
@@ -73,7 +73,7 @@ class SigtermFlush(Patch):
             return  # the script handles SIGTERM itself: its handler, its exit, our atexit
         probe = self.probe
 
-        def on_sigterm(signum: int, frame: Any) -> None:
+        def on_sigterm(signum: int, frame: Optional[types.FrameType]) -> None:
             # A second SIGTERM must not cut the flush short: ignored until it is done.
             _set_sigterm(signal.SIG_IGN)
             with contextlib.suppress(Exception):
@@ -92,7 +92,7 @@ class SigtermFlush(Patch):
         self.on_remove(restore)
 
 
-def _set_sigterm(handler: Any) -> None:
+def _set_sigterm(handler: signal.Handlers) -> None:
     # A second SIGTERM arriving as the handler changes (the group's, then the one `traceml
     # run` forwards) makes Python raise "ignored due to race condition": never the user's.
     with contextlib.suppress(OSError, ValueError):

@@ -1,11 +1,16 @@
 """The wait for a model's first call: with steps inferred (zero-code mode, the Trace API,
 Lightning) the model to time, and its device, are learned when it is first called."""
+from __future__ import annotations
+
 import logging
 import os
 import weakref
-from typing import Any, Callable, List
+from typing import TYPE_CHECKING, Any, Callable, List, Set
 
 from traceml.probe.patches.dynamo import call_attribute, compiling, run_eagerly_under_dynamo
+
+if TYPE_CHECKING:
+    from torch.nn import Module
 
 log = logging.getLogger("traceml")
 
@@ -17,7 +22,7 @@ class FirstModelCall:
     def __init__(self) -> None:
         self._armed: List[Callable[[], None]] = []  # how to restore nn.Module while a call is awaited
 
-    def arm(self, start: Callable[[Any], None], wanted: Callable[[Any], bool] = lambda module: True) -> None:
+    def arm(self, start: Callable[[Module], None], wanted: Callable[[Module], bool] = lambda module: True) -> None:
         """Call start(module) at the first call of a module that `wanted` accepts, then step aside.
 
         nn.Module's call method is restored before start() runs, so whatever start() patches
@@ -34,7 +39,7 @@ class FirstModelCall:
         process = os.getpid()
         passed: dict = {}  # id -> weakref of each module `wanted` turned down: asked once, not per call
 
-        def first_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def first_call(self: Any, *args: object, **kwargs: object) -> Any:
             if is_compiling() or Module.__dict__.get(attribute) is not first_call:
                 return original(self, *args, **kwargs)
             known = passed.get(id(self))
@@ -76,11 +81,11 @@ class FirstModelCall:
             self._armed.pop()()
 
 
-def trainable(module: Any) -> bool:
+def trainable(module: Module) -> bool:
     """A module that holds a parameter to train (not a loss, an activation or a frozen net)."""
     return any(parameter.requires_grad for parameter in module.parameters())
 
 
-def owner_of(parameter_ids: set) -> Callable[[Any], bool]:
+def owner_of(parameter_ids: Set[int]) -> Callable[[Module], bool]:
     """Accepts a module holding any of these parameters (by id)."""
     return lambda module: any(id(parameter) in parameter_ids for parameter in module.parameters())

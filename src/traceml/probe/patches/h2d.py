@@ -26,7 +26,7 @@ class HostToDevice(Patch):
 
         probe, grad_enabled = self.probe, torch.is_grad_enabled
 
-        def moved(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def moved(self: Any, *args: object, **kwargs: object) -> Any:
             if not probe.in_step and probe.auto_steps and self.is_cpu:
                 return first_copy(self, *args, **kwargs)
             if not probe.in_step or probe.open_phase != -1 or not self.is_cpu:
@@ -46,7 +46,7 @@ class HostToDevice(Patch):
                 probe.phase_end(H2D, start_ns)
             return result
 
-        def first_copy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def first_copy(self: Any, *args: object, **kwargs: object) -> Any:
             """Steps inferred: the batch's copy to the device is what starts the step (once it
             is known to have moved something; a `.to(dtype)` on the CPU starts nothing; nor
             does an evaluation's copy, made with gradients off)."""

@@ -3,12 +3,14 @@ checkpoint, a trainer, torch._dynamo) are patched when the script imports them, 
 by TraceML."""
 import logging
 import sys
-from typing import Any, Callable, Dict, List
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Callable, Dict, List, Optional, Sequence
 
 from traceml.probe.patches.patch import Patch
 
 log = logging.getLogger("traceml")
-WhenImported = Callable[[str, Callable[[Any], None]], None]  # ImportHooks.when_imported
+WhenImported = Callable[[str, Callable[[ModuleType], None]], None]  # ImportHooks.when_imported
 
 
 class ImportHooks(Patch):
@@ -16,9 +18,9 @@ class ImportHooks(Patch):
 
     def __init__(self) -> None:
         super().__init__()
-        self.waiting: Dict[str, List[Callable[[Any], None]]] = {}
+        self.waiting: Dict[str, List[Callable[[ModuleType], None]]] = {}
 
-    def when_imported(self, module_name: str, patch: Callable[[Any], None]) -> None:
+    def when_imported(self, module_name: str, patch: Callable[[ModuleType], None]) -> None:
         """Run patch(module) now if the module is imported, else right after its first import."""
         module = sys.modules.get(module_name)
         if module is not None:
@@ -34,7 +36,7 @@ class ImportHooks(Patch):
             sys.meta_path.remove(self)
         self.waiting.clear()  # patches still waiting are dropped with the finder
 
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+    def find_spec(self, name: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None) -> Optional[ModuleSpec]:
         if name not in self.waiting:
             return None  # every other import: one dict lookup
         spec = None
@@ -48,7 +50,7 @@ class ImportHooks(Patch):
             return spec
         original_exec, waiting = loader.exec_module, self.waiting
 
-        def exec_module(module: Any) -> None:
+        def exec_module(module: ModuleType) -> None:
             try:
                 original_exec(module)
             finally:
@@ -60,7 +62,7 @@ class ImportHooks(Patch):
         return spec
 
 
-def _apply_patch(patch: Callable[[Any], None], module: Any) -> None:
+def _apply_patch(patch: Callable[[ModuleType], None], module: ModuleType) -> None:
     try:
         patch(module)
     except Exception:  # a library version we do not know: less telemetry, never the user's run

@@ -1,14 +1,19 @@
 """The training thread's wait for a batch: DataLoader iterators' __next__ and queue gets, as
 the step's input wait, or between steps as the training's or an evaluation's."""
+from __future__ import annotations
+
 import functools
 import logging
 import queue
 from threading import get_ident
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from traceml.probe.patches.patch import Patch
 from traceml.probe.step_state import EVAL_NS, INPUT_WAIT_GAP_NS, INPUT_WAIT_NS, _now_ns, fast_path
 from traceml.probe.step import StepProbe
+
+if TYPE_CHECKING:
+    from torch.utils.data.dataloader import _BaseDataLoaderIter as LoaderIterator
 
 log = logging.getLogger("traceml")
 
@@ -16,9 +21,9 @@ log = logging.getLogger("traceml")
 class IteratorWatch(Protocol):
     """The sender thread's watch of the training's DataLoaders (probe/loaders.py)."""
 
-    def note(self, iterator: Any) -> None: ...
+    def note(self, iterator: LoaderIterator) -> None: ...
 
-    def made_on_thread(self, iterator: Any, elapsed_ns: int) -> None: ...
+    def made_on_thread(self, iterator: LoaderIterator, elapsed_ns: int) -> None: ...
 
 
 class InputWait(Patch):
@@ -115,7 +120,7 @@ class InputWait(Patch):
         self.replace(iterator_class, "__next__", first_next)
         original_init = iterator_class.__init__
 
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        def __init__(self: Any, *args: object, **kwargs: object) -> None:
             original_init(self, *args, **kwargs)
             if training():  # an evaluation's iterator is not the training's input
                 _note_iterator(watch, self)
@@ -124,7 +129,7 @@ class InputWait(Patch):
         self.replace(iterator_class, "__init__", __init__)
 
 
-def _note_iterator(watch: IteratorWatch, iterator: Any) -> None:
+def _note_iterator(watch: IteratorWatch, iterator: LoaderIterator) -> None:
     """Hand a training iterator to the sender thread's watch (probe.loaders), once."""
     try:
         watch.note(iterator)

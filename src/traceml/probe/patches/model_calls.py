@@ -9,8 +9,10 @@ every module call through torch's slow path, and a global hook makes torch.compi
 wrapper per patched class checks whether the module being called is a traced model (a dict
 lookup) and otherwise calls straight through.
 """
+from __future__ import annotations
+
 import weakref
-from typing import Any, Callable, List, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol, Tuple
 
 from traceml.probe.patches import tokens
 from traceml.probe.patches.dynamo import call_attribute, compiling, run_eagerly_under_dynamo
@@ -18,19 +20,22 @@ from traceml.probe.patches.patch import ABSENT
 from traceml.probe.step_state import FORWARD, FORWARD_CALLS, SAMPLES, fast_path
 from traceml.probe.step import StepProbe
 
+if TYPE_CHECKING:
+    from torch.nn import Module
+
 
 class Evaluation(Protocol):
     """Where a traced model's call between steps with gradients off goes (evaluation.py)."""
 
     active: bool
 
-    def model_called(self, call: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any: ...
+    def model_called(self, call: Callable[..., Any], model: Module, args: tuple, kwargs: dict) -> Any: ...
 
 
 class ModelCollectives(Protocol):
     """What times a hooked model's collectives (collectives.py)."""
 
-    def model_hooked(self, model: Any) -> None: ...
+    def model_hooked(self, model: Module) -> None: ...
 
 
 class _TracedModel:
@@ -38,7 +43,7 @@ class _TracedModel:
 
     __slots__ = ("probe", "model", "token_inputs", "slices_inputs", "labels_mirror_inputs")
 
-    def __init__(self, probe: StepProbe, model: Any):
+    def __init__(self, probe: StepProbe, model: Module):
         self.probe = probe  # read by the compiled timer
         self.model = weakref.ref(model)  # for evaluation: the modules of its kind (a copy, a part)
         # Whether this model is given token ids, decided at its first call: the check then
@@ -61,10 +66,10 @@ class ModelCalls:
         # class -> [its own attribute before (or ABSENT), models traced, the call set on it]
         self._patched_classes: dict = {}
 
-    def traced_models(self) -> List[Any]:
+    def traced_models(self) -> List[Module]:
         return [traced.model() for traced in list(self._models.values())]
 
-    def hook(self, model: Any) -> List[Any]:
+    def hook(self, model: Module) -> List[_ModelHandle]:
         """Time the outermost call of this model as forward and count the samples it is given."""
         import torch
 
@@ -105,7 +110,7 @@ class ModelCalls:
             else:
                 setattr(cls, attribute, entry[0])
 
-    def _time_compiled_call(self, model: Any, tensor_type: type) -> Any:
+    def _time_compiled_call(self, model: Module, tensor_type: type) -> Optional[Tuple[Callable[..., Any], Callable[..., Any]]]:
         """model.compile() before TraceML saw the model: nn.Module calls the compiled call it keeps
         on the instance, never the class's call method. Timed there instead (torch drops that
         attribute from pickles and copies, so it stays invisible). Returns (timed, its own)."""
@@ -117,14 +122,14 @@ class ModelCalls:
         model._compiled_call_impl = timed
         return timed, own
 
-    def _timed_call(self, original: Callable[..., Any], tensor_type: type, compiling: Any) -> Callable[..., Any]:
+    def _timed_call(self, original: Callable[..., Any], tensor_type: type, compiling: Callable[[], bool]) -> Callable[..., Any]:
         """The class's call method, timing the outermost call of a traced model as forward (or,
         between steps with gradients off, as evaluation)."""
         import torch
 
         grad_enabled, models, evaluation = torch.is_grad_enabled, self._models, self.evaluation
 
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def call(self: Any, *args: object, **kwargs: object) -> Any:
             traced = models.get(id(self))
             if traced is None or compiling():
                 return original(self, *args, **kwargs)
@@ -141,7 +146,7 @@ class ModelCalls:
         timer = fast_path.Timer(fast_path.MODEL_CALL, original, call, models=models, grad_enabled=grad_enabled,
                                 tensor_type=tensor_type, batch_size=tokens.batch_size)
 
-        def timed_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def timed_call(self: Any, *args: object, **kwargs: object) -> Any:
             if compiling():
                 return original(self, *args, **kwargs)
             return timer(self, *args, **kwargs)
@@ -151,7 +156,7 @@ class ModelCalls:
         return timed_call
 
 
-def _call_timed_in_general(original: Callable[..., Any], traced: _TracedModel, model: Any, args: tuple,
+def _call_timed_in_general(original: Callable[..., Any], traced: _TracedModel, model: Module, args: tuple,
                            kwargs: dict, tensor_type: type, grad_enabled: Callable[[], bool],
                            evaluation: Evaluation) -> Any:
     """The timed call: every call of a traced model in Python, and, where the compiled timer
@@ -161,8 +166,8 @@ def _call_timed_in_general(original: Callable[..., Any], traced: _TracedModel, m
     start_ns = probe.phase_begin(FORWARD)
     first_token_call = False  # how many tokens it trains is read once its output is known
     if start_ns:
-        probe.sums[FORWARD_CALLS] += 1
-        probe.sums[SAMPLES] += tokens.batch_size(args, kwargs, tensor_type)
+        probe.sums[FORWARD_CALLS] += 1  # type: ignore[operator]  # probe.step: typed when the StepProbe split lands
+        probe.sums[SAMPLES] += tokens.batch_size(args, kwargs, tensor_type)  # type: ignore[operator]  # probe.step: typed when the StepProbe split lands
         if traced.token_inputs is None:
             traced.token_inputs = first_token_call = tokens.token_ids(args, kwargs, tensor_type) is not None
         elif traced.token_inputs:
@@ -191,7 +196,8 @@ class _ModelHandle:
     """Stops timing one model; its class gets its own call method back when no traced model of
     that class is left (taken out, or garbage-collected)."""
 
-    def __init__(self, model: Any, forget: Callable[[int, type], None], compiled_call: Any = None):
+    def __init__(self, model: Module, forget: Callable[[int, type], None],
+                 compiled_call: Optional[Tuple[Callable[..., Any], Callable[..., Any]]] = None):
         self._model = weakref.ref(model)
         self._compiled_call = compiled_call  # (timed, its own) when model.compile() came first
         # The entry goes with the model, so a new object reusing its id() is not taken for it.

@@ -15,7 +15,7 @@ class Patch:
     def install(self) -> None:
         """Put the patch in place (each concern's own; some patch only when asked)."""
 
-    def replace(self, owner: Any, name: str, replacement: Any) -> None:
+    def replace(self, owner: object, name: str, replacement: object) -> None:
         """Set owner.name; remove() puts back owner's own, or deletes it where it was inherited."""
         own = owner.__dict__.get(name, ABSENT)
         setattr(owner, name, replacement)

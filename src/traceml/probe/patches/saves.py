@@ -1,13 +1,15 @@
 """Checkpoint saves on the training thread: the user's planned work, named as such, not a stall."""
 import functools
 from threading import get_ident
-from typing import Any, Callable
+from typing import Callable, ParamSpec, Tuple, TypeVar
 
 from traceml.probe.patches.imports import WhenImported
 from traceml.probe.patches.patch import Patch
 from traceml.probe.step_state import CHECKPOINT_BETWEEN_NS, CHECKPOINT_NS, _now_ns
 from traceml.probe.step import StepProbe
 
+P = ParamSpec("P")  # a save function's parameters ...
+R = TypeVar("R")  # ... and what it returns, passed through
 # Where each save lives: torch.save; torch.distributed.checkpoint's save (and async_save's
 # blocking part); safetensors' save_file and save_model; save_pretrained; Accelerate's
 # save_state and save_model; Hugging Face Trainer's and Lightning's save methods.
@@ -36,19 +38,19 @@ class CheckpointSaves(Patch):
 
         self._patch_methods(torch, ("save",))
         for module_name, owner_in, names in _SAVES_ON_IMPORT:
-            self.when_imported(module_name, lambda module, owner_in=owner_in, names=names:
+            self.when_imported(module_name, lambda module, owner_in=owner_in, names=names:  # type: ignore[misc]  # the lambda binds its loop values
                                self._patch_methods(owner_in(module), names))
 
-    def _patch_methods(self, owner: Any, names: tuple) -> None:
+    def _patch_methods(self, owner: object, names: Tuple[str, ...]) -> None:
         for name in names:
             if hasattr(owner, name):
                 self.replace(owner, name, self._timed(getattr(owner, name)))
 
-    def _timed(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed(self, original: Callable[P, R]) -> Callable[P, R]:
         probe = self.probe
 
         @functools.wraps(original)
-        def save(*args: Any, **kwargs: Any) -> Any:
+        def save(*args: P.args, **kwargs: P.kwargs) -> R:
             # Another thread's save (an asynchronous checkpoint's writer) does not stall training.
             if self._saving or get_ident() != probe.training_thread:
                 return original(*args, **kwargs)

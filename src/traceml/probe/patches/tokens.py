@@ -1,14 +1,19 @@
 """What a traced model's call is given: its samples (the batch's leading dimension) and the
 tokens a step trains on."""
-from typing import Any
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Type
 
 from traceml.probe.step_state import REAL_TOKENS, TOKENS, TOKEN_COPIES
 from traceml.probe.step import StepProbe
 
+if TYPE_CHECKING:
+    from torch import Tensor
+
 IGNORED_LABEL = -100  # the label torch's cross_entropy (and so Hugging Face's losses) leaves out
 
 
-def batch_size(args: tuple, kwargs: dict, tensor_type: type) -> int:
+def batch_size(args: Tuple[object, ...], kwargs: Dict[str, object], tensor_type: Type[Tensor]) -> int:
     """The leading dimension of the first tensor the model is given, looking one level deep."""
     if args and isinstance(args[0], tensor_type):  # model(inputs): the common case, first
         shape = args[0].shape
@@ -26,7 +31,7 @@ def batch_size(args: tuple, kwargs: dict, tensor_type: type) -> int:
     return 0
 
 
-def token_ids(args: tuple, kwargs: dict, tensor_type: type) -> Any:
+def token_ids(args: Tuple[object, ...], kwargs: Dict[str, object], tensor_type: Type[Tensor]) -> Optional[Tensor]:
     """The token ids a model is given: input_ids, or an integer (batch, length) first input."""
     ids = kwargs.get("input_ids")
     if ids is None and args and isinstance(args[0], tensor_type):
@@ -36,7 +41,7 @@ def token_ids(args: tuple, kwargs: dict, tensor_type: type) -> Any:
     return ids
 
 
-def count_tokens(probe: StepProbe, traced: Any, model: Any, args: tuple, kwargs: dict, tensor_type: type) -> None:
+def count_tokens(probe: StepProbe, traced: Any, model: Any, args: Tuple[object, ...], kwargs: Dict[str, object], tensor_type: Type[Tensor]) -> None:
     """The tokens a step trains on: of the token ids (batch, length) a call is given, the
     positions a next token is predicted for, and the real ones among them.
     - labels= the ids (Hugging Face's causal LMs, which shift them by one inside): batch x
@@ -56,13 +61,13 @@ def count_tokens(probe: StepProbe, traced: Any, model: Any, args: tuple, kwargs:
         if traced.labels_mirror_inputs is None:
             traced.labels_mirror_inputs = labels_mirror_inputs(model, ids, labels)
         if traced.labels_mirror_inputs:
-            probe.sums[TOKENS] += ids.shape[0] * (ids.shape[1] - 1)
+            probe.sums[TOKENS] += ids.shape[0] * (ids.shape[1] - 1)  # type: ignore[operator]  # probe.step: typed when the StepProbe split lands
             add_real_tokens(probe.sums, (labels[:, 1:] != IGNORED_LABEL).sum(), labels.is_cpu)
             return
     if traced.slices_inputs:
-        probe.sums[TOKENS] += ids.shape[0] * (ids.shape[1] - 1)
+        probe.sums[TOKENS] += ids.shape[0] * (ids.shape[1] - 1)  # type: ignore[operator]  # probe.step: typed when the StepProbe split lands
     else:
-        probe.sums[TOKENS] += ids.numel()
+        probe.sums[TOKENS] += ids.numel()  # type: ignore[operator]  # probe.step: typed when the StepProbe split lands
     mask = kwargs.get("attention_mask") if kwargs else None
     if isinstance(mask, tensor_type):
         add_real_tokens(probe.sums, (mask[:, 1:] if traced.slices_inputs else mask).sum(), mask.is_cpu)
@@ -93,7 +98,7 @@ def labels_mirror_inputs(model: Any, ids: Any, labels: Any) -> bool:
         return False
 
 
-def slices_by_one(result: Any, ids: Any, tensor_type: type) -> bool:
+def slices_by_one(result: object, ids: Optional[Tensor], tensor_type: Type[Tensor]) -> bool:
     """Whether a model's output (its logits: the tensor, the first of a tuple, `logits` of a
     dict or ModelOutput) is one position shorter than its ids: it predicts each next token of a
     chunk it slices inside. A model that returns only its loss cannot be seen doing so."""

@@ -14,12 +14,17 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Dict, Mapping, Optional, Tuple
 
 from traceml.report import queries
 from traceml.rundir import RunDirError
 from traceml.report.run_source import RunSource
 from traceml.views.summary import adapter_text, phase_display
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    import uvicorn
 
 log = logging.getLogger("traceml")
 
@@ -58,7 +63,7 @@ def worded_memory(memory: Dict[str, Any]) -> Dict[str, Any]:
 
 
 # -- the HTTP app ---------------------------------------------------------------------------------
-def _int_param(request: Any, name: str, default: Optional[int], low: int, high: int) -> Optional[int]:
+def _int_param(request: Request, name: str, default: Optional[int], low: int, high: int) -> Optional[int]:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return default
@@ -71,7 +76,7 @@ def _int_param(request: Any, name: str, default: Optional[int], low: int, high: 
     return value
 
 
-def create_app(source: RunSource) -> Any:
+def create_app(source: RunSource) -> Starlette:
     """The Starlette app serving one run's page, assets, JSON API and live stream."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
@@ -82,8 +87,8 @@ def create_app(source: RunSource) -> Any:
 
     max_step = 2 ** 62
 
-    def api(handler: Callable[[Request], Dict[str, Any]]) -> Callable[[Request], Any]:
-        async def endpoint(request: Request) -> Any:
+    def api(handler: Callable[[Request], Mapping[str, object]]) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
             try:
                 body = await run_in_threadpool(handler, request)
             except BadRequest as exc:
@@ -97,10 +102,10 @@ def create_app(source: RunSource) -> Any:
     def points(request: Request) -> int:
         return _int_param(request, "points", DEFAULT_POINTS, 1, queries.MAX_POINTS)  # type: ignore[return-value]
 
-    async def page(request: Request) -> Any:
+    async def page(request: Request) -> Response:
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
-    async def asset(request: Request) -> Any:
+    async def asset(request: Request) -> Response:
         entry = ASSETS.get(request.path_params["name"])
         if entry is None:
             return PlainTextResponse("not found", status_code=404)
@@ -117,15 +122,15 @@ def create_app(source: RunSource) -> Any:
 
         registry = registry_for(source.collector, source.live_state)
 
-    async def metrics(request: Request) -> Any:
+    async def metrics(request: Request) -> Response:
         if registry is None or not source.live:
             return PlainTextResponse("no live run: /metrics is served while a run trains\n", status_code=404)
         from traceml.views.metrics import exposition
 
         return Response(**await run_in_threadpool(exposition, registry))
 
-    async def stream(request: Request) -> Any:
-        async def events() -> Any:
+    async def stream(request: Request) -> Response:
+        async def events() -> AsyncIterator[str]:
             while True:
                 overview = await run_in_threadpool(source.overview)
                 yield f"event: overview\ndata: {json.dumps(overview)}\n\n"
@@ -145,7 +150,7 @@ def create_app(source: RunSource) -> Any:
             _int_param(request, "start", None, 0, max_step), _int_param(request, "end", None, 0, max_step),
             points(request)))),
         Route("/api/timeline", api(lambda request: source.timeline(
-            _int_param(request, "steps", 12, 1, queries.MAX_TIMELINE_STEPS)))),
+            _int_param(request, "steps", 12, 1, queries.MAX_TIMELINE_STEPS)))),  # type: ignore[arg-type]  # a default
         Route("/api/system", api(lambda request: source.system(points(request)))),
         Route("/api/ranks", api(lambda request: source.ranks(points(request)))),
         Route("/api/layers", api(lambda request: source.layers())),
@@ -190,7 +195,7 @@ class WebServer:
 
     def __init__(self, source: RunSource, host: str = "127.0.0.1", port: int = 0):
         self.source, self.host, self.port = source, host, port
-        self._server: Any = None
+        self._server: Optional[uvicorn.Server] = None
         self._thread: Optional[threading.Thread] = None
 
     @property
