@@ -76,8 +76,7 @@ def warmup_stall_horizon(first_step: int, measured_steps: int) -> int:
     return first_step + max(WARMUP_STALL_STEPS, int(WARMUP_STALL_SHARE * measured_steps))
 
 
-# How a rank's steps were found (RankHello and RankEnd steps_from); the trainer integrations
-# name themselves.
+# How a rank's steps were found (RankHello's and RankEnd's steps_from); integrations name themselves.
 STEPS_FROM_TRACE_STEP = "trace_step"
 STEPS_FROM_OPTIMIZER = "optimizer.step() (inferred)"
 STEPS_FROM_BACKWARD = "backward() (inferred)"
@@ -163,8 +162,7 @@ class StepRecord(msgspec.Struct, tag="step", array_like=True, gc=False):
     # Overlapping too: torch.compile compiling (first compilations and recompilations) in the
     # window, wherever it happened (forward, the lazy backward compile, evaluation).
     compile_ms: float = 0.0
-    # Of comm_wait_ms, the parts in forward (FSDP's all-gathers) and in the optimizer's step;
-    # the rest is backward's.
+    # Of comm_wait_ms, the parts in forward (FSDP's all-gathers) and in the optimizer's step: the rest is backward's.
     forward_comm_wait_ms: float = 0.0
     optimizer_comm_wait_ms: float = 0.0
     # The training thread's wait for a CPU in the window: ready to run while other threads held
@@ -208,8 +206,7 @@ class RolledStep(msgspec.Struct):
     checkpoint_ms: float = 0.0
     instrumented: bool = False  # TraceML slowed it on purpose on some rank (a deep-dive sample)
     compile_ms: float = 0.0  # overlapping: torch.compile compiling in the window
-    # Within the phases, like StepRecord's: the median rank's wait for collectives (None unless
-    # every rank measured it), and of it the part in forward.
+    # As StepRecord's: the median rank's collective wait (None unless every rank measured it), of it forward's.
     comm_wait_ms: Optional[float] = None
     forward_comm_wait_ms: float = 0.0
 
@@ -580,8 +577,7 @@ class Severity(StrEnum):
 ALERT_SEVERITIES = frozenset((Severity.WARN, Severity.CRIT))
 
 
-# A figure a finding gives as its evidence: a number or word, or a short list (the ranks a
-# launcher stopped, a spike's outlying steps).
+# An evidence figure: a number, a word, or a short list (a launcher's stopped ranks, a spike's steps).
 EvidenceFigure = Union[float, int, str, None, Sequence[Union[int, str, Mapping[str, Union[float, int, None]]]]]
 Evidence = Dict[str, EvidenceFigure]
 
@@ -589,8 +585,7 @@ Evidence = Dict[str, EvidenceFigure]
 class Finding(msgspec.Struct, omit_defaults=False):
     """One diagnosis: what is wrong, by how much, and the next thing to try."""
 
-    # A FindingKind and a Severity; typed as text so that a run with kinds a later TraceML added
-    # still reads.
+    # A FindingKind and a Severity, as text: a run with kinds a later TraceML added still reads.
     kind: str
     severity: str
     summary: str
