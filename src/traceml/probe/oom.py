@@ -28,7 +28,6 @@ def is_out_of_memory(error: BaseException) -> bool:
                                          and "out of memory" in str(error).lower())
 
 
-
 def oom_record(probe: OomProbe, error: BaseException) -> OomRecord:
     """Out of memory: where the step was and how full memory was (the error then goes on)."""
     phase = probe.sums[FAILED_PHASE] if probe.sums[FAILED_PHASE] != NO_PHASE else probe.open_phase
